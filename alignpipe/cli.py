@@ -1,0 +1,109 @@
+"""`alignpipe` command line: validate, show, run, make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from alignpipe.recipe import RecipeError, load_recipe
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="path of a YAML recipe")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)")
+
+
+def cmd_validate(args) -> int:
+    from alignpipe.summary import dag_text
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    print(f"ok: {args.recipe} is valid")
+    print(dag_text(recipe))
+    return 0
+
+
+def cmd_show(args) -> int:
+    from alignpipe.pipeline import plan
+    from alignpipe.summary import dag_text
+
+    if args.schema:
+        from alignpipe.recipe.schema import Recipe
+
+        print(json.dumps(Recipe.model_json_schema(), indent=1))
+        return 0
+    if not args.recipe:
+        print("show needs a RECIPE (or --schema)", file=sys.stderr)
+        return 2
+    recipe = load_recipe(args.recipe, args.overrides)
+    print(dag_text(recipe, plan(recipe)))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    from alignpipe.summary import print_summary
+
+    recipe = load_recipe(args.recipe, args.overrides)  # exit 2 before anything is written
+    unknown = [f for f in args.force if f not in {s.id for s in recipe.stages}]
+    if unknown:
+        raise RecipeError([], f"--force {unknown}: no such stage (stages: {', '.join(s.id for s in recipe.stages)})")
+    from flows.pipeline import pipeline
+
+    state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
+    run_id = str(state.state_details.flow_run_id)
+    summary_path = recipe.run_root / "runs" / f"{run_id}.json"
+    console = Console()
+    if summary_path.exists():
+        print_summary(json.loads(summary_path.read_text()), console)
+    if not state.is_completed():
+        console.print(f"[bold red]pipeline failed[/]: {state.message}")
+        return 1
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from alignpipe.tiny import make_tiny
+
+    out = make_tiny(args.dir, seed=args.seed, force=args.force)
+    print(f"tiny assets in {out}: model/ (tokenizer + Llama), data/*.jsonl")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alignpipe", description="Declarative RLHF pipelines on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("validate", help="check a recipe; exit 2 with every problem listed if invalid")
+    _recipe_args(p)
+    p.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("show", help="print the stage DAG (and which stages are cached)")
+    p.add_argument("recipe", nargs="?")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--schema", action="store_true", help="print the recipe JSON schema instead")
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("run", help="run a recipe as a Prefect flow")
+    _recipe_args(p)
+    p.add_argument("--force", action="append", default=[], metavar="STAGE", help="re-run this stage even if cached")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("make-tiny", help="write the tiny local model, tokenizer and synthetic datasets")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    p.set_defaults(fn=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return RecipeError.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Canonical training formats, produced by `format` stages and read by trainers.
+
+| format            | columns                      |
+|-------------------|------------------------------|
+| language_modeling | text                         |
+| prompt_completion | prompt, completion           |
+| prompt_only       | prompt                       |
+| preference        | prompt, chosen, rejected     |
+
+With `chat_template`, rows are rendered with the tokenizer's chat template: a plain prompt becomes a
+user turn (after an optional system turn), completions become the assistant turn, and the rendered
+prompt ends with the generation prompt, so `prompt + completion` is the full conversation text.
+Other columns (e.g. `answer` for verifiable rewards) are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+
+COMPLETION_COLUMNS = {"prompt_completion": ("completion",), "preference": ("chosen", "rejected")}
+CANONICAL = ("text", "messages", "prompt", "completion", "chosen", "rejected", "answer")
+
+
+@dataclass
+class FormatStats:
+    rows_in: int = 0
+    rows_train: int = 0
+    rows_eval: int = 0
+    dropped_too_long: int = 0
+    dropped_identical_pair: int = 0
+    fingerprint: str = ""
+    examples: list[dict] = field(default_factory=list)
+
+
+def map_columns(rows: list[dict], columns: dict[str, str]) -> list[dict]:
+    """Rename source columns to canonical names (`columns` maps canonical → source)."""
+    if not columns:
+        return rows
+    out = []
+    for row in rows:
+        new = {k: v for k, v in row.items() if k not in columns}
+        for canon, src in columns.items():
+            new[canon] = row[src]
+        out.append(new)
+    return out
+
+
+class Renderer:
+    """Renders one row to a canonical format, as plain text or through the chat template."""
+
+    def __init__(self, tokenizer, chat_template: bool, system_prompt: str | None = None):
+        self.tok = tokenizer
+        self.chat = chat_template
+        self.system = system_prompt
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("`chat_template: true` but the tokenizer has no chat template; "
+                             "set `chat_template: false` or use a tokenizer that defines one")
+
+    def _turns(self, prompt) -> list[dict]:
+        turns = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if self.system and not any(t["role"] == "system" for t in turns):
+            turns = [{"role": "system", "content": self.system}] + turns
+        return turns
+
+    def prompt(self, prompt) -> str:
+        if not self.chat:
+            return prompt if isinstance(prompt, str) else "\n".join(t["content"] for t in prompt)
+        return self.tok.apply_chat_template(self._turns(prompt), tokenize=False, add_generation_prompt=True)
+
+    def completion(self, prompt, completion) -> str:
+        if not self.chat:
+            return completion if isinstance(completion, str) else completion[-1]["content"]
+        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        full = self.tok.apply_chat_template(self._turns(prompt) + reply, tokenize=False)
+        head = self.prompt(prompt)
+        if not full.startswith(head):
+            raise ValueError("the chat template renders the prompt differently alone and in a conversation; "
+                             "cannot split prompt from completion")
+        return full[len(head):]
+
+    def text(self, row) -> str:
+        if "messages" in row and row["messages"] is not None:
+            return self.tok.apply_chat_template(row["messages"], tokenize=False)
+        return row["text"]
+
+
+def to_format(row: dict, fmt: str, r: Renderer) -> dict:
+    """One raw row (canonical column names) → one row of `fmt`."""
+    extra = {k: v for k, v in row.items() if k not in CANONICAL}
+    if "answer" in row:
+        extra["answer"] = row["answer"]
+    if fmt == "language_modeling":
+        return {"text": r.text(row), **extra}
+    if "messages" in row and row.get("messages") and "prompt" not in row:
+        msgs = row["messages"]
+        prompt, last = msgs[:-1], msgs[-1:]
+        row = {**row, "prompt": prompt, "completion": last}
+    if fmt == "prompt_only":
+        return {"prompt": r.prompt(row["prompt"]), **extra}
+    if fmt == "prompt_completion":
+        return {"prompt": r.prompt(row["prompt"]), "completion": r.completion(row["prompt"], row["completion"]), **extra}
+    if fmt == "preference":
+        return {"prompt": r.prompt(row.get("prompt", "")), "chosen": r.completion(row.get("prompt", ""), row["chosen"]),
+                "rejected": r.completion(row.get("prompt", ""), row["rejected"]), **extra}
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def fingerprint(rows: list[dict]) -> str:
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def format_rows(raw: list[dict], *, fmt: str, tokenizer, columns: dict[str, str] | None = None, chat_template: bool = False,
+                system_prompt: str | None = None, max_length: int | None = None, eval_fraction: float = 0.1,
+                max_rows: int | None = None, shuffle: bool = True, seed: int = 0) -> tuple[list[dict], list[dict], FormatStats]:
+    """Raw rows → (train rows, eval rows, stats). Deterministic for a given seed."""
+    stats = FormatStats(rows_in=len(raw))
+    rows = map_columns(raw, columns or {})
+    if shuffle:
+        rows = rows[:]
+        random.Random(seed).shuffle(rows)
+    if max_rows:
+        rows = rows[:max_rows]
+    renderer = Renderer(tokenizer, chat_template, system_prompt)
+    out = [to_format(r, fmt, renderer) for r in rows]
+    if fmt == "preference":
+        keep = [r for r in out if r["chosen"] != r["rejected"]]
+        stats.dropped_identical_pair = len(out) - len(keep)
+        out = keep
+    if max_length:
+        out, stats.dropped_too_long = _drop_long(out, fmt, tokenizer, max_length)
+    n_eval = int(round(len(out) * eval_fraction))
+    if eval_fraction > 0 and len(out) > 1:
+        n_eval = max(1, n_eval)
+    train, evals = out[: len(out) - n_eval], out[len(out) - n_eval:]
+    stats.rows_train, stats.rows_eval = len(train), len(evals)
+    stats.fingerprint = fingerprint(train + [{"_split": "eval"}] + evals)
+    stats.examples = out[:3]
+    return train, evals, stats
+
+
+def _drop_long(rows: list[dict], fmt: str, tokenizer, max_length: int) -> tuple[list[dict], int]:
+    """Drop rows whose prompt + longest completion (+ EOS) is longer than `max_length` tokens."""
+    if not rows:
+        return rows, 0
+
+    def lengths(col: str, special: bool) -> list[int]:
+        return [len(x) for x in tokenizer([r[col] for r in rows], add_special_tokens=special)["input_ids"]]
+
+    if fmt == "language_modeling":
+        total = [n + 1 for n in lengths("text", True)]
+    else:
+        prompt = lengths("prompt", True)
+        longest = [0] * len(rows)
+        for col in COMPLETION_COLUMNS.get(fmt, ()):
+            longest = [max(a, b + 1) for a, b in zip(longest, lengths(col, False))]
+        total = [p + c for p, c in zip(prompt, longest)]
+    keep = [r for r, n in zip(rows, total) if n <= max_length]
+    return keep, len(rows) - len(keep)

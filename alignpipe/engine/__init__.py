@@ -1,0 +1,1 @@
+"""Generation engines: one interface (`GenerationEngine`), a transformers backend and a vLLM backend."""

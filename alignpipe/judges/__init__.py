@@ -1,0 +1,1 @@
+"""Scoring completions (reward functions) and comparing models (win rates)."""

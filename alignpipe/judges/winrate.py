@@ -1,0 +1,47 @@
+"""Win rates (ties count half) with Wilson score intervals."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class WinRate:
+    wins: int
+    ties: int
+    losses: int
+    win_rate: float
+    ci_low: float
+    ci_high: float
+
+    @property
+    def n(self) -> int:
+        return self.wins + self.ties + self.losses
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score interval for a proportion (95% by default); `successes` may be fractional (ties = ½)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def win_rate(candidate: list[float], baseline: list[float], tol: float = 1e-9) -> WinRate:
+    """Compare paired scores: candidate wins when its score is higher (by more than `tol`)."""
+    if len(candidate) != len(baseline):
+        raise ValueError("candidate and baseline need one score per prompt each")
+    wins = sum(1 for c, b in zip(candidate, baseline) if c > b + tol)
+    losses = sum(1 for c, b in zip(candidate, baseline) if c < b - tol)
+    ties = len(candidate) - wins - losses
+    n = len(candidate)
+    rate = (wins + 0.5 * ties) / n if n else 0.0
+    low, high = wilson_interval(wins + 0.5 * ties, n)
+    return WinRate(wins, ties, losses, rate, low, high)

@@ -1,0 +1,62 @@
+"""Loading models and tokenizers from a local path, a Hub id, or an upstream stage's output."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, DTYPES[name])
+
+
+def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """A tokenizer with a pad token (falls back to EOS, as TRL does)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str = "float32", revision: str | None = None, trust_remote_code: bool = False,
+                   adapter: str | None = None, merge: bool = False):
+    """A causal LM from `path`; with `adapter`, the peft adapter at that path applied on top
+    (merged into the weights when `merge`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), revision=revision,
+                                                 trust_remote_code=trust_remote_code)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+        if merge:
+            model = model.merge_and_unload()
+    return model
+
+
+def lora_model(model, spec):
+    """Wrap `model` with a fresh LoRA adapter described by a `LoraSpec`."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                     target_modules=spec.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").exists()

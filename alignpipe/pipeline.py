@@ -1,0 +1,201 @@
+"""Pipeline mechanics without Prefect: cache keys, the run plan, stage spec files, launching a stage
+process, the MLflow parent run and the end-of-run outcomes. `flows/pipeline.py` strings them together.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from alignpipe.data.sources import source_type
+from alignpipe.manifest import Manifest
+from alignpipe.recipe.schema import Recipe
+from alignpipe.recipe.stages import BASE, FormatStage
+from alignpipe.stage import StageSpec
+
+STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN = "done", "cached", "failed", "not run"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Hash of the library's source: a code change invalidates cached stages."""
+    import alignpipe
+
+    h = hashlib.sha256()
+    for p in sorted(Path(alignpipe.__file__).parent.rglob("*.py")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _file_digest(path: str) -> str:
+    p = Path(path).expanduser()
+    h = hashlib.sha256()
+    files = sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]
+    for f in files:
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_keys(recipe: Recipe) -> dict[str, str]:
+    """Stage id → key over its config, upstream keys, the data and model it reads, seed and code."""
+    keys: dict[str, str] = {}
+    for s in recipe.topological_order():
+        payload = {"stage": s.model_dump(mode="json", exclude={"resources", "description"}),
+                   "deps": {d: keys[d] for d in s.dependencies()}, "seed": recipe.seed, "code": code_version()}
+        if isinstance(s, FormatStage) or BASE in s.references().values():
+            payload["model"] = recipe.model.model_dump(mode="json")
+        if isinstance(s, FormatStage):
+            ds = recipe.datasets[s.dataset]
+            payload["dataset"] = ds.model_dump(mode="json")
+            if source_type(ds.path, ds.type) != "hub":
+                payload["dataset_digest"] = _file_digest(ds.path)
+        keys[s.id] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return keys
+
+
+@dataclass
+class StagePlan:
+    stage_id: str
+    kind: str
+    key: str
+    dir: Path
+    deps: list[str]
+    cached: bool
+
+
+def plan(recipe: Recipe, force: list[str] | tuple[str, ...] = ()) -> dict[str, StagePlan]:
+    """What each stage would do now: reuse a finished output with the same key, or run."""
+    unknown = [f for f in force if f not in {s.id for s in recipe.stages}]
+    if unknown:
+        raise ValueError(f"--force names unknown stage(s) {unknown}; stages: {[s.id for s in recipe.stages]}")
+    keys = cache_keys(recipe)
+    out = {}
+    for s in recipe.topological_order():
+        d = recipe.run_root / "stages" / f"{s.id}-{keys[s.id][:12]}"
+        m = Manifest.read(d)
+        cached = m is not None and m.cache_key == keys[s.id] and s.id not in force
+        out[s.id] = StagePlan(s.id, s.kind, keys[s.id], d, s.dependencies(), cached)
+    return out
+
+
+def write_spec(recipe: Recipe, p: StagePlan, inputs: dict[str, Manifest], tracking: tuple[str, str, str | None],
+               pipeline_run_id: str) -> Path:
+    p.dir.mkdir(parents=True, exist_ok=True)
+    uri, experiment_id, parent = tracking
+    spec = StageSpec(recipe=recipe.model_dump(mode="json"), stage_id=p.stage_id, stage_dir=str(p.dir), cache_key=p.key,
+                     inputs=inputs, tracking_uri=uri, experiment_id=experiment_id, parent_run_id=parent,
+                     pipeline_run_id=pipeline_run_id)
+    path = p.dir / "spec.json"
+    path.write_text(spec.model_dump_json(indent=1))
+    return path
+
+
+class StageFailed(RuntimeError):
+    def __init__(self, stage_id: str, returncode: int, tail: list[str]):
+        self.stage_id, self.returncode, self.tail = stage_id, returncode, tail
+        last = "\n".join(tail[-25:])
+        super().__init__(f"stage {stage_id!r} failed (exit code {returncode}). Last output:\n{last}")
+
+
+def stage_command(spec_path: Path, processes: int = 1) -> list[str]:
+    if processes > 1:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu" if not _has_cuda() else "--multi_gpu",
+                "-m", "alignpipe.stage", str(spec_path)]
+    return [sys.executable, "-m", "alignpipe.stage", str(spec_path)]
+
+
+def _has_cuda() -> bool:
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and Path("/dev/nvidiactl").exists()
+
+
+def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None) -> Manifest:
+    """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed."""
+    spec = StageSpec.model_validate_json(Path(spec_path).read_text())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    proc = subprocess.Popen(stage_command(spec_path, processes), stdout=subprocess.PIPE, stderr=None, text=True,
+                            bufsize=1, env=env)
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail.append(line)
+        on_line(line)
+        if deadline and time.monotonic() > deadline:
+            proc.kill()
+            tail.append(f"killed after {timeout_s}s (resources.timeout_s)")
+            break
+    code = proc.wait()
+    manifest = Manifest.read(Path(spec.stage_dir))
+    if code != 0 or manifest is None or manifest.cache_key != spec.cache_key:
+        raise StageFailed(spec.stage_id, code, list(tail))
+    return manifest
+
+
+# --- MLflow parent run ---------------------------------------------------------------------------
+
+def start_pipeline_run(recipe: Recipe, pipeline_run_id: str) -> tuple[str, str, str]:
+    """Create the parent MLflow run; returns (tracking uri, experiment id, run id)."""
+    from alignpipe.tracking import MlflowTracker, ensure_experiment
+
+    uri = recipe.tracking_uri
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    exp = ensure_experiment(uri, recipe.experiment_name, Path(recipe.workdir).expanduser() / "mlartifacts")
+    run = MlflowTracker.start(uri, exp, f"{recipe.name}", tags={"alignpipe.pipeline": recipe.name,
+                                                                 "alignpipe.pipeline_run_id": pipeline_run_id})
+    run.log_params({"recipe_hash": recipe.fingerprint(), "name": recipe.name, "seed": recipe.seed,
+                    "model": recipe.model.path, "stages": ",".join(s.id for s in recipe.stages)})
+    run.log_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), "recipe.resolved.yaml")
+    return uri, exp, run.run_id
+
+
+@dataclass
+class StageOutcome:
+    stage_id: str
+    kind: str
+    status: str
+    duration_s: float = 0.0
+    key_metric: str | None = None
+    value: float | None = None
+    output: str = ""
+    message: str = ""
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, status: str, duration: float | None = None) -> "StageOutcome":
+        output = next(iter(m.outputs.values()), "")
+        return cls(m.stage_id, m.kind, status, m.duration_s if duration is None else duration, m.key_metric,
+                   m.metrics.get(m.key_metric) if m.key_metric else None, output)
+
+
+def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome]) -> None:
+    from alignpipe.tracking import MlflowTracker
+
+    uri, _, run_id = tracking
+    run = MlflowTracker(uri, run_id)
+    failed = any(o.status == STATUS_FAILED for o in outcomes)
+    run.log_text(json.dumps([asdict(o) for o in outcomes], indent=1), "summary.json")
+    run.set_tags({f"alignpipe.status.{o.stage_id}": o.status for o in outcomes})
+    run.end("FAILED" if failed else "FINISHED")
+
+
+def write_summary(recipe: Recipe, pipeline_run_id: str, outcomes: list[StageOutcome], mlflow_run_id: str | None) -> Path:
+    d = recipe.run_root / "runs"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{pipeline_run_id}.json"
+    path.write_text(json.dumps({"pipeline": recipe.name, "pipeline_run_id": pipeline_run_id, "mlflow_run_id": mlflow_run_id,
+                                "tracking_uri": recipe.tracking_uri, "stages": [asdict(o) for o in outcomes]}, indent=1))
+    return path

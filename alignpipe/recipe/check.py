@@ -1,0 +1,169 @@
+"""Checks a typed recipe can't express: the stage graph, references, and the data on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alignpipe.data.sources import is_hub_id, peek_columns, source_type
+from alignpipe.recipe.errors import Problem
+from alignpipe.recipe.stages import BASE, CAUSAL_LM, DATASET, FormatStage, JudgeStage, SFTStage
+
+# Canonical columns each format needs from the source (after `columns` mapping); any one option.
+REQUIRED_COLUMNS: dict[str, list[tuple[str, ...]]] = {
+    "language_modeling": [("text",), ("messages",)],
+    "prompt_completion": [("prompt", "completion"), ("messages",)],
+    "prompt_only": [("prompt",), ("messages",)],
+    "preference": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
+}
+# Formats a consuming stage accepts from its `data`/`prompts` format stage.
+ACCEPTED_FORMATS = {
+    (SFTStage, "data"): ("language_modeling", "prompt_completion"),
+    (JudgeStage, "prompts"): ("prompt_completion", "prompt_only", "preference"),
+}
+PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset"}
+
+
+def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
+    problems = _check_ids(recipe)
+    if problems:
+        return problems  # graph checks below assume unique ids
+    problems += _check_needs_and_refs(recipe)
+    if not problems:
+        problems += _check_cycles(recipe)
+    if check_files:
+        problems += _check_model(recipe)
+        problems += _check_datasets(recipe)
+    return problems
+
+
+def _check_ids(recipe) -> list[Problem]:
+    problems, seen = [], {}
+    for i, s in enumerate(recipe.stages):
+        if s.id == BASE:
+            problems.append(Problem(("stages", i, "id"), "'base' is reserved for the recipe's model", "rename the stage"))
+        elif s.id in seen:
+            problems.append(Problem(("stages", i, "id"), f"duplicate stage id {s.id!r} (also stages[{seen[s.id]}])",
+                                    "give every stage a unique id"))
+        seen.setdefault(s.id, i)
+    return problems
+
+
+def _check_needs_and_refs(recipe) -> list[Problem]:
+    problems = []
+    by_id = {s.id: s for s in recipe.stages}
+    ids = ", ".join(by_id)
+    for i, s in enumerate(recipe.stages):
+        for j, need in enumerate(s.needs):
+            if need == s.id:
+                problems.append(Problem(("stages", i, "needs", j), f"stage {s.id!r} needs itself", "remove it from `needs`"))
+            elif need not in by_id:
+                problems.append(Problem(("stages", i, "needs", j), f"no stage named {need!r}", f"name one of: {ids}"))
+        for field, target in s.references().items():
+            wanted = s.refs[field]
+            producers = [BASE] if wanted == CAUSAL_LM else []
+            producers += [o.id for o in recipe.stages if o.produces == wanted and o.id != s.id]
+            if target == BASE and wanted == CAUSAL_LM:
+                continue
+            if target == s.id:
+                problems.append(Problem(("stages", i, field), f"stage {s.id!r} refers to itself",
+                                        f"name one of: {', '.join(producers) or '(none yet)'}"))
+            elif target not in by_id:
+                problems.append(Problem(("stages", i, field), f"no stage named {target!r}",
+                                        f"`{field}` takes {PRODUCT_NAMES.get(wanted, wanted)}: {', '.join(producers) or '(none in this recipe)'}"))
+            elif by_id[target].produces != wanted:
+                other = by_id[target]
+                problems.append(Problem(
+                    ("stages", i, field),
+                    f"stage {target!r} is a {other.kind} stage and produces {PRODUCT_NAMES.get(other.produces, other.produces)}, "
+                    f"but `{field}` needs {PRODUCT_NAMES.get(wanted, wanted)}",
+                    f"name one of: {', '.join(producers) or '(none in this recipe)'}"))
+            else:
+                accepted = ACCEPTED_FORMATS.get((type(s), field))
+                if accepted and isinstance(by_id[target], FormatStage) and by_id[target].format not in accepted:
+                    problems.append(Problem(
+                        ("stages", i, field),
+                        f"format stage {target!r} produces {by_id[target].format} data; a {s.kind} stage's `{field}` needs {' or '.join(accepted)}",
+                        f"set `format:` of stage {target!r} to {accepted[0]}, or point `{field}` at another format stage"))
+        if isinstance(s, FormatStage) and s.dataset not in recipe.datasets:
+            problems.append(Problem(("stages", i, "dataset"), f"no dataset named {s.dataset!r}",
+                                    f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}"))
+    return problems
+
+
+def _check_cycles(recipe) -> list[Problem]:
+    deps = {s.id: s.dependencies() for s in recipe.stages}
+    index = {s.id: i for i, s in enumerate(recipe.stages)}
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for d in deps[node]:
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d] if d in stack else [node, d]
+            if d not in state:
+                cycle = visit(d, stack + [d])
+                if cycle:
+                    return cycle
+        state[node] = 2
+        return None
+
+    for s in recipe.stages:
+        if s.id not in state:
+            cycle = visit(s.id, [s.id])
+            if cycle:
+                return [Problem(("stages", index[cycle[0]], "needs"), f"dependency cycle: {' → '.join(cycle)}",
+                                "remove one of these dependencies (in `needs` or a reference field)")]
+    return []
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or path.count("/") >= 2 or Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _check_model(recipe) -> list[Problem]:
+    problems = []
+    for field in ("path", "tokenizer"):
+        value = getattr(recipe.model, field)
+        if value and not Path(value).expanduser().exists() and (_looks_local(value) or not is_hub_id(value)):
+            problems.append(Problem(("model", field), f"model directory {value!r} does not exist",
+                                    "fix the path, run `alignpipe make-tiny assets/tiny` for the demo assets, or give a Hub id like org/name"))
+    return problems
+
+
+def _check_datasets(recipe) -> list[Problem]:
+    problems = []
+    users: dict[str, list[tuple[int, FormatStage]]] = {}
+    for i, s in enumerate(recipe.stages):
+        if isinstance(s, FormatStage):
+            users.setdefault(s.dataset, []).append((i, s))
+    for name, spec in recipe.datasets.items():
+        kind = source_type(spec.path, spec.type)
+        if kind == "hub":
+            continue  # checked when the format stage loads it; no downloads at validation time
+        if not Path(spec.path).expanduser().exists():
+            problems.append(Problem(("datasets", name, "path"), f"dataset file {spec.path!r} does not exist",
+                                    "fix the path (relative paths are from the directory you run alignpipe in), "
+                                    "or run `alignpipe make-tiny assets/tiny` for the demo data"))
+            continue
+        try:
+            cols = peek_columns(spec.path, kind)
+        except Exception as e:  # unreadable file: say so here rather than mid-pipeline
+            problems.append(Problem(("datasets", name, "path"), f"cannot read {spec.path!r} as {kind}: {e}",
+                                    "check the file's contents or set `type:`"))
+            continue
+        if cols is None:
+            continue
+        for canon, src in spec.columns.items():
+            if src not in cols:
+                problems.append(Problem(("datasets", name, "columns", canon), f"column {src!r} is not in {spec.path!r}",
+                                        f"columns found: {', '.join(cols)}"))
+        available = {c for c in cols} | set(spec.columns)
+        for i, stage in users.get(name, []):
+            options = REQUIRED_COLUMNS[stage.format]
+            if not any(all(c in available for c in opt) for opt in options):
+                need = " or ".join("+".join(o) for o in options)
+                problems.append(Problem(
+                    ("datasets", name, "columns"),
+                    f"stage {stage.id!r} formats {name!r} as {stage.format}, which needs columns {need}; found: {', '.join(cols)}",
+                    "map your columns, e.g. `columns: {" + ", ".join(f"{c}: <your column>" for c in options[0]) + "}`"))
+    return problems

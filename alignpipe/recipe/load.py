@@ -1,0 +1,237 @@
+"""Load a recipe: safe YAML → `--set` overrides → typed model → graph and data checks.
+
+Every problem becomes a `Problem` with the recipe field path, the YAML line where known and a fix;
+all of them are raised together as one `RecipeError`. Nothing is written while loading.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from alignpipe.recipe.check import check_recipe
+from alignpipe.recipe.errors import Problem, RecipeError
+from alignpipe.recipe.schema import Recipe
+from alignpipe.recipe.stages import STAGE_KINDS
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True) -> Recipe:
+    """Read, override, validate and check a recipe file. Raises `RecipeError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError([Problem((), f"recipe file {str(path)!r} not found", "pass the path of a .yaml recipe")])
+    return parse_recipe(path.read_text(), overrides, source=str(path), check_files=check_files)
+
+
+def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: bool = True) -> Recipe:
+    """Like `load_recipe`, from YAML text."""
+    data, lines = _read_yaml(text, source)
+    data = apply_overrides(data, overrides, source)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError([_problem_from_pydantic(err, data, lines) for err in e.errors()], source) from None
+    problems = check_recipe(recipe, check_files=check_files)
+    for p in problems:
+        p.line = p.line or _line_for(p.path, lines)
+        p.label = p.label or _label_for(p.path, data)
+    if problems:
+        raise RecipeError(problems, source)
+    return recipe
+
+
+def _read_yaml(text: str, source: str) -> tuple[dict, dict[tuple, int]]:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        raise RecipeError([Problem((), f"not valid YAML: {getattr(e, 'problem', e)}",
+                                   "fix the YAML syntax (indentation, quotes, colons)", line=line)], source) from None
+    if not isinstance(data, dict):
+        raise RecipeError([Problem((), "a recipe must be a YAML mapping (name:, model:, stages: ...)",
+                                   "see pipelines/tiny-demo.yaml for an example")], source)
+    lines: dict[tuple, int] = {}
+    _collect_lines(node, (), lines)
+    return data, lines
+
+
+def _collect_lines(node, path: tuple, out: dict[tuple, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            p = path + (key.value,)
+            out[p] = key.start_mark.line + 1
+            _collect_lines(value, p, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, value in enumerate(node.value):
+            p = path + (i,)
+            out[p] = value.start_mark.line + 1
+            _collect_lines(value, p, out)
+
+
+def _line_for(path: tuple, lines: dict[tuple, int]) -> int | None:
+    for n in range(len(path), 0, -1):  # nearest ancestor that is in the file
+        if path[:n] in lines:
+            return lines[path[:n]]
+    return None
+
+
+def _label_for(path: tuple, data: dict) -> str:
+    if len(path) >= 2 and path[0] == "stages" and isinstance(path[1], int):
+        try:
+            return f"stage {data['stages'][path[1]]['id']!r}"
+        except (KeyError, IndexError, TypeError):
+            return ""
+    return ""
+
+
+# --- `--set` overrides -------------------------------------------------------------------------
+
+def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
+    """Apply `a.b.c=value` overrides. In `stages.X.field`, X is a stage id or an index. Values are
+    parsed as YAML (`3e-4` → float, `[a, b]` → list, `null` → None)."""
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            problems.append(Problem((), f"override {item!r} is not KEY=VALUE", "write e.g. --set stages.sft.max_steps=50"))
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        err = _set_path(data, key.split("."), value)
+        if err:
+            problems.append(Problem(tuple(key.split(".")), f"override --set {item!r}: {err}",
+                                    "use dotted field names; stages are addressed by id, e.g. stages.sft.learning_rate=1e-4"))
+    if problems:
+        raise RecipeError(problems, source)
+    return data
+
+
+def _set_path(data: Any, parts: list[str], value: Any) -> str | None:
+    node = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            idx = _list_index(node, part)
+            if idx is None:
+                ids = [s.get("id") for s in node if isinstance(s, dict)]
+                return f"no list item {part!r} (ids: {', '.join(map(str, ids))})"
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            return f"{'.'.join(parts[:i])} is not a mapping"
+    return None
+
+
+def _list_index(items: list, part: str) -> int | None:
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and item.get("id") == part:
+            return i
+    if part.lstrip("-").isdigit() and -len(items) <= int(part) < len(items):
+        return int(part) % len(items)
+    return None
+
+
+# --- pydantic errors → Problems ----------------------------------------------------------------
+
+def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Problem:
+    loc = tuple(err["loc"])
+    # Discriminated unions insert the tag into the location: stages[1].sft.lr → stages[1].lr
+    if len(loc) >= 3 and loc[0] == "stages" and isinstance(loc[1], int) and loc[2] in STAGE_KINDS:
+        loc = loc[:2] + loc[3:]
+    kind = err["type"]
+    msg, hint = err["msg"], ""
+    model = _model_at(loc[:-1], data)
+    if kind == "extra_forbidden":
+        key = loc[-1]
+        allowed = sorted(model.model_fields) if model else []
+        close = difflib.get_close_matches(str(key), allowed, n=1)
+        msg = f"unknown key {key!r}"
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint += f"allowed keys here: {', '.join(allowed)}" if allowed else "remove it"
+    elif kind == "missing":
+        field = loc[-1]
+        msg = f"required key {field!r} is missing"
+        desc = _describe(model, field)
+        hint = f"add `{field}:` ({desc})" if desc else f"add `{field}:`"
+    elif kind == "union_tag_invalid":
+        found = err.get("ctx", {}).get("tag")
+        msg = f"unknown stage kind {found!r}"
+        hint = f"use one of: {', '.join(STAGE_KINDS)}"
+    elif kind == "union_tag_not_found":
+        msg = "stage has no `kind`"
+        hint = f"add `kind:` with one of: {', '.join(STAGE_KINDS)}"
+    else:
+        desc = _describe(model, loc[-1]) if loc else ""
+        got = err.get("input")
+        if not isinstance(got, (dict, list)):
+            msg = f"{msg} (got {got!r})"
+        if desc:
+            hint = f"this field is: {desc}"
+    return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data))
+
+
+def _describe(model: type[BaseModel] | None, field) -> str:
+    if model is None or field not in getattr(model, "model_fields", {}):
+        return ""
+    return (model.model_fields[field].description or "").split("\n")[0]
+
+
+def _model_at(path: tuple, data: dict) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at `path` (for listing its allowed keys)."""
+    tp: Any = Recipe
+    raw: Any = data
+    for part in path:
+        tp = _unwrap(tp, raw)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(part) if isinstance(part, str) else None
+            tp = field.annotation if field else None
+        elif typing.get_origin(tp) in (list, dict):
+            tp = typing.get_args(tp)[-1]
+        else:
+            return None
+        if tp is None:
+            return None
+        raw = _child(raw, part)
+    tp = _unwrap(tp, raw)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _child(raw: Any, part) -> Any:
+    if isinstance(raw, dict):
+        return raw.get(part)
+    if isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+        return raw[part]
+    return None
+
+
+def _unwrap(tp, raw):
+    """Strip Optional/Annotated/Union; pick the stage class for a discriminated union from `kind`."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(tp)[0], raw)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if isinstance(raw, dict) and raw.get("kind") in STAGE_KINDS:
+            return STAGE_KINDS[raw["kind"]]
+        models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1:
+            return models[0]
+        return options[0] if len(options) == 1 else None
+    return tp

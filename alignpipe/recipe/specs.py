@@ -1,0 +1,67 @@
+"""Recipe sections other than stages: the model, datasets, tracking and stage resources."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from alignpipe.strict import Strict
+
+
+class ModelSpec(Strict):
+    """The starting model every stage refers to as `base`."""
+
+    path: str
+    """Local directory or Hugging Face Hub id (e.g. `Qwen/Qwen2.5-0.5B-Instruct`)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or Hub id; null uses `path`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to load; ignored for local paths."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for training and generation. bf16 needs a GPU that supports it."""
+    trust_remote_code: bool = False
+    """Allow the model repo's own Python code to run. Off unless you trust the repo."""
+
+
+class DatasetSpec(Strict):
+    """A raw dataset; `format` stages turn it into a canonical training format."""
+
+    path: str
+    """A local file (.jsonl/.json/.csv/.parquet), a directory saved by `datasets`, or a Hub dataset id."""
+    type: Literal["auto", "json", "csv", "parquet", "arrow", "hub"] = "auto"
+    """How to read `path`; auto decides by extension, directory or Hub id."""
+    split: str = "train"
+    """Split to read (Hub datasets and saved DatasetDicts)."""
+    subset: str | None = None
+    """Hub dataset configuration name, if it has several."""
+    revision: str | None = None
+    """Hub dataset revision."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Canonical column → column in this dataset, e.g. `{prompt: question, completion: answer}`.
+    Canonical names: text, messages, prompt, completion, chosen, rejected, answer."""
+
+
+class Tracking(Strict):
+    """Where MLflow records runs."""
+
+    uri: str | None = None
+    """MLflow tracking URI; null means a SQLite store at `<workdir>/mlflow.db`. A `http(s)://` URI uses
+    a running `mlflow server` (credentials from MLFLOW_TRACKING_USERNAME/PASSWORD, never the recipe)."""
+    experiment: str | None = None
+    """MLflow experiment name; null uses the recipe name."""
+
+
+class Resources(Strict):
+    """Where and how a stage runs."""
+
+    pool: str | None = None
+    """Prefect work pool to dispatch this stage to; null runs it in a child process beside the flow."""
+    processes: int = Field(1, gt=0)
+    """Processes (`accelerate launch`) for data-parallel training."""
+    gpus: int = Field(0, ge=0)
+    """GPUs the stage needs (for pool placement and documentation)."""
+    retries: int = Field(0, ge=0)
+    """Prefect task retries for this stage (a retry resumes from the last checkpoint)."""
+    timeout_s: int | None = Field(None, gt=0)
+    """Kill the stage after this many seconds."""

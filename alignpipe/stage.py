@@ -1,0 +1,95 @@
+"""The stage process: `python -m alignpipe.stage SPEC.json` runs one stage and writes its manifest.
+
+Running each stage in its own process releases accelerators between stages and lets a stage be
+launched with `accelerate launch`. Only rank 0 logs to MLflow and writes the manifest; the manifest
+is written last, so its presence means the stage finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from alignpipe.manifest import Manifest
+
+log = logging.getLogger("alignpipe.stage")
+
+
+class StageSpec(BaseModel):
+    """Everything a stage process needs (no secrets: those stay in the environment)."""
+
+    recipe: dict
+    stage_id: str
+    stage_dir: str
+    cache_key: str
+    inputs: dict[str, Manifest]
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str | None = None
+    pipeline_run_id: str = ""
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    from transformers.utils import logging as tlog
+
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    for name in ("mlflow", "alembic", "urllib3", "httpx", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = StageSpec.model_validate_json(Path(argv[0]).read_text())
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
+    _quiet_libraries()
+
+    from alignpipe.recipe.schema import Recipe
+    from alignpipe.stages import runner
+    from alignpipe.stages.context import StageContext
+    from alignpipe.tracking import MlflowTracker, Tracker
+
+    recipe = Recipe.model_validate(spec.recipe)
+    stage = recipe.stage(spec.stage_id)
+    rank = int(os.environ.get("RANK", "0"))
+    stage_dir = Path(spec.stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    tags = {"alignpipe.stage_id": stage.id, "alignpipe.kind": stage.kind, "alignpipe.cache_key": spec.cache_key,
+            "alignpipe.pipeline": recipe.name}
+    tracker = (MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
+               if rank == 0 else Tracker())
+    ctx = StageContext(recipe, stage, stage_dir, spec.inputs, tracker, spec.pipeline_run_id, spec.parent_run_id)
+    started = time.perf_counter()
+    log.info("stage %s (%s) → %s", stage.id, stage.kind, stage_dir)
+    try:
+        result = runner(stage.kind)(ctx)
+    except BaseException as e:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
+        log.exception("stage %s failed: %s", stage.id, e)
+        if isinstance(tracker, MlflowTracker):
+            tracker.set_tags({"alignpipe.error": f"{type(e).__name__}: {e}"[:500]})
+            tracker.end("FAILED")
+        return 1
+    duration = time.perf_counter() - started
+    if rank == 0:
+        manifest = Manifest(stage_id=stage.id, kind=stage.kind, cache_key=spec.cache_key, outputs=result.outputs,
+                            metrics={k: float(v) for k, v in result.metrics.items()}, key_metric=result.key_metric,
+                            info=result.info, mlflow_run_id=getattr(tracker, "run_id", None), duration_s=duration)
+        if isinstance(tracker, MlflowTracker):
+            tracker.log_metrics({"stage/duration_s": duration}, 0)
+            tracker.end("FINISHED")
+        manifest.write(stage_dir)
+    log.info("stage %s done in %.1fs", stage.id, duration)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

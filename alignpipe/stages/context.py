@@ -1,0 +1,83 @@
+"""What a stage runner gets: its typed config, the recipe's globals, upstream manifests, a tracker."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from alignpipe.manifest import Manifest
+from alignpipe.recipe.schema import Recipe
+from alignpipe.recipe.stages import BASE, StageBase
+from alignpipe.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageResult:
+    """A runner's return value; the stage process turns it into the manifest."""
+
+    outputs: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    key_metric: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelSource:
+    """Where a model reference points: a full model, or an adapter over `base_path`."""
+
+    path: str
+    adapter: bool = False
+    base_path: str | None = None
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    stage: StageBase
+    dir: Path
+    inputs: dict[str, Manifest]
+    tracker: Tracker
+    pipeline_run_id: str = ""
+    mlflow_parent_run_id: str | None = None
+
+    @property
+    def seed(self) -> int:
+        own = getattr(self.stage, "seed", None)
+        return own if own is not None else self.recipe.seed
+
+    def model_source(self, ref: str) -> ModelSource:
+        if ref == BASE:
+            return ModelSource(self.recipe.model.path)
+        m = self.inputs[ref]
+        return ModelSource(m.outputs["model"], bool(m.info.get("adapter")), m.info.get("base_model_path"))
+
+    def load_model(self, ref: str, merge: bool = True):
+        """The causal LM a reference names; an adapter is loaded over its base (and merged when `merge`)."""
+        from alignpipe.modeling import load_causal_lm
+
+        src = self.model_source(ref)
+        spec = self.recipe.model
+        if src.adapter:
+            return load_causal_lm(src.base_path, spec.dtype, trust_remote_code=spec.trust_remote_code,
+                                  adapter=src.path, merge=merge)
+        revision = spec.revision if ref == BASE else None
+        return load_causal_lm(src.path, spec.dtype, revision=revision, trust_remote_code=spec.trust_remote_code)
+
+    def tokenizer(self, ref: str = BASE):
+        from alignpipe.modeling import load_tokenizer
+
+        spec = self.recipe.model
+        if ref == BASE:
+            return load_tokenizer(spec.tokenizer or spec.path, spec.revision, spec.trust_remote_code)
+        return load_tokenizer(self.model_source(ref).path, trust_remote_code=spec.trust_remote_code)
+
+    def rows(self, data_ref: str, split: str) -> list[dict]:
+        """Rows of a `format` stage's output split."""
+        import datasets
+
+        dd = datasets.load_from_disk(self.inputs[data_ref].outputs["data"])
+        return dd[split].to_list() if split in dd else []

@@ -1,0 +1,64 @@
+"""`push` stage: model (or adapter) + tokenizer + generated model card → the Hub or a local folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder
+from alignpipe.recipe.stages import FormatStage, JudgeStage
+from alignpipe.stages.context import StageContext, StageResult
+
+log = logging.getLogger(__name__)
+CARD_HYPERPARAMETERS = ("learning_rate", "max_steps", "epochs", "batch_size", "gradient_accumulation_steps",
+                        "max_length", "lora", "beta", "loss_type", "num_generations", "kl_coef")
+
+
+def card_info(ctx: StageContext, adapter: bool) -> CardInfo:
+    recipe, s = ctx.recipe, ctx.stage
+    info = CardInfo(name=s.repo_id or s.id, base_model=recipe.model.path, pipeline=recipe.name,
+                    recipe_hash=recipe.fingerprint(), mlflow_run_id=ctx.mlflow_parent_run_id, license=s.license,
+                    tags=list(s.tags), adapter=adapter, description=recipe.description)
+    for sid, m in ctx.inputs.items():
+        stage = recipe.stage(sid)
+        if isinstance(stage, FormatStage):
+            info.datasets.append({"name": f"{stage.dataset} ({sid})", "path": m.info.get("path", ""),
+                                  "fingerprint": m.info.get("fingerprint", ""), "hub": m.info.get("hub", False),
+                                  "rows_train": int(m.metrics.get("rows_train", 0)), "rows_eval": int(m.metrics.get("rows_eval", 0))})
+        elif isinstance(stage, JudgeStage):
+            info.win_rates += m.info.get("win_rates", [])
+        else:
+            hp = {k: v for k, v in stage.model_dump(mode="json").items() if k in CARD_HYPERPARAMETERS and v is not None}
+            info.stages.append({"id": sid, "kind": stage.kind, "hyperparameters": hp, "metrics": m.metrics})
+            info.tags.append(stage.kind)
+    return info
+
+
+def run(ctx: StageContext) -> StageResult:
+    s = ctx.stage
+    src = ctx.model_source(s.model)
+    folder = Path(src.path)
+    adapter = src.adapter
+    if src.adapter and s.merge_adapter:
+        folder = Path(ctx.dir) / "merged"
+        ctx.load_model(s.model, merge=True).save_pretrained(folder)
+        ctx.tokenizer(s.model).save_pretrained(folder)
+        adapter = False
+    card = model_card(card_info(ctx, adapter))
+    outputs = {}
+    if s.target == "local":
+        dest = Path(s.path).expanduser().resolve() if s.path else ctx.recipe.run_root / "published" / s.id
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        stage_folder(folder, dest, card)
+        outputs["published"] = str(dest)
+        log.info("published %s to %s", s.model, dest)
+    else:
+        staged = stage_folder(folder, Path(ctx.dir) / "upload", card)
+        message = f"alignpipe {ctx.recipe.name}: pipeline run {ctx.pipeline_run_id}"
+        url = push_to_hub(staged, s.repo_id, private=s.private, revision=s.revision, commit_message=message)
+        outputs["published"] = url
+        log.info("pushed %s to %s", s.model, url)
+    (Path(ctx.dir) / "README.md").write_text(card)
+    ctx.tracker.log_artifact(Path(ctx.dir) / "README.md", "model_card")
+    ctx.tracker.log_params({"push.target": s.target, "push.repo_id": s.repo_id or "", "push.adapter": adapter})
+    return StageResult(outputs=outputs, metrics={}, info={"adapter": adapter, "card": str(Path(ctx.dir) / "README.md")})

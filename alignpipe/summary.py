@@ -1,0 +1,51 @@
+"""The end-of-run summary table and the DAG view (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+STYLE = {"done": "green", "cached": "cyan", "failed": "bold red", "not run": "yellow", "skipped": "yellow"}
+
+
+def summary_table(stages: list[dict], title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("stage", "kind", "status", "duration", "key metric", "output"):
+        t.add_column(col, overflow="fold")
+    for s in stages:
+        metric = f"{s['key_metric']} = {s['value']:.4g}" if s.get("key_metric") and s.get("value") is not None else ""
+        status = f"[{STYLE.get(s['status'], '')}]{s['status']}[/]"
+        if s.get("message"):
+            status += f"\n{s['message'][:120]}"
+        t.add_row(s["stage_id"], s["kind"], status, f"{s['duration_s']:.1f}s" if s["duration_s"] else "-", metric, s.get("output", ""))
+    return t
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(summary_table(summary["stages"], f"alignpipe · {summary['pipeline']} · run {summary['pipeline_run_id']}"))
+    if summary.get("mlflow_run_id"):
+        console.print(f"MLflow: {summary['tracking_uri']}  (parent run {summary['mlflow_run_id']})")
+
+
+def dag_text(recipe, plans: dict | None = None) -> str:
+    """Stages by dependency level, with what each reads."""
+    order = recipe.topological_order()
+    level: dict[str, int] = {}
+    for s in order:
+        level[s.id] = 1 + max((level[d] for d in s.dependencies()), default=0)
+    width = max(len(s.id) for s in order)
+    lines = [f"{recipe.name}: {len(order)} stages, model {recipe.model.path}"]
+    for s in order:
+        reads = [f"{f}={v}" for f, v in s.references().items()]
+        if getattr(s, "dataset", None):
+            reads.append(f"dataset={s.dataset}")
+        extra = [d for d in s.needs if d not in s.references().values()]
+        if extra:
+            reads.append("needs=" + ",".join(extra))
+        state = ""
+        if plans:
+            state = "  [cached]" if plans[s.id].cached else "  [will run]"
+        pool = f"  pool={s.resources.pool}" if s.resources.pool else ""
+        lines.append(f"  {'  ' * (level[s.id] - 1)}└─ {s.id:<{width}}  {s.kind:<7} {' '.join(reads)}{pool}{state}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Metrics and artifacts. Trainers log to a `Tracker`; stages hand them an `MlflowTracker`
+(a nested child run of the pipeline's parent run), tests a plain in-memory `Tracker`.
+
+Only rank 0 logs: other ranks get a `Tracker` that keeps history but sends nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+_SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key)", re.I)
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Drop values whose key looks secret and any value equal to a secret in the environment."""
+    secrets = {os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
+    out = {}
+    for k, v in params.items():
+        if _SECRET_KEY.search(k) or str(v) in secrets:
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` → `{"a.b": 1}` (lists become JSON strings)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
+
+
+class Tracker:
+    """In-memory tracker: records every metric, so trainers and tests need no MLflow."""
+
+    def __init__(self):
+        self.history: list[tuple[int, dict[str, float]]] = []
+        self.params: dict[str, Any] = {}
+        self.tables: dict[str, list[dict]] = {}
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(redact(flatten(params)))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        self.history.append((step, clean))
+
+    def log_table(self, rows: list[dict], name: str) -> None:
+        self.tables[name] = rows
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_figure(self, figure, name: str) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def series(self, key: str) -> list[float]:
+        """All logged values of one metric, in order."""
+        return [m[key] for _, m in self.history if key in m]
+
+    def last(self, key: str) -> float | None:
+        values = self.series(key)
+        return values[-1] if values else None
+
+
+class MlflowTracker(Tracker):
+    """Sends everything to one MLflow run (created as a child of `parent_run_id`)."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        super().__init__()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+
+    @classmethod
+    def start(cls, tracking_uri: str, experiment_id: str, run_name: str, parent_run_id: str | None = None,
+              tags: dict[str, str] | None = None) -> "MlflowTracker":
+        from mlflow.tracking import MlflowClient
+
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = MlflowClient(tracking_uri).create_run(experiment_id, run_name=run_name, tags=all_tags)
+        return cls(tracking_uri, run.info.run_id)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        super().log_params(params)
+        items = [Param(k, str(v)[:6000]) for k, v in redact(flatten(params)).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        super().log_metrics(metrics, step)
+        now = int(time.time() * 1000)
+        _, clean = self.history[-1]
+        if clean:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in clean.items()])
+
+    def log_table(self, rows: list[dict], name: str) -> None:
+        super().log_table(rows, name)
+        if rows:
+            self.client.log_table(self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]}, artifact_file=f"{name}.json")
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_figure(self, figure, name: str) -> None:
+        self.client.log_figure(self.run_id, figure, name)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_text(self, text: str, name: str) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / name
+            p.write_text(text)
+            self.client.log_artifact(self.run_id, str(p))
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: Path | None = None) -> str:
+    """The id of experiment `name`, created (with artifacts under `artifact_root` for local stores)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = artifact_root.resolve().as_uri() if artifact_root and not tracking_uri.startswith("http") else None
+    return client.create_experiment(name, artifact_location=location)

@@ -1,0 +1,90 @@
+"""The pipeline flow: recipe → plan → stage tasks, each started as soon as its dependencies finish.
+
+Independent stages run concurrently. Finished stages (same cache key) are reused, so a re-run after a
+failure resumes at the failed stage. A failed stage marks its dependents "not run"; other branches go on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+
+from prefect import flow, get_run_logger
+from prefect.context import get_run_context
+
+from alignpipe.manifest import Manifest
+from alignpipe.pipeline import (
+    STATUS_CACHED, STATUS_DONE, STATUS_FAILED, STATUS_NOT_RUN, StageOutcome, end_pipeline_run, plan, start_pipeline_run,
+    write_spec, write_summary,
+)
+from alignpipe.recipe import load_recipe
+from tasks import TASKS
+
+
+class PipelineFailed(RuntimeError):
+    pass
+
+
+def _flow_run_id() -> str:
+    try:
+        return str(get_run_context().flow_run.id)
+    except Exception:  # called outside a flow run (tests of the body)
+        return uuid.uuid4().hex
+
+
+@flow(name="alignpipe-pipeline", flow_run_name="{recipe_path}", log_prints=True)
+def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
+    """Run a recipe. `overrides` are `key=value` edits (`--set`), `force` stage ids to re-run."""
+    logger = get_run_logger()
+    recipe = load_recipe(recipe_path, overrides or [])  # validated again: UI-launched runs skip the CLI
+    plans = plan(recipe, force or [])
+    run_id = _flow_run_id()
+    tracking = start_pipeline_run(recipe, run_id)
+    outcomes: dict[str, StageOutcome] = {}
+    manifests: dict[str, Manifest] = {}
+    running: dict[str, tuple] = {}
+    pending = [s for s in recipe.topological_order()]
+
+    while pending or running:
+        for s in list(pending):
+            deps = plans[s.id].deps
+            if any(outcomes.get(d) and outcomes[d].status in (STATUS_FAILED, STATUS_NOT_RUN) for d in deps):
+                outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_NOT_RUN, message="an upstream stage failed")
+                pending.remove(s)
+            elif all(d in manifests for d in deps):
+                pending.remove(s)
+                p = plans[s.id]
+                if p.cached:
+                    manifests[s.id] = Manifest.read(p.dir)
+                    outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)
+                    logger.info("stage %s: cached (%s)", s.id, p.dir)
+                    continue
+                inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
+                spec = write_spec(recipe, p, inputs, tracking, run_id)
+                task = TASKS[s.kind].with_options(retries=s.resources.retries) if s.resources.retries else TASKS[s.kind]
+                future = task.submit(spec_path=str(spec), stage_id=s.id, processes=s.resources.processes,
+                                     timeout_s=s.resources.timeout_s)
+                running[s.id] = (s, future)
+        if not running:
+            continue
+        done, _ = concurrent.futures.wait([f.wrapped_future for _, f in running.values()],
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for sid, (s, future) in list(running.items()):
+            if future.wrapped_future not in done:
+                continue
+            del running[sid]
+            result = future.result(raise_on_failure=False)
+            if isinstance(result, dict):
+                manifests[sid] = Manifest.model_validate(result)
+                outcomes[sid] = StageOutcome.from_manifest(manifests[sid], STATUS_DONE)
+            else:
+                outcomes[sid] = StageOutcome(sid, s.kind, STATUS_FAILED, message=str(result).split("\n")[0])
+                logger.error("stage %s failed: %s", sid, result)
+
+    ordered = [outcomes[s.id] for s in recipe.topological_order()]
+    end_pipeline_run(tracking, ordered)
+    summary_path = write_summary(recipe, run_id, ordered, tracking[2])
+    failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
+    if failed:
+        raise PipelineFailed(f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}")
+    return {"summary": str(summary_path), "mlflow_run_id": tracking[2]}

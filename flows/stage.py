@@ -1,0 +1,16 @@
+"""The single-stage flow that work-pool workers run: one stage process from a spec file on storage
+every worker can reach. The pipeline flow stays the parent; this one only launches and reports."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from alignpipe.pipeline import launch
+
+
+@flow(name="alignpipe-stage", flow_run_name="{stage_id}")
+def stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None) -> dict:
+    logger = get_run_logger()
+    manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+                      processes=processes, timeout_s=timeout_s)
+    return manifest.model_dump(mode="json")

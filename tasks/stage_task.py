@@ -1,0 +1,23 @@
+"""The shape every stage task has: launch `python -m alignpipe.stage SPEC`, stream its log, return
+the manifest (paths and metrics only, never a model)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from alignpipe.pipeline import launch
+
+
+def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int = 0):
+    """A Prefect task for one stage kind. Caching is alignpipe's (manifests by cache key), not Prefect's."""
+
+    @task(name=f"{kind}-stage", cache_policy=NONE, retries=retries, retry_delay_seconds=retry_delay_seconds,
+          task_run_name="{stage_id}")
+    def run_stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None) -> dict:
+        logger = get_run_logger()
+        manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+                          processes=processes, timeout_s=timeout_s)
+        return manifest.model_dump(mode="json")
+
+    return run_stage
