@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
 STYLE = {"done": "green", "cached": "cyan", "failed": "bold red", "not run": "yellow", "skipped": "yellow"}
+
+
+def _short(path: str) -> str:
+    """Paths under the working directory are shown relative to it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def summary_table(stages: list[dict], title: str) -> Table:
@@ -17,12 +27,12 @@ def summary_table(stages: list[dict], title: str) -> Table:
         status = f"[{STYLE.get(s['status'], '')}]{s['status']}[/]"
         if s.get("message"):
             status += f"\n{s['message'][:120]}"
-        t.add_row(s["stage_id"], s["kind"], status, f"{s['duration_s']:.1f}s" if s["duration_s"] else "-", metric, s.get("output", ""))
+        t.add_row(s["stage_id"], s["kind"], status, f"{s['duration_s']:.1f}s" if s["duration_s"] else "-", metric, _short(s.get("output", "")))
     return t
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(width=None if Console().is_terminal else 160)
     console.print(summary_table(summary["stages"], f"alignpipe · {summary['pipeline']} · run {summary['pipeline_run_id']}"))
     if summary.get("mlflow_run_id"):
         console.print(f"MLflow: {summary['tracking_uri']}  (parent run {summary['mlflow_run_id']})")
@@ -47,5 +57,7 @@ def dag_text(recipe, plans: dict | None = None) -> str:
         if plans:
             state = "  [cached]" if plans[s.id].cached else "  [will run]"
         pool = f"  pool={s.resources.pool}" if s.resources.pool else ""
-        lines.append(f"  {'  ' * (level[s.id] - 1)}└─ {s.id:<{width}}  {s.kind:<7} {' '.join(reads)}{pool}{state}")
+        indent = "  " * (level[s.id] - 1)
+        pad = width + 2 * (max(level.values()) - level[s.id])
+        lines.append(f"  {indent}└─ {s.id:<{pad}}  {s.kind:<7} {' '.join(reads)}{pool}{state}")
     return "\n".join(lines)

@@ -41,7 +41,8 @@ def map_columns(rows: list[dict], columns: dict[str, str]) -> list[dict]:
         return rows
     out = []
     for row in rows:
-        new = {k: v for k, v in row.items() if k not in columns}
+        mapped = set(columns.values())
+        new = {k: v for k, v in row.items() if k not in mapped}
         for canon, src in columns.items():
             new[canon] = row[src]
         out.append(new)

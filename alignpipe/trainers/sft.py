@@ -37,9 +37,11 @@ IGNORE = -100
 
 def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool) -> list[dict]:
     """Rows → `{"input_ids", "labels"}` lists, truncated to `max_length`, EOS appended."""
+    if not rows:
+        return []
     eos = tokenizer.eos_token_id
     out = []
-    if rows and "text" in rows[0]:
+    if "text" in rows[0]:
         for ids in tokenizer([r["text"] for r in rows])["input_ids"]:
             ids = (ids + [eos])[:max_length]
             out.append({"input_ids": ids, "labels": list(ids)})

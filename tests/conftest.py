@@ -1,0 +1,40 @@
+"""Shared fixtures: the tiny assets (made once per session) and one Prefect test harness."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """`alignpipe make-tiny` output: model/ (tokenizer + Llama) and data/*.jsonl."""
+    from alignpipe.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("assets") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def demo_recipe(tiny: Path, workdir: Path, **extra) -> str:
+    """pipelines/tiny-demo.yaml with absolute asset paths and a private workdir."""
+    text = (Path(__file__).parents[1] / "pipelines" / "tiny-demo.yaml").read_text()
+    text = text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
+    return text
+
+
+@pytest.fixture
+def demo_text(tiny, tmp_path) -> str:
+    return demo_recipe(tiny, tmp_path / "runs")

@@ -1,0 +1,67 @@
+"""The generation interface (hf backend) and the judging math."""
+
+from __future__ import annotations
+
+import pytest
+
+from alignpipe.engine.hf import HFEngine
+from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.rewards import RewardFunctionError, exact_match, load_reward_fn, score, sentiment_lexicon
+from alignpipe.judges.winrate import win_rate, wilson_interval
+from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return HFEngine(load_causal_lm(str(tiny / "model")), load_tokenizer(str(tiny / "model")), batch_size=3)
+
+
+def test_n_completions_per_prompt_grouped_and_bounded(engine):
+    prompts = ["The film", "I watched it and", "A very long opening sentence about a movie"]
+    out = engine.generate(prompts, n=2, sampling=SamplingParams(max_new_tokens=5), seed=0)
+    assert [g.prompt_index for g in out] == [0, 0, 1, 1, 2, 2]
+    for g in out:
+        assert len(g.completion_ids) <= 5
+        assert g.finish_reason in ("stop", "length")
+        if g.finish_reason == "stop":
+            assert g.completion_ids[-1] == engine.tok.eos_token_id
+    assert engine.tok.padding_side == "right", "left padding is restored afterwards"
+
+
+def test_seed_reproducibility_and_greedy(engine):
+    s = SamplingParams(max_new_tokens=6, temperature=1.0)
+    a = [g.completion_ids for g in engine.generate(["The film"], 2, s, seed=7)]
+    b = [g.completion_ids for g in engine.generate(["The film"], 2, s, seed=7)]
+    assert a == b
+    g = SamplingParams(max_new_tokens=6, temperature=0)
+    assert engine.generate(["x"], 1, g)[0].completion_ids == engine.generate(["x"], 1, g)[0].completion_ids
+
+
+def test_wilson_interval_matches_hand_computation():
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_win_rate_counts_ties_as_half():
+    wr = win_rate([3, 1, 2, 0], [1, 1, 5, 0])
+    assert (wr.wins, wr.ties, wr.losses) == (1, 2, 1)
+    assert wr.win_rate == pytest.approx(0.5)
+    assert wr.ci_low < 0.5 < wr.ci_high
+
+
+def test_builtin_rewards():
+    assert sentiment_lexicon([""], ["a great and wonderful film"])[0] == pytest.approx(2.5)
+    assert sentiment_lexicon([""], ["boring mess"])[0] == pytest.approx(-2.5)
+    assert exact_match(["1+1="], ["2", "3"][:1], answer=["2"]) == [1.0]
+    assert exact_match(["1+1="], ["3"]) == [None]
+
+
+def test_reward_function_errors_name_the_function():
+    with pytest.raises(RewardFunctionError, match="cannot import module 'no_such_mod'"):
+        load_reward_fn("no_such_mod:fn")
+    with pytest.raises(RewardFunctionError, match="neither a built-in"):
+        load_reward_fn("nonsense")
+    with pytest.raises(RewardFunctionError, match="returned 1 values for 2 completions"):
+        score(lambda p, c, **_: [1.0], "bad", ["a", "b"], ["x", "y"])
+    assert load_reward_fn("alignpipe.judges.rewards:length") is not None

@@ -1,0 +1,161 @@
+"""Bad recipes fail with the field path, the YAML line and a fix; the CLI exits 2 and writes nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignpipe.recipe import RecipeError, load_recipe, parse_recipe
+
+
+def problems_of(text: str, overrides=()) -> str:
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(text, overrides)
+    return str(e.value)
+
+
+def test_demo_recipe_is_valid(demo_text):
+    recipe = parse_recipe(demo_text)
+    assert [s.id for s in recipe.topological_order()] == ["sft-data", "eval-prompts", "sft", "judge", "publish"]
+    assert recipe.stage("sft").learning_rate == 1e-3
+    assert recipe.ancestors("publish") == ["sft-data", "eval-prompts", "sft", "judge"]
+
+
+def test_unknown_top_level_key_suggests_the_right_one(demo_text):
+    msg = problems_of(demo_text.replace("seed: 0", "seeed: 0"))
+    assert "unknown key 'seeed'" in msg and "did you mean 'seed'" in msg
+
+
+def test_unknown_stage_key_names_stage_path_and_line(demo_text):
+    text = demo_text.replace("    learning_rate: 1.0e-3", "    learning_rat: 1.0e-3")
+    line = text.splitlines().index("    learning_rat: 1.0e-3") + 1
+    msg = problems_of(text)
+    assert "stages[2].learning_rat (stage 'sft')" in msg
+    assert f"line {line}" in msg
+    assert "did you mean 'learning_rate'" in msg
+
+
+def test_wrong_type_is_reported_with_the_value(demo_text):
+    msg = problems_of(demo_text.replace("max_steps: 150", "max_steps: many"))
+    assert "stages[2].max_steps" in msg and "'many'" in msg and "integer" in msg
+
+
+def test_unknown_stage_kind_lists_kinds(demo_text):
+    msg = problems_of(demo_text.replace("kind: sft\n", "kind: sftt\n"))
+    assert "unknown stage kind 'sftt'" in msg and "format, sft, judge, push" in msg
+
+
+def test_duplicate_stage_ids(demo_text):
+    msg = problems_of(demo_text.replace("id: eval-prompts", "id: sft-data"))
+    assert "duplicate stage id 'sft-data'" in msg and "stages[1].id" in msg
+
+
+def test_missing_needs(demo_text):
+    msg = problems_of(demo_text.replace("needs: [judge]", "needs: [judgment]"))
+    assert "stages[4].needs[0]" in msg and "no stage named 'judgment'" in msg and "name one of" in msg
+
+
+def test_cyclic_needs(demo_text):
+    text = demo_text.replace("    data: sft-data\n", "    data: sft-data\n    needs: [publish]\n")
+    msg = problems_of(text)
+    assert "dependency cycle" in msg and "sft" in msg and "publish" in msg
+
+
+def test_reference_to_a_stage_of_the_wrong_kind(demo_text):
+    msg = problems_of(demo_text.replace("candidate: sft", "candidate: sft-data"))
+    assert "stages[3].candidate" in msg
+    assert "'sft-data' is a format stage and produces a dataset, but `candidate` needs a causal LM" in msg
+    assert "base, sft" in msg
+
+
+def test_sft_data_of_the_wrong_format(demo_text):
+    msg = problems_of(demo_text.replace("data: sft-data", "data: eval-prompts"))
+    assert "produces prompt_only data" in msg and "language_modeling or prompt_completion" in msg
+
+
+def test_missing_dataset_file(demo_text, tiny):
+    msg = problems_of(demo_text.replace("sentiment_sft.jsonl", "nope.jsonl"))
+    assert "datasets.reviews.path" in msg and "does not exist" in msg and "make-tiny" in msg
+
+
+def test_missing_mapped_column(demo_text, tiny):
+    text = demo_text.replace("sentiment_sft.jsonl\n", "sentiment_sft.jsonl\n    columns: {prompt: review}\n")
+    msg = problems_of(text)
+    assert "datasets.reviews.columns.prompt" in msg and "column 'review' is not in" in msg
+    assert "columns found: prompt, completion, label" in msg
+
+
+def test_format_needs_columns_the_dataset_lacks(demo_text):
+    msg = problems_of(demo_text.replace("format: prompt_completion", "format: preference"))
+    assert "needs columns prompt+chosen+rejected" in msg and "map your columns" in msg
+
+
+def test_hub_push_needs_repo_id(demo_text):
+    msg = problems_of(demo_text.replace("target: local", "target: hub"))
+    assert "repo_id" in msg
+
+
+def test_yaml_syntax_error_has_a_line(demo_text):
+    msg = problems_of(demo_text.replace("seed: 0", "seed: [0"))
+    assert "not valid YAML" in msg and "line" in msg
+
+
+def test_overrides_address_stages_by_id(demo_text):
+    recipe = parse_recipe(demo_text, ["stages.sft.max_steps=7", "stages.judge.sampling.temperature=0", "seed=3"])
+    assert recipe.stage("sft").max_steps == 7
+    assert recipe.stage("judge").sampling.greedy
+    assert recipe.seed == 3
+    msg = problems_of(demo_text, ["stages.nope.max_steps=7"])
+    assert "no list item 'nope'" in msg and "sft-data" in msg
+
+
+def test_every_field_is_documented():
+    from alignpipe.recipe.schema import Recipe
+    from alignpipe.recipe.stages import STAGE_TYPES
+    from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Resources, Tracking
+
+    for model in (Recipe, ModelSpec, DatasetSpec, Tracking, Resources, *STAGE_TYPES):
+        undocumented = [name for name, f in model.model_fields.items() if name != "kind" and not f.description]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
+
+
+def _cli(args, cwd: Path, env_extra=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "alignpipe.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_run_of_bad_recipe_exits_2_and_writes_nothing(demo_text, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(demo_text.replace("candidate: sft", "candidate: sft-data"))
+    prefect_home = tmp_path / "prefect-home"
+    out = _cli(["run", str(recipe)], tmp_path, {"PREFECT_HOME": str(prefect_home)})
+    assert out.returncode == 2, out.stderr
+    assert "stages[3].candidate" in out.stderr and "fix:" in out.stderr
+    assert not (tmp_path / "runs").exists(), "no workdir, no MLflow store"
+    assert not prefect_home.exists(), "no Prefect flow run (the server was never started)"
+
+
+def test_cli_validate_ok_and_show(demo_text, tmp_path):
+    recipe = tmp_path / "ok.yaml"
+    recipe.write_text(demo_text)
+    out = _cli(["validate", str(recipe)], tmp_path)
+    assert out.returncode == 0 and "is valid" in out.stdout
+    out = _cli(["show", str(recipe)], tmp_path)
+    assert out.returncode == 0 and "[will run]" in out.stdout and "judge" in out.stdout
+    assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists()
+
+
+def test_missing_recipe_file_exits_2(tmp_path):
+    out = _cli(["validate", str(tmp_path / "none.yaml")], tmp_path)
+    assert out.returncode == 2 and "not found" in out.stderr
+
+
+def test_shipped_recipes_validate(tiny, tmp_path):
+    """Every recipe in pipelines/ parses; those on the tiny assets also pass the file checks."""
+    for path in sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml")):
+        text = path.read_text().replace("assets/tiny", str(tiny))
+        parse_recipe(text, source=str(path), check_files="assets/tiny" in path.read_text())
