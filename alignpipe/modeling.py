@@ -43,12 +43,12 @@ def load_causal_lm(path: str, dtype: str = "float32", revision: str | None = Non
     return model
 
 
-def lora_model(model, spec):
-    """Wrap `model` with a fresh LoRA adapter described by a `LoraSpec`."""
+def lora_model(model, spec, task_type: str = "CAUSAL_LM"):
+    """Wrap `model` with a fresh LoRA adapter described by a `LoraSpec` (SEQ_CLS also trains the head)."""
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                     target_modules=spec.target_modules, task_type="CAUSAL_LM")
+                     target_modules=spec.target_modules, task_type=task_type)
     return get_peft_model(model, cfg)
 
 

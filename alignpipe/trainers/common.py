@@ -154,3 +154,138 @@ class Throughput:
         out = {"tokens_per_s": self.tokens / dt, "samples_per_s": self.samples / dt}
         self.t0, self.tokens, self.samples = time.perf_counter(), 0, 0
         return out
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class TrainLoop:
+    """The optimisation loop every offline trainer shares.
+
+    Set-up: Accelerator, optional LoRA, optimizer + schedule, resume from the newest checkpoint.
+    `run(step_fn)`: each optimizer step takes `gradient_accumulation_steps` micro-batches (epochs are
+    re-shuffled with `seed + epoch`, so a resumed run sees the same batches), calls
+    `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of the
+    step metrics every `logging_every` steps under `train/`, evaluates with `eval_fn() -> metrics`
+    under `eval/`, and checkpoints every `save_every` steps.
+    """
+
+    def __init__(self, name: str, cfg: TrainingArgs, model, examples: list[dict], collate, tracker, output_dir,
+                 seed: int, lora_task: str = "CAUSAL_LM"):
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader
+
+        from alignpipe.modeling import count_parameters, lora_model
+
+        if not examples:
+            raise ValueError(f"{name}: the training split is empty (check the format stage's max_length and eval_fraction)")
+        self.name, self.cfg, self.tracker = name, cfg, tracker
+        self.output_dir = Path(output_dir)
+        self.seed = seed
+        seed_everything(seed)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        if cfg.lora:
+            model = lora_model(model, cfg.lora, task_type=lora_task)
+        trainable, total = count_parameters(model)
+        if self.accelerator.is_main_process:
+            tracker.log_params({name: cfg.model_dump(mode="json"), "model.trainable_params": trainable, "model.total_params": total})
+
+        def loader(epoch: int):
+            g = torch.Generator().manual_seed(seed + epoch)
+            return self.accelerator.prepare_data_loader(
+                DataLoader(examples, batch_size=cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
+
+        self._loader = loader
+        self.micro_per_epoch = len(loader(0))
+        self.steps = total_steps(cfg, self.micro_per_epoch)
+        optimizer = build_optimizer(model, cfg)
+        scheduler = build_scheduler(optimizer, cfg, self.steps)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.checkpoints = Checkpointer(self.output_dir, cfg.save_total_limit)
+        self.state = self.checkpoints.resume(self.accelerator)
+        self.step = self.state["step"] if self.state else 0
+
+    @property
+    def unwrapped(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def no_sync_unless(self, last: bool):
+        """Skip the DDP gradient all-reduce on all but the last micro-batch of a step."""
+        return _NullContext() if last else self.accelerator.no_sync(self.model)
+
+    def _micro_batches(self, start: int):
+        m = start
+        while True:
+            epoch, offset = divmod(m, self.micro_per_epoch)
+            dl = self._loader(epoch)
+            yield from (self.accelerator.skip_first_batches(dl, offset) if offset else dl)
+            m = (epoch + 1) * self.micro_per_epoch
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if self.accelerator.is_main_process:
+            self.tracker.log_metrics(metrics, self.step)
+
+    def run(self, step_fn, eval_fn=None) -> TrainResult:
+        cfg, acc = self.cfg, self.accelerator
+        started = time.perf_counter()
+        batches = self._micro_batches(self.step * cfg.gradient_accumulation_steps)
+        meter = Throughput()
+        window_metrics: list[dict[str, float]] = []
+        bar = progress(self.steps, self.name, acc.is_main_process, initial=self.step)
+        self.model.train()
+        while self.step < self.steps:
+            window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
+            metrics = step_fn(window)
+            gnorm = grad_norm(self.model)
+            if cfg.max_grad_norm:
+                acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            for b in window:
+                meter.add(int(b["attention_mask"].sum()), len(b["attention_mask"]))
+            window_metrics.append({**metrics, "grad_norm": gnorm})
+            bar.update(1)
+            if self.step % cfg.logging_every == 0 or self.step == self.steps:
+                mean = {k: sum(m[k] for m in window_metrics) / len(window_metrics) for k in window_metrics[0]}
+                mean |= {"lr": self.scheduler.get_last_lr()[0], **meter.read(),
+                         "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch}
+                self.log({f"train/{k}": v for k, v in mean.items()})
+                if "loss" in mean:
+                    if not math.isfinite(mean["loss"]):
+                        raise FloatingPointError(f"{self.name}: loss is {mean['loss']} at step {self.step}; "
+                                                 "lower the learning rate (last checkpoint kept)")
+                    bar.set_postfix(loss=f"{mean['loss']:.4f}")
+                window_metrics = []
+            if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
+                self.log({f"eval/{k}": v for k, v in eval_fn().items()})
+                self.model.train()
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
+                self.checkpoints.save(acc, self.step)
+        bar.close()
+        final: dict[str, float] = {}
+        if self.tracker.last("train/loss") is not None:
+            final["train/loss"] = self.tracker.last("train/loss")
+        if eval_fn:
+            ev = eval_fn()
+            self.log({f"eval/{k}": v for k, v in ev.items()})
+            final |= {f"eval/{k}": v for k, v in ev.items()}
+        return TrainResult(model_dir=self.output_dir / "model", steps=self.step, metrics=final,
+                           seconds=time.perf_counter() - started, resumed_from=self.state["step"] if self.state else None)
+
+    def save(self, tokenizer, merge_adapter: bool = False) -> tuple[Path, bool]:
+        """Save to `<output_dir>/model`; an adapter is merged first when `merge_adapter`."""
+        out = self.output_dir / "model"
+        model = self.model
+        if merge_adapter and hasattr(self.unwrapped, "merge_and_unload"):
+            model = self.unwrapped.merge_and_unload()
+        return out, save_model(self.accelerator, model, tokenizer, out)

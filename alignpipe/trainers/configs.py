@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from alignpipe.strict import Strict
 
@@ -75,3 +75,45 @@ class SFTConfig(TrainingArgs):
     packing: bool = False
     """Concatenate rows into full `max_length` blocks (no padding waste). Rows keep their own loss
     masks; attention is not reset at row boundaries."""
+
+
+class RewardConfig(TrainingArgs):
+    """Reward-model training (the design of TRL's RewardTrainer): Bradley-Terry on preference pairs."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    """Peak learning rate of AdamW (TRL's RewardTrainer default)."""
+    center_rewards_coefficient: float | None = Field(None, ge=0)
+    """Adds coefficient × mean((r_chosen + r_rejected)²), keeping rewards centred on 0 (Eisenstein et al. 2023)."""
+    use_margin: bool = True
+    """Subtract a per-row `margin` column from the reward difference when the data has one."""
+
+
+class DPOConfig(TrainingArgs):
+    """Direct Preference Optimization (the design of TRL's DPOTrainer)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW (TRL's default; LoRA usually wants ~10× more)."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL constraint to the reference (IPO: the regularisation τ)."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023); ipo: IPO (Azar et al. 2023), length-normalised as TRL;
+    hinge: SLiC (Zhao et al. 2023)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO (cDPO): assumed probability that a preference label is flipped (sigmoid only)."""
+    rpo_alpha: float | None = Field(None, ge=0)
+    """Adds rpo_alpha × NLL of the chosen completion (RPO, Pang et al. 2024); null disables."""
+    reference_free: bool = False
+    """Use no reference model (log-ratios against a uniform reference)."""
+    precompute_ref_logps: bool = False
+    """Compute the reference log-probs once before training and cache them on disk (a re-run reuses
+    them); frees the reference model during training."""
+    max_prompt_length: int | None = Field(None, gt=0)
+    """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"label_smoothing applies to loss_type 'sigmoid' only (got {self.loss_type!r}); set it to 0")
+        if self.reference_free and self.precompute_ref_logps:
+            raise ValueError("reference_free and precompute_ref_logps exclude each other: a reference-free run has no reference")
+        return self

@@ -18,17 +18,12 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from alignpipe.modeling import count_parameters, lora_model
-from alignpipe.trainers.common import (
-    Checkpointer, Throughput, TrainResult, build_optimizer, build_scheduler, grad_norm, progress, save_model,
-    seed_everything, total_steps,
-)
+from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -101,121 +96,40 @@ def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: 
             batch = {k: v.to(accelerator.device) for k, v in collate(shard[i:i + batch_size], pad_id).items()}
             loss, n = token_loss_sum(model, batch)
             total += torch.stack([loss.detach().float(), torch.tensor(float(n), device=accelerator.device)])
-    total = accelerator.reduce(total, "sum") if accelerator.num_processes > 1 else total
-    model.train()
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, "sum")
     return float(total[0] / total[1].clamp(min=1))
 
 
 def train(cfg: SFTConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0) -> TrainResult:
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
-
-    started = time.perf_counter()
-    output_dir = Path(output_dir)
     seed = cfg.seed if cfg.seed is not None else seed
-    seed_everything(seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     pad_id = tokenizer.pad_token_id
-
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    if cfg.lora:
-        model = lora_model(model, cfg.lora)
-    trainable, total_params = count_parameters(model)
-    tracker.log_params({"sft": cfg.model_dump(mode="json"), "model.trainable_params": trainable, "model.total_params": total_params})
-
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     if cfg.packing:
         train_ex = pack(train_ex, cfg.max_length)
-    if not train_ex:
-        raise ValueError("the training split is empty: check the format stage (max_length filter, eval_fraction)")
+    loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
+    acc = loop.accelerator
+    num_tokens = 0
 
-    def loader(epoch: int):
-        g = torch.Generator().manual_seed(seed + epoch)
-        dl = DataLoader(train_ex, batch_size=cfg.batch_size, shuffle=True, generator=g,
-                        collate_fn=lambda b: collate(b, pad_id))
-        return accelerator.prepare_data_loader(dl)
-
-    micro_per_epoch = len(loader(0))
-    steps = total_steps(cfg, micro_per_epoch)
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
-    state = checkpoints.resume(accelerator)
-    step = state["step"] if state else 0
-
-    def micro_batches(start: int):
-        m = start
-        while True:
-            epoch, offset = divmod(m, micro_per_epoch)
-            dl = loader(epoch)
-            yield from (accelerator.skip_first_batches(dl, offset) if offset else dl)
-            m = (epoch + 1) * micro_per_epoch
-
-    batches = micro_batches(step * cfg.gradient_accumulation_steps)
-    meter, window_loss, window_tokens, num_tokens = Throughput(), 0.0, 0, 0
-    bar = progress(steps, "sft", accelerator.is_main_process, initial=step)
-    model.train()
-    while step < steps:
-        window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
+    def step(window: list[dict]) -> dict[str, float]:
+        nonlocal num_tokens
         n_local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in window)
         n_global = n_local
-        if accelerator.num_processes > 1:
-            n_global = int(accelerator.reduce(torch.tensor(n_local, device=accelerator.device), "sum"))
-        scale = accelerator.num_processes / max(1, n_global)  # DDP averages gradients over processes
-        step_loss = 0.0
+        if acc.num_processes > 1:
+            n_global = int(acc.reduce(torch.tensor(n_local, device=acc.device), "sum"))
+        scale = acc.num_processes / max(1, n_global)  # DDP averages gradients over processes
+        loss_total = 0.0
         for i, batch in enumerate(window):
-            sync = i == len(window) - 1
-            ctx = accelerator.no_sync(model) if not sync else _null()
-            with ctx:
-                loss_sum, _ = token_loss_sum(model, batch)
-                accelerator.backward(loss_sum * scale)
-            step_loss += float(loss_sum.detach())
-            meter.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
-        gnorm = grad_norm(model)
-        if cfg.max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        num_tokens += n_local
-        window_loss += step_loss
-        window_tokens += n_local
-        bar.update(1)
-        if step % cfg.logging_every == 0 or step == steps:
-            metrics = {"train/loss": window_loss / max(1, window_tokens), "train/lr": scheduler.get_last_lr()[0],
-                       "train/grad_norm": gnorm, "train/epoch": step * cfg.gradient_accumulation_steps / micro_per_epoch,
-                       "train/num_tokens": num_tokens, **{f"train/{k}": v for k, v in meter.read().items()}}
-            if accelerator.is_main_process:
-                tracker.log_metrics(metrics, step)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}")
-            window_loss, window_tokens = 0.0, 0
-        if eval_ex and cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
-            eval_loss = evaluate(model, accelerator, eval_ex, cfg.batch_size, pad_id)
-            if accelerator.is_main_process:
-                tracker.log_metrics({"eval/loss": eval_loss}, step)
-        if cfg.save_every and step % cfg.save_every == 0 and step != steps:
-            checkpoints.save(accelerator, step)
-    bar.close()
+            with loop.no_sync_unless(i == len(window) - 1):
+                loss_sum, _ = token_loss_sum(loop.model, batch)
+                acc.backward(loss_sum * scale)
+            loss_total += float(loss_sum.detach())
+        num_tokens += n_global
+        return {"loss": loss_total / max(1, n_local), "num_tokens": num_tokens}
 
-    final = {"train/loss": tracker.last("train/loss") or float("nan")}
-    if eval_ex:
-        final["eval/loss"] = evaluate(model, accelerator, eval_ex, cfg.batch_size, pad_id)
-        if accelerator.is_main_process:
-            tracker.log_metrics({"eval/loss": final["eval/loss"]}, step)
-    adapter = save_model(accelerator, model, tokenizer, output_dir / "model")
-    return TrainResult(model_dir=output_dir / "model", steps=step, metrics=final, adapter=adapter,
-                       seconds=time.perf_counter() - started, resumed_from=state["step"] if state else None)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id)}) if eval_ex else None
+    result = loop.run(step, eval_fn)
+    result.model_dir, result.adapter = loop.save(tokenizer)
+    return result

@@ -1,0 +1,131 @@
+"""Shared RL/preference math: pure functions on tensors, shapes documented, used by every trainer.
+
+Shapes: B = batch, T = sequence (completion) length, V = vocabulary. Masks are 0/1 (or bool) with
+the same shape as the values they mask. References: TRL (trl/trainer/utils.py, grpo_trainer.py,
+experimental/ppo), "The N+ implementation details of RLHF with PPO" (Huang et al., 2024),
+"Approximating KL divergence" (Schulman, 2020).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is 1 (over everything, or along `dim`)."""
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance where `mask` is 1 (Bessel-corrected by default, as TRL's `masked_var`)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n <= 1:
+            raise ValueError("masked_var needs at least two unmasked values")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values − mean) / std over unmasked entries; with `shift_mean=False` the mean is added back
+    (PPO whitens rewards without shifting them)."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, labels: torch.Tensor, temperature: float):
+    logits = F.linear(hidden, head_weight, head_bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.log_softmax(-1)
+    token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token, entropy
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int = 4096, with_entropy: bool = False):
+    """Log-probability of each next token, (B, T-1), without materialising (B, T, V) logits at once.
+
+    The decoder runs once; the LM head + log-softmax run over chunks of positions, each under
+    activation checkpointing when gradients are on, so peak memory holds one chunk of logits.
+    Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, t+1].
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    head = base.get_output_embeddings()
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+    labels = input_ids[:, 1:]
+    B, T, H = hidden.shape
+    step = max(1, chunk_tokens // max(1, B))
+    weight = head.weight
+    bias = getattr(head, "bias", None)
+    logps, entropies = [], []
+    for s in range(0, T, step):
+        args = (hidden[:, s:s + step], weight, bias, labels[:, s:s + step], temperature)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent.detach())
+    logps = torch.cat(logps, 1)
+    return (logps, torch.cat(entropies, 1)) if with_entropy else logps
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π (Schulman 2020).
+    k1: log π − log π_ref (unbiased, high variance); k2: ½ (log ratio)²; k3: exp(−r) − 1 + r with
+    r = log π − log π_ref (unbiased, always ≥ 0)."""
+    r = logp - ref_logp
+    if kind == "k1":
+        return r
+    if kind == "k2":
+        return 0.5 * r ** 2
+    if kind == "k3":
+        return torch.exp(-r) - 1 + r
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """GRPO advantages for rewards (N,) laid out as N/group_size groups of consecutive completions:
+    r − mean(group), divided by the group std (`group`), the batch std (`batch`), or not (`none`)."""
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(1, keepdim=True)
+    adv = (grouped - mean).view(-1)
+    if scale == "group":
+        std = grouped.std(1, keepdim=True).expand_as(grouped).reshape(-1)
+    elif scale == "batch":
+        std = rewards.std().expand_as(rewards)
+    elif scale == "none":
+        return adv
+    else:
+        raise ValueError(f"unknown scale_rewards {scale!r}; use group, batch or none")
+    return adv / (std + 1e-4)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over (B, T) per-token rewards and values; positions where
+    `mask` is 0 (after the response) contribute nothing. Returns (advantages, returns)."""
+    B, T = rewards.shape
+    values = values * mask
+    rewards = rewards * mask
+    last = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    adv = torch.zeros_like(rewards)
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        adv[:, t] = last
+    return adv, adv + values

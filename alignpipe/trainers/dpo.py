@@ -1,0 +1,233 @@
+"""Direct Preference Optimization, following the design of TRL's DPOTrainer.
+
+Data: `preference` rows (prompt, chosen, rejected). Prompt tokens (left-truncated to
+`max_prompt_length`) + completion tokens + EOS, the whole truncated to `max_length`. Chosen and
+rejected of a batch go through the policy in one concatenated forward pass; a sequence's log-prob
+is the sum over its completion tokens, computed in chunks (no full (B, T, V) logits).
+
+With ρ = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r)):
+- sigmoid (DPO): −(1−ε) log σ(βρ) − ε log σ(−βρ), ε = `label_smoothing` (cDPO; TRL ≤ 0.x's formula)
+- ipo (IPO): (ρ̄ − 1/(2β))², ρ̄ using per-token averaged log-ratios (as TRL)
+- hinge (SLiC): max(0, 1 − βρ)
+- + `rpo_alpha` · NLL of the chosen completion tokens (RPO; TRL's `sft` loss term)
+- `reference_free`: π_ref ≡ 1 (log π_ref = 0)
+
+Reference model: with LoRA, the policy with its adapter disabled (no second copy); otherwise a frozen
+copy passed in as `ref_model`; or, with `precompute_ref_logps`, log-probs computed once before the
+first step and cached in `<output_dir>/ref_logps.pt` (reused by a re-run, checked by a content key).
+
+Metrics (TRL's names): loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+logps/chosen, logps/rejected (under train/ and eval/).
+
+Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, output_dir, seed, ref_model=None)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from alignpipe.rl_math import token_logprobs
+from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.configs import DPOConfig
+
+log = logging.getLogger(__name__)
+
+
+def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: int | None = None) -> list[dict]:
+    if not rows:
+        return []
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([r.get("prompt", "") for r in rows])["input_ids"]
+    chosen = tokenizer([r["chosen"] for r in rows], add_special_tokens=False)["input_ids"]
+    rejected = tokenizer([r["rejected"] for r in rows], add_special_tokens=False)["input_ids"]
+    out = []
+    for p, c, r in zip(prompts, chosen, rejected):
+        if max_prompt_length:
+            p = p[-max_prompt_length:]
+        c = c if c and c[-1] == eos else c + [eos]
+        r = r if r and r[-1] == eos else r + [eos]
+        out.append({"prompt_ids": p, "chosen_ids": c, "rejected_ids": r})
+    return out
+
+
+def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """(2B, T) batch: chosen rows then rejected rows, right-padded; `completion_mask` marks completion tokens."""
+    seqs, comp = [], []
+    for key in ("chosen_ids", "rejected_ids"):
+        for e in examples:
+            ids = (e["prompt_ids"] + e[key])[:max_length]
+            seqs.append(ids)
+            comp.append(([0] * len(e["prompt_ids"]) + [1] * len(e[key]))[:max_length])
+    n = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), n), dtype=torch.long)
+    completion = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, (s, c) in enumerate(zip(seqs, comp)):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+        completion[i, :len(c)] = torch.tensor(c)
+    batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+    if "ref_chosen_logps" in examples[0]:
+        batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
+        batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
+    return batch
+
+
+def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed completion log-probs (2B,), per-token log-probs (2B, T−1), shifted completion mask (2B, T−1))."""
+    per_token = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    mask = batch["completion_mask"][:, 1:].to(per_token.dtype)
+    return (per_token * mask).sum(1), per_token, mask
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None):
+    """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected.
+    `*_lengths` (completion token counts) are needed for `ipo`."""
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("ipo needs the completion lengths")
+        avg = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        losses = (avg - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; use sigmoid, ipo or hinge")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+class _Reference:
+    """Reference log-probs for a batch: precomputed, adapter-disabled policy, frozen copy, or none."""
+
+    def __init__(self, cfg: DPOConfig, loop: TrainLoop, ref_model):
+        self.cfg, self.loop = cfg, loop
+        self.model = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if ref_model is not None else None
+
+    def _context(self):
+        if self.model is None and hasattr(self.loop.unwrapped, "disable_adapter"):
+            return self.loop.unwrapped.disable_adapter()
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def compute(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.reference_free:
+            zeros = torch.zeros(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+            return zeros, zeros
+        if "ref_chosen_logps" in batch:
+            return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        with self._context():
+            logps, _, _ = completion_logps(self.model if self.model is not None else self.loop.model, batch)
+        return logps.chunk(2)
+
+    def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:
+        """Fill `ref_chosen_logps`/`ref_rejected_logps` into every example, from the cache when it matches."""
+        key = hashlib.sha256(json.dumps({k: [[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in v]
+                                         for k, v in splits.items()}).encode()).hexdigest()
+        cached = torch.load(path) if path.exists() else None
+        if cached is None or cached.get("key") != key:
+            if self.loop.step > 0 and self.model is None and not hasattr(self.loop.unwrapped, "disable_adapter"):
+                raise RuntimeError(f"resuming a full-model DPO run whose reference log-probs cache {path} is missing; "
+                                   "re-run the stage from scratch (--force) or pass a reference model")
+            cached = {"key": key}
+            self.loop.model.eval()
+            for name, examples in splits.items():
+                values = []
+                for i in range(0, len(examples), self.cfg.batch_size):
+                    batch = {k: v.to(self.loop.accelerator.device) for k, v in collate_fn(examples[i:i + self.cfg.batch_size]).items()}
+                    c, r = self.compute(batch)
+                    values.append(torch.stack([c, r], 1).cpu())
+                cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
+            if self.loop.accelerator.is_main_process:
+                torch.save(cached, path)
+            log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
+        else:
+            log.info("reusing cached reference log-probs %s", path)
+        for name, examples in splits.items():
+            for e, (c, r) in zip(examples, cached[name].tolist()):
+                e["ref_chosen_logps"], e["ref_rejected_logps"] = c, r
+        self.model = None  # the reference is no longer needed in memory
+
+
+def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss and metrics of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`."""
+    logps, per_token, mask = completion_logps(model, batch)
+    chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = reference_logps(batch)
+    lengths = batch["completion_mask"].sum(1).to(logps.dtype)
+    losses, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing,
+                                *lengths.chunk(2))
+    loss = losses.mean()
+    stats = {}
+    if cfg.rpo_alpha is not None:
+        chosen_mask = mask.chunk(2)[0].bool()
+        nll = -per_token.chunk(2)[0][chosen_mask].mean()
+        loss = loss + cfg.rpo_alpha * nll
+        stats["nll_loss"] = float(nll)
+    stats |= {"loss": float(loss), "rewards/chosen": float(r_c.mean()), "rewards/rejected": float(r_r.mean()),
+              "rewards/accuracies": float((r_c > r_r).float().mean()), "rewards/margins": float((r_c - r_r).mean()),
+              "logps/chosen": float(chosen.detach().mean()), "logps/rejected": float(rejected.detach().mean())}
+    return loss, stats
+
+
+def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
+          seed: int = 0, ref_model=None) -> TrainResult:
+    """Align `model` on preference rows. Without LoRA, pass a frozen `ref_model` (a second copy of the
+    starting weights) unless `precompute_ref_logps` or `reference_free` makes it unnecessary."""
+    seed = cfg.seed if cfg.seed is not None else seed
+    pad_id = tokenizer.pad_token_id
+    train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
+    eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
+    collate_fn = lambda b: collate(b, pad_id, cfg.max_length)  # noqa: E731
+    loop = TrainLoop("dpo", cfg, model, train_ex, collate_fn, tracker, output_dir, seed)
+    acc = loop.accelerator
+    needs_copy = not (cfg.lora or cfg.reference_free or cfg.precompute_ref_logps)
+    if needs_copy and ref_model is None:
+        raise ValueError("full-model DPO needs `ref_model` (a frozen copy of the starting model), "
+                         "or set precompute_ref_logps / lora / reference_free")
+    reference = _Reference(cfg, loop, ref_model if not (cfg.lora or cfg.reference_free) else None)
+    if cfg.precompute_ref_logps:
+        reference.precompute({"train": train_ex, "eval": eval_ex}, collate_fn, Path(output_dir) / "ref_logps.pt")
+
+    def step(window: list[dict]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for i, batch in enumerate(window):
+            with loop.no_sync_unless(i == len(window) - 1):
+                loss, stats = batch_loss(loop.model, batch, reference.compute, cfg)
+                acc.backward(loss / len(window))
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v / len(window)
+        return totals
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        loop.model.eval()
+        shard = eval_ex[acc.process_index::acc.num_processes]
+        sums: dict[str, float] = {}
+        for i in range(0, len(shard), cfg.batch_size):
+            ex = shard[i:i + cfg.batch_size]
+            batch = {k: v.to(acc.device) for k, v in collate_fn(ex).items()}
+            _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * len(ex)
+        keys = sorted(sums)
+        totals = torch.tensor([sums[k] for k in keys] + [float(len(shard))], device=acc.device)
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals, "sum")
+        return {k: float(totals[i] / totals[-1].clamp(min=1)) for i, k in enumerate(keys)}
+
+    result = loop.run(step, evaluate if eval_ex else None)
+    result.model_dir, result.adapter = loop.save(tokenizer)
+    return result

@@ -1,0 +1,129 @@
+"""Reward-model training, following the design of TRL's RewardTrainer.
+
+Model: a sequence classifier with one output (`AutoModelForSequenceClassification`, num_labels=1),
+whose score is read at the last non-padding token. Data: `preference` rows (prompt, chosen,
+rejected; optional `margin`). Chosen and rejected go through the model in one forward pass.
+
+Loss (Bradley-Terry): −log σ(r_c − r_r − margin), plus `center_rewards_coefficient` · mean((r_c + r_r)²).
+EOS is appended to plain-text completions, as TRL does.
+
+Metrics: train/loss, train/accuracy (r_c > r_r), train/margin (mean r_c − r_r), train/rewards_chosen,
+train/rewards_rejected, and the same under eval/.
+
+Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, output_dir, seed)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.configs import RewardConfig
+
+
+def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = True) -> list[dict]:
+    """Rows → chosen_ids / rejected_ids (prompt + completion + EOS); pairs longer than max_length are dropped."""
+    if not rows:
+        return []
+    eos = tokenizer.eos_token or ""
+
+    def full(row, col):
+        text = row.get("prompt", "") + row[col]
+        return text if text.endswith(eos) else text + eos
+
+    chosen = tokenizer([full(r, "chosen") for r in rows])["input_ids"]
+    rejected = tokenizer([full(r, "rejected") for r in rows])["input_ids"]
+    out = []
+    for row, c, r in zip(rows, chosen, rejected):
+        if len(c) <= max_length and len(r) <= max_length:
+            ex = {"chosen_ids": c, "rejected_ids": r}
+            if use_margin and row.get("margin") is not None:
+                ex["margin"] = float(row["margin"])
+            out.append(ex)
+    return out
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """[chosen rows..., rejected rows...] right-padded into one (2B, T) batch."""
+    seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+    n = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": mask}
+    if "margin" in examples[0]:
+        batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float)
+    return batch
+
+
+def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                       center_coefficient: float | None = None) -> torch.Tensor:
+    """Mean −log σ(r_c − r_r − margin) (+ centring term). Inputs: (B,) rewards, optional (B,) margins."""
+    diff = rewards_chosen - rewards_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).mean()
+    if center_coefficient is not None:
+        loss = loss + center_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
+    return loss
+
+
+def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits.squeeze(-1).float()
+    rc, rr = rewards.chunk(2)
+    loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
+    with torch.no_grad():
+        stats = {"loss": float(loss), "accuracy": float((rc > rr).float().mean()), "margin": float((rc - rr).mean()),
+                 "rewards_chosen": float(rc.mean()), "rewards_rejected": float(rr.mean())}
+    return loss, stats
+
+
+def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id: int) -> dict[str, float]:
+    model.eval()
+    shard = examples[accelerator.process_index::accelerator.num_processes]
+    sums = torch.zeros(3, device=accelerator.device)  # correct, margin sum, loss sum
+    with torch.no_grad():
+        for i in range(0, len(shard), cfg.batch_size):
+            ex = shard[i:i + cfg.batch_size]
+            batch = {k: v.to(accelerator.device) for k, v in collate(ex, pad_id).items()}
+            _, st = forward(model, batch, cfg)
+            n = len(ex)
+            sums += torch.tensor([st["accuracy"] * n, st["margin"] * n, st["loss"] * n], device=accelerator.device)
+    count = torch.tensor(float(len(shard)), device=accelerator.device)
+    if accelerator.num_processes > 1:
+        sums, count = accelerator.reduce(sums, "sum"), accelerator.reduce(count, "sum")
+    count = count.clamp(min=1)
+    return {"accuracy": float(sums[0] / count), "margin": float(sums[1] / count), "loss": float(sums[2] / count)}
+
+
+def train(cfg: RewardConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
+          seed: int = 0) -> TrainResult:
+    """Train `model` (a 1-label sequence classifier) on preference rows; saves a merged, loadable scorer."""
+    seed = cfg.seed if cfg.seed is not None else seed
+    pad_id = tokenizer.pad_token_id
+    model.config.pad_token_id = pad_id
+    train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.use_margin)
+    eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.use_margin)
+    loop = TrainLoop("reward", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed, lora_task="SEQ_CLS")
+    acc = loop.accelerator
+
+    def step(window: list[dict]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for i, batch in enumerate(window):
+            with loop.no_sync_unless(i == len(window) - 1):
+                loss, stats = forward(loop.model, batch, cfg)
+                acc.backward(loss / len(window))
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v / len(window)
+        return totals
+
+    eval_fn = (lambda: evaluate(loop.model, acc, eval_ex, cfg, pad_id)) if eval_ex else None
+    result = loop.run(step, eval_fn)
+    # Saved merged, so later stages (PPO value init, judges, reward functions) load a plain scorer.
+    result.model_dir, _ = loop.save(tokenizer, merge_adapter=True)
+    return result
