@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
     state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
     run_id = str(state.state_details.flow_run_id)
     summary_path = recipe.run_root / "runs" / f"{run_id}.json"
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 160)
     if summary_path.exists():
         print_summary(json.loads(summary_path.read_text()), console)
     if not state.is_completed():

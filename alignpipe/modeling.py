@@ -60,3 +60,15 @@ def count_parameters(model) -> tuple[int, int]:
 
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").exists()
+
+
+def load_sequence_scorer(path: str, dtype: str = "float32", trust_remote_code: bool = False, pad_token_id: int | None = None):
+    """A one-output sequence classifier (reward model / value head) from `path`; when `path` holds a
+    causal LM, its score head starts random, as in TRL's RewardTrainer."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype),
+                                                               trust_remote_code=trust_remote_code)
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model

@@ -46,7 +46,7 @@ def test_wrong_type_is_reported_with_the_value(demo_text):
 
 def test_unknown_stage_kind_lists_kinds(demo_text):
     msg = problems_of(demo_text.replace("kind: sft\n", "kind: sftt\n"))
-    assert "unknown stage kind 'sftt'" in msg and "format, sft, judge, push" in msg
+    assert "unknown stage kind 'sftt'" in msg and "format, sft, reward, dpo, judge, push" in msg
 
 
 def test_duplicate_stage_ids(demo_text):
@@ -159,3 +159,50 @@ def test_shipped_recipes_validate(tiny, tmp_path):
     for path in sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml")):
         text = path.read_text().replace("assets/tiny", str(tiny))
         parse_recipe(text, source=str(path), check_files="assets/tiny" in path.read_text())
+
+
+def dpo_recipe(tiny) -> str:
+    return (Path(__file__).parents[1] / "pipelines" / "tiny-dpo.yaml").read_text().replace("assets/tiny", str(tiny))
+
+
+def test_dpo_recipe_is_valid(tiny):
+    recipe = parse_recipe(dpo_recipe(tiny))
+    assert recipe.stage("dpo").beta == 0.1 and recipe.stage("rm").kind == "reward"
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ("beta: 0.1", "beta: 0"),
+    ("beta: 0.1", "beta: -1"),
+])
+def test_dpo_beta_must_be_positive(tiny, edit, expected):
+    msg = problems_of(dpo_recipe(tiny).replace(edit, expected))
+    assert "stages[5].beta (stage 'dpo')" in msg and "greater than 0" in msg
+
+
+def test_dpo_unknown_loss_type(tiny):
+    msg = problems_of(dpo_recipe(tiny).replace("loss_type: sigmoid", "loss_type: kto"))
+    assert "stages[5].loss_type" in msg and "'sigmoid', 'ipo' or 'hinge'" in msg
+
+
+def test_dpo_model_must_be_a_causal_lm(tiny):
+    msg = problems_of(dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: rm  # policy"))
+    assert "stage 'rm' is a reward stage and produces a reward model, but `model` needs a causal LM" in msg
+    msg = problems_of(dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: pref-data  # policy"))
+    assert "stage 'pref-data' is a format stage" in msg
+
+
+def test_preference_stage_needs_preference_data(tiny):
+    msg = problems_of(dpo_recipe(tiny).replace("    data: pref-data\n    loss_type", "    data: sft-data\n    loss_type"))
+    assert "produces prompt_completion data; a dpo stage's `data` needs preference" in msg
+
+
+def test_preference_dataset_without_chosen_rejected_names_columns_and_mapping(tiny):
+    text = dpo_recipe(tiny).replace("sentiment_preferences.jsonl", "sentiment_sft.jsonl")
+    msg = problems_of(text)
+    assert "formats 'pairs' as preference, which needs columns prompt+chosen+rejected or chosen+rejected" in msg
+    assert "found: prompt, completion, label" in msg and "columns: {prompt: <your column>, chosen: <your column>" in msg
+
+
+def test_judge_reward_model_must_be_a_reward_stage(tiny):
+    msg = problems_of(dpo_recipe(tiny).replace("reward_model: rm", "reward_model: sft"))
+    assert "`reward_model` needs a reward model" in msg and "name one of: rm" in msg

@@ -73,8 +73,11 @@ class Renderer:
 
     def completion(self, prompt, completion) -> str:
         if not self.chat:
-            return completion if isinstance(completion, str) else completion[-1]["content"]
-        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            return completion if isinstance(completion, str) else [m for m in completion if m["role"] == "assistant"][-1]["content"]
+        if isinstance(completion, list):  # a whole conversation (e.g. UltraFeedback): keep the last assistant turn
+            reply = [m for m in completion if m["role"] == "assistant"][-1:] or completion[-1:]
+        else:
+            reply = [{"role": "assistant", "content": completion}]
         full = self.tok.apply_chat_template(self._turns(prompt) + reply, tokenize=False)
         head = self.prompt(prompt)
         if not full.startswith(head):

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
 from alignpipe.recipe.errors import Problem
-from alignpipe.recipe.stages import BASE, CAUSAL_LM, DATASET, FormatStage, JudgeStage, SFTStage
+from alignpipe.recipe.stages import (
+    BASE, CAUSAL_LM, DATASET, REWARD_MODEL, DPOStage, FormatStage, JudgeStage, RewardStage, SFTStage,
+)
 
 # Canonical columns each format needs from the source (after `columns` mapping); any one option.
 REQUIRED_COLUMNS: dict[str, list[tuple[str, ...]]] = {
@@ -19,8 +21,10 @@ REQUIRED_COLUMNS: dict[str, list[tuple[str, ...]]] = {
 ACCEPTED_FORMATS = {
     (SFTStage, "data"): ("language_modeling", "prompt_completion"),
     (JudgeStage, "prompts"): ("prompt_completion", "prompt_only", "preference"),
+    (RewardStage, "data"): ("preference",),
+    (DPOStage, "data"): ("preference",),
 }
-PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset"}
+PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset", REWARD_MODEL: "a reward model"}
 
 
 def check_recipe(recipe, check_files: bool = True) -> list[Problem]:

@@ -17,11 +17,12 @@ from pydantic import Field, model_validator
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
-from alignpipe.trainers.configs import SFTConfig
+from alignpipe.trainers.configs import DPOConfig, RewardConfig, SFTConfig
 
 # What a stage produces; a reference field accepts only stages producing what it asks for.
 CAUSAL_LM = "causal_lm"
 DATASET = "dataset"
+REWARD_MODEL = "reward_model"
 EVALUATION = "evaluation"
 PUBLICATION = "publication"
 
@@ -96,6 +97,32 @@ class SFTStage(StageBase, SFTConfig):
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
 
 
+class RewardStage(StageBase, RewardConfig):
+    """Train a reward model (a one-output sequence classifier) on preference pairs."""
+
+    kind: Literal["reward"] = "reward"
+    model: str = BASE
+    """Model to initialise from: `base` or a stage producing a causal LM (usually the SFT stage)."""
+    data: str
+    """Id of a `format` stage with preference data."""
+
+    produces: ClassVar[str] = REWARD_MODEL
+    refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
+
+
+class DPOStage(StageBase, DPOConfig):
+    """Align a causal LM on preference pairs with DPO (or IPO, hinge, RPO)."""
+
+    kind: Literal["dpo"] = "dpo"
+    model: str = BASE
+    """Policy to start from (and reference): `base` or a stage producing a causal LM (usually `sft`)."""
+    data: str
+    """Id of a `format` stage with preference data."""
+
+    produces: ClassVar[str] = CAUSAL_LM
+    refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
+
+
 class JudgeStage(StageBase):
     """Generate from a candidate and a baseline on eval prompts and report the candidate's win rate."""
 
@@ -111,15 +138,18 @@ class JudgeStage(StageBase):
     num_prompts: int = Field(64, gt=0)
     """Judge at most this many prompts."""
     reward: str = "sentiment_lexicon"
-    """Scoring function: a built-in name (`sentiment_lexicon`, `length`) or `module:function`
-    taking (prompts, completions, **columns) and returning one float per completion."""
+    """Scoring function: a built-in name (`sentiment_lexicon`, `length`, `exact_match`) or
+    `module:function` taking (prompts, completions, **columns) and returning one float per completion."""
+    reward_model: str | None = None
+    """Id of a `reward` stage whose model scores the completions instead of `reward`."""
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.7))
     """Sampling used for both models."""
     batch_size: int = Field(32, gt=0)
     """Prompts per generation batch."""
 
     produces: ClassVar[str] = EVALUATION
-    refs: ClassVar[dict[str, str]] = {"candidate": CAUSAL_LM, "baseline": CAUSAL_LM, "prompts": DATASET}
+    refs: ClassVar[dict[str, str]] = {"candidate": CAUSAL_LM, "baseline": CAUSAL_LM, "prompts": DATASET,
+                                      "reward_model": REWARD_MODEL}
 
 
 class PushStage(StageBase):
@@ -156,7 +186,7 @@ class PushStage(StageBase):
         return self
 
 
-STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, JudgeStage, PushStage)
+STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, RewardStage, DPOStage, JudgeStage, PushStage)
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
-Stage = Annotated[Union[FormatStage, SFTStage, JudgeStage, PushStage], Field(discriminator="kind")]
+Stage = Annotated[Union[FormatStage, SFTStage, RewardStage, DPOStage, JudgeStage, PushStage], Field(discriminator="kind")]

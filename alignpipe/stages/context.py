@@ -67,6 +67,28 @@ class StageContext:
         revision = spec.revision if ref == BASE else None
         return load_causal_lm(src.path, spec.dtype, revision=revision, trust_remote_code=spec.trust_remote_code)
 
+    def start_model(self, ref: str, lora: bool):
+        """(model, tokenizer, base path) for a trainer starting from `ref`: an upstream adapter is
+        merged; when a *new* adapter will be trained over merged weights, those weights are saved in
+        the stage folder so the new adapter has a base on disk."""
+        src = self.model_source(ref)
+        model = self.load_model(ref, merge=True)
+        tokenizer = self.tokenizer(ref)
+        base_path = src.base_path if src.adapter else src.path
+        if lora and src.adapter:
+            base_path = str(self.dir / "base_model")
+            model.save_pretrained(base_path)
+            tokenizer.save_pretrained(base_path)
+        return model, tokenizer, base_path
+
+    def causal_lm_result(self, result, base_path: str, metrics: dict | None = None) -> StageResult:
+        """The StageResult of a trainer that produced a causal LM (full or adapter)."""
+        key = "eval/loss" if "eval/loss" in result.metrics else "train/loss"
+        return StageResult(
+            outputs={"model": str(result.model_dir)}, metrics={**result.metrics, "steps": result.steps, **(metrics or {})},
+            key_metric=key, info={"adapter": result.adapter, "base_model_path": base_path if result.adapter else None,
+                                  "base_model": self.recipe.model.path, "train_seconds": result.seconds})
+
     def tokenizer(self, ref: str = BASE):
         from alignpipe.modeling import load_tokenizer
 

@@ -151,6 +151,7 @@ class _Reference:
                     values.append(torch.stack([c, r], 1).cpu())
                 cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
             if self.loop.accelerator.is_main_process:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(cached, path)
             log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
         else:

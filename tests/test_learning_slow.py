@@ -1,0 +1,42 @@
+"""End-to-end learning checks (minutes on 2 CPU cores): `make test-slow`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from alignpipe.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[1]
+
+
+def run_recipe(name: str, tiny: Path, tmp_path: Path):
+    from flows.pipeline import pipeline
+
+    path = tmp_path / name
+    path.write_text((ROOT / "pipelines" / name).read_text().replace("assets/tiny", str(tiny)).replace("./runs", str(tmp_path / "runs")))
+    state = pipeline(recipe_path=str(path), return_state=True)
+    assert state.is_completed(), state.message
+    recipe = load_recipe(path)
+    summary = json.loads((recipe.run_root / "runs" / f"{state.state_details.flow_run_id}.json").read_text())
+    return recipe, summary
+
+
+def child_metrics(recipe, summary) -> dict[str, dict[str, float]]:
+    client = MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.experiment_name)
+    runs = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
+    return {r.data.tags["alignpipe.stage_id"]: r.data.metrics for r in runs}
+
+
+def test_tiny_dpo_beats_sft_and_reward_model_is_accurate(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-dpo.yaml", tiny, tmp_path)
+    metrics = child_metrics(recipe, summary)
+    print("reward model eval accuracy", metrics["rm"]["eval/accuracy"], "DPO win rate vs SFT", metrics["judge"]["judge/win_rate"],
+          "by reward model", metrics["judge-rm"]["judge/win_rate"])
+    assert metrics["rm"]["eval/accuracy"] >= 0.90
+    assert metrics["judge"]["judge/win_rate"] >= 0.65
