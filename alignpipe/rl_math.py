@@ -65,7 +65,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     head = base.get_output_embeddings()
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+    # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state[:, :-1]
     labels = input_ids[:, 1:]
     B, T, H = hidden.shape
     step = max(1, chunk_tokens // max(1, B))
@@ -98,21 +101,34 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    var = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    std = (var * count / (count - 1)).sqrt()
+    if keepdim:
+        return std
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages for rewards (N,) laid out as N/group_size groups of consecutive completions:
-    r − mean(group), divided by the group std (`group`), the batch std (`batch`), or not (`none`)."""
+    r − mean(group), divided by the group std (`group`), the batch std (`batch`), or not (`none`).
+    NaN rewards (unscorable) are left out of the statistics and get advantage 0.
+    Returns (advantages (N,), std used for the zero-std check (N,))."""
     grouped = rewards.view(-1, group_size)
-    mean = grouped.mean(1, keepdim=True)
-    adv = (grouped - mean).view(-1)
-    if scale == "group":
-        std = grouped.std(1, keepdim=True).expand_as(grouped).reshape(-1)
+    mean = torch.nanmean(grouped, 1, keepdim=True).expand_as(grouped).reshape(-1)
+    if scale in ("group", "none"):
+        std = nanstd(grouped, 1, keepdim=True).expand_as(grouped).reshape(-1)
     elif scale == "batch":
-        std = rewards.std().expand_as(rewards)
-    elif scale == "none":
-        return adv
+        std = nanstd(rewards).expand_as(rewards)
     else:
         raise ValueError(f"unknown scale_rewards {scale!r}; use group, batch or none")
-    return adv / (std + 1e-4)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), std
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:

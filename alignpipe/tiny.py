@@ -6,6 +6,7 @@ Layout written:
     DIR/data/sentiment_preferences.jsonl  prompt, chosen, rejected
     DIR/data/sentiment_prompts.jsonl      prompt
     DIR/data/addition.jsonl               prompt, completion, answer
+    DIR/data/reverse.jsonl                prompt, completion (45% correct), answer
     DIR/ASSETS.json       written last; its presence means the folder is complete
 """
 
@@ -73,6 +74,7 @@ def make_tiny(out: str | Path, seed: int = 0, force: bool = False) -> Path:
     _write_jsonl(tmp / "data" / "sentiment_preferences.jsonl", synthetic.sentiment_preferences(2000, seed + 1))
     _write_jsonl(tmp / "data" / "sentiment_prompts.jsonl", synthetic.sentiment_prompts(500, seed + 2))
     _write_jsonl(tmp / "data" / "addition.jsonl", synthetic.addition(3000, seed + 3))
+    _write_jsonl(tmp / "data" / "reverse.jsonl", synthetic.reversal(3000, seed + 4))
     (tmp / "ASSETS.json").write_text(json.dumps(meta))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

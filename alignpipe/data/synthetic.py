@@ -4,6 +4,11 @@
   openings; SFT completions are reviews (60% positive, 40% negative, so the domain is learned and
   there is room to steer); preference pairs have chosen = positive, rejected = negative.
 - Two-digit addition: a small verifiable task (prompt, completion, `answer`) for exact-match rewards.
+- Digit reversal ("reverse 4 7 2 9 =" → " 9 2 7 4"), the verifiable task the tiny GRPO recipe uses.
+  Its SFT completions are deliberately noisy: only `correct_share` (45%) are reversed, the rest copy
+  the digits unchanged. SFT learns both behaviours and greedy decoding follows the majority (wrong)
+  one; exact-match RL has to find and reinforce the right one. (A 1.7M model cannot learn two-digit
+  addition with carries in a CPU-minutes budget, so addition is there for users, not for the test.)
 
 Everything is a pure function of the seed.
 """
@@ -90,6 +95,17 @@ def addition(n: int, seed: int = 3) -> list[dict]:
     return rows
 
 
+def reversal(n: int, seed: int = 4, length: int = 4, correct_share: float = 0.45) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = [str(rng.randint(0, 9)) for _ in range(length)]
+        answer = " ".join(reversed(digits))
+        shown = answer if rng.random() < correct_share else " ".join(digits)
+        rows.append({"prompt": f"reverse {' '.join(digits)} =", "completion": f" {shown}", "answer": answer})
+    return rows
+
+
 _WORD = re.compile(r"[a-z]+")
 
 
@@ -101,7 +117,7 @@ def sentiment_score(text: str) -> float:
 
 def corpus(seed: int = 0) -> list[str]:
     """Text to train the tiny tokenizer on: every task's vocabulary."""
-    rows = sentiment_sft(3000, seed) + addition(2000, seed)
+    rows = sentiment_sft(3000, seed) + addition(2000, seed) + reversal(1000, seed)
     texts = [r["prompt"] + r["completion"] for r in rows]
     texts += [r["prompt"] + r["chosen"] + r["rejected"] for r in sentiment_preferences(1000, seed)]
     return texts

@@ -17,7 +17,7 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None,
+    def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: SamplingParams | None = None,
                  seed: int | None = None) -> list[Generation]:
         from transformers import GenerationConfig
 
@@ -42,7 +42,7 @@ class HFEngine:
         try:
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start:start + self.batch_size]
-                enc = self.tok(chunk, return_tensors="pt", padding=True).to(device)
+                enc = self._encode(chunk).to(device)
                 seqs = self.model.generate(**enc, generation_config=cfg)
                 new = seqs[:, enc["input_ids"].shape[1]:].tolist()
                 for k, ids in enumerate(new):
@@ -51,6 +51,24 @@ class HFEngine:
             self.tok.padding_side = side
             self.model.train(was_training)
         return out
+
+    def _encode(self, chunk: list):
+        """Texts are tokenized; token-id lists are left-padded as they are."""
+        from transformers import BatchEncoding
+
+        if chunk and isinstance(chunk[0], str):
+            return self.tok(chunk, return_tensors="pt", padding=True)
+        n = max(len(ids) for ids in chunk)
+        input_ids = torch.full((len(chunk), n), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), n), dtype=torch.long)
+        for i, ids in enumerate(chunk):
+            input_ids[i, n - len(ids):] = torch.tensor(ids)
+            mask[i, n - len(ids):] = 1
+        return BatchEncoding({"input_ids": input_ids, "attention_mask": mask})
+
+    def update_weights(self, model) -> None:
+        """Rollouts use the policy object itself: nothing to copy."""
+        self.model = model
 
     def _finish(self, prompt_index: int, ids: list[int], eos: int) -> Generation:
         if eos in ids:

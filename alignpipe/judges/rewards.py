@@ -26,17 +26,34 @@ def length(prompts, completions, **_) -> list[float]:
 
 
 def exact_match(prompts, completions, answer=None, **_) -> list[float | None]:
-    """1.0 when the completion's first number/word equals the `answer` column, else 0.0."""
+    """1.0 when the completion, whitespace-normalised, equals the `answer` column, else 0.0."""
     if answer is None:
         return [None] * len(completions)
+    return [1.0 if " ".join(c.split()) == " ".join(str(a).split()) else 0.0 for c, a in zip(completions, answer)]
+
+
+def keyword(prompts, completions, words=(), case_sensitive=False, **_) -> list[float]:
+    """Number of occurrences of any of `words` (kwargs) in the completion."""
     out = []
-    for c, a in zip(completions, answer):
-        found = re.findall(r"-?\d+(?:\.\d+)?|\S+", c.strip())
-        out.append(1.0 if found and found[0] == str(a).strip() else 0.0)
+    for c in completions:
+        text = c if case_sensitive else c.lower()
+        out.append(float(sum(text.count(w if case_sensitive else w.lower()) for w in words)))
     return out
 
 
-BUILTINS: dict[str, RewardFn] = {"sentiment_lexicon": sentiment_lexicon, "length": length, "exact_match": exact_match}
+def regex(prompts, completions, pattern="", **_) -> list[float]:
+    """1.0 when `pattern` (kwargs) matches anywhere in the completion, else 0.0."""
+    compiled = re.compile(pattern)
+    return [1.0 if compiled.search(c) else 0.0 for c in completions]
+
+
+def length_penalty(prompts, completions, target=20, scale=0.05, **_) -> list[float]:
+    """−scale × |words − target|: prefers completions of about `target` words."""
+    return [-scale * abs(len(c.split()) - target) for c in completions]
+
+
+BUILTINS: dict[str, RewardFn] = {"sentiment_lexicon": sentiment_lexicon, "length": length, "exact_match": exact_match,
+                                 "keyword": keyword, "regex": regex, "length_penalty": length_penalty}
 
 
 class RewardFunctionError(ValueError):
@@ -60,9 +77,40 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None) -> list[float | None]:
+class HTTPScorer:
+    """A remote reward function: POST {"prompts", "completions", "columns"} → {"rewards": [float|null]}."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 3):
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+
+    def __call__(self, prompts, completions, **columns) -> list[float | None]:
+        import time
+
+        import httpx
+
+        payload = {"prompts": list(prompts), "completions": list(completions),
+                   "columns": {k: list(v) for k, v in columns.items()}}
+        for attempt in range(self.retries):
+            try:
+                response = httpx.post(self.url, json=payload, timeout=self.timeout_s)
+                response.raise_for_status()
+                return response.json()["rewards"]
+            except (httpx.TransportError, httpx.HTTPStatusError) as e:
+                if attempt == self.retries - 1 or (isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500):
+                    raise RewardFunctionError(f"remote reward {self.url}: {e}") from e
+                time.sleep(2 ** attempt)
+        raise AssertionError("unreachable")
+
+
+def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None,
+          kwargs: dict | None = None) -> list[float | None]:
     """Call `fn` and check it returned one number (or None) per completion."""
-    result = list(fn(prompts, completions, **(columns or {})))
+    try:
+        result = list(fn(prompts, completions, **(columns or {}), **(kwargs or {})))
+    except RewardFunctionError:
+        raise
+    except Exception as e:
+        raise RewardFunctionError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
     if len(result) != len(completions):
         raise RewardFunctionError(f"reward {name!r} returned {len(result)} values for {len(completions)} completions")
     for v in result:

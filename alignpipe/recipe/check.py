@@ -7,7 +7,7 @@ from pathlib import Path
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.stages import (
-    BASE, CAUSAL_LM, DATASET, REWARD_MODEL, DPOStage, FormatStage, JudgeStage, RewardStage, SFTStage,
+    BASE, CAUSAL_LM, DATASET, REWARD_MODEL, DPOStage, FormatStage, GRPOStage, JudgeStage, PPOStage, RewardStage, SFTStage,
 )
 
 # Canonical columns each format needs from the source (after `columns` mapping); any one option.
@@ -23,6 +23,8 @@ ACCEPTED_FORMATS = {
     (JudgeStage, "prompts"): ("prompt_completion", "prompt_only", "preference"),
     (RewardStage, "data"): ("preference",),
     (DPOStage, "data"): ("preference",),
+    (GRPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
+    (PPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
 }
 PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset", REWARD_MODEL: "a reward model"}
 
@@ -62,22 +64,23 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                 problems.append(Problem(("stages", i, "needs", j), f"stage {s.id!r} needs itself", "remove it from `needs`"))
             elif need not in by_id:
                 problems.append(Problem(("stages", i, "needs", j), f"no stage named {need!r}", f"name one of: {ids}"))
-        for field, target in s.references().items():
-            wanted = s.refs[field]
+        for rel, target, wanted in s.reference_fields():
+            path = ("stages", i, *rel)
+            field = ".".join(map(str, rel))
             producers = [BASE] if wanted == CAUSAL_LM else []
             producers += [o.id for o in recipe.stages if o.produces == wanted and o.id != s.id]
             if target == BASE and wanted == CAUSAL_LM:
                 continue
             if target == s.id:
-                problems.append(Problem(("stages", i, field), f"stage {s.id!r} refers to itself",
+                problems.append(Problem(path, f"stage {s.id!r} refers to itself",
                                         f"name one of: {', '.join(producers) or '(none yet)'}"))
             elif target not in by_id:
-                problems.append(Problem(("stages", i, field), f"no stage named {target!r}",
+                problems.append(Problem(path, f"no stage named {target!r}",
                                         f"`{field}` takes {PRODUCT_NAMES.get(wanted, wanted)}: {', '.join(producers) or '(none in this recipe)'}"))
             elif by_id[target].produces != wanted:
                 other = by_id[target]
                 problems.append(Problem(
-                    ("stages", i, field),
+                    path,
                     f"stage {target!r} is a {other.kind} stage and produces {PRODUCT_NAMES.get(other.produces, other.produces)}, "
                     f"but `{field}` needs {PRODUCT_NAMES.get(wanted, wanted)}",
                     f"name one of: {', '.join(producers) or '(none in this recipe)'}"))
@@ -85,13 +88,29 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                 accepted = ACCEPTED_FORMATS.get((type(s), field))
                 if accepted and isinstance(by_id[target], FormatStage) and by_id[target].format not in accepted:
                     problems.append(Problem(
-                        ("stages", i, field),
+                        path,
                         f"format stage {target!r} produces {by_id[target].format} data; a {s.kind} stage's `{field}` needs {' or '.join(accepted)}",
                         f"set `format:` of stage {target!r} to {accepted[0]}, or point `{field}` at another format stage"))
+        problems += _check_generation_groups(s, i)
         if isinstance(s, FormatStage) and s.dataset not in recipe.datasets:
             problems.append(Problem(("stages", i, "dataset"), f"no dataset named {s.dataset!r}",
                                     f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}"))
     return problems
+
+
+def _check_generation_groups(s, i: int) -> list[Problem]:
+    """GRPO's completions per step must split into whole groups of `num_generations`."""
+    if not isinstance(s, GRPOStage):
+        return []
+    per_step = s.batch_size * s.resources.processes
+    if per_step % s.num_generations == 0 and s.batch_size % s.num_generations == 0:
+        return []
+    g = s.num_generations
+    return [Problem(("stages", i, "batch_size"),
+                    f"batch_size × processes = {s.batch_size} × {s.resources.processes} = {per_step} completions per forward "
+                    f"pass, which does not split into groups of num_generations = {g}",
+                    f"make batch_size a multiple of {g} (e.g. {g * max(1, round(s.batch_size / g))}), or change num_generations "
+                    f"to a divisor of {s.batch_size}")]
 
 
 def _check_cycles(recipe) -> list[Problem]:

@@ -10,14 +10,14 @@ To add a kind: write its model here (subclass `StageBase`, set `kind`, `produces
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
-from alignpipe.trainers.configs import DPOConfig, RewardConfig, SFTConfig
+from alignpipe.trainers.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig, SFTConfig
 
 # What a stage produces; a reference field accepts only stages producing what it asks for.
 CAUSAL_LM = "causal_lm"
@@ -45,9 +45,13 @@ class StageBase(Strict):
     produces: ClassVar[str] = ""
     refs: ClassVar[dict[str, str]] = {}
 
+    def reference_fields(self) -> list[tuple[tuple, str, str]]:
+        """(field path within the stage, stage id or `base` it names, product it needs) per reference."""
+        return [((name,), getattr(self, name), wanted) for name, wanted in self.refs.items() if getattr(self, name) is not None]
+
     def references(self) -> dict[str, str]:
-        """Reference field → stage id (or `base`) it names."""
-        return {name: getattr(self, name) for name in self.refs if getattr(self, name) is not None}
+        """Reference field (dotted path) → stage id (or `base`) it names."""
+        return {".".join(map(str, path)): target for path, target, _ in self.reference_fields()}
 
     def dependencies(self) -> list[str]:
         """Stages that must finish before this one: `needs` plus referenced stages."""
@@ -123,6 +127,75 @@ class DPOStage(StageBase, DPOConfig):
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
 
 
+class RewardFunctionSpec(Strict):
+    """One reward function of an RL stage; exactly one of `function`, `reward_model`, `url`."""
+
+    function: str | None = None
+    """A built-in (`exact_match`, `keyword`, `regex`, `length_penalty`, `sentiment_lexicon`, `length`) or
+    `module:function` taking (prompts, completions, **columns, **kwargs) → [float | None]."""
+    reward_model: str | None = None
+    """Id of a `reward` stage whose model scores prompt + completion."""
+    url: str | None = None
+    """A remote scorer: POST {"prompts", "completions", "columns"} → {"rewards": [...]}."""
+    weight: float = 1.0
+    """Weight in the summed reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for `function` (e.g. `{words: [great]}` for keyword)."""
+    name: str | None = None
+    """Label in metrics (rewards/<name>/mean); defaults to the function or stage name."""
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [k for k in ("function", "reward_model", "url") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of function, reward_model, url (got {given or 'none'})")
+        return self
+
+
+class _RLStage(StageBase):
+    """Wiring shared by the online RL stages."""
+
+    model: str = BASE
+    """Policy to start from (and reference): `base` or a stage producing a causal LM (usually `sft`)."""
+    data: str
+    """Id of a `format` stage whose prompts are used (prompt_only, or any format with a prompt)."""
+    rewards: list[RewardFunctionSpec] = Field(min_length=1)
+    """Reward functions, summed with their weights."""
+
+    produces: ClassVar[str] = CAUSAL_LM
+    refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
+
+    def reference_fields(self) -> list[tuple[tuple, str, str]]:
+        own = super().reference_fields()
+        return own + [(("rewards", i, "reward_model"), r.reward_model, REWARD_MODEL)
+                      for i, r in enumerate(self.rewards) if r.reward_model]
+
+
+class GRPOStage(_RLStage, GRPOConfig):
+    """Online RL with group-relative advantages (GRPO / Dr. GRPO / DAPO variants)."""
+
+    kind: Literal["grpo"] = "grpo"
+
+
+class PPOStage(_RLStage, PPOConfig):
+    """Online RL with PPO: policy, reference, value model and reward model(s)."""
+
+    kind: Literal["ppo"] = "ppo"
+    value_model: str | None = None
+    """Id of a `reward` stage whose model initialises the value head; null uses the first reward model in `rewards`."""
+
+    def reference_fields(self) -> list[tuple[tuple, str, str]]:
+        own = super().reference_fields()
+        return own + ([(("value_model",), self.value_model, REWARD_MODEL)] if self.value_model else [])
+
+    @model_validator(mode="after")
+    def _value_source(self):
+        if not self.value_model and not any(r.reward_model for r in self.rewards):
+            raise ValueError("PPO needs a value model: set `value_model:` to a reward stage id, "
+                             "or include a `reward_model:` entry in `rewards`")
+        return self
+
+
 class JudgeStage(StageBase):
     """Generate from a candidate and a baseline on eval prompts and report the candidate's win rate."""
 
@@ -186,7 +259,9 @@ class PushStage(StageBase):
         return self
 
 
-STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, RewardStage, DPOStage, JudgeStage, PushStage)
+STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, RewardStage, DPOStage, GRPOStage, PPOStage, JudgeStage,
+                                             PushStage)
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
-Stage = Annotated[Union[FormatStage, SFTStage, RewardStage, DPOStage, JudgeStage, PushStage], Field(discriminator="kind")]
+Stage = Annotated[Union[FormatStage, SFTStage, RewardStage, DPOStage, GRPOStage, PPOStage, JudgeStage, PushStage],
+                  Field(discriminator="kind")]

@@ -176,7 +176,7 @@ class TrainLoop:
     """
 
     def __init__(self, name: str, cfg: TrainingArgs, model, examples: list[dict], collate, tracker, output_dir,
-                 seed: int, lora_task: str = "CAUSAL_LM"):
+                 seed: int, lora_task: str = "CAUSAL_LM", rows_per_batch: int | None = None, repeat: int = 1):
         from accelerate import Accelerator
         from torch.utils.data import DataLoader
 
@@ -185,6 +185,7 @@ class TrainLoop:
         if not examples:
             raise ValueError(f"{name}: the training split is empty (check the format stage's max_length and eval_fraction)")
         self.name, self.cfg, self.tracker = name, cfg, tracker
+        self.repeat = repeat  # optimizer steps per window of data (GRPO's num_iterations)
         self.output_dir = Path(output_dir)
         self.seed = seed
         seed_everything(seed)
@@ -201,17 +202,22 @@ class TrainLoop:
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
             return self.accelerator.prepare_data_loader(
-                DataLoader(examples, batch_size=cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
+                DataLoader(examples, batch_size=rows_per_batch or cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))
-        self.steps = total_steps(cfg, self.micro_per_epoch)
+        self.steps = total_steps(cfg, self.micro_per_epoch) * (1 if cfg.max_steps else repeat)
         optimizer = build_optimizer(model, cfg)
         scheduler = build_scheduler(optimizer, cfg, self.steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.checkpoints = Checkpointer(self.output_dir, cfg.save_total_limit)
         self.state = self.checkpoints.resume(self.accelerator)
         self.step = self.state["step"] if self.state else 0
+
+    @property
+    def iteration(self) -> int:
+        """Which of the `repeat` optimizer steps on the current window this is (0-based)."""
+        return self.step % self.repeat
 
     @property
     def unwrapped(self):
@@ -236,14 +242,20 @@ class TrainLoop:
     def run(self, step_fn, eval_fn=None) -> TrainResult:
         cfg, acc = self.cfg, self.accelerator
         started = time.perf_counter()
-        batches = self._micro_batches(self.step * cfg.gradient_accumulation_steps)
+        batches = self._micro_batches((self.step // self.repeat) * cfg.gradient_accumulation_steps)
         meter = Throughput()
         window_metrics: list[dict[str, float]] = []
         bar = progress(self.steps, self.name, acc.is_main_process, initial=self.step)
         self.model.train()
+        window: list = []
         while self.step < self.steps:
-            window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
+            if self.step % self.repeat == 0 or not window:
+                window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
             metrics = step_fn(window)
+            if "loss" in metrics and not math.isfinite(metrics["loss"]):
+                last = self.checkpoints.complete()
+                raise FloatingPointError(f"{self.name}: loss is {metrics['loss']} at step {self.step + 1}; "
+                                         f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}")
             gnorm = grad_norm(self.model)
             if cfg.max_grad_norm:
                 acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -252,7 +264,11 @@ class TrainLoop:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             for b in window:
-                meter.add(int(b["attention_mask"].sum()), len(b["attention_mask"]))
+                if isinstance(b, dict) and "attention_mask" in b:
+                    meter.add(int(b["attention_mask"].sum()), len(b["attention_mask"]))
+            if "num_tokens" in metrics.get("_meter", {}):
+                meter.add(int(metrics["_meter"]["num_tokens"]), int(metrics["_meter"]["num_samples"]))
+            metrics = {k: v for k, v in metrics.items() if k != "_meter"}
             window_metrics.append({**metrics, "grad_norm": gnorm})
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
@@ -261,9 +277,6 @@ class TrainLoop:
                          "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch}
                 self.log({f"train/{k}": v for k, v in mean.items()})
                 if "loss" in mean:
-                    if not math.isfinite(mean["loss"]):
-                        raise FloatingPointError(f"{self.name}: loss is {mean['loss']} at step {self.step}; "
-                                                 "lower the learning rate (last checkpoint kept)")
                     bar.set_postfix(loss=f"{mean['loss']:.4f}")
                 window_metrics = []
             if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:

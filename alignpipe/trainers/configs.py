@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from alignpipe.engine.sampling import SamplingParams
 from alignpipe.strict import Strict
 
 
@@ -117,3 +118,105 @@ class DPOConfig(TrainingArgs):
         if self.reference_free and self.precompute_ref_logps:
             raise ValueError("reference_free and precompute_ref_logps exclude each other: a reference-free run has no reference")
         return self
+
+
+class RolloutSpec(Strict):
+    """Which generation engine produces rollouts."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """hf: transformers `generate` on the policy itself (CPU or GPU); vllm: a vLLM engine."""
+    mode: Literal["colocate", "server"] = "colocate"
+    """vllm only. colocate: a vLLM `LLM` inside the training process, weights pushed after each
+    optimizer step; server: completions from a running `vllm serve` (OpenAI-compatible) endpoint."""
+    server_url: str | None = None
+    """vllm server mode: base URL, e.g. http://127.0.0.1:8000 (the policy served there is what samples)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """vllm colocate: fraction of GPU memory vLLM may take."""
+    sleep_between_rollouts: bool = True
+    """vllm colocate: put vLLM to sleep during training steps to free its memory (vLLM ≥ 0.7)."""
+    batch_size: int = Field(64, gt=0)
+    """hf: prompts per `generate` call."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.backend == "vllm" and self.mode == "server" and not self.server_url:
+            raise ValueError("rollout mode 'server' needs `server_url` (e.g. http://127.0.0.1:8000)")
+        return self
+
+
+class OnlineRLArgs(TrainingArgs):
+    """Knobs GRPO and PPO share."""
+
+    max_prompt_length: int | None = Field(256, gt=0)
+    """Keep only the last N prompt tokens."""
+    max_completion_length: int = Field(64, gt=0)
+    """Most tokens generated per completion."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling for rollouts; the same temperature divides the logits in training."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Generation engine."""
+    sample_every: int = Field(10, gt=0)
+    """Every N steps, log a table of (prompt, completion, reward) and print it."""
+    logprob_chunk_tokens: int = Field(4096, gt=0)
+    """Tokens per chunk when computing log-probs (bounds the full-vocabulary logits held at once)."""
+
+
+class GRPOConfig(OnlineRLArgs):
+    """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW (TRL's default)."""
+    batch_size: int = Field(8, gt=0)
+    """Completions per forward pass on each process (= prompts × num_generations, as in TRL)."""
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (the group)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """Token-loss aggregation. grpo: per-sequence mean, then mean; bnpo: mean over the micro-batch's
+    tokens; dr_grpo: sum / (sequences × max_completion_length); dapo: sum / tokens of the whole
+    accumulated batch."""
+    epsilon: float = Field(0.2, gt=0)
+    """Lower clipping range of the importance ratio."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """Upper clipping range (DAPO's clip-higher); null uses `epsilon`."""
+    beta: float = Field(0.0, ge=0)
+    """KL coefficient (k3 estimator against the reference); 0 loads no reference model."""
+    kl_importance_correction: bool = True
+    """Weight the per-token KL by the importance ratio π/π_old, which makes its gradient unbiased for
+    samples drawn from π_old (TRL's `use_bias_correction_kl`, on by default there too)."""
+    num_iterations: int = Field(1, gt=0)
+    """Optimizer steps per generation batch (μ); > 1 reuses rollouts with importance ratios."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_completion_length without EOS from the loss."""
+
+
+class PPOConfig(OnlineRLArgs):
+    """PPO for RLHF with the "N+ implementation details" (the design of TRL ≤ 1.12's PPOTrainer)."""
+
+    learning_rate: float = Field(3e-6, gt=0)
+    """Peak learning rate of AdamW (TRL's PPO default)."""
+    batch_size: int = Field(8, gt=0)
+    """Episodes (prompt + response) per forward pass on each process."""
+    num_mini_batches: int = Field(1, gt=0)
+    """Mini-batches per PPO epoch; rollout batch = batch_size × accumulation × num_mini_batches."""
+    num_ppo_epochs: int = Field(4, gt=0)
+    """Passes over each rollout batch."""
+    kl_coef: float = Field(0.05, ge=0)
+    """Coefficient of the per-token KL penalty in the reward."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """KL estimator for the penalty (k1 as the seed's PPO; k3 is unbiased and lower variance)."""
+    cliprange: float = Field(0.2, gt=0)
+    """Policy ratio clipping."""
+    cliprange_value: float = Field(0.2, gt=0)
+    """Value prediction clipping around the rollout values."""
+    vf_coef: float = Field(0.1, ge=0)
+    """Value-loss coefficient."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE λ."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (keeping their mean) before GAE."""
+    missing_eos_penalty: float | None = Field(None, ge=0)
+    """Subtract this from the score of responses that never produced EOS."""

@@ -1,0 +1,19 @@
+"""Pick the generation engine a rollout spec asks for."""
+
+from __future__ import annotations
+
+
+def make_engine(spec, model, tokenizer):
+    """An engine for `spec` (a `RolloutSpec`) generating from `model`'s weights."""
+    if spec.backend == "hf":
+        from alignpipe.engine.hf import HFEngine
+
+        return HFEngine(model, tokenizer, spec.batch_size)
+    if spec.mode == "server":
+        from alignpipe.engine.vllm import VLLMServerEngine
+
+        return VLLMServerEngine(spec.server_url, tokenizer)
+    from alignpipe.engine.vllm import VLLMColocateEngine
+
+    return VLLMColocateEngine(model, tokenizer, gpu_memory_utilization=spec.gpu_memory_utilization,
+                              sleep_between_rollouts=spec.sleep_between_rollouts)

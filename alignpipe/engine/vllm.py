@@ -1,0 +1,136 @@
+"""The `vllm` backend, in two modes behind the same `generate()` contract as `HFEngine`.
+
+Written against vLLM's documented Python API for the range in the `vllm` extra (>=0.10,<0.34). vLLM
+cannot be installed on CPU machines, so the colocate mode has not been run by this project's CI; the
+server mode's HTTP path is tested against a loopback endpoint speaking the OpenAI completions API.
+
+- `VLLMColocateEngine`: a vLLM `LLM` in the training process. `update_weights(model)` loads the policy's
+  current weights into vLLM after each optimizer step; with `sleep_between_rollouts` vLLM sleeps
+  (frees its KV cache and weights) while the trainer steps and wakes before generating.
+- `VLLMServerEngine`: completions from a running `vllm serve` (OpenAI-compatible `/v1/completions`).
+  The served model is what samples: keep it in sync yourself (e.g. reload from checkpoints), or use it
+  for judging. Token ids are recovered by tokenizing the returned text (EOS appended when
+  `finish_reason == "stop"`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from alignpipe.engine.base import Generation
+from alignpipe.engine.sampling import SamplingParams
+
+
+class VLLMColocateEngine:
+    def __init__(self, model, tokenizer, gpu_memory_utilization: float = 0.3, sleep_between_rollouts: bool = True,
+                 dtype: str = "auto", seed: int = 0):
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - depends on the vllm extra
+            raise ImportError("rollout backend 'vllm' needs the vllm extra: pip install 'alignpipe[vllm]' (GPU only)") from e
+        source = getattr(model.config, "_name_or_path", "")
+        if not source or not Path(source).exists():
+            source = tempfile.mkdtemp(prefix="alignpipe-vllm-")
+            model.save_pretrained(source)
+            tokenizer.save_pretrained(source)
+        self.tok = tokenizer
+        self.sleep = sleep_between_rollouts
+        self.llm = LLM(model=source, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
+                       enable_sleep_mode=sleep_between_rollouts)
+        self._asleep = False
+
+    def _vllm_model(self):
+        engine = self.llm.llm_engine
+        executor = getattr(engine, "model_executor", None)
+        if executor is not None and hasattr(executor, "driver_worker"):  # V0 engine
+            worker = executor.driver_worker
+            runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+            return runner.model
+        return None
+
+    def update_weights(self, model) -> None:
+        """Copy the policy's weights into vLLM (a peft model is merged on the fly)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        state = model.merge_and_unload().state_dict() if hasattr(model, "merge_and_unload") else model.state_dict()
+        target = self._vllm_model()
+        if target is not None:
+            target.load_weights(state.items())
+        else:  # V1 engine: run load_weights on every worker
+            self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(state.items()))
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+    def generate(self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+        from vllm import SamplingParams as VSampling
+
+        sampling = sampling or SamplingParams()
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        params = VSampling(n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=sampling.top_k or -1, min_p=sampling.min_p, seed=seed)
+        inputs = [{"prompt_token_ids": p} if not isinstance(p, str) else p for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        gens = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                reason = "stop" if c.finish_reason == "stop" else "length"
+                if reason == "stop" and (not ids or ids[-1] != self.tok.eos_token_id):
+                    ids.append(self.tok.eos_token_id)
+                gens.append(Generation(i, self.tok.decode(ids, skip_special_tokens=True), ids, reason))
+        if self.sleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        return gens
+
+
+class VLLMServerEngine:
+    """OpenAI-compatible completions endpoint (`vllm serve MODEL`)."""
+
+    def __init__(self, base_url: str, tokenizer, model_name: str | None = None, timeout_s: float = 600.0):
+        self.base = base_url.rstrip("/")
+        self.tok = tokenizer
+        self.timeout_s = timeout_s
+        self.model_name = model_name
+
+    def _model(self, client) -> str:
+        if self.model_name is None:
+            response = client.get(f"{self.base}/v1/models")
+            response.raise_for_status()
+            self.model_name = response.json()["data"][0]["id"]
+        return self.model_name
+
+    def update_weights(self, model) -> None:
+        """The server owns its weights; nothing is pushed (see the module docstring)."""
+
+    def generate(self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+        import httpx
+
+        sampling = sampling or SamplingParams()
+        payload = {"prompt": list(prompts), "n": n, "max_tokens": sampling.max_new_tokens,
+                   "temperature": sampling.temperature, "top_p": sampling.top_p}
+        if sampling.top_k:
+            payload["top_k"] = sampling.top_k
+        if sampling.min_p:
+            payload["min_p"] = sampling.min_p
+        if seed is not None:
+            payload["seed"] = seed
+        with httpx.Client(timeout=self.timeout_s) as client:
+            payload["model"] = self._model(client)
+            response = client.post(f"{self.base}/v1/completions", json=payload)
+            response.raise_for_status()
+            choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts) * n:
+            raise RuntimeError(f"server returned {len(choices)} completions for {len(prompts)} prompts × n={n}")
+        gens = []
+        for k, c in enumerate(choices):
+            ids = self.tok(c["text"], add_special_tokens=False)["input_ids"]
+            reason = "stop" if c.get("finish_reason") == "stop" else "length"
+            if reason == "stop":
+                ids = ids + [self.tok.eos_token_id]
+            gens.append(Generation(k // n, c["text"], ids, reason))
+        return gens

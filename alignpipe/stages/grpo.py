@@ -1,0 +1,34 @@
+"""`grpo` stage: policy from an upstream model, prompts from a format stage, rewards from the recipe."""
+
+from __future__ import annotations
+
+from alignpipe.engine.factory import make_engine
+from alignpipe.judges.reward_set import load_rewards
+from alignpipe.plots import curves_figure
+from alignpipe.stages.context import StageContext, StageResult
+from alignpipe.trainers import grpo
+from alignpipe.trainers.configs import GRPOConfig
+
+
+def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
+    """Prompt + extra columns (e.g. `answer`); completions are dropped: the policy writes its own."""
+    return [{k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)]
+
+
+def run(ctx: StageContext) -> StageResult:
+    s = ctx.stage
+    cfg = GRPOConfig.model_validate(s.model_dump(include=set(GRPOConfig.model_fields)))
+    rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
+    model, tokenizer, base_path = ctx.start_model(s.model, lora=cfg.lora is not None)
+    ref = ctx.load_model(s.model, merge=True) if cfg.beta and not cfg.lora else None
+    engine = make_engine(cfg.rollout, model, tokenizer) if cfg.rollout.backend != "hf" else None
+    result = grpo.train(cfg, model, tokenizer, prompt_rows(ctx, s.data, "train"), rewards, ctx.tracker, ctx.dir, ctx.seed,
+                        ref_model=ref, engine=engine, eval_rows=prompt_rows(ctx, s.data, "eval"))
+    for keys, name in ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png")):
+        fig = curves_figure(ctx.tracker, keys, f"GRPO {s.id}")
+        if fig is not None:
+            ctx.tracker.log_figure(fig, name)
+    out = ctx.causal_lm_result(result, base_path)
+    if "eval/reward" in result.metrics:
+        out.key_metric = "eval/reward"
+    return out

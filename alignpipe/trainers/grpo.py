@@ -1,0 +1,268 @@
+"""Group Relative Policy Optimization, following the design of TRL's GRPOTrainer.
+
+Each optimizer step: take `batch_size × accumulation / num_generations` prompts, sample
+`num_generations` completions each through the rollout engine, score them with the reward set
+(weighted sum; a function may answer None), and turn rewards into group-relative advantages
+(r − mean(group)) / std, std per group, per batch, or none). Completions are masked after their
+first EOS (and wholly, with `mask_truncated_completions`, when they never end).
+
+Per token, with ratio ρ = π/π_old (π_old = π detached unless `num_iterations` > 1 reuses a rollout):
+    loss = −min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) + β·KL_k3(π ‖ π_ref)
+aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over the micro-batch's
+tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the whole step).
+β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
+
+Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean, rewards/<fn>/std,
+frac_reward_zero_std, completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
+clip_ratio/{low,high,region}_mean; eval/reward (greedy, held-out prompts).
+
+Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.reward_set import RewardSet
+from alignpipe.rl_math import group_advantages, masked_mean, token_logprobs
+from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.configs import GRPOConfig
+
+log = logging.getLogger(__name__)
+TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "text", "messages")
+
+
+def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                   advantages: torch.Tensor, epsilon: float, epsilon_high: float, beta: float, kl_correction: bool = True):
+    """Clipped surrogate (+ β·k3 KL, times the ratio with `kl_correction`) per token, (B, C); also the
+    ratio and the KL term (or None)."""
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    adv = advantages.unsqueeze(1)
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    kl = None
+    if beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if kl_correction:
+            kl = kl * ratio
+        loss = loss + beta * kl
+    return loss, ratio, kl
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
+              step_tokens_per_process: float, accumulation: int) -> torch.Tensor:
+    """One micro-batch's contribution to the step loss (already divided for accumulation)."""
+    if loss_type == "grpo":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if loss_type == "bnpo":
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+    if loss_type == "dr_grpo":
+        return (loss * mask).sum() / (loss.size(0) * max_completion_length) / accumulation
+    if loss_type == "dapo":
+        return (loss * mask).sum() / max(1.0, step_tokens_per_process)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """1 for completion tokens up to and including the first EOS; rows that never ended are zeroed
+    when `mask_truncated`."""
+    mask = (torch.arange(ids.size(1)).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    if mask_truncated:
+        mask = mask * ended.float().unsqueeze(1)
+    return mask
+
+
+def _pad_left(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, n - len(s):] = 1
+    return ids, mask
+
+
+def _pad_right(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    n = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids
+
+
+def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature: float, chunk: int,
+                     with_entropy: bool = False):
+    """Log-probs (and entropies) of the completion tokens, (B, C)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    # Tokens after EOS are attended but come later, so causality keeps them out of earlier positions;
+    # the loss masks them.
+    attention = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+    out = token_logprobs(model, ids, attention, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy)
+    P = prompt_ids.size(1)
+    if with_entropy:
+        return out[0][:, P - 1:], out[1][:, P - 1:]
+    return out[:, P - 1:]
+
+
+def print_samples(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for col in ("prompt", "completion", "reward"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["prompt"][-60:], r["completion"][:80], f"{r['reward']:.3f}")
+    Console(file=sys.stdout, width=140).print(table)
+
+
+def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
+          seed: int = 0, ref_model=None, engine=None, eval_rows: list[dict] | None = None) -> TrainResult:
+    G = cfg.num_generations
+    if cfg.batch_size % G:
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
+    seed = cfg.seed if cfg.seed is not None else seed
+    temperature = cfg.sampling.temperature or 1.0
+    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    columns_of = lambda rs: {k: [r.get(k) for r in rs] for k in rs[0] if k not in TEXT_COLUMNS}  # noqa: E731
+    rewards.probe([r["prompt"] for r in rows[:2]], columns_of(rows[:2]))  # a broken reward fails before any rollout
+
+    loop = TrainLoop("grpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed,
+                     rows_per_batch=cfg.batch_size // G, repeat=cfg.num_iterations)
+    acc = loop.accelerator
+    device = acc.device
+    if engine is None:
+        from alignpipe.engine.hf import HFEngine
+
+        engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size)
+    if cfg.beta and not cfg.lora and ref_model is None:
+        raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
+    ref = ref_model.to(device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None
+
+    def ref_context():
+        return loop.unwrapped.disable_adapter() if (cfg.beta and cfg.lora) else contextlib.nullcontext()
+
+    def encode_prompts(rs: list[dict]) -> list[list[int]]:
+        ids = tokenizer([r["prompt"] for r in rs])["input_ids"]
+        return [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in ids]
+
+    buffer: dict = {}
+
+    @torch.no_grad()
+    def rollout(window: list[list[dict]]) -> dict[str, float]:
+        batch_rows = [r for micro in window for r in micro]
+        prompt_lists = encode_prompts(batch_rows)
+        engine.update_weights(loop.unwrapped)
+        gens = engine.generate(prompt_lists, G, sampling, seed=seed + loop.step)
+        rep_rows = [r for r in batch_rows for _ in range(G)]
+        prompts_text = [r["prompt"] for r in rep_rows]
+        completions = [g.completion for g in gens]
+        total, per_fn = rewards(prompts_text, completions, columns_of(rep_rows))
+        adv, std = group_advantages(total, G, cfg.scale_rewards)
+        prompt_ids, prompt_mask = _pad_left([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id)
+        comp_ids = _pad_right([g.completion_ids for g in gens], tokenizer.pad_token_id)
+        lengths = torch.tensor([len(g.completion_ids) for g in gens])
+        ended = torch.tensor([g.finish_reason == "stop" for g in gens])
+        mask = completion_mask(comp_ids, lengths, ended, cfg.mask_truncated_completions)
+        buf = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids, "mask": mask,
+               "advantages": adv}
+        loop.model.eval()
+        for key, needed, model_ctx in (("old_logps", cfg.num_iterations > 1, (loop.model, contextlib.nullcontext())),
+                                       ("ref_logps", cfg.beta != 0.0, (ref if ref is not None else loop.model, ref_context()))):
+            if not needed:
+                continue
+            m, ctx = model_ctx
+            parts = []
+            with ctx:
+                for s in range(0, len(gens), cfg.batch_size):
+                    sl = slice(s, s + cfg.batch_size)
+                    parts.append(completion_logps(m, prompt_ids[sl].to(device), prompt_mask[sl].to(device), comp_ids[sl].to(device),
+                                                  temperature, cfg.logprob_chunk_tokens).float())
+            buf[key] = torch.cat(parts)
+        loop.model.train()
+        tokens = float(mask.sum())
+        if acc.num_processes > 1:
+            tokens = float(acc.reduce(torch.tensor(tokens, device=device), "sum"))
+        buf["step_tokens_per_process"] = tokens / acc.num_processes
+        buffer.clear()
+        buffer.update(buf)
+        finite = total[~torch.isnan(total)]
+        stats = {"reward": float(finite.mean()) if len(finite) else 0.0,
+                 "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
+                 "frac_reward_zero_std": float(torch.isclose(std.nan_to_num(0.0), torch.zeros_like(std)).float().mean()),
+                 "completions/mean_length": float(lengths.float().mean()), "completions/min_length": float(lengths.min()),
+                 "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean())}
+        for k, name in enumerate(rewards.names):
+            col = per_fn[:, k][~torch.isnan(per_fn[:, k])]
+            stats[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
+            stats[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
+        if loop.step % cfg.sample_every == 0 and acc.is_main_process:
+            table = [{"prompt": p, "completion": c, "reward": float(t)} for p, c, t in zip(prompts_text[:8], completions[:8], total[:8])]
+            tracker.log_table(table, f"samples/step_{loop.step:06d}")
+            print_samples(table, f"grpo samples at step {loop.step}")
+        buffer["rollout_stats"] = stats
+        buffer["num_samples"] = len(gens)
+        return stats
+
+    def step(window: list[list[dict]]) -> dict[str, float]:
+        if loop.iteration == 0:
+            rollout(window)
+        b = buffer
+        n = b["completion_ids"].size(0)
+        sums = {"kl": 0.0, "entropy": 0.0, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0}
+        loss_total = 0.0
+        micro = list(range(0, n, cfg.batch_size))
+        for j, s in enumerate(micro):
+            sl = slice(s, s + cfg.batch_size)
+            mask = b["mask"][sl].to(device)
+            with loop.no_sync_unless(j == len(micro) - 1):
+                logps, entropy = completion_logps(loop.model, b["prompt_ids"][sl].to(device), b["prompt_mask"][sl].to(device),
+                                                  b["completion_ids"][sl].to(device), temperature, cfg.logprob_chunk_tokens,
+                                                  with_entropy=True)
+                old = b["old_logps"][sl].to(device) if "old_logps" in b else None
+                refl = b["ref_logps"][sl].to(device) if "ref_logps" in b else None
+                adv = b["advantages"][sl].to(device)
+                ptl, ratio, kl = per_token_loss(logps.float(), old, refl, adv, cfg.epsilon, eps_high, cfg.beta,
+                                                cfg.kl_importance_correction)
+                loss = aggregate(ptl, mask, cfg.loss_type, cfg.max_completion_length, b["step_tokens_per_process"], len(micro))
+                acc.backward(loss)
+            with torch.no_grad():
+                loss_total += float(loss) * (len(micro) if cfg.loss_type != "dapo" else 1.0)
+                a = adv.unsqueeze(1)
+                low = ((ratio < 1 - cfg.epsilon) & (a < 0)).float()
+                high = ((ratio > 1 + eps_high) & (a > 0)).float()
+                sums["clip_ratio/low_mean"] += float(masked_mean(low, mask)) / len(micro)
+                sums["clip_ratio/high_mean"] += float(masked_mean(high, mask)) / len(micro)
+                sums["clip_ratio/region_mean"] += float(masked_mean(torch.maximum(low, high), mask)) / len(micro)
+                sums["entropy"] += float(masked_mean(entropy, mask)) / len(micro)
+                if kl is not None:
+                    sums["kl"] += float(masked_mean(kl, mask)) / len(micro)
+        loss_value = loss_total / (len(micro) if cfg.loss_type != "dapo" else 1.0)
+        out = {"loss": loss_value, **sums, **b["rollout_stats"]}
+        if cfg.beta == 0.0:
+            out.pop("kl")
+        tokens = float(b["mask"].sum() + b["prompt_mask"].sum())
+        out["_meter"] = {"num_tokens": tokens if loop.iteration == 0 else 0, "num_samples": b["num_samples"] if loop.iteration == 0 else 0}
+        return out
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        sample = (eval_rows or [])[:64]
+        greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
+        engine.update_weights(loop.unwrapped)
+        gens = engine.generate(encode_prompts(sample), 1, greedy)
+        total, _ = rewards([r["prompt"] for r in sample], [g.completion for g in gens], columns_of(sample))
+        finite = total[~torch.isnan(total)]
+        return {"reward": float(finite.mean()) if len(finite) else 0.0}
+
+    result = loop.run(step, evaluate if eval_rows else None)
+    result.model_dir, result.adapter = loop.save(tokenizer)
+    return result

@@ -1,0 +1,189 @@
+"""Shared RL math against TRL (1.16's GRPO code; PPO's documented formulas, since 1.16 has no PPO)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from alignpipe.rl_math import gae, group_advantages, kl_estimate, masked_mean, masked_whiten, token_logprobs
+from alignpipe.trainers import grpo, ppo
+
+TOL = 1e-5
+
+
+def test_chunked_logprobs_equal_full_logits(tiny):
+    from alignpipe.modeling import load_causal_lm
+
+    model = load_causal_lm(str(tiny / "model"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 500, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding on row 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1] / 0.7
+    full = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    chunked = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6)  # 2 positions per chunk
+    assert torch.allclose(chunked, full, atol=TOL)
+    chunked.sum().backward()  # gradients flow through the checkpointed chunks
+    assert model.get_output_embeddings().weight.grad is not None
+
+
+def test_kl_is_zero_for_the_same_policy_and_k3_is_nonnegative():
+    lp = torch.randn(4, 7)
+    for kind in ("k1", "k2", "k3"):
+        assert torch.allclose(kl_estimate(lp, lp, kind), torch.zeros_like(lp))
+    ref = lp + torch.randn(4, 7)
+    assert (kl_estimate(lp, ref, "k3") >= 0).all()
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), lp - ref)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_equal_trl(scale):
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.randn(12, generator=g)
+    rewards[5] = float("nan")  # unscorable completion
+    rewards[8:12] = 2.0        # a zero-std group
+    ours, std = group_advantages(rewards, 4, scale)
+    # TRL 1.16 GRPOTrainer._generate_and_score_completions, "sum_then_normalize":
+    mean = torch.nanmean(rewards.view(-1, 4), 1).repeat_interleave(4)
+    if scale in ("group", "none"):
+        ref_std = trl_utils.nanstd(rewards.view(-1, 4), dim=1).repeat_interleave(4)
+    else:
+        ref_std = trl_utils.nanstd(rewards).expand_as(rewards)
+    expected = rewards - mean
+    if scale != "none":
+        expected = expected / (ref_std + 1e-4)
+    expected = torch.nan_to_num(expected, nan=0.0)
+    assert torch.allclose(ours, expected, atol=TOL)
+    assert torch.allclose(std, ref_std, atol=TOL, equal_nan=True)
+
+
+@pytest.mark.parametrize("loss_type,kl_correction", [("grpo", True), ("bnpo", True), ("dr_grpo", False), ("dapo", True),
+                                                    ("dapo", False)])
+def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    tok, model = load_tokenizer(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
+    C = 5
+    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_generations=4, report_to="none",
+                          use_cpu=True, bf16=False, gradient_checkpointing=False, loss_type=loss_type, beta=0.04, epsilon=0.2,
+                          epsilon_high=0.28, max_completion_length=C, use_bias_correction_kl=kl_correction)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
+                              processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 8))
+    g = torch.Generator().manual_seed(0)
+    B, P = 4, 3
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    inputs = {"prompt_ids": torch.randint(2, 500, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+              "completion_ids": torch.randint(2, 500, (B, C), generator=g), "completion_mask": mask,
+              "advantages": torch.randn(B, generator=g), "old_per_token_logps": torch.randn(B, C, generator=g) * 0.1 - 5,
+              "ref_per_token_logps": torch.randn(B, C, generator=g) - 3, "num_items_in_batch": mask.sum().float()}
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)))
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    with torch.no_grad():
+        logps, entropy = grpo.completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                               1.0, 4096, with_entropy=True)
+        ptl, ratio, kl = grpo.per_token_loss(logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"],
+                                             inputs["advantages"], 0.2, 0.28, 0.04, kl_correction)
+        m = mask.float()
+        loss = grpo.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
+    assert float(loss) == pytest.approx(trl_loss, abs=TOL)
+    assert float(masked_mean(kl, m)) == pytest.approx(trl_metrics["kl"], abs=1e-4)
+    assert float(masked_mean(entropy, m)) == pytest.approx(trl_metrics["entropy"], abs=1e-4)
+    low = ((ratio < 0.8) & (inputs["advantages"].unsqueeze(1) < 0)).float()
+    assert float(masked_mean(low, m)) == pytest.approx(trl_metrics["clip_ratio/low_mean"], abs=TOL)
+
+
+# --- PPO: TRL 1.12's PPOTrainer code, written out (TRL 1.16 has no PPO) ----------------------------
+
+def trl_masked_whiten(values, mask, shift_mean=True):
+    mean = (values * mask).sum() / mask.sum()
+    var = ((values - mean) ** 2 * mask).sum() / mask.sum()
+    var = var * mask.sum() / (mask.sum() - 1)  # trl.trainer.utils.masked_var(unbiased=True)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def trl_gae(rewards, values, gamma, lam):
+    lastgaelam, rev = 0, []
+    T = rewards.size(1)
+    for t in reversed(range(T)):
+        nextvalues = values[:, t + 1] if t < T - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        rev.append(lastgaelam)
+    adv = torch.stack(rev[::-1], axis=1)
+    return adv, adv + values
+
+
+@pytest.fixture
+def episode():
+    g = torch.Generator().manual_seed(3)
+    B, R = 5, 7
+    lengths = torch.tensor([7, 3, 5, 1, 6])
+    idx = torch.arange(R).unsqueeze(0)
+    padding_mask = idx > (lengths - 1).unsqueeze(1)
+    padding_mask_p1 = idx > lengths.unsqueeze(1)
+    return {"g": g, "B": B, "R": R, "lengths": lengths, "padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1,
+            "logprobs": (torch.randn(B, R, generator=g) - 2).masked_fill(padding_mask, 1.0),
+            "ref": (torch.randn(B, R, generator=g) - 2).masked_fill(padding_mask, 1.0),
+            "values": torch.randn(B, R, generator=g).masked_fill(padding_mask_p1, 0), "scores": torch.randn(B, generator=g)}
+
+
+def test_masked_whiten_equals_trl(episode):
+    x, mask = torch.randn(5, 7, generator=episode["g"]), ~episode["padding_mask"]
+    for shift in (True, False):
+        assert torch.allclose(masked_whiten(x, mask, shift), trl_masked_whiten(x, mask, shift), atol=TOL)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_reward_puts_score_on_last_token(episode, estimator):
+    e = episode
+    rewards, kl, non_score = ppo.kl_rewards(e["scores"], e["logprobs"], e["ref"], e["lengths"] - 1, 0.05, estimator)
+    logr = e["ref"] - e["logprobs"]  # TRL 1.12: kl = -logr (k1) or (logr.exp() - 1) - logr (k3)
+    expected_kl = -logr if estimator == "k1" else (logr.exp() - 1) - logr
+    assert torch.allclose(kl, expected_kl, atol=TOL)
+    expected = -0.05 * expected_kl
+    expected[torch.arange(e["B"]), e["lengths"] - 1] += e["scores"]
+    assert torch.allclose(rewards, expected, atol=TOL)
+    assert torch.allclose(kl.masked_fill(e["padding_mask"], 0), kl * (~e["padding_mask"]))  # INVALID logprobs give KL 0
+
+
+def test_gae_and_returns_equal_trl(episode):
+    e = episode
+    rewards, _, _ = ppo.kl_rewards(e["scores"], e["logprobs"], e["ref"], e["lengths"] - 1, 0.05)
+    ours_adv, ours_ret = gae(rewards, e["values"], (~e["padding_mask_p1"]).float(), gamma=0.99, lam=0.95)
+    ref_adv, ref_ret = trl_gae(rewards, e["values"], 0.99, 0.95)
+    valid = ~e["padding_mask_p1"]
+    assert torch.allclose(ours_adv[valid], ref_adv[valid], atol=TOL)
+    assert torch.allclose(ours_ret[valid], ref_ret[valid], atol=TOL)
+
+
+def test_policy_and_value_losses_equal_trl(episode):
+    e = episode
+    g = e["g"]
+    new = (e["logprobs"] + 0.3 * torch.randn(e["B"], e["R"], generator=g)).masked_fill(e["padding_mask"], 1.0)
+    adv = torch.randn(e["B"], e["R"], generator=g).masked_fill(e["padding_mask"], 0)
+    loss, clipfrac, ratio, approxkl = ppo.policy_loss(new, e["logprobs"], adv, ~e["padding_mask"], 0.2)
+    diff = new - e["logprobs"]
+    r = torch.exp(diff)
+    pg1, pg2 = -adv * r, -adv * torch.clamp(r, 0.8, 1.2)
+    m = ~e["padding_mask"]
+    assert float(loss) == pytest.approx(float((torch.max(pg1, pg2) * m).sum() / m.sum()), abs=TOL)
+    assert float(clipfrac) == pytest.approx(float(((pg2 > pg1).float() * m).sum() / m.sum()), abs=TOL)
+    assert float(approxkl) == pytest.approx(float(0.5 * (diff ** 2).mean()), abs=TOL)
+    vpred = e["values"] + 0.5 * torch.randn(e["B"], e["R"], generator=g)
+    returns = torch.randn(e["B"], e["R"], generator=g)
+    vloss, vclip = ppo.value_loss(vpred, e["values"], returns, ~e["padding_mask_p1"], 0.2)
+    clipped = torch.clamp(vpred, e["values"] - 0.2, e["values"] + 0.2)
+    v1, v2 = (vpred - returns) ** 2, (clipped - returns) ** 2
+    mp1 = ~e["padding_mask_p1"]
+    assert float(vloss) == pytest.approx(float(0.5 * (torch.max(v1, v2) * mp1).sum() / mp1.sum()), abs=TOL)
+    assert float(vclip) == pytest.approx(float(((v2 > v1).float() * mp1).sum() / mp1.sum()), abs=TOL)
