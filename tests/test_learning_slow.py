@@ -40,3 +40,23 @@ def test_tiny_dpo_beats_sft_and_reward_model_is_accurate(prefect_harness, tiny, 
           "by reward model", metrics["judge-rm"]["judge/win_rate"])
     assert metrics["rm"]["eval/accuracy"] >= 0.90
     assert metrics["judge"]["judge/win_rate"] >= 0.65
+
+
+def test_tiny_grpo_raises_held_out_accuracy_by_40_points(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-grpo.yaml", tiny, tmp_path)
+    judge = child_metrics(recipe, summary)["judge"]
+    print("held-out exact match: SFT", judge["judge/baseline_score"], "GRPO", judge["judge/candidate_score"])
+    assert judge["judge/candidate_score"] - judge["judge/baseline_score"] >= 0.40
+
+
+def test_tiny_ppo_raises_rlhf_reward_and_beats_sft(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path)
+    metrics = child_metrics(recipe, summary)
+    client = MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.experiment_name)
+    ppo_run = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and "
+                                                      "tags.`alignpipe.stage_id` = 'ppo'")[0]
+    history = [m.value for m in client.get_metric_history(ppo_run.info.run_id, "objective/rlhf_reward")]
+    print("rlhf_reward", history[0], "→", history[-1], "win rate vs SFT", metrics["judge"]["judge/win_rate"])
+    assert history[-1] > history[0]
+    assert metrics["judge"]["judge/win_rate"] >= 0.65

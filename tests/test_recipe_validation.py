@@ -206,3 +206,42 @@ def test_preference_dataset_without_chosen_rejected_names_columns_and_mapping(ti
 def test_judge_reward_model_must_be_a_reward_stage(tiny):
     msg = problems_of(dpo_recipe(tiny).replace("reward_model: rm", "reward_model: sft"))
     assert "`reward_model` needs a reward model" in msg and "name one of: rm" in msg
+
+
+def rl_recipe(tiny, name) -> str:
+    return (Path(__file__).parents[1] / "pipelines" / name).read_text().replace("assets/tiny", str(tiny))
+
+
+def test_grpo_batch_must_split_into_groups_and_says_what_to_change(tiny):
+    msg = problems_of(rl_recipe(tiny, "tiny-grpo.yaml").replace("    batch_size: 64", "    batch_size: 60"))
+    assert "stages[2].batch_size (stage 'grpo')" in msg
+    assert "60 × 1 = 60 completions per forward pass, which does not split into groups of num_generations = 8" in msg
+    assert "make batch_size a multiple of 8 (e.g. 64)" in msg
+
+
+def test_grpo_batch_times_processes_is_checked(tiny):
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("    batch_size: 64", "    batch_size: 12\n    resources: {processes: 2}")
+    text = text.replace("num_generations: 8", "num_generations: 8")
+    msg = problems_of(text)
+    assert "12 × 2 = 24 completions" in msg
+
+
+def test_reward_spec_needs_exactly_one_source(tiny):
+    msg = problems_of(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", "{function: exact_match, url: http://x}"))
+    assert "stages[2].rewards[0]" in msg and "exactly one of function, reward_model, url" in msg
+
+
+def test_reward_model_entry_must_name_a_reward_stage(tiny):
+    msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("{reward_model: rm}", "{reward_model: sft}"))
+    assert "stages[5].rewards.0.reward_model" in msg or "stages[5].rewards[0].reward_model" in msg
+    assert "`rewards.0.reward_model` needs a reward model" in msg
+
+
+def test_ppo_needs_a_value_model(tiny):
+    msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("{reward_model: rm}", "{function: sentiment_lexicon}"))
+    assert "PPO needs a value model" in msg
+
+
+def test_vllm_server_rollouts_need_a_url(tiny):
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("    sampling: {temperature: 1.0}", "    sampling: {temperature: 1.0}\n    rollout: {backend: vllm, mode: server}")
+    assert "rollout mode 'server' needs `server_url`" in problems_of(text)
