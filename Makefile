@@ -7,6 +7,10 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ASSETS ?= assets/tiny
 PYTEST_ARGS ?=
+# No telemetry from Prefect's server or MLflow: these machines reach no outside service.
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+export MLFLOW_ENABLE_TELEMETRY ?= false
 
 .PHONY: install demo test test-slow bench clean lint
 

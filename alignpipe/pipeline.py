@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -24,7 +25,7 @@ from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import BASE, FormatStage
 from alignpipe.stage import StageSpec
 
-STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN = "done", "cached", "failed", "not run"
+STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED = "done", "cached", "failed", "not run", "skipped"
 
 
 @lru_cache(maxsize=1)
@@ -126,8 +127,13 @@ def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: i
     spec = StageSpec.model_validate_json(Path(spec_path).read_text())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: collections.deque[str] = collections.deque(maxlen=60)
-    proc = subprocess.Popen(stage_command(spec_path, processes), stdout=subprocess.PIPE, stderr=None, text=True,
+    err_tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(stage_command(spec_path, processes), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             bufsize=1, env=env)
+    # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
+    # last lines are kept for the error message.
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
+    pump.start()
     deadline = time.monotonic() + timeout_s if timeout_s else None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -139,10 +145,21 @@ def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: i
             tail.append(f"killed after {timeout_s}s (resources.timeout_s)")
             break
     code = proc.wait()
+    pump.join(timeout=5)
     manifest = Manifest.read(Path(spec.stage_dir))
     if code != 0 or manifest is None or manifest.cache_key != spec.cache_key:
-        raise StageFailed(spec.stage_id, code, list(tail))
+        errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
+        raise StageFailed(spec.stage_id, code, list(tail) + (["--- stderr ---", *errors] if errors else []))
     return manifest
+
+
+def _pump_stderr(stream, keep: collections.deque) -> None:
+    for chunk in iter(lambda: stream.readline(), ""):
+        sys.stderr.write(chunk)
+        sys.stderr.flush()
+        for piece in chunk.replace("\r", "\n").split("\n"):
+            if piece.strip():
+                keep.append(piece)
 
 
 # --- MLflow parent run ---------------------------------------------------------------------------
@@ -181,6 +198,15 @@ class StageOutcome:
                    m.metrics.get(m.key_metric) if m.key_metric else None, output)
 
 
+def gate(stage, manifests: dict[str, Manifest]) -> tuple[bool, str]:
+    """Evaluate a stage's `when` on its upstream manifests: (open, explanation)."""
+    from alignpipe.gates import evaluate, parse
+
+    if not stage.when:
+        return True, ""
+    return evaluate(parse(stage.when), {sid: m.metrics for sid, m in manifests.items()})
+
+
 def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome]) -> None:
     from alignpipe.tracking import MlflowTracker
 
@@ -189,6 +215,7 @@ def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome
     failed = any(o.status == STATUS_FAILED for o in outcomes)
     run.log_text(json.dumps([asdict(o) for o in outcomes], indent=1), "summary.json")
     run.set_tags({f"alignpipe.status.{o.stage_id}": o.status for o in outcomes})
+    run.set_tags({f"alignpipe.skip_reason.{o.stage_id}": o.message[:5000] for o in outcomes if o.status == STATUS_SKIPPED})
     run.end("FAILED" if failed else "FINISHED")
 
 

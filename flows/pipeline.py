@@ -14,11 +14,12 @@ from prefect.context import get_run_context
 
 from alignpipe.manifest import Manifest
 from alignpipe.pipeline import (
-    STATUS_CACHED, STATUS_DONE, STATUS_FAILED, STATUS_NOT_RUN, StageOutcome, end_pipeline_run, plan, start_pipeline_run,
-    write_spec, write_summary,
+    STATUS_CACHED, STATUS_DONE, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED, StageOutcome, end_pipeline_run, gate, plan,
+    start_pipeline_run, write_spec, write_summary,
 )
 from alignpipe.recipe import load_recipe
 from tasks import TASKS
+from tasks.skip import skip_task
 
 
 class PipelineFailed(RuntimeError):
@@ -51,9 +52,25 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
             if any(outcomes.get(d) and outcomes[d].status in (STATUS_FAILED, STATUS_NOT_RUN) for d in deps):
                 outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_NOT_RUN, message="an upstream stage failed")
                 pending.remove(s)
+            elif any(outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED for d in deps):
+                skipped = [d for d in deps if outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED]
+                outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_SKIPPED, message=f"upstream stage {skipped[0]!r} was skipped")
+                skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
+                pending.remove(s)
             elif all(d in manifests for d in deps):
                 pending.remove(s)
                 p = plans[s.id]
+                try:
+                    open_gate, why = gate(s, manifests)
+                except ValueError as e:
+                    outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_FAILED, message=f"gate `when: {s.when}`: {e}")
+                    logger.error("stage %s: %s", s.id, outcomes[s.id].message)
+                    continue
+                if not open_gate:
+                    outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_SKIPPED, message=f"gate `{s.when}` is false: {why}")
+                    logger.warning("stage %s skipped: %s", s.id, outcomes[s.id].message)
+                    skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
+                    continue
                 if p.cached:
                     manifests[s.id] = Manifest.read(p.dir)
                     outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)

@@ -9,8 +9,9 @@ from prefect.cache_policies import NONE
 from alignpipe.pipeline import launch
 
 
-def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int = 0):
-    """A Prefect task for one stage kind. Caching is alignpipe's (manifests by cache key), not Prefect's."""
+def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int = 0, on_done=None):
+    """A Prefect task for one stage kind. Caching is alignpipe's (manifests by cache key), not Prefect's.
+    `on_done(manifest)` runs in the task after success (e.g. to publish Prefect artifacts)."""
 
     @task(name=f"{kind}-stage", cache_policy=NONE, retries=retries, retry_delay_seconds=retry_delay_seconds,
           task_run_name="{stage_id}")
@@ -18,6 +19,8 @@ def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int
         logger = get_run_logger()
         manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
                           processes=processes, timeout_s=timeout_s)
+        if on_done is not None:
+            on_done(manifest)
         return manifest.model_dump(mode="json")
 
     return run_stage

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from alignpipe.manifest import Manifest
 from alignpipe.recipe import load_recipe
 
-FAST = ["stages.sft.max_steps=60", "stages.sft.eval_every=null", "stages.judge.num_prompts=32"]
+FAST = ["stages.sft.max_steps=100", "stages.sft.eval_every=null", "stages.judge.num_prompts=64"]
 
 
 def run_flow(recipe_path: Path, overrides=(), force=()):
@@ -59,7 +59,7 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     assert len(losses) >= 5 and losses[-1].value < losses[0].value
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(sft_run.data.metrics)
     sft_artifacts = [a.path for a in client.list_artifacts(sft_run.info.run_id)]
-    assert "loss_curve.png" in sft_artifacts
+    assert "loss_curve.png" in sft_artifacts and "samples.json" in sft_artifacts
     judge_run = next(c for c in children if c.data.tags["alignpipe.stage_id"] == "judge")
     assert 0.0 <= judge_run.data.metrics["judge/win_rate"] <= 1.0
     assert {"win_rate.png", "judged_examples.json"} <= {a.path for a in client.list_artifacts(judge_run.info.run_id)}
@@ -71,8 +71,8 @@ def test_local_push_writes_model_and_card_with_lineage(demo_run):
     published = recipe.run_root / "published" / "publish"
     assert (published / "model.safetensors").exists() and (published / "tokenizer.json").exists()
     card = (published / "README.md").read_text()
-    fmt = Manifest.read(next((recipe.run_root / "stages").glob("sft-data-*")))
-    sft = Manifest.read(next((recipe.run_root / "stages").glob("sft-*[0-9a-f]")))
+    manifests = {m.stage_id: m for m in map(Manifest.read, (recipe.run_root / "stages").iterdir()) if m}
+    fmt, sft = manifests["sft-data"], manifests["sft"]
     assert card.startswith("---\nlicense: apache-2.0\nbase_model: " + recipe.model.path)
     assert fmt.info["fingerprint"] in card
     assert "eval/loss" in card and f"{sft.metrics['eval/loss']:.4g}" in card
@@ -107,3 +107,103 @@ def test_force_reruns_one_stage(demo_run):
     state = run_flow(path, FAST, force=["eval-prompts"])
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, FAST)["stages"]}
     assert statuses["eval-prompts"] == "done" and statuses["sft"] == "cached"
+
+
+def test_gate_opened_so_publish_registered_the_model_as_champion(demo_run):
+    path, state = demo_run
+    recipe = load_recipe(path, FAST)
+    client = MlflowClient(recipe.tracking_uri)
+    champion = client.get_model_version_by_alias("tiny-demo-sft", "champion")
+    assert champion.source == (recipe.run_root / "published" / "publish").as_uri()
+    assert champion.tags["alignpipe.pipeline"] == "tiny-demo" and len(champion.tags["alignpipe.recipe_hash"]) == 16
+
+
+def test_force_publish_moves_the_champion_alias(demo_run):
+    path, _ = demo_run
+    recipe = load_recipe(path, FAST)
+    client = MlflowClient(recipe.tracking_uri)
+    before = int(client.get_model_version_by_alias("tiny-demo-sft", "champion").version)
+    state = run_flow(path, FAST, force=["publish"])
+    assert state.is_completed()
+    after = int(client.get_model_version_by_alias("tiny-demo-sft", "champion").version)
+    assert after == before + 1
+
+
+def test_untrained_candidate_fails_the_gate_and_publish_is_skipped(demo_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    path, _ = demo_run
+    untrained = FAST + ["stages.sft.max_steps=1", "stages.sft.learning_rate=1e-6"]
+    state = run_flow(path, untrained)
+    assert state.is_completed(), "a closed gate is not a failure"
+    summary = summary_of(path, state, untrained)
+    publish = next(s for s in summary["stages"] if s["stage_id"] == "publish")
+    assert publish["status"] == "skipped"
+    assert "gate `judge.win_rate >= 0.55 and judge.ci_low > 0.5` is false: judge.win_rate = " in publish["message"]
+    recipe = load_recipe(path, untrained)
+    parent = MlflowClient(recipe.tracking_uri).get_run(summary["mlflow_run_id"])
+    assert parent.data.tags["alignpipe.status.publish"] == "skipped"
+    assert parent.data.tags["alignpipe.skip_reason.publish"] == publish["message"]
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    skipped = [r for r in runs if r.name == "publish"]
+    assert skipped and skipped[0].state.name == "Skipped" and "is false" in skipped[0].state.message
+
+
+def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness, tiny, tmp_path, monkeypatch):
+    """`target: hub` with HfApi against a loopback stand-in for the Hub (HF_ENDPOINT): the files and the
+    commit arrive, the token authorises the calls, and it appears in no log, MLflow store or artifact."""
+    from conftest import demo_recipe
+    from loopback import FakeHub, serve
+
+    token = "hf_SECRET_test_token_4242"
+    hub = FakeHub()
+    text = demo_recipe(tiny, tmp_path / "runs").replace(
+        "    target: local ", "    repo_id: alice/tiny-sft\n    revision: nightly\n    private: true\n    target: hub ")
+    path = tmp_path / "hub.yaml"
+    path.write_text(text)
+    with serve(hub) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("HF_TOKEN", token)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        state = run_flow(path, FAST)
+        assert state.is_completed(), state.message
+        again = run_flow(path, FAST)  # unchanged pipeline: push is reused, no new commit
+    assert again.is_completed()
+    assert len(hub.commits) == 1
+    commit = hub.commits[0]
+    assert commit["repo"] == "alice/tiny-sft" and commit["branch"] == "nightly" and hub.repos["alice/tiny-sft"]["private"]
+    assert str(state.state_details.flow_run_id) in commit["message"]
+    assert {"README.md", "model.safetensors", "config.json", "tokenizer.json"} <= set(commit["files"])
+    assert commit["authorization"] == f"Bearer {token}"
+    card = hub.repos["alice/tiny-sft"]["branches"]["nightly"]["README.md"].decode()
+    import yaml
+
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0" and meta["base_model"] == str(tiny / "model")
+    assert {"alignpipe", "sft"} <= set(meta["tags"]) and "Judged win rates" in card
+    assert hub.validated, "the card's metadata went through the Hub's YAML validation"
+    # The token is nowhere on disk: workdir (stage logs, specs, manifests), MLflow store and artifacts.
+    leaks = [p for p in (tmp_path / "runs").rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert not leaks, leaks
+    from prefect.settings import get_current_settings
+
+    db = get_current_settings().server.database.connection_url.get_secret_value()
+    db_path = Path(db.split("///", 1)[1].split("?")[0])
+    assert db_path.exists()
+    assert token.encode() not in db_path.read_bytes(), "token in Prefect's database (logs, parameters, artifacts)"
+
+
+def test_a_stage_that_dies_before_logging_reports_its_traceback(tmp_path):
+    """A stage process that fails at start-up (here: an unreadable spec) says why in StageFailed."""
+    from alignpipe.pipeline import StageFailed, launch
+    from alignpipe.stage import StageSpec
+
+    spec = StageSpec(recipe={"name": "x"}, stage_id="s", stage_dir=str(tmp_path), cache_key="k", inputs={},
+                     tracking_uri="sqlite:///x.db", experiment_id="0")
+    path = tmp_path / "spec.json"
+    path.write_text(spec.model_dump_json())
+    with pytest.raises(StageFailed) as e:
+        launch(path, on_line=lambda line: None)
+    assert "--- stderr ---" in str(e.value) and "ValidationError" in str(e.value)

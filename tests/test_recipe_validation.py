@@ -55,8 +55,17 @@ def test_duplicate_stage_ids(demo_text):
 
 
 def test_missing_needs(demo_text):
-    msg = problems_of(demo_text.replace("needs: [judge]", "needs: [judgment]"))
+    msg = problems_of(demo_text.replace("    target: local ", "    needs: [judgment]\n    target: local "))
     assert "stages[4].needs[0]" in msg and "no stage named 'judgment'" in msg and "name one of" in msg
+
+
+def test_gate_syntax_and_stages_are_checked(demo_text):
+    msg = problems_of(demo_text.replace("when: judge.win_rate >= 0.55 and", "when: judge.win_rate >= and"))
+    assert "stages[4].when" in msg and "bad condition" in msg
+    msg = problems_of(demo_text.replace("when: judge.win_rate", "when: judges.win_rate"))
+    assert "the condition reads stage 'judges', which does not exist" in msg
+    msg = problems_of(demo_text.replace("when: judge.win_rate >= 0.55", "when: __import__('os').system('x') >= 0.55"))
+    assert "bad condition" in msg
 
 
 def test_cyclic_needs(demo_text):

@@ -45,3 +45,29 @@ def win_rate(candidate: list[float], baseline: list[float], tol: float = 1e-9) -
     rate = (wins + 0.5 * ties) / n if n else 0.0
     low, high = wilson_interval(wins + 0.5 * ties, n)
     return WinRate(wins, ties, losses, rate, low, high)
+
+
+def from_verdicts(verdicts: list[str]) -> WinRate:
+    """WinRate from 'win' / 'tie' / 'loss' verdicts."""
+    wins, ties, losses = (sum(v == k for v in verdicts) for k in ("win", "tie", "loss"))
+    n = wins + ties + losses
+    rate = (wins + 0.5 * ties) / n if n else 0.0
+    low, high = wilson_interval(wins + 0.5 * ties, n)
+    return WinRate(wins, ties, losses, rate, low, high)
+
+
+def matrix(models: list[str], pair_results: dict[tuple[str, str], WinRate]) -> list[list[float | None]]:
+    """Row model's win rate against column model; the mirror of a judged pair is 1 − its rate; the
+    diagonal and unjudged pairs are None."""
+    out: list[list[float | None]] = []
+    for a in models:
+        row: list[float | None] = []
+        for b in models:
+            if (a, b) in pair_results:
+                row.append(pair_results[(a, b)].win_rate)
+            elif (b, a) in pair_results:
+                row.append(1.0 - pair_results[(b, a)].win_rate)
+            else:
+                row.append(None)
+        out.append(row)
+    return out

@@ -91,7 +91,14 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                         path,
                         f"format stage {target!r} produces {by_id[target].format} data; a {s.kind} stage's `{field}` needs {' or '.join(accepted)}",
                         f"set `format:` of stage {target!r} to {accepted[0]}, or point `{field}` at another format stage"))
+        for target in sorted(s.gate_stages()):
+            if target not in by_id:
+                problems.append(Problem(("stages", i, "when"), f"the condition reads stage {target!r}, which does not exist",
+                                        f"name one of: {ids}"))
         problems += _check_generation_groups(s, i)
+        if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
+            problems.append(Problem(("stages", i, "prompts_file"), f"prompts file {s.prompts_file!r} does not exist",
+                                    "fix the path (relative paths are from the directory you run alignpipe in)"))
         if isinstance(s, FormatStage) and s.dataset not in recipe.datasets:
             problems.append(Problem(("stages", i, "dataset"), f"no dataset named {s.dataset!r}",
                                     f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}"))

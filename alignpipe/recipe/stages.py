@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
 from alignpipe.trainers.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig, SFTConfig
@@ -41,8 +42,31 @@ class StageBase(Strict):
     """Where and how the stage runs (work pool, processes, retries)."""
     description: str = ""
     """Free text shown in `alignpipe show` and the model card."""
+    when: str | None = None
+    """Promotion gate on upstream metrics, e.g. `judge.win_rate >= 0.55 and judge.ci_low > 0.5`; when it is
+    false the stage (and what depends on it) is skipped, not failed. Operators: < <= > >= == != and or not ( )."""
 
     produces: ClassVar[str] = ""
+
+    @field_validator("when")
+    @classmethod
+    def _parse_when(cls, value):
+        if value is not None:
+            from alignpipe.gates import GateError, parse
+
+            try:
+                parse(value)
+            except GateError as e:
+                raise ValueError(f"bad condition: {e}") from None
+        return value
+
+    def gate_stages(self) -> set[str]:
+        """Stages whose metrics the `when` condition reads."""
+        if not self.when:
+            return set()
+        from alignpipe.gates import parse, stages_in
+
+        return stages_in(parse(self.when))
     refs: ClassVar[dict[str, str]] = {}
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
@@ -56,7 +80,7 @@ class StageBase(Strict):
     def dependencies(self) -> list[str]:
         """Stages that must finish before this one: `needs` plus referenced stages."""
         deps = list(self.needs)
-        for target in self.references().values():
+        for target in [*self.references().values(), *sorted(self.gate_stages())]:
             if target != BASE and target not in deps:
                 deps.append(target)
         return deps
@@ -196,33 +220,103 @@ class PPOStage(_RLStage, PPOConfig):
         return self
 
 
+class LLMJudgeSpec(Strict):
+    """A pairwise LLM judge; exactly one of `model`, `url`."""
+
+    model: str | None = None
+    """Judge model: a stage id, `base`, a local directory or a Hub id (transformers, greedy)."""
+    url: str | None = None
+    """Base URL of an OpenAI-compatible server (e.g. `vllm serve`), judged through /v1/chat/completions."""
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """Judge prompt with {prompt}, {response_a} and {response_b}; the judge answers A or B."""
+    max_new_tokens: int = Field(8, gt=0)
+    """Tokens the judge may write."""
+
+    @model_validator(mode="after")
+    def _check(self):
+        if bool(self.model) == bool(self.url):
+            raise ValueError("give exactly one of `model` (local judge) or `url` (OpenAI-compatible endpoint)")
+        missing = [k for k in ("{prompt}", "{response_a}", "{response_b}") if k not in self.template]
+        if missing:
+            raise ValueError(f"template is missing {', '.join(missing)}")
+        return self
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def is_model_path(value: str) -> bool:
+    """A judge model given as a path or Hub id (stage ids never contain '/')."""
+    return "/" in value
+
+
 class JudgeStage(StageBase):
-    """Generate from a candidate and a baseline on eval prompts and report the candidate's win rate."""
+    """Compare models on eval prompts: win rates with Wilson intervals, per pair and as a matrix."""
 
     kind: Literal["judge"] = "judge"
-    candidate: str
-    """Model to evaluate: a stage id (or `base`)."""
-    baseline: str = BASE
-    """Model to compare against: a stage id or `base`."""
-    prompts: str
+    candidate: str | list[str]
+    """Model(s) to evaluate: stage ids, `base`, or model paths / Hub ids."""
+    baseline: str | list[str] = BASE
+    """Model(s) to compare against (same forms). Every candidate is judged against every baseline; with
+    more than two models in all, every pair is judged and the full win-rate matrix is reported."""
+    prompts: str | None = None
     """Id of a `format` stage whose prompts are used."""
+    prompts_file: str | None = None
+    """Instead of `prompts`: a .jsonl/.json/.csv/.parquet file with a `prompt` column (extra columns go to
+    the reward function)."""
     split: Literal["eval", "train"] = "eval"
     """Which split of `prompts` to judge on."""
     num_prompts: int = Field(64, gt=0)
     """Judge at most this many prompts."""
     reward: str = "sentiment_lexicon"
-    """Scoring function: a built-in name (`sentiment_lexicon`, `length`, `exact_match`) or
+    """Scoring function: a built-in name (`sentiment_lexicon`, `length`, `exact_match`, ...) or
     `module:function` taking (prompts, completions, **columns) and returning one float per completion."""
     reward_model: str | None = None
     """Id of a `reward` stage whose model scores the completions instead of `reward`."""
+    llm_judge: LLMJudgeSpec | None = None
+    """A pairwise LLM judge instead of a scoring function (both orders; disagreement = tie)."""
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.7))
-    """Sampling used for both models."""
+    """Sampling used for every judged model."""
     batch_size: int = Field(32, gt=0)
     """Prompts per generation batch."""
 
     produces: ClassVar[str] = EVALUATION
-    refs: ClassVar[dict[str, str]] = {"candidate": CAUSAL_LM, "baseline": CAUSAL_LM, "prompts": DATASET,
-                                      "reward_model": REWARD_MODEL}
+    refs: ClassVar[dict[str, str]] = {"prompts": DATASET, "reward_model": REWARD_MODEL}
+
+    @property
+    def candidates(self) -> list[str]:
+        return _as_list(self.candidate)
+
+    @property
+    def baselines(self) -> list[str]:
+        return _as_list(self.baseline)
+
+    def reference_fields(self) -> list[tuple[tuple, str, str]]:
+        own = super().reference_fields()
+        for field in ("candidate", "baseline"):
+            value = getattr(self, field)
+            for i, target in enumerate(_as_list(value)):
+                if not is_model_path(target):
+                    own.append(((field,) if isinstance(value, str) else (field, i), target, CAUSAL_LM))
+        if self.llm_judge and self.llm_judge.model and not is_model_path(self.llm_judge.model):
+            own.append((("llm_judge", "model"), self.llm_judge.model, CAUSAL_LM))
+        return own
+
+    @model_validator(mode="after")
+    def _prompts_source(self):
+        if bool(self.prompts) == bool(self.prompts_file):
+            raise ValueError("give exactly one of `prompts` (a format stage id) or `prompts_file` (a file with a prompt column)")
+        return self
+
+
+class RegisterSpec(Strict):
+    """Register the published model in the MLflow model registry."""
+
+    name: str
+    """Registered model name."""
+    alias: str = "champion"
+    """Alias moved to the new version (from whichever version had it)."""
 
 
 class PushStage(StageBase):
@@ -248,6 +342,8 @@ class PushStage(StageBase):
     """License in the model card's metadata."""
     tags: list[str] = Field(default_factory=list)
     """Extra tags for the model card's metadata."""
+    registry: RegisterSpec | None = None
+    """Also register the published model in the MLflow model registry and move `alias` to it."""
 
     produces: ClassVar[str] = PUBLICATION
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM}

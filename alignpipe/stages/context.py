@@ -52,6 +52,8 @@ class StageContext:
     def model_source(self, ref: str) -> ModelSource:
         if ref == BASE:
             return ModelSource(self.recipe.model.path)
+        if ref not in self.inputs:  # a model path or Hub id (judges accept those)
+            return ModelSource(ref)
         m = self.inputs[ref]
         return ModelSource(m.outputs["model"], bool(m.info.get("adapter")), m.info.get("base_model_path"))
 
@@ -88,6 +90,18 @@ class StageContext:
             outputs={"model": str(result.model_dir)}, metrics={**result.metrics, "steps": result.steps, **(metrics or {})},
             key_metric=key, info={"adapter": result.adapter, "base_model_path": base_path if result.adapter else None,
                                   "base_model": self.recipe.model.path, "train_seconds": result.seconds})
+
+    def log_samples(self, model, tokenizer, rows: list[dict], n: int = 8, max_new_tokens: int = 32) -> None:
+        """A table of a few greedy generations on eval prompts (the stage's `samples` artifact)."""
+        from alignpipe.engine.hf import HFEngine
+        from alignpipe.engine.sampling import SamplingParams
+
+        prompts = [r["prompt"] for r in rows[:n] if "prompt" in r]
+        if not prompts:
+            return
+        gens = HFEngine(model, tokenizer, n).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+        self.tracker.log_table([{"prompt": p, "completion": g.completion, "finish_reason": g.finish_reason}
+                                for p, g in zip(prompts, gens)], "samples")
 
     def tokenizer(self, ref: str = BASE):
         from alignpipe.modeling import load_tokenizer

@@ -22,4 +22,5 @@ def run(ctx: StageContext) -> StageResult:
         fig = curves_figure(ctx.tracker, keys, f"DPO {s.id}")
         if fig is not None:
             ctx.tracker.log_figure(fig, name)
+    ctx.log_samples(model, tokenizer, ctx.rows(s.data, "eval"))
     return ctx.causal_lm_result(result, base_path)

@@ -1,18 +1,24 @@
-"""`judge` stage: candidate vs baseline completions on eval prompts, scored by a reward function."""
+"""`judge` stage: generate from every model on the same prompts, then compare each pair, either by a
+per-completion score (rule, callable or reward model) or by a pairwise LLM judge, into win rates with
+Wilson intervals; with more than two models, the full win-rate matrix."""
 
 from __future__ import annotations
 
 import json
 import logging
+from itertools import combinations
 from pathlib import Path
 
+from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
+from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
-from alignpipe.judges.winrate import win_rate
+from alignpipe.judges.winrate import WinRate, from_verdicts, matrix
 from alignpipe.plots import win_rate_figure
 from alignpipe.stages.context import StageContext, StageResult
 
 log = logging.getLogger(__name__)
+TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected")
 
 
 def generate(ctx: StageContext, ref: str, prompts: list[str]) -> list[str]:
@@ -21,42 +27,99 @@ def generate(ctx: StageContext, ref: str, prompts: list[str]) -> list[str]:
     return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
 
 
-def run(ctx: StageContext) -> StageResult:
+def prompt_rows(ctx: StageContext) -> list[dict]:
+    s = ctx.stage
+    rows = load_raw(s.prompts_file).to_list() if s.prompts_file else ctx.rows(s.prompts, s.split)
+    rows = rows[: s.num_prompts]
+    if not rows:
+        raise ValueError(f"no prompts to judge ({s.prompts_file or s.prompts + ' / ' + s.split})")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"the judge's prompts have no `prompt` column (columns: {sorted(rows[0])})")
+    return rows
+
+
+def scorer(ctx: StageContext):
+    """(name, fn) of the per-completion scorer, loaded before any generation so a bad one fails first."""
     s = ctx.stage
     if s.reward_model:
         from alignpipe.judges.reward_model import RewardModelScorer
 
-        fn, reward_name = RewardModelScorer(ctx.inputs[s.reward_model].outputs["model"], s.batch_size), f"reward model {s.reward_model}"
-    else:
-        fn, reward_name = load_reward_fn(s.reward), s.reward  # fails before any generation if it does not import
-    rows = ctx.rows(s.prompts, s.split)[: s.num_prompts]
-    if not rows:
-        raise ValueError(f"format stage {s.prompts!r} has no rows in its {s.split!r} split to judge on")
+        return f"reward model {s.reward_model}", RewardModelScorer(ctx.inputs[s.reward_model].outputs["model"], s.batch_size)
+    return s.reward, load_reward_fn(s.reward)
+
+
+def llm_judge(ctx: StageContext):
+    spec = ctx.stage.llm_judge
+    if spec.url:
+        return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
+    return f"LLM judge {spec.model}", LocalJudge(ctx.load_model(spec.model, merge=True), ctx.tokenizer(spec.model), spec.max_new_tokens)
+
+
+def run(ctx: StageContext) -> StageResult:
+    s = ctx.stage
+    judge_name, judge_fn = llm_judge(ctx) if s.llm_judge else scorer(ctx)
+    rows = prompt_rows(ctx)
     prompts = [r["prompt"] for r in rows]
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "completion", "chosen", "rejected")}
-    cand = generate(ctx, s.candidate, prompts)
-    base = generate(ctx, s.baseline, prompts)
-    cand_scores = score(fn, reward_name, prompts, cand, columns)
-    base_scores = score(fn, reward_name, prompts, base, columns)
-    pairs = [(c, b) for c, b in zip(cand_scores, base_scores) if c is not None and b is not None]
-    if not pairs:
-        raise ValueError(f"{reward_name} returned None (not applicable) for every prompt")
-    wr = win_rate([p[0] for p in pairs], [p[1] for p in pairs])
-    table = [{"prompt": p, "candidate": c, "baseline": b, "candidate_score": cs, "baseline_score": bs,
-              "verdict": "n/a" if cs is None or bs is None else ("win" if cs > bs else "loss" if cs < bs else "tie")}
-             for p, c, b, cs, bs in zip(prompts, cand, base, cand_scores, base_scores)]
-    metrics = {"judge/win_rate": wr.win_rate, "judge/ci_low": wr.ci_low, "judge/ci_high": wr.ci_high,
-               "judge/wins": wr.wins, "judge/ties": wr.ties, "judge/losses": wr.losses,
-               "judge/candidate_score": sum(p[0] for p in pairs) / len(pairs),
-               "judge/baseline_score": sum(p[1] for p in pairs) / len(pairs)}
-    summary = {"candidate": s.candidate, "baseline": s.baseline, "judge": reward_name, "n": wr.n, **wr.as_dict()}
-    log.info("%s vs %s: win rate %.3f [%.3f, %.3f] (%d wins, %d ties, %d losses; reward %s)", s.candidate, s.baseline,
-             wr.win_rate, wr.ci_low, wr.ci_high, wr.wins, wr.ties, wr.losses, reward_name)
-    results = Path(ctx.dir) / "results.json"
-    results.write_text(json.dumps({"summary": summary, "examples": table}, indent=1))
+    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in TEXT_COLUMNS}
+    models = list(dict.fromkeys(s.candidates + s.baselines))
+    outputs = {m: generate(ctx, m, prompts) for m in models}
+    pairs = [(c, b) for c in s.candidates for b in s.baselines if c != b]
+    if len(models) > 2:  # the matrix needs every pair
+        pairs += [(a, b) for a, b in combinations(models, 2) if (a, b) not in pairs and (b, a) not in pairs]
+    scores = {} if s.llm_judge else {m: score(judge_fn, judge_name, prompts, outputs[m], columns) for m in models}
+    results: dict[tuple[str, str], WinRate] = {}
+    table = []
+    for c, b in pairs:
+        if s.llm_judge:
+            records = judge_pairs(judge_fn, s.llm_judge.template, prompts, outputs[c], outputs[b])
+        else:
+            records = [{"candidate_score": cs, "baseline_score": bs,
+                        "verdict": "n/a" if cs is None or bs is None else ("win" if cs > bs else "loss" if cs < bs else "tie")}
+                       for cs, bs in zip(scores[c], scores[b])]
+        verdicts = [r["verdict"] for r in records if r["verdict"] != "n/a"]
+        if not verdicts:
+            raise ValueError(f"{judge_name} could not score any prompt for {c} vs {b}")
+        results[(c, b)] = from_verdicts(verdicts)
+        table += [{"candidate": c, "baseline": b, "prompt": p, "candidate_completion": outputs[c][i],
+                   "baseline_completion": outputs[b][i], **records[i]} for i, p in enumerate(prompts)]
+    summaries = [{"candidate": c, "baseline": b, "judge": judge_name, "n": wr.n, **wr.as_dict()} for (c, b), wr in results.items()]
+    for w in summaries:
+        log.info("%s vs %s: win rate %.3f [%.3f, %.3f] (%d wins, %d ties, %d losses; %s)", w["candidate"], w["baseline"],
+                 w["win_rate"], w["ci_low"], w["ci_high"], w["wins"], w["ties"], w["losses"], judge_name)
+    primary = results[pairs[0]]
+    metrics = {"judge/win_rate": primary.win_rate, "judge/ci_low": primary.ci_low, "judge/ci_high": primary.ci_high,
+               "judge/wins": primary.wins, "judge/ties": primary.ties, "judge/losses": primary.losses}
+    if scores:
+        for m in models:
+            valid = [x for x in scores[m] if x is not None]
+            metrics[f"judge/score/{m}"] = sum(valid) / len(valid) if valid else 0.0
+        metrics["judge/candidate_score"] = metrics[f"judge/score/{pairs[0][0]}"]
+        metrics["judge/baseline_score"] = metrics[f"judge/score/{pairs[0][1]}"]
+    for (c, b), wr in results.items():
+        metrics |= {f"judge/{c}_vs_{b}/win_rate": wr.win_rate, f"judge/{c}_vs_{b}/ci_low": wr.ci_low,
+                    f"judge/{c}_vs_{b}/ci_high": wr.ci_high}
+    grid = matrix(models, results) if len(models) > 2 else None
+    results_path = Path(ctx.dir) / "results.json"
+    results_path.write_text(json.dumps({"summary": summaries, "models": models, "matrix": grid, "examples": table}, indent=1))
     ctx.tracker.log_params({"judge": s.model_dump(mode="json", exclude={"resources"})})
     ctx.tracker.log_metrics(metrics, 0)
     ctx.tracker.log_table(table, "judged_examples")
-    ctx.tracker.log_figure(win_rate_figure([summary], f"judge {s.id} ({reward_name})"), "win_rate.png")
-    return StageResult(outputs={"results": str(results)}, metrics=metrics, key_metric="judge/win_rate",
-                       info={"win_rates": [summary]})
+    shown = [w for w in summaries if (w["candidate"], w["baseline"]) in [(c, b) for c in s.candidates for b in s.baselines]]
+    ctx.tracker.log_figure(win_rate_figure(shown or summaries, f"judge {s.id} ({judge_name})"), "win_rate.png")
+    report = report_markdown(s.id, judge_name, summaries, models, grid)
+    (Path(ctx.dir) / "report.md").write_text(report)
+    ctx.tracker.log_artifact(Path(ctx.dir) / "report.md")
+    return StageResult(outputs={"results": str(results_path)}, metrics=metrics, key_metric="judge/win_rate",
+                       info={"win_rates": summaries, "models": models, "matrix": grid, "report": report})
+
+
+def report_markdown(stage_id: str, judge_name: str, summaries: list[dict], models: list[str], grid) -> str:
+    lines = [f"# Judge `{stage_id}` ({judge_name})", "", "| candidate | baseline | win rate | 95% interval | wins | ties | losses |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {w['candidate']} | {w['baseline']} | {w['win_rate']:.3f} | [{w['ci_low']:.3f}, {w['ci_high']:.3f}] | "
+              f"{w['wins']} | {w['ties']} | {w['losses']} |" for w in summaries]
+    if grid:
+        lines += ["", "Win rate of the row model against the column model:", "", "| | " + " | ".join(models) + " |",
+                  "|---" * (len(models) + 1) + "|"]
+        lines += [f"| {m} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in row) + " |" for m, row in zip(models, grid)]
+    return "\n".join(lines) + "\n"

@@ -34,6 +34,26 @@ def card_info(ctx: StageContext, adapter: bool) -> CardInfo:
     return info
 
 
+def register(ctx: StageContext, spec, source: str) -> str:
+    """Create a model version from the published location and move the alias to it."""
+    client = getattr(ctx.tracker, "client", None)
+    if client is None:
+        log.warning("no MLflow tracker: model not registered")
+        return ""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(spec.name)
+    except MlflowException:
+        client.create_registered_model(spec.name, description=f"Published by alignpipe pipeline {ctx.recipe.name}")
+    uri = source if "://" in source else Path(source).resolve().as_uri()
+    version = client.create_model_version(spec.name, source=uri, run_id=ctx.tracker.run_id,
+                                          tags={"alignpipe.pipeline": ctx.recipe.name, "alignpipe.recipe_hash": ctx.recipe.fingerprint()})
+    client.set_registered_model_alias(spec.name, spec.alias, version.version)
+    log.info("registered %s version %s with alias %r", spec.name, version.version, spec.alias)
+    return f"models:/{spec.name}@{spec.alias} (version {version.version})"
+
+
 def run(ctx: StageContext) -> StageResult:
     s = ctx.stage
     src = ctx.model_source(s.model)
@@ -59,6 +79,8 @@ def run(ctx: StageContext) -> StageResult:
         outputs["published"] = url
         log.info("pushed %s to %s", s.model, url)
     (Path(ctx.dir) / "README.md").write_text(card)
+    if s.registry is not None:
+        outputs["registered"] = register(ctx, s.registry, outputs["published"])
     ctx.tracker.log_artifact(Path(ctx.dir) / "README.md", "model_card")
     ctx.tracker.log_params({"push.target": s.target, "push.repo_id": s.repo_id or "", "push.adapter": adapter})
     return StageResult(outputs=outputs, metrics={}, info={"adapter": adapter, "card": str(Path(ctx.dir) / "README.md")})

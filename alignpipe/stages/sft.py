@@ -16,4 +16,5 @@ def run(ctx: StageContext) -> StageResult:
     fig = curves_figure(ctx.tracker, ["train/loss", "eval/loss"], f"SFT {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "loss_curve.png")
+    ctx.log_samples(model, tokenizer, ctx.rows(s.data, "eval"))
     return ctx.causal_lm_result(result, base_path)

@@ -1,0 +1,85 @@
+"""Pairwise LLM judging: a judge model sees the prompt and two responses and names the better one.
+
+Each pair is judged twice, with the responses in both orders, to cancel position bias; when the two
+verdicts disagree (or either cannot be read) the pair is a tie. The judge is a local transformers model
+(greedy decoding) or any OpenAI-compatible chat endpoint (e.g. `vllm serve`).
+"""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_TEMPLATE = (
+    "You are comparing two responses to the same prompt.\n\nPrompt:\n{prompt}\n\n"
+    "Response A:\n{response_a}\n\nResponse B:\n{response_b}\n\n"
+    "Which response is better? Answer with a single letter: A or B.\nAnswer:"
+)
+_VERDICT = re.compile(r"\b([AB])\b")
+
+
+def parse_verdict(text: str) -> str | None:
+    """'A', 'B', or None when the judge's answer names neither (first standalone letter wins)."""
+    m = _VERDICT.search(text.strip())
+    return m.group(1) if m else None
+
+
+def combine(first: str | None, swapped: str | None) -> str:
+    """Verdict for (candidate=A, baseline=B) from the normal and the swapped judgement: win / loss / tie."""
+    if first == "A" and swapped == "B":
+        return "win"
+    if first == "B" and swapped == "A":
+        return "loss"
+    return "tie"
+
+
+class LocalJudge:
+    """A transformers causal LM as judge (greedy)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 8, batch_size: int = 16):
+        from alignpipe.engine.hf import HFEngine
+
+        self.engine = HFEngine(model, tokenizer, batch_size)
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, prompts: list[str]) -> list[str]:
+        from alignpipe.engine.sampling import SamplingParams
+
+        gens = self.engine.generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=self.max_new_tokens))
+        return [g.completion for g in gens]
+
+
+class EndpointJudge:
+    """An OpenAI-compatible `/v1/chat/completions` endpoint as judge (temperature 0)."""
+
+    def __init__(self, base_url: str, model: str | None = None, max_new_tokens: int = 8, timeout_s: float = 120.0):
+        self.base, self.model, self.max_new_tokens, self.timeout_s = base_url.rstrip("/"), model, max_new_tokens, timeout_s
+
+    def __call__(self, prompts: list[str]) -> list[str]:
+        import httpx
+
+        out = []
+        with httpx.Client(timeout=self.timeout_s) as client:
+            if self.model is None:
+                response = client.get(f"{self.base}/v1/models")
+                response.raise_for_status()
+                self.model = response.json()["data"][0]["id"]
+            for p in prompts:
+                response = client.post(f"{self.base}/v1/chat/completions", json={
+                    "model": self.model, "messages": [{"role": "user", "content": p}], "temperature": 0,
+                    "max_tokens": self.max_new_tokens})
+                response.raise_for_status()
+                out.append(response.json()["choices"][0]["message"]["content"])
+        return out
+
+
+def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], baseline: list[str]) -> list[dict]:
+    """Both orders per pair; returns one record per prompt with both raw answers and the verdict."""
+    forward = [template.format(prompt=p, response_a=c, response_b=b) for p, c, b in zip(prompts, candidate, baseline)]
+    swapped = [template.format(prompt=p, response_a=b, response_b=c) for p, c, b in zip(prompts, candidate, baseline)]
+    answers = judge(forward + swapped)
+    n = len(prompts)
+    records = []
+    for i in range(n):
+        first, second = parse_verdict(answers[i]), parse_verdict(answers[n + i])
+        records.append({"judge_forward": answers[i], "judge_swapped": answers[n + i], "verdict": combine(first, second)})
+    return records
