@@ -122,10 +122,12 @@ def _has_cuda() -> bool:
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and Path("/dev/nvidiactl").exists()
 
 
-def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None) -> Manifest:
-    """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed."""
+def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None,
+           extra_env: dict[str, str] | None = None) -> Manifest:
+    """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
+    `extra_env` (e.g. a token from a secret store) reaches the process through its environment only."""
     spec = StageSpec.model_validate_json(Path(spec_path).read_text())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = subprocess.Popen(stage_command(spec_path, processes), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

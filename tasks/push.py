@@ -1,4 +1,17 @@
 from tasks.stage_task import stage_task
 
+
+def hub_token_env(spec_path: str) -> dict[str, str]:
+    """HF_TOKEN for the push process from the stage's Prefect Secret block, if it names one."""
+    from prefect.blocks.system import Secret
+
+    from alignpipe.stage import StageSpec
+
+    spec = StageSpec.model_validate_json(open(spec_path).read())
+    stage = next(s for s in spec.recipe["stages"] if s["id"] == spec.stage_id)
+    name = stage.get("token_secret")
+    return {"HF_TOKEN": Secret.load(name).get()} if name else {}
+
+
 # Hub uploads fail transiently; the stage is idempotent (manifest last), so a retry is safe.
-push_task = stage_task("push", retries=2, retry_delay_seconds=[5, 30])
+push_task = stage_task("push", retries=2, retry_delay_seconds=[5, 30], env_fn=hub_token_env)

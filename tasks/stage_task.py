@@ -9,16 +9,17 @@ from prefect.cache_policies import NONE
 from alignpipe.pipeline import launch
 
 
-def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int = 0, on_done=None):
+def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int = 0, on_done=None, env_fn=None):
     """A Prefect task for one stage kind. Caching is alignpipe's (manifests by cache key), not Prefect's.
-    `on_done(manifest)` runs in the task after success (e.g. to publish Prefect artifacts)."""
+    `on_done(manifest)` runs in the task after success (e.g. to publish Prefect artifacts);
+    `env_fn(spec_path) -> dict` adds environment variables for the stage process (e.g. secrets)."""
 
     @task(name=f"{kind}-stage", cache_policy=NONE, retries=retries, retry_delay_seconds=retry_delay_seconds,
           task_run_name="{stage_id}")
     def run_stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None) -> dict:
         logger = get_run_logger()
         manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                          processes=processes, timeout_s=timeout_s)
+                          processes=processes, timeout_s=timeout_s, extra_env=env_fn(spec_path) if env_fn else None)
         if on_done is not None:
             on_done(manifest)
         return manifest.model_dump(mode="json")

@@ -207,3 +207,18 @@ def test_a_stage_that_dies_before_logging_reports_its_traceback(tmp_path):
     with pytest.raises(StageFailed) as e:
         launch(path, on_line=lambda line: None)
     assert "--- stderr ---" in str(e.value) and "ValidationError" in str(e.value)
+
+
+def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_path):
+    from prefect.blocks.system import Secret
+
+    from alignpipe.stage import StageSpec
+    from tasks.push import hub_token_env
+
+    Secret(value="hf_from_block").save("hub-token", overwrite=True)
+    spec = StageSpec(recipe={"stages": [{"id": "publish", "kind": "push", "token_secret": "hub-token"}]}, stage_id="publish",
+                     stage_dir=str(tmp_path), cache_key="k", inputs={}, tracking_uri="sqlite:///x", experiment_id="0")
+    path = tmp_path / "spec.json"
+    path.write_text(spec.model_dump_json())
+    assert hub_token_env(str(path)) == {"HF_TOKEN": "hf_from_block"}
+    assert "hf_from_block" not in path.read_text(), "only the block's name is in the spec"

@@ -342,6 +342,9 @@ class PushStage(StageBase):
     """License in the model card's metadata."""
     tags: list[str] = Field(default_factory=list)
     """Extra tags for the model card's metadata."""
+    token_secret: str | None = None
+    """Name of a Prefect Secret block holding the Hub token; null reads HF_TOKEN from the environment.
+    The token reaches the push process through its environment only: never a parameter, log or artifact."""
     registry: RegisterSpec | None = None
     """Also register the published model in the MLflow model registry and move `alias` to it."""
 

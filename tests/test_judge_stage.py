@@ -1,0 +1,149 @@
+"""The judge stage in-process: several models and their win-rate matrix, pairwise LLM judges (local and
+over an OpenAI-compatible endpoint), prompts from a file, models given by path."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from loopback import serve
+
+from alignpipe.judges.pairwise import combine, parse_verdict
+from alignpipe.judges.winrate import WinRate, from_verdicts, matrix
+from alignpipe.recipe import parse_recipe
+from alignpipe.stages import judge as judge_stage
+from alignpipe.stages.context import StageContext
+from alignpipe.tracking import Tracker
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    """Three model folders: the tiny base and two perturbed copies."""
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    root = tmp_path_factory.mktemp("judge-models")
+    tok = load_tokenizer(str(tiny / "model"))
+    paths = [str(tiny / "model")]
+    for k in (1, 2):
+        m = load_causal_lm(str(tiny / "model"))
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        m.save_pretrained(root / f"m{k}")
+        tok.save_pretrained(root / f"m{k}")
+        paths.append(str(root / f"m{k}"))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "topic": "film"}) + "\n" for p in
+                               ["The film", "I watched it and", "Critics say", "My review:", "After the movie,", "The cast"]))
+    return tiny, paths, prompts
+
+
+def context(tiny, tmp_path, stage_yaml: str) -> StageContext:
+    text = f"name: j\nmodel: {{path: {tiny / 'model'}}}\nstages:\n{stage_yaml}"
+    recipe = parse_recipe(text, check_files=False)
+    return StageContext(recipe, recipe.stages[0], tmp_path, {}, Tracker())
+
+
+def test_three_models_give_a_consistent_win_rate_matrix(models, tmp_path):
+    tiny, paths, prompts = models
+    ctx = context(tiny, tmp_path, f"""  - id: judge
+    kind: judge
+    candidate: [{paths[1]}, {paths[2]}]
+    baseline: {paths[0]}
+    prompts_file: {prompts}
+    reward: length
+    sampling: {{temperature: 0.9, max_new_tokens: 12}}
+""")
+    result = judge_stage.run(ctx)
+    grid = result.info["matrix"]
+    assert result.info["models"] == [paths[1], paths[2], paths[0]] and len(grid) == 3
+    for i in range(3):
+        assert grid[i][i] is None
+        for j in range(3):
+            if i != j:
+                assert grid[i][j] + grid[j][i] == pytest.approx(1.0)
+    assert len(result.info["win_rates"]) == 3, "2 candidate×baseline pairs + the candidates against each other"
+    assert f"judge/{paths[1]}_vs_{paths[0]}/win_rate" in result.metrics
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["examples"]) == 3 * 6 and {"prompt", "candidate_completion", "baseline_completion", "verdict"} <= set(saved["examples"][0])
+    assert "Win rate of the row model against the column model" in (tmp_path / "report.md").read_text()
+    assert ctx.tracker.tables["judged_examples"]
+
+
+def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
+    """The stand-in judge prefers the longer response, so its two orders agree unless lengths tie."""
+    tiny, paths, prompts = models
+
+    def chat(method, path, body, headers):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "judge-llm"}]}
+        text = body["messages"][0]["content"]
+        a = re.search(r"Response A:\n(.*)\n\nResponse B:", text, re.S).group(1)
+        b = re.search(r"Response B:\n(.*)\n\nWhich", text, re.S).group(1)
+        return 200, {"choices": [{"message": {"content": "A" if len(a) > len(b) else "B" if len(b) > len(a) else "tie?"}}]}
+
+    with serve(chat) as url:
+        ctx = context(tiny, tmp_path, f"""  - id: judge
+    kind: judge
+    candidate: {paths[1]}
+    baseline: {paths[0]}
+    prompts_file: {prompts}
+    llm_judge: {{url: {url}}}
+    sampling: {{temperature: 0.9, max_new_tokens: 12}}
+""")
+        result = judge_stage.run(ctx)
+        calls = [r for r in url.requests if r["path"] == "/v1/chat/completions"]
+    assert len(calls) == 2 * 6, "every pair judged in both orders"
+    rows = ctx.tracker.tables["judged_examples"]
+    for r in rows:
+        c, b = len(r["candidate_completion"]), len(r["baseline_completion"])
+        assert r["verdict"] == ("win" if c > b else "loss" if c < b else "tie")
+    wr = result.info["win_rates"][0]
+    assert wr["wins"] + wr["ties"] + wr["losses"] == 6 and wr["judge"].startswith("LLM judge")
+
+
+def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
+    tiny, paths, prompts = models
+    ctx = context(tiny, tmp_path, f"""  - id: judge
+    kind: judge
+    candidate: {paths[1]}
+    baseline: {paths[0]}
+    prompts_file: {prompts}
+    llm_judge: {{model: {paths[2]}, max_new_tokens: 4}}
+    sampling: {{temperature: 0.9, max_new_tokens: 8}}
+""")
+    result = judge_stage.run(ctx)
+    for r in ctx.tracker.tables["judged_examples"]:
+        expected = combine(parse_verdict(r["judge_forward"]), parse_verdict(r["judge_swapped"]))
+        assert r["verdict"] == expected
+    assert 0.0 <= result.metrics["judge/win_rate"] <= 1.0
+
+
+def test_verdicts_and_matrix_by_hand():
+    assert parse_verdict(" B, clearly") == "B" and parse_verdict("neither") is None and parse_verdict("Answer: A") == "A"
+    assert combine("A", "B") == "win" and combine("B", "A") == "loss" and combine("A", "A") == "tie" and combine(None, "B") == "tie"
+    wr = from_verdicts(["win", "win", "win", "tie", "loss"])
+    assert (wr.wins, wr.ties, wr.losses) == (3, 1, 1) and wr.win_rate == pytest.approx(0.7)
+    # Wilson by hand: p = 0.7, n = 5, z² = 3.8416 → centre 0.61311 ± 0.31432
+    assert wr.ci_low == pytest.approx(0.2988, abs=1e-4) and wr.ci_high == pytest.approx(0.9274, abs=1e-4)
+    grid = matrix(["a", "b", "c"], {("a", "b"): WinRate(3, 0, 1, 0.75, 0, 1), ("c", "a"): WinRate(1, 0, 3, 0.25, 0, 1)})
+    assert grid == [[None, 0.75, 0.75], [0.25, None, None], [0.25, None, None]]
+
+
+def test_judge_config_errors(tiny):
+    def problems(stage: str) -> str:
+        from alignpipe.recipe import RecipeError
+
+        with pytest.raises(RecipeError) as e:
+            parse_recipe(f"name: j\nmodel: {{path: {tiny / 'model'}}}\nstages:\n{stage}", check_files=False)
+        return str(e.value)
+
+    assert "exactly one of `prompts`" in problems("  - {id: j, kind: judge, candidate: base}")
+    assert "exactly one of `model` (local judge) or `url`" in problems(
+        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {}}")
+    assert "template is missing {response_b}" in problems(
+        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {url: http://x, template: '{prompt} {response_a}'}}")
+    assert "no stage named 'sfft'" in problems("  - {id: j, kind: judge, candidate: [base, sfft], prompts_file: x.jsonl}")
