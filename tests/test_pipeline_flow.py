@@ -65,6 +65,17 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     assert {"win_rate.png", "judged_examples.json"} <= {a.path for a in client.list_artifacts(judge_run.info.run_id)}
 
 
+def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["judge-win-rates"])))
+        report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["judge-report"])))
+    assert table and table[0].type == "table" and "win_rate" in str(table[0].data)
+    assert report and report[0].type == "markdown" and "| sft | base |" in report[0].data
+
+
 def test_local_push_writes_model_and_card_with_lineage(demo_run):
     path, state = demo_run
     recipe = load_recipe(path, FAST)
@@ -160,7 +171,7 @@ def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness,
     token = "hf_SECRET_test_token_4242"
     hub = FakeHub()
     text = demo_recipe(tiny, tmp_path / "runs").replace(
-        "    target: local ", "    repo_id: alice/tiny-sft\n    revision: nightly\n    private: true\n    target: hub ")
+        "    target: local ", "    repo_id: alice/tiny-sft\n    revision: nightly-{run_id}\n    private: true\n    target: hub ")
     path = tmp_path / "hub.yaml"
     path.write_text(text)
     with serve(hub) as url:
@@ -173,11 +184,12 @@ def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness,
     assert again.is_completed()
     assert len(hub.commits) == 1
     commit = hub.commits[0]
-    assert commit["repo"] == "alice/tiny-sft" and commit["branch"] == "nightly" and hub.repos["alice/tiny-sft"]["private"]
+    branch = f"nightly-{str(state.state_details.flow_run_id)[:8]}"
+    assert commit["repo"] == "alice/tiny-sft" and commit["branch"] == branch and hub.repos["alice/tiny-sft"]["private"]
     assert str(state.state_details.flow_run_id) in commit["message"]
     assert {"README.md", "model.safetensors", "config.json", "tokenizer.json"} <= set(commit["files"])
     assert commit["authorization"] == f"Bearer {token}"
-    card = hub.repos["alice/tiny-sft"]["branches"]["nightly"]["README.md"].decode()
+    card = hub.repos["alice/tiny-sft"]["branches"][branch]["README.md"].decode()
     import yaml
 
     meta = yaml.safe_load(card.split("---")[1])

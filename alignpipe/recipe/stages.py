@@ -335,7 +335,8 @@ class PushStage(StageBase):
     private: bool = False
     """Create the Hub repository as private."""
     revision: str | None = None
-    """Hub branch to push to (created if missing); null pushes to main."""
+    """Hub branch to push to (created if missing); null pushes to main. `{run_id}` and `{date}` are filled
+    in, so `run-{date}-{run_id}` gives every pipeline run its own branch."""
     merge_adapter: bool = False
     """For a LoRA model, merge the adapter into the base weights and publish the full model."""
     license: str = "apache-2.0"

@@ -75,7 +75,13 @@ def run(ctx: StageContext) -> StageResult:
     else:
         staged = stage_folder(folder, Path(ctx.dir) / "upload", card)
         message = f"alignpipe {ctx.recipe.name}: pipeline run {ctx.pipeline_run_id}"
-        url = push_to_hub(staged, s.repo_id, private=s.private, revision=s.revision, commit_message=message)
+        revision = s.revision
+        if revision:
+            import datetime
+
+            revision = revision.replace("{run_id}", ctx.pipeline_run_id[:8]).replace(
+                "{date}", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+        url = push_to_hub(staged, s.repo_id, private=s.private, revision=revision, commit_message=message)
         outputs["published"] = url
         log.info("pushed %s to %s", s.model, url)
     (Path(ctx.dir) / "README.md").write_text(card)
