@@ -47,6 +47,28 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
+    """The stage's MLflow child run. A stage that was killed (its run never ended) continues the same run
+    on the next attempt instead of opening a duplicate; the run id lives in the stage folder."""
+    from alignpipe.tracking import MlflowTracker
+
+    marker = Path(spec.stage_dir) / "mlflow_run_id"
+    if marker.exists():
+        tracker = MlflowTracker(spec.tracking_uri, marker.read_text().strip())
+        try:
+            run = tracker.client.get_run(tracker.run_id)
+            if run.info.status != "FINISHED" and run.data.tags.get("alignpipe.cache_key") == spec.cache_key:
+                tracker.client.update_run(tracker.run_id, status="RUNNING")
+                tracker.set_tags({"alignpipe.resumed": "true"})
+                log.info("continuing MLflow run %s", tracker.run_id)
+                return tracker
+        except Exception:  # the store was reset or the run deleted: start a new one
+            pass
+    tracker = MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
+    marker.write_text(tracker.run_id)
+    return tracker
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = StageSpec.model_validate_json(Path(argv[0]).read_text())
@@ -65,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     stage_dir.mkdir(parents=True, exist_ok=True)
     tags = {"alignpipe.stage_id": stage.id, "alignpipe.kind": stage.kind, "alignpipe.cache_key": spec.cache_key,
             "alignpipe.pipeline": recipe.name}
-    tracker = (MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
-               if rank == 0 else Tracker())
+    tracker = _tracker(spec, stage, tags) if rank == 0 else Tracker()
     ctx = StageContext(recipe, stage, stage_dir, spec.inputs, tracker, spec.pipeline_run_id, spec.parent_run_id)
     started = time.perf_counter()
     log.info("stage %s (%s) → %s", stage.id, stage.kind, stage_dir)

@@ -89,7 +89,8 @@ class StageContext:
         return StageResult(
             outputs={"model": str(result.model_dir)}, metrics={**result.metrics, "steps": result.steps, **(metrics or {})},
             key_metric=key, info={"adapter": result.adapter, "base_model_path": base_path if result.adapter else None,
-                                  "base_model": self.recipe.model.path, "train_seconds": result.seconds})
+                                  "base_model": self.recipe.model.path, "train_seconds": result.seconds,
+                                  "resumed_from": result.resumed_from})
 
     def log_samples(self, model, tokenizer, rows: list[dict], n: int = 8, max_new_tokens: int = 32) -> None:
         """A table of a few greedy generations on eval prompts (the stage's `samples` artifact)."""

@@ -1,0 +1,47 @@
+"""A stage killed with SIGKILL mid-training resumes from its last checkpoint on the next run: the step
+counter continues, and its MLflow child run is continued, not duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from mlflow.tracking import MlflowClient
+
+from alignpipe.pipeline import launch, plan, start_pipeline_run, stage_command, write_spec
+from alignpipe.recipe import parse_recipe
+
+
+def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
+    from conftest import demo_recipe
+
+    recipe = parse_recipe(demo_recipe(tiny, tmp_path / "runs"),
+                          ["stages.sft.max_steps=60", "stages.sft.save_every=10", "stages.sft.logging_every=5",
+                           "stages.sft.eval_every=null"])
+    plans = plan(recipe)
+    tracking = start_pipeline_run(recipe, "run-1")
+    fmt = launch(write_spec(recipe, plans["sft-data"], {}, tracking, "run-1"), on_line=lambda line: None)
+    spec = write_spec(recipe, plans["sft"], {"sft-data": fmt}, tracking, "run-1")
+    proc = subprocess.Popen(stage_command(spec), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ckpt = plans["sft"].dir / "checkpoints" / "step-20" / "state.json"
+    deadline = time.monotonic() + 180
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ckpt.exists(), "no checkpoint before the deadline"
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (plans["sft"].dir / "manifest.json").exists()
+
+    manifest = launch(spec, on_line=lambda line: None)
+    assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
+
+    client = MlflowClient(recipe.tracking_uri)
+    exp = client.get_experiment_by_name(recipe.experiment_name)
+    runs = client.search_runs([exp.experiment_id], f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'")
+    assert len(runs) == 1 and runs[0].info.run_id == manifest.mlflow_run_id
+    assert runs[0].info.status == "FINISHED" and runs[0].data.tags["alignpipe.resumed"] == "true"
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
+    assert min(steps) == 5 and max(steps) == 60, steps
