@@ -111,26 +111,51 @@ class StageFailed(RuntimeError):
         super().__init__(f"stage {stage_id!r} failed (exit code {returncode}). Last output:\n{last}")
 
 
-def stage_command(spec_path: Path, processes: int = 1) -> list[str]:
-    if processes > 1:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu" if not _has_cuda() else "--multi_gpu",
-                "-m", "alignpipe.stage", str(spec_path)]
-    return [sys.executable, "-m", "alignpipe.stage", str(spec_path)]
+def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
+    """The command that runs a stage: one process, or `processes` data-parallel ranks. On GPU machines
+    `accelerate launch` (with `accelerate_config`, e.g. FSDP or DeepSpeed); on CPU `torch.distributed.run`
+    (gloo), which `Accelerator` picks up as multi-CPU."""
+    stage = ["-m", "alignpipe.stage", str(spec_path)]
+    if processes <= 1 and not accelerate_config:
+        return [sys.executable, *stage]
+    if _has_cuda() or accelerate_config:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--main_process_port",
+               str(_free_port())]
+        if accelerate_config:
+            cmd += ["--config_file", accelerate_config]
+        elif processes > 1:
+            cmd += ["--multi_gpu"]
+        return cmd + stage
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), *stage]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _has_cuda() -> bool:
-    return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and Path("/dev/nvidiactl").exists()
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None,
-           extra_env: dict[str, str] | None = None) -> Manifest:
+           extra_env: dict[str, str] | None = None, accelerate_config: str | None = None) -> Manifest:
     """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
     `extra_env` (e.g. a token from a secret store) reaches the process through its environment only."""
     spec = StageSpec.model_validate_json(Path(spec_path).read_text())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(stage_command(spec_path, processes), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(stage_command(spec_path, processes, accelerate_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             bufsize=1, env=env)
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.

@@ -62,11 +62,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     activation checkpointing when gradients are on, so peak memory holds one chunk of logits.
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, t+1].
     """
+    # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
+        # the float32 log-softmax is still taken chunk by chunk.
+        return _logprobs_from_logits(model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                           use_cache=False).logits[:, :-1], input_ids[:, 1:], temperature, chunk_tokens, with_entropy)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     head = base.get_output_embeddings()
-    # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state[:, :-1]
     labels = input_ids[:, 1:]
@@ -83,6 +88,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             lp, ent = _chunk_logprobs(*args)
         logps.append(lp)
         entropies.append(ent.detach())
+    logps = torch.cat(logps, 1)
+    return (logps, torch.cat(entropies, 1)) if with_entropy else logps
+
+
+def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
+    step = max(1, chunk_tokens // max(1, logits.size(0)))
+    logps, entropies = [], []
+    for s in range(0, logits.size(1), step):
+        chunk = logits[:, s:s + step].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lp = chunk.log_softmax(-1)
+        logps.append(lp.gather(-1, labels[:, s:s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
+        entropies.append(-(lp.exp() * lp).sum(-1).detach())
     logps = torch.cat(logps, 1)
     return (logps, torch.cat(entropies, 1)) if with_entropy else logps
 

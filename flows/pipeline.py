@@ -80,7 +80,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 spec = write_spec(recipe, p, inputs, tracking, run_id)
                 task = TASKS[s.kind].with_options(retries=s.resources.retries) if s.resources.retries else TASKS[s.kind]
                 future = task.submit(spec_path=str(spec), stage_id=s.id, processes=s.resources.processes,
-                                     timeout_s=s.resources.timeout_s)
+                                     timeout_s=s.resources.timeout_s, accelerate_config=s.resources.accelerate_config)
                 running[s.id] = (s, future)
         if not running:
             continue

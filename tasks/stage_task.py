@@ -16,10 +16,12 @@ def stage_task(kind: str, retries: int = 0, retry_delay_seconds: list[int] | int
 
     @task(name=f"{kind}-stage", cache_policy=NONE, retries=retries, retry_delay_seconds=retry_delay_seconds,
           task_run_name="{stage_id}")
-    def run_stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None) -> dict:
+    def run_stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None,
+                  accelerate_config: str | None = None) -> dict:
         logger = get_run_logger()
         manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                          processes=processes, timeout_s=timeout_s, extra_env=env_fn(spec_path) if env_fn else None)
+                          processes=processes, timeout_s=timeout_s, extra_env=env_fn(spec_path) if env_fn else None,
+                          accelerate_config=accelerate_config)
         if on_done is not None:
             on_done(manifest)
         return manifest.model_dump(mode="json")

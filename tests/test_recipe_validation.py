@@ -254,3 +254,8 @@ def test_ppo_needs_a_value_model(tiny):
 def test_vllm_server_rollouts_need_a_url(tiny):
     text = rl_recipe(tiny, "tiny-grpo.yaml").replace("    sampling: {temperature: 1.0}", "    sampling: {temperature: 1.0}\n    rollout: {backend: vllm, mode: server}")
     assert "rollout mode 'server' needs `server_url`" in problems_of(text)
+
+
+def test_ppo_is_single_process(tiny):
+    text = rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", "    kl_coef: 0.05\n    resources: {processes: 2}\n")
+    assert "the ppo stage runs in a single process for now" in problems_of(text)

@@ -73,7 +73,7 @@ def test_broken_reward_functions_fail_before_any_rollout():
 
 
 def test_http_scorer_over_loopback():
-    def handler(method, path, body):
+    def handler(method, path, body, headers):
         return 200, {"rewards": [float(len(c)) for c in body["completions"]]}
 
     with serve(handler) as url:

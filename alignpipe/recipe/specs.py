@@ -59,6 +59,8 @@ class Resources(Strict):
     """Prefect work pool to dispatch this stage to; null runs it in a child process beside the flow."""
     processes: int = Field(1, gt=0)
     """Processes (`accelerate launch`) for data-parallel training."""
+    accelerate_config: str | None = None
+    """An accelerate config file (FSDP, DeepSpeed) for `accelerate launch --config_file`."""
     gpus: int = Field(0, ge=0)
     """GPUs the stage needs (for pool placement and documentation)."""
     retries: int = Field(0, ge=0)

@@ -209,7 +209,11 @@ class TrainLoop:
         self.steps = total_steps(cfg, self.micro_per_epoch) * (1 if cfg.max_steps else repeat)
         optimizer = build_optimizer(model, cfg)
         scheduler = build_scheduler(optimizer, cfg, self.steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        # The scheduler stays out of `prepare`: accelerate's wrapper steps it once per process per call,
+        # which would decay the learning rate `num_processes` times too fast. It is still checkpointed.
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.scheduler = scheduler
+        self.accelerator.register_for_checkpointing(scheduler)
         self.checkpoints = Checkpointer(self.output_dir, cfg.save_total_limit)
         self.state = self.checkpoints.resume(self.accelerator)
         self.step = self.state["step"] if self.state else 0

@@ -147,7 +147,8 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
     updates = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(rows) / rollout_size))
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    model, optimizer = acc.prepare(model, optimizer)  # scheduler unwrapped: see TrainLoop
+    acc.register_for_checkpointing(scheduler)
     if acc.is_main_process:
         tracker.log_params({"ppo": cfg.model_dump(mode="json")})
     checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
