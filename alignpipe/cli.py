@@ -51,8 +51,10 @@ def cmd_run(args) -> int:
     unknown = [f for f in args.force if f not in {s.id for s in recipe.stages}]
     if unknown:
         raise RecipeError([], f"--force {unknown}: no such stage (stages: {', '.join(s.id for s in recipe.stages)})")
-    from flows.pipeline import pipeline
+    from flows.pipeline import check_pools, pipeline
 
+    if any(s.resources.pool for s in recipe.stages):
+        check_pools(recipe)  # exit 2 before a flow run exists
     state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
     run_id = str(state.state_details.flow_run_id)
     summary_path = recipe.run_root / "runs" / f"{run_id}.json"
@@ -62,6 +64,42 @@ def cmd_run(args) -> int:
     if not state.is_completed():
         console.print(f"[bold red]pipeline failed[/]: {state.message}")
         return 1
+    return 0
+
+
+def cmd_resume(args) -> int:
+    """Re-run the pipeline run RUN_ID's recipe with its overrides: finished stages are reused, a killed
+    stage continues from its last checkpoint."""
+    matches = list(Path(args.workdir).expanduser().glob(f"*/runs/{args.run_id}*.json"))
+    if not matches:
+        print(f"error: no pipeline run {args.run_id!r} under {args.workdir} (looked for */runs/<id>.json)", file=sys.stderr)
+        return 2
+    summary = json.loads(matches[0].read_text())
+    request = summary.get("request") or {}
+    if not request.get("recipe"):
+        print(f"error: run {args.run_id} did not record its recipe path; run `alignpipe run RECIPE` again", file=sys.stderr)
+        return 2
+    print(f"resuming {summary['pipeline']} from {request['recipe']} with {request.get('overrides') or 'no overrides'}")
+    return cmd_run(argparse.Namespace(recipe=request["recipe"], overrides=request.get("overrides") or [], force=[]))
+
+
+def cmd_deploy(args) -> int:
+    """Deploy the single-stage flow on each work pool (and, with --recipe, the pipeline flow for it)."""
+    from flows.pipeline import pipeline
+    from flows.stage import stage
+    from tasks.dispatch import STAGE_FLOW
+
+    root = str(Path(__file__).resolve().parents[1])
+    for pool in args.pool:
+        stage.from_source(source=root, entrypoint="flows/stage.py:stage").deploy(name=pool, work_pool_name=pool)
+        print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")
+    if args.recipe:
+        recipe = load_recipe(args.recipe, args.overrides)
+        name = args.name or recipe.name
+        pipeline.from_source(source=root, entrypoint="flows/pipeline.py:pipeline").deploy(
+            name=name, work_pool_name=args.pipeline_pool, cron=args.cron,
+            parameters={"recipe_path": str(Path(args.recipe).resolve()), "overrides": args.overrides, "force": []})
+        print(f"deployed alignpipe-pipeline/{name} on work pool {args.pipeline_pool!r}" + (f" (cron {args.cron})" if args.cron else ""))
     return 0
 
 
@@ -88,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--force", action="append", default=[], metavar="STAGE", help="re-run this stage even if cached")
     p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("resume", help="run a pipeline run's recipe again: finished stages are reused, killed ones resume")
+    p.add_argument("run_id", help="the pipeline (flow) run id, or a prefix of it")
+    p.add_argument("--workdir", default="./runs", help="the recipe's workdir (default ./runs)")
+    p.set_defaults(fn=cmd_resume)
+    p = sub.add_parser("deploy", help="deploy the stage flow on work pools and/or a recipe's pipeline (with a schedule)")
+    p.add_argument("--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)")
+    p.add_argument("--recipe", help="also deploy the pipeline flow for this recipe")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--name", help="pipeline deployment name (default: the recipe name)")
+    p.add_argument("--pipeline-pool", default="alignpipe-process", help="work pool that runs the pipeline flow itself")
+    p.add_argument("--cron", help="schedule, e.g. '0 3 * * 1' for Mondays 03:00")
+    p.set_defaults(fn=cmd_deploy)
     p = sub.add_parser("make-tiny", help="write the tiny local model, tokenizer and synthetic datasets")
     p.add_argument("dir", type=Path)
     p.add_argument("--seed", type=int, default=0)

@@ -246,10 +246,13 @@ def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome
     run.end("FAILED" if failed else "FINISHED")
 
 
-def write_summary(recipe: Recipe, pipeline_run_id: str, outcomes: list[StageOutcome], mlflow_run_id: str | None) -> Path:
+def write_summary(recipe: Recipe, pipeline_run_id: str, outcomes: list[StageOutcome], mlflow_run_id: str | None,
+                  request: dict | None = None) -> Path:
+    """`<run root>/runs/<pipeline run id>.json`: the outcome per stage and what to re-run (`alignpipe resume`)."""
     d = recipe.run_root / "runs"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{pipeline_run_id}.json"
     path.write_text(json.dumps({"pipeline": recipe.name, "pipeline_run_id": pipeline_run_id, "mlflow_run_id": mlflow_run_id,
-                                "tracking_uri": recipe.tracking_uri, "stages": [asdict(o) for o in outcomes]}, indent=1))
+                                "tracking_uri": recipe.tracking_uri, "request": request or {},
+                                "stages": [asdict(o) for o in outcomes]}, indent=1))
     return path

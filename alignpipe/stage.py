@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         manifest = Manifest(stage_id=stage.id, kind=stage.kind, cache_key=spec.cache_key, outputs=result.outputs,
                             metrics={k: float(v) for k, v in result.metrics.items()}, key_metric=result.key_metric,
-                            info=result.info, mlflow_run_id=getattr(tracker, "run_id", None), duration_s=duration)
+                            info={**result.info, "host": socket.gethostname(), "pid": os.getpid(),
+                                  "prefect_flow_run_id": os.environ.get("PREFECT__FLOW_RUN_ID")},
+                            mlflow_run_id=getattr(tracker, "run_id", None), duration_s=duration)
         if isinstance(tracker, MlflowTracker):
             tracker.log_metrics({"stage/duration_s": duration}, 0)
             tracker.end("FINISHED")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import uuid
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
@@ -19,6 +20,7 @@ from alignpipe.pipeline import (
 )
 from alignpipe.recipe import load_recipe
 from tasks import TASKS
+from tasks.dispatch import deployment_name, dispatch_task
 from tasks.skip import skip_task
 
 
@@ -33,11 +35,41 @@ def _flow_run_id() -> str:
         return uuid.uuid4().hex
 
 
+def check_pools(recipe) -> None:
+    """Every work pool a stage names must exist, with the single-stage flow deployed on it, before anything runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from alignpipe.recipe import Problem, RecipeError
+
+    problems = []
+    with get_client(sync_client=True) as client:
+        for i, s in enumerate(recipe.stages):
+            pool = s.resources.pool
+            if not pool:
+                continue
+            try:
+                client.read_work_pool(pool)
+            except ObjectNotFound:
+                problems.append(Problem(("stages", i, "resources", "pool"), f"work pool {pool!r} does not exist on the Prefect "
+                                        "server", f"create it (prefect work-pool create {pool} --type process) and deploy "
+                                        "the stage flow on it (infra/README.md), or remove `pool`", label=f"stage {s.id!r}"))
+                continue
+            try:
+                client.read_deployment_by_name(deployment_name(pool))
+            except ObjectNotFound:
+                problems.append(Problem(("stages", i, "resources", "pool"), f"no deployment {deployment_name(pool)!r} on pool "
+                                        f"{pool!r}", "deploy it: alignpipe deploy --pool " + pool, label=f"stage {s.id!r}"))
+    if problems:
+        raise RecipeError(problems, "recipe")
+
+
 @flow(name="alignpipe-pipeline", flow_run_name="{recipe_path}", log_prints=True)
 def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
     """Run a recipe. `overrides` are `key=value` edits (`--set`), `force` stage ids to re-run."""
     logger = get_run_logger()
     recipe = load_recipe(recipe_path, overrides or [])  # validated again: UI-launched runs skip the CLI
+    check_pools(recipe)
     plans = plan(recipe, force or [])
     run_id = _flow_run_id()
     tracking = start_pipeline_run(recipe, run_id)
@@ -78,9 +110,12 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     continue
                 inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
                 spec = write_spec(recipe, p, inputs, tracking, run_id)
-                task = TASKS[s.kind].with_options(retries=s.resources.retries) if s.resources.retries else TASKS[s.kind]
+                task = dispatch_task if s.resources.pool else TASKS[s.kind]
+                if s.resources.retries:
+                    task = task.with_options(retries=s.resources.retries)
+                where = {"pool": s.resources.pool} if s.resources.pool else {}
                 future = task.submit(spec_path=str(spec), stage_id=s.id, processes=s.resources.processes,
-                                     timeout_s=s.resources.timeout_s, accelerate_config=s.resources.accelerate_config)
+                                     timeout_s=s.resources.timeout_s, accelerate_config=s.resources.accelerate_config, **where)
                 running[s.id] = (s, future)
         if not running:
             continue
@@ -100,7 +135,8 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
 
     ordered = [outcomes[s.id] for s in recipe.topological_order()]
     end_pipeline_run(tracking, ordered)
-    summary_path = write_summary(recipe, run_id, ordered, tracking[2])
+    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": list(overrides or [])}
+    summary_path = write_summary(recipe, run_id, ordered, tracking[2], request)
     failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
     if failed:
         raise PipelineFailed(f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}")

@@ -1,0 +1,114 @@
+"""Stages dispatched to a Prefect work pool, with real components started the way users start them:
+`prefect server start` on loopback, a `process` work pool, `alignpipe deploy`, `prefect worker start`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from mlflow.tracking import MlflowClient
+
+BIN = Path(sys.executable).parent
+POOL = "alignpipe-process"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd, env, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefect")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(root / "home"), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", DO_NOT_TRACK="1")
+    proc = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, root / "server.log")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail("prefect server exited:\n" + (root / "server.log").read_text()[-3000:])
+        time.sleep(1)
+    else:
+        _stop(proc)
+        pytest.fail("prefect server did not answer /api/health within 120 s")
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], env, root / "worker.log")
+    yield api, env, root
+    _stop(worker)
+    _stop(proc)
+
+
+def _recipe(tiny, tmp_path, pool: str) -> Path:
+    from conftest import demo_recipe
+
+    path = tmp_path / "pool.yaml"
+    text = demo_recipe(tiny, tmp_path / "runs").replace("    learning_rate: 1.0e-3\n    max_steps: 150",
+                                                      f"    learning_rate: 1.0e-3\n    max_steps: 40\n    resources: {{pool: {pool}}}")
+    path.write_text(text)
+    return path
+
+
+def test_sft_stage_runs_on_the_pools_worker_and_logs_under_the_pipeline_run(server, tiny, tmp_path):
+    api, env, root = server
+    path = _recipe(tiny, tmp_path, POOL)
+    out = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + (root / "worker.log").read_text()[-3000:]
+    summary = json.loads(next((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json")).read_text())
+    from alignpipe.manifest import Manifest
+
+    manifests = {m.stage_id: m for m in map(Manifest.read, (tmp_path / "runs" / "tiny-demo" / "stages").iterdir()) if m}
+    sft_flow_run = manifests["sft"].info["prefect_flow_run_id"]
+    assert sft_flow_run and sft_flow_run != summary["pipeline_run_id"], "the SFT stage ran in a flow run of its own"
+    assert manifests["sft-data"].info["prefect_flow_run_id"] is None, "undispatched stages ran beside the pipeline flow"
+    run = httpx.get(f"{api}/flow_runs/{sft_flow_run}").json()
+    deployment = httpx.get(f"{api}/deployments/{run['deployment_id']}").json()
+    assert deployment["name"] == POOL and run["work_pool_name"] == POOL and run["state"]["type"] == "COMPLETED"
+    assert run["parent_task_run_id"], "the stage flow run is a subflow of the pipeline run"
+    client = MlflowClient(summary["tracking_uri"])
+    child = client.get_run(manifests["sft"].mlflow_run_id)
+    assert child.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"] and child.info.status == "FINISHED"
+
+
+def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
+    api, env, _ = server
+    path = _recipe(tiny, tmp_path, "no-such-pool")
+    out = subprocess.run([str(BIN / "alignpipe"), "run", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "stages[2].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
+    assert not (tmp_path / "runs" / "tiny-demo").exists()
