@@ -17,6 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).parents[1]
 POOL = "alignpipe-process"
 
 
@@ -47,7 +48,7 @@ def server(tmp_path_factory):
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(root / "home"), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", DO_NOT_TRACK="1")
+               PREFECT_UI_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", DO_NOT_TRACK="1", ALIGNPIPE_HOME=str(REPO))
     proc = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, root / "server.log")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -62,10 +63,11 @@ def server(tmp_path_factory):
     else:
         _stop(proc)
         pytest.fail("prefect server did not answer /api/health within 120 s")
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process"], env=env, check=True,
-                   capture_output=True, timeout=120)
-    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL], env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process", "--base-job-template",
+                    str(REPO / "infra" / "work-pools" / "process.json")], env=env, check=True, capture_output=True, timeout=120)
+    out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml",
+                          "--name", POOL], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], env, root / "worker.log")
     yield api, env, root
     _stop(worker)
@@ -112,3 +114,33 @@ def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
     assert out.returncode == 2
     assert "stages[2].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
     assert not (tmp_path / "runs" / "tiny-demo").exists()
+
+
+def test_resume_reruns_nothing_that_finished(server, tiny, tmp_path):
+    """`alignpipe resume RUN_ID` re-runs a pipeline run's recipe with its overrides; all cached here."""
+    api, env, _ = server
+    path = _recipe(tiny, tmp_path, POOL)
+    first = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert first.returncode == 0, first.stdout[-2000:]
+    run_file = next((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json"))
+    out = subprocess.run([str(BIN / "alignpipe"), "resume", run_file.stem[:8]], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "stages.judge.num_prompts=16" in out.stdout
+    latest = max((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    statuses = {s["stage_id"]: s["status"] for s in json.loads(latest.read_text())["stages"]}
+    assert "done" not in statuses.values() and statuses["sft"] == "cached", statuses  # the gate may skip publish again
+
+
+def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server):
+    api, env, _ = server
+    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL, "--recipe", "pipelines/tiny-demo.yaml",
+                          "--name", "weekly-demo", "--pipeline-pool", POOL, "--cron", "0 3 * * 1"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
+    assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+    assert dep["parameters"]["recipe_path"].endswith("pipelines/tiny-demo.yaml")
+    props = dep["parameter_openapi_schema"]["properties"]
+    assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
