@@ -35,5 +35,8 @@ test: $(BIN)/.installed
 test-slow: $(BIN)/.installed
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
+bench: $(BIN)/.installed $(ASSETS)/ASSETS.json
+	$(BIN)/python -m bench --models tiny --repeats 3
+
 clean:
 	rm -rf runs .pytest_cache

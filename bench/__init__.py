@@ -1,0 +1,1 @@
+"""Benchmarks of alignpipe's trainers side by side with TRL's (test/bench extra only)."""
