@@ -16,9 +16,9 @@ from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix
 from alignpipe.plots import win_rate_figure
 from alignpipe.stages.context import StageContext, StageResult
+from alignpipe.trainers.online import extra_columns
 
 log = logging.getLogger(__name__)
-TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected")
 
 
 def generate(ctx: StageContext, ref: str, prompts: list[str]) -> list[str]:
@@ -60,7 +60,7 @@ def run(ctx: StageContext) -> StageResult:
     judge_name, judge_fn = llm_judge(ctx) if s.llm_judge else scorer(ctx)
     rows = prompt_rows(ctx)
     prompts = [r["prompt"] for r in rows]
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in TEXT_COLUMNS}
+    columns = extra_columns(rows)
     models = list(dict.fromkeys(s.candidates + s.baselines))
     outputs = {m: generate(ctx, m, prompts) for m in models}
     pairs = [(c, b) for c in s.candidates for b in s.baselines if c != b]

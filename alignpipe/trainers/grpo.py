@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -33,9 +32,9 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.rl_math import group_advantages, masked_mean, token_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import GRPOConfig
+from alignpipe.trainers.online import extra_columns, pad_left, pad_right, print_samples
 
 log = logging.getLogger(__name__)
-TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "text", "messages")
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
@@ -78,25 +77,6 @@ def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tenso
     return mask
 
 
-def _pad_left(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, n - len(s):] = 1
-    return ids, mask
-
-
-def _pad_right(seqs: list[list[int]], pad: int) -> torch.Tensor:
-    n = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids
-
-
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature: float, chunk: int,
                      with_entropy: bool = False):
     """Log-probs (and entropies) of the completion tokens, (B, C)."""
@@ -111,18 +91,6 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
     return out[:, P - 1:]
 
 
-def print_samples(rows: list[dict], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for col in ("prompt", "completion", "reward"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(r["prompt"][-60:], r["completion"][:80], f"{r['reward']:.3f}")
-    Console(file=sys.stdout, width=140).print(table)
-
-
 def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
           seed: int = 0, ref_model=None, engine=None, eval_rows: list[dict] | None = None) -> TrainResult:
     G = cfg.num_generations
@@ -132,8 +100,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
     temperature = cfg.sampling.temperature or 1.0
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    columns_of = lambda rs: {k: [r.get(k) for r in rs] for k in rs[0] if k not in TEXT_COLUMNS}  # noqa: E731
-    rewards.probe([r["prompt"] for r in rows[:2]], columns_of(rows[:2]))  # a broken reward fails before any rollout
+    rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))  # a broken reward fails before any rollout
 
     loop = TrainLoop("grpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed,
                      rows_per_batch=cfg.batch_size // G, repeat=cfg.num_iterations)
@@ -165,10 +132,10 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         rep_rows = [r for r in batch_rows for _ in range(G)]
         prompts_text = [r["prompt"] for r in rep_rows]
         completions = [g.completion for g in gens]
-        total, per_fn = rewards(prompts_text, completions, columns_of(rep_rows))
+        total, per_fn = rewards(prompts_text, completions, extra_columns(rep_rows))
         adv, std = group_advantages(total, G, cfg.scale_rewards)
-        prompt_ids, prompt_mask = _pad_left([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id)
-        comp_ids = _pad_right([g.completion_ids for g in gens], tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = pad_left([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id)
+        comp_ids = pad_right([g.completion_ids for g in gens], tokenizer.pad_token_id)
         lengths = torch.tensor([len(g.completion_ids) for g in gens])
         ended = torch.tensor([g.finish_reason == "stop" for g in gens])
         mask = completion_mask(comp_ids, lengths, ended, cfg.mask_truncated_completions)
@@ -259,7 +226,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
         engine.update_weights(loop.unwrapped)
         gens = engine.generate(encode_prompts(sample), 1, greedy)
-        total, _ = rewards([r["prompt"] for r in sample], [g.completion for g in gens], columns_of(sample))
+        total, _ = rewards([r["prompt"] for r in sample], [g.completion for g in gens], extra_columns(sample))
         finite = total[~torch.isnan(total)]
         return {"reward": float(finite.mean()) if len(finite) else 0.0}
 

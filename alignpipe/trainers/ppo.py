@@ -39,7 +39,7 @@ from alignpipe.trainers.common import (
     Checkpointer, TrainResult, build_optimizer, build_scheduler, progress, save_model, seed_everything,
 )
 from alignpipe.trainers.configs import PPOConfig
-from alignpipe.trainers.grpo import TEXT_COLUMNS, _pad_left, _pad_right, print_samples
+from alignpipe.trainers.online import extra_columns, pad_left, pad_right, print_samples
 
 log = logging.getLogger(__name__)
 INVALID_LOGPROB = 1.0
@@ -128,8 +128,7 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
     seed_everything(seed)
     temperature = cfg.sampling.temperature or 1.0
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
-    columns_of = lambda rs: {k: [r.get(k) for r in rs] for k in rs[0] if k not in TEXT_COLUMNS}  # noqa: E731
-    rewards.probe([r["prompt"] for r in rows[:2]], columns_of(rows[:2]))
+    rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
     device = acc.device
@@ -178,11 +177,11 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             prompts = [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]]
             engine.update_weights(unwrapped.policy)
             gens = engine.generate(prompts, 1, sampling, seed=seed + update)
-            query, query_mask = _pad_left(prompts, pad)
-            response = _pad_right([g.completion_ids for g in gens], pad)
+            query, query_mask = pad_left(prompts, pad)
+            response = pad_right([g.completion_ids for g in gens], pad)
             lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
             query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
-            total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], columns_of(batch_rows))
+            total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows))
             scores = torch.nan_to_num(total, nan=0.0).to(device)
             contain_eos = torch.tensor([g.finish_reason == "stop" for g in gens], device=device)
             if cfg.missing_eos_penalty is not None:
