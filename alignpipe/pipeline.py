@@ -153,6 +153,8 @@ def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: i
     `extra_env` (e.g. a token from a secret store) reaches the process through its environment only."""
     spec = StageSpec.model_validate_json(Path(spec_path).read_text())
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if sys.stderr.isatty():  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
+        env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = subprocess.Popen(stage_command(spec_path, processes, accelerate_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -181,12 +183,25 @@ def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: i
 
 
 def _pump_stderr(stream, keep: collections.deque) -> None:
-    for chunk in iter(lambda: stream.readline(), ""):
-        sys.stderr.write(chunk)
+    """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) and keep
+    its last lines for an error message."""
+    import codecs
+
+    fd = stream.fileno()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a chunk may end inside a character
+    pending = ""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        text = decoder.decode(chunk)
+        sys.stderr.write(text)
         sys.stderr.flush()
-        for piece in chunk.replace("\r", "\n").split("\n"):
-            if piece.strip():
-                keep.append(piece)
+        pending += text.replace("\r", "\n")
+        *lines, pending = pending.split("\n")
+        keep.extend(line for line in lines if line.strip())
+    if pending.strip():
+        keep.append(pending)
 
 
 # --- MLflow parent run ---------------------------------------------------------------------------

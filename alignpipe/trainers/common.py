@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import sys
@@ -134,7 +135,7 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
     """A tqdm bar on stderr (live in a terminal, a line every 10 s in logs)."""
     from tqdm.auto import tqdm
 
-    interactive = sys.stderr.isatty()
+    interactive = sys.stderr.isatty() or os.environ.get("ALIGNPIPE_TTY") == "1"
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
                 mininterval=0.2 if interactive else 10.0, ascii=not interactive)
 
@@ -282,6 +283,10 @@ class TrainLoop:
                 self.log({f"train/{k}": v for k, v in mean.items()})
                 if "loss" in mean:
                     bar.set_postfix(loss=f"{mean['loss']:.4f}")
+                if acc.is_main_process:  # one line per log point in the stage log (Prefect UI, CI logs)
+                    shown = {k: mean[k] for k in ("loss", "reward", "rewards/margins", "accuracy", "lr") if k in mean}
+                    log.info("%s step %d/%d %s", self.name, self.step, self.steps,
+                             " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
                 window_metrics = []
             if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
                 self.log({f"eval/{k}": v for k, v in eval_fn().items()})

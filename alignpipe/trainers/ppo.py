@@ -260,6 +260,8 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         if acc.is_main_process and (update % cfg.logging_every == 0 or update == updates or update == 1):
             tracker.log_metrics(metrics, update)
             bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{mean_kl:.3f}")
+            log.info("ppo update %d/%d score=%.4g kl=%.4g rlhf_reward=%.4g", update, updates, metrics["objective/scores"],
+                     mean_kl, metrics["objective/rlhf_reward"])
         if acc.is_main_process and (update % cfg.sample_every == 0 or update == 1):
             table = [{"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
                      for r, g, sc in zip(batch_rows[:8], gens[:8], scores[:8])]
