@@ -133,14 +133,18 @@ def test_resume_reruns_nothing_that_finished(server, tiny, tmp_path):
     assert "done" not in statuses.values() and statuses["sft"] == "cached", statuses  # the gate may skip publish again
 
 
-def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server):
+def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, tmp_path):
+    from conftest import demo_recipe
+
     api, env, _ = server
-    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL, "--recipe", "pipelines/tiny-demo.yaml",
+    recipe = tmp_path / "tiny-demo.yaml"  # the shipped recipe, pointed at this session's tiny assets
+    recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL, "--recipe", str(recipe),
                           "--name", "weekly-demo", "--pipeline-pool", POOL, "--cron", "0 3 * * 1"],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
     assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
-    assert dep["parameters"]["recipe_path"].endswith("pipelines/tiny-demo.yaml")
+    assert dep["parameters"]["recipe_path"] == str(recipe)
     props = dep["parameter_openapi_schema"]["properties"]
     assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
