@@ -76,14 +76,46 @@ def stage_folder(model_dir: Path, dest: Path, card: str) -> Path:
     return dest
 
 
+def _transient(error: Exception) -> bool:
+    """5xx answers and dropped connections are worth retrying; 4xx (auth, bad repo id) are not."""
+    if type(error).__name__ == "OfflineModeIsEnabled":  # a ConnectionError, but retrying cannot help
+        return False
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is not None:
+        return status >= 500 or status == 429
+    return isinstance(error, (ConnectionError, TimeoutError, OSError)) or type(error).__name__ in (
+        "ConnectError", "ReadTimeout", "RemoteProtocolError", "ConnectTimeout")
+
+
+def _with_retries(what: str, fn, attempts: int, backoff_s: float):
+    import logging
+    import time
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified below
+            if attempt == attempts or not _transient(e):
+                raise RuntimeError(f"Hub {what} failed after {attempt} attempt(s): {e}. The model and its card are "
+                                   "still in the stage folder; re-run the pipeline to retry the push.") from e
+            delay = backoff_s * 2 ** (attempt - 1)
+            logging.getLogger(__name__).warning("Hub %s failed (%s); retrying in %.0fs", what, e, delay)
+            time.sleep(delay)
+
+
 def push_to_hub(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
-                commit_message: str = "alignpipe upload") -> str:
-    """Create the repo (and branch) if needed and upload `folder`. Returns the commit URL."""
+                commit_message: str = "alignpipe upload", endpoint: str | None = None, attempts: int = 4,
+                backoff_s: float = 2.0) -> str:
+    """Create the repo (and branch) if needed and upload `folder`, retrying transient failures with
+    exponential backoff. Returns the commit URL. The token comes from the environment (HF_TOKEN)."""
     from huggingface_hub import HfApi
 
-    api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    api = HfApi(endpoint=endpoint)
+    _with_retries("create_repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
+                  attempts, backoff_s)
     if revision:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message)
+        _with_retries("create_branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), attempts, backoff_s)
+    info = _with_retries("upload", lambda: api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
+                                                             commit_message=commit_message), attempts, backoff_s)
     return str(getattr(info, "commit_url", info))

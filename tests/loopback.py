@@ -86,6 +86,8 @@ class FakeHub:
         self.repos: dict[str, dict] = {}
         self.commits: list[dict] = []
         self.validated: list = []
+        self.fail_commits = 0  # answer this many commit attempts with 503 first
+        self.commit_attempts = 0
 
     def __call__(self, method, path, body, headers):
         parts = path.split("?")[0].strip("/").split("/")
@@ -114,6 +116,10 @@ class FakeHub:
                                     "oid": git_hash(files[f["path"]]) if files and f["path"] in files else None}
                                    for f in body["files"]]}
         if action == "commit":
+            self.commit_attempts += 1
+            if self.fail_commits > 0:
+                self.fail_commits -= 1
+                return 503, {"error": "service unavailable"}
             lines = [json.loads(x) for x in body.decode().splitlines() if x.strip()]
             header = next(x["value"] for x in lines if x["key"] == "header")
             added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
