@@ -183,3 +183,26 @@ def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
     assert tracker.series("objective/kl")[0] == pytest.approx(0.0, abs=1e-5), "the first rollout is on the reference policy"
     assert tracker.last("episode") == 3 * 16
     assert "samples/update_000003" in tracker.tables
+
+
+def test_ppo_and_grpo_resume_from_their_last_checkpoint(tiny, reversal_sft, tmp_path):
+    tok, start, train, _ = reversal_sft
+    rewards = RewardSet([LoadedReward("exact_match", exact_match)])
+    grpo_cfg = GRPOConfig(learning_rate=1e-3, max_steps=3, batch_size=8, num_generations=4, max_completion_length=6, save_every=1,
+                          logging_every=1, sample_every=100)
+    grpo.train(grpo_cfg, load_causal_lm(str(start)), tok, train, rewards, Tracker(), tmp_path / "grpo")
+    tracker = Tracker()
+    again = grpo.train(grpo_cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, tmp_path / "grpo")
+    assert again.resumed_from == 2 and again.steps == 3 and [s for s, _ in tracker.history] == [3]
+
+    rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 4]
+    value = lambda: load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)  # noqa: E731
+    ppo_cfg = PPOConfig(learning_rate=1e-4, max_steps=3, batch_size=4, num_ppo_epochs=1, max_completion_length=6, save_every=1,
+                        logging_every=1, sample_every=100)
+    lengths = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    ppo.train(ppo_cfg, load_causal_lm(str(tiny / "model")), value(), tok, rows, lengths, Tracker(), tmp_path / "ppo",
+              ref_model=load_causal_lm(str(tiny / "model")))
+    tracker = Tracker()
+    again = ppo.train(ppo_cfg, load_causal_lm(str(tiny / "model")), value(), tok, rows, lengths, tracker, tmp_path / "ppo",
+                      ref_model=load_causal_lm(str(tiny / "model")))
+    assert again.resumed_from == 2 and again.steps == 3 and [s for s, _ in tracker.history] == [3]
