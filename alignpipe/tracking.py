@@ -104,8 +104,9 @@ class MlflowTracker(Tracker):
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        super().log_params(params)
-        items = [Param(k, str(v)[:6000]) for k, v in redact(flatten(params)).items()]
+        clean = redact(flatten(params))
+        self.params.update(clean)
+        items = [Param(k, str(v)[:6000]) for k, v in clean.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
