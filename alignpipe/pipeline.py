@@ -8,6 +8,7 @@ import collections
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from alignpipe.manifest import Manifest
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import BASE, FormatStage
 from alignpipe.stage import StageSpec
+from alignpipe.storage import CheckpointMirror, is_url, localize, read_text, stage_folder
 
 STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED = "done", "cached", "failed", "not run", "skipped"
 
@@ -75,25 +77,45 @@ class StagePlan:
     dir: Path
     deps: list[str]
     cached: bool
+    manifest: Manifest | None = None
+    """The finished stage's manifest (localized to this machine) when `cached`."""
+    fresh: bool = False
+    """Forced although finished: its folder is cleared so nothing resumes from the old checkpoints."""
+
+    @property
+    def folder(self) -> str:
+        return self.dir.name
 
 
 def plan(recipe: Recipe, force: list[str] | tuple[str, ...] = ()) -> dict[str, StagePlan]:
-    """What each stage would do now: reuse a finished output with the same key, or run."""
+    """What each stage would do now: reuse a finished output with the same key, or run. With a storage
+    root, what is finished is what storage holds."""
     unknown = [f for f in force if f not in {s.id for s in recipe.stages}]
     if unknown:
         raise ValueError(f"--force names unknown stage(s) {unknown}; stages: {[s.id for s in recipe.stages]}")
     keys = cache_keys(recipe)
+    store = recipe.remote_store()
     out = {}
     for s in recipe.topological_order():
-        d = recipe.run_root / "stages" / f"{s.id}-{keys[s.id][:12]}"
-        m = Manifest.read(d)
-        cached = m is not None and m.cache_key == keys[s.id] and s.id not in force
-        out[s.id] = StagePlan(s.id, s.kind, keys[s.id], d, s.dependencies(), cached)
+        folder = stage_folder(s.id, keys[s.id])
+        d = recipe.run_root / "stages" / folder
+        m = store.read_manifest(folder) if store else Manifest.read(d)
+        finished = m is not None and m.cache_key == keys[s.id]
+        cached = finished and s.id not in force
+        out[s.id] = StagePlan(s.id, s.kind, keys[s.id], d, s.dependencies(), cached,
+                              localize(m, recipe.run_root) if cached and store else (m if cached else None),
+                              fresh=finished and not cached)
     return out
 
 
 def write_spec(recipe: Recipe, p: StagePlan, inputs: dict[str, Manifest], tracking: tuple[str, str, str | None],
-               pipeline_run_id: str) -> Path:
+               pipeline_run_id: str) -> str:
+    """Write the stage's spec file; its path, or its URL in the storage root when the recipe has one."""
+    store = recipe.remote_store()
+    if p.fresh:
+        shutil.rmtree(p.dir, ignore_errors=True)
+        if store and store.fs.exists(store.path(f"stages/{p.folder}")):
+            store.fs.rm(store.path(f"stages/{p.folder}"), recursive=True)
     p.dir.mkdir(parents=True, exist_ok=True)
     uri, experiment_id, parent = tracking
     spec = StageSpec(recipe=recipe.model_dump(mode="json"), stage_id=p.stage_id, stage_dir=str(p.dir), cache_key=p.key,
@@ -101,7 +123,25 @@ def write_spec(recipe: Recipe, p: StagePlan, inputs: dict[str, Manifest], tracki
                      pipeline_run_id=pipeline_run_id)
     path = p.dir / "spec.json"
     path.write_text(spec.model_dump_json(indent=1))
-    return path
+    if store:
+        store.write_text(f"stages/{p.folder}/spec.json", path.read_text())
+        return store.url_of(f"stages/{p.folder}/spec.json")
+    return str(path)
+
+
+def read_spec(spec_path: str, storage_options: dict | None = None) -> StageSpec:
+    text = read_text(spec_path, storage_options) if is_url(spec_path) else Path(spec_path).read_text()
+    return StageSpec.model_validate_json(text)
+
+
+def read_manifest(spec: StageSpec) -> Manifest | None:
+    """The manifest a stage left, from storage when the recipe has a storage root (localized to this machine)."""
+    if not spec.recipe.get("storage"):
+        return Manifest.read(Path(spec.stage_dir))
+    recipe = Recipe.model_validate(spec.recipe)
+    store = recipe.remote_store()
+    m = store.read_manifest(stage_folder(spec.stage_id, spec.cache_key))
+    return localize(m, recipe.run_root) if m else None
 
 
 class StageFailed(RuntimeError):
@@ -147,18 +187,46 @@ def _has_cuda() -> bool:
         return False
 
 
-def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None,
-           extra_env: dict[str, str] | None = None, accelerate_config: str | None = None) -> Manifest:
+def launch(spec_path: str | Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None,
+           extra_env: dict[str, str] | None = None, accelerate_config: str | None = None,
+           storage_options: dict | None = None) -> Manifest:
     """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
-    `extra_env` (e.g. a token from a secret store) reaches the process through its environment only."""
-    spec = StageSpec.model_validate_json(Path(spec_path).read_text())
+    `extra_env` (e.g. a token from a secret store) reaches the process through its environment only.
+    `spec_path` may be a URL in the recipe's storage root: the stage then runs on this machine's working
+    copy, fetching its inputs first and uploading its folder as it goes (see `alignpipe.storage`)."""
+    spec = read_spec(str(spec_path), storage_options)
+    if not spec.recipe.get("storage"):
+        return _run_stage_process(Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config)
+    recipe = Recipe.model_validate(spec.recipe)
+    store = recipe.remote_store()
+    folder = stage_folder(spec.stage_id, spec.cache_key)
+    local = recipe.run_root / "stages" / folder
+    local.mkdir(parents=True, exist_ok=True)
+    got = store.download_folder(f"stages/{folder}", local, with_manifest=False)  # an earlier attempt's checkpoints
+    inputs = {}
+    for sid, m in spec.inputs.items():
+        rel = stage_folder(m.stage_id, m.cache_key)
+        got += store.download_folder(f"stages/{rel}", recipe.run_root / "stages" / rel, with_checkpoints=False)
+        inputs[sid] = localize(m, recipe.run_root)
+    on_line(f"storage: {got} file(s) fetched from {store.url_of('stages')} into {recipe.run_root / 'stages'}")
+    local_spec = local / "spec.json"
+    local_spec.write_text(spec.model_copy(update={"stage_dir": str(local), "inputs": inputs}).model_dump_json(indent=1))
+    with CheckpointMirror(store, local, f"stages/{folder}"):
+        manifest = _run_stage_process(local_spec, StageSpec.model_validate_json(local_spec.read_text()), on_line, processes,
+                                      timeout_s, extra_env, accelerate_config)
+    sent = store.upload_folder(local, f"stages/{folder}")
+    on_line(f"storage: {sent} file(s) uploaded to {store.url_of(f'stages/{folder}')}")
+    return manifest
+
+
+def _run_stage_process(spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if sys.stderr.isatty():  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = subprocess.Popen(stage_command(spec_path, processes, accelerate_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1, env=env)
+                            bufsize=1, env=env, preexec_fn=_die_with_parent())
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
     pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
@@ -180,6 +248,19 @@ def launch(spec_path: Path, on_line: Callable[[str], None] = print, processes: i
         errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
         raise StageFailed(spec.stage_id, code, list(tail) + (["--- stderr ---", *errors] if errors else []))
     return manifest
+
+
+def _die_with_parent():
+    """A preexec hook for Linux: the child gets SIGKILL when the launching process dies, so a worker killed
+    mid-stage (OOM killer, preemption) leaves no orphan training that would race the retry for the folder.
+    libc is loaded here, before the fork: only the prctl call runs in the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _pump_stderr(stream, keep: collections.deque) -> None:
@@ -270,4 +351,7 @@ def write_summary(recipe: Recipe, pipeline_run_id: str, outcomes: list[StageOutc
     path.write_text(json.dumps({"pipeline": recipe.name, "pipeline_run_id": pipeline_run_id, "mlflow_run_id": mlflow_run_id,
                                 "tracking_uri": recipe.tracking_uri, "request": request or {},
                                 "stages": [asdict(o) for o in outcomes]}, indent=1))
+    store = recipe.remote_store()
+    if store:
+        store.write_text(f"runs/{pipeline_run_id}.json", path.read_text())
     return path

@@ -104,9 +104,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
                     continue
                 if p.cached:
-                    manifests[s.id] = Manifest.read(p.dir)
+                    manifests[s.id] = p.manifest
                     outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)
-                    logger.info("stage %s: cached (%s)", s.id, p.dir)
+                    logger.info("stage %s: cached (%s)", s.id, p.folder)
                     continue
                 inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
                 spec = write_spec(recipe, p, inputs, tracking, run_id)
@@ -114,7 +114,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 if s.resources.retries:
                     task = task.with_options(retries=s.resources.retries)
                 where = {"pool": s.resources.pool} if s.resources.pool else {}
-                future = task.submit(spec_path=str(spec), stage_id=s.id, processes=s.resources.processes,
+                if recipe.storage:
+                    where["storage_options"] = recipe.storage.options
+                future = task.submit(spec_path=spec, stage_id=s.id, processes=s.resources.processes,
                                      timeout_s=s.resources.timeout_s, accelerate_config=s.resources.accelerate_config, **where)
                 running[s.id] = (s, future)
         if not running:

@@ -10,9 +10,11 @@ from alignpipe.pipeline import launch
 
 @flow(name="alignpipe-stage", flow_run_name="{stage_id}")
 def stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None,
-          accelerate_config: str | None = None) -> dict:
-    """Run one stage from its spec file (on storage the worker can reach) and return its manifest."""
+          accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
+    """Run one stage from its spec file (a shared path or a URL in the recipe's storage root) and return
+    its manifest."""
     logger = get_run_logger()
     manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                      processes=processes, timeout_s=timeout_s, accelerate_config=accelerate_config)
+                      processes=processes, timeout_s=timeout_s, accelerate_config=accelerate_config,
+                      storage_options=storage_options)
     return manifest.model_dump(mode="json")

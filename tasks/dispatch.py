@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.deployments import run_deployment
 
-from alignpipe.manifest import Manifest
-from alignpipe.pipeline import StageFailed
-from alignpipe.stage import StageSpec
+from alignpipe.pipeline import StageFailed, read_manifest, read_spec
 
 STAGE_FLOW = "alignpipe-stage"
 
@@ -22,15 +18,16 @@ def deployment_name(pool: str) -> str:
 
 @task(name="dispatch-stage", cache_policy=NONE, task_run_name="{stage_id}@{pool}")
 def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, timeout_s: float | None = None,
-                  accelerate_config: str | None = None) -> dict:
+                  accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
     logger = get_run_logger()
     flow_run = run_deployment(deployment_name(pool), parameters={"spec_path": spec_path, "stage_id": stage_id,
                                                                  "processes": processes, "timeout_s": timeout_s,
-                                                                 "accelerate_config": accelerate_config},
+                                                                 "accelerate_config": accelerate_config,
+                                                                 "storage_options": storage_options},
                               timeout=timeout_s, as_subflow=True)  # bounded: a dead worker cannot hang the pipeline
     logger.info("stage %s ran as flow run %s on pool %s: %s", stage_id, flow_run.id, pool, flow_run.state.name)
-    spec = StageSpec.model_validate_json(Path(spec_path).read_text())
-    manifest = Manifest.read(Path(spec.stage_dir))
+    spec = read_spec(spec_path, storage_options)
+    manifest = read_manifest(spec)
     if not flow_run.state.is_completed() or manifest is None or manifest.cache_key != spec.cache_key:
         raise StageFailed(stage_id, -1, [f"flow run {flow_run.id} on pool {pool!r} ended {flow_run.state.name}: "
                                          f"{flow_run.state.message}"])

@@ -1,13 +1,10 @@
 from tasks.stage_task import stage_task
 
 
-def hub_token_env(spec_path: str) -> dict[str, str]:
+def hub_token_env(spec) -> dict[str, str]:
     """HF_TOKEN for the push process from the stage's Prefect Secret block, if it names one."""
     from prefect.blocks.system import Secret
 
-    from alignpipe.stage import StageSpec
-
-    spec = StageSpec.model_validate_json(open(spec_path).read())
     stage = next(s for s in spec.recipe["stages"] if s["id"] == spec.stage_id)
     name = stage.get("token_secret")
     return {"HF_TOKEN": Secret.load(name).get()} if name else {}

@@ -232,5 +232,5 @@ def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_pat
                      stage_dir=str(tmp_path), cache_key="k", inputs={}, tracking_uri="sqlite:///x", experiment_id="0")
     path = tmp_path / "spec.json"
     path.write_text(spec.model_dump_json())
-    assert hub_token_env(str(path)) == {"HF_TOKEN": "hf_from_block"}
+    assert hub_token_env(spec) == {"HF_TOKEN": "hf_from_block"}
     assert "hf_from_block" not in path.read_text(), "only the block's name is in the spec"

@@ -45,3 +45,21 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["alignpipe.resumed"] == "true"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert min(steps) == 5 and max(steps) == 60, steps
+
+
+def test_forcing_a_finished_stage_starts_it_afresh(tiny, tmp_path):
+    """`--force sft` on a finished SFT must train again, not "resume" from its final checkpoint."""
+    from conftest import demo_recipe
+
+    from alignpipe.manifest import Manifest
+
+    recipe = parse_recipe(demo_recipe(tiny, tmp_path / "runs"))
+    done = plan(recipe)["sft"]
+    (done.dir / "checkpoints" / "step-150").mkdir(parents=True)
+    (done.dir / "checkpoints" / "step-150" / "state.json").write_text('{"step": 150}')
+    Manifest(stage_id="sft", kind="sft", cache_key=done.key).write(done.dir)
+    assert plan(recipe)["sft"].cached and not plan(recipe, ["sft"])["sft"].cached
+    forced = plan(recipe, ["sft"])["sft"]
+    assert forced.fresh
+    write_spec(recipe, forced, {}, ("sqlite:///x.db", "0", None), "run-2")
+    assert not (forced.dir / "checkpoints").exists() and Manifest.read(forced.dir) is None

@@ -36,6 +36,7 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
     problems += _check_needs_and_refs(recipe)
     if not problems:
         problems += _check_cycles(recipe)
+    problems += _check_storage(recipe)
     if check_files:
         problems += _check_model(recipe)
         problems += _check_datasets(recipe)
@@ -147,6 +148,27 @@ def _check_cycles(recipe) -> list[Problem]:
             if cycle:
                 return [Problem(("stages", index[cycle[0]], "needs"), f"dependency cycle: {' → '.join(cycle)}",
                                 "remove one of these dependencies (in `needs` or a reference field)")]
+    return []
+
+
+def _check_storage(recipe) -> list[Problem]:
+    """The storage URL's filesystem must be known to fsspec and its library installed (s3fs, gcsfs...)."""
+    if recipe.storage is None:
+        return []
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    protocol = recipe.storage.url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        return [Problem(("storage", "url"), f"unknown storage protocol {protocol!r}",
+                        "use an fsspec URL such as s3://bucket/prefix, gs://bucket/prefix or file:///mnt/shared")]
+    except ImportError:
+        hint = known_implementations.get(protocol, {}).get("err", "")
+        return [Problem(("storage", "url"), f"the {protocol!r} filesystem's library is not installed",
+                        f"pip install 'alignpipe[{protocol}]' (or the package fsspec names: {hint})" if protocol == "s3"
+                        else f"install it: {hint or 'see fsspec known implementations'}")]
     return []
 
 

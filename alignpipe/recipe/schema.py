@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Tracking
+from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Storage, Tracking
 from alignpipe.recipe.stages import Stage, StageBase
 from alignpipe.strict import Strict
 
@@ -25,6 +25,9 @@ class Recipe(Strict):
     workdir: str = "./runs"
     """Root of everything the pipeline writes (stage outputs, checkpoints, the default MLflow store).
     Relative paths are relative to the directory `alignpipe` is run from."""
+    storage: Storage | None = None
+    """Storage root every worker reaches (an fsspec URL such as `s3://bucket/prefix`); null keeps
+    everything under `workdir`, which must then be a path every worker sees (a shared mount)."""
     tracking: Tracking = Field(default_factory=Tracking)
     """MLflow settings."""
     model: ModelSpec
@@ -44,6 +47,14 @@ class Recipe(Strict):
     def run_root(self) -> Path:
         """`<workdir>/<name>`: all outputs of this pipeline."""
         return Path(self.workdir).expanduser().resolve() / self.name
+
+    def remote_store(self):
+        """The pipeline's folder in `storage` (a `RemoteStore`), or None without one."""
+        if self.storage is None:
+            return None
+        from alignpipe.storage import RemoteStore
+
+        return RemoteStore(self.storage.url, self.name, self.storage.options)
 
     @property
     def tracking_uri(self) -> str:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from alignpipe.strict import Strict
 
@@ -50,6 +50,30 @@ class Tracking(Strict):
     a running `mlflow server` (credentials from MLFLOW_TRACKING_USERNAME/PASSWORD, never the recipe)."""
     experiment: str | None = None
     """MLflow experiment name; null uses the recipe name."""
+
+
+class Storage(Strict):
+    """A storage root every worker reaches, for pools on several machines (see infra/README.md)."""
+
+    url: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://.+")
+    """fsspec URL of the root, e.g. `s3://bucket/alignpipe`, `gs://bucket/prefix`, `file:///mnt/shared`.
+    Stage folders are mirrored under `<url>/<recipe name>/`; `workdir` becomes each machine's working
+    copy. Credentials come from the environment the way the filesystem's library reads them
+    (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS...), never from the recipe."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Non-secret filesystem options passed to fsspec, e.g. `{endpoint_url: "http://minio:9000"}` for s3."""
+
+    @field_validator("options")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        secret = sorted(k for k in value if any(w in k.lower() for w in _SECRET_WORDS))
+        if secret:
+            raise ValueError(f"storage option(s) {secret} look like credentials; a recipe is shared and logged, so "
+                             "put credentials in the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+        return value
+
+
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
 
 
 class Resources(Strict):
