@@ -16,6 +16,15 @@ def deployment_name(pool: str) -> str:
     return f"{STAGE_FLOW}/{pool}"
 
 
+def worker_exit_code(message: str) -> int:
+    """The exit code of the worker's job from a crashed flow run's state message (the worker writes
+    "... exited with non-zero status code N"), or of the stage process from a failed one; -1 if none."""
+    import re
+
+    found = re.search(r"(?:status|exit) code:? *(-?\d+)", message)
+    return int(found.group(1)) if found else -1
+
+
 @task(name="dispatch-stage", cache_policy=NONE, task_run_name="{stage_id}@{pool}")
 def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, timeout_s: float | None = None,
                   accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
@@ -29,6 +38,7 @@ def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, 
     spec = read_spec(spec_path, storage_options)
     manifest = read_manifest(spec)
     if not flow_run.state.is_completed() or manifest is None or manifest.cache_key != spec.cache_key:
-        raise StageFailed(stage_id, -1, [f"flow run {flow_run.id} on pool {pool!r} ended {flow_run.state.name}: "
-                                         f"{flow_run.state.message}"])
+        message = flow_run.state.message or ""
+        raise StageFailed(stage_id, worker_exit_code(message),
+                          [f"flow run {flow_run.id} on pool {pool!r} ended {flow_run.state.name}: {message}"])
     return manifest.model_dump(mode="json")

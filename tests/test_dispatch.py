@@ -148,3 +148,64 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
     assert dep["parameters"]["recipe_path"] == str(recipe)
     props = dep["parameter_openapi_schema"]["properties"]
     assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
+
+
+def _stage_process(spec_marker: str) -> int | None:
+    """pid of the running `python -m alignpipe.stage …spec_marker…` process, if any."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"alignpipe.stage" in cmd and any(spec_marker.encode() in part for part in cmd):
+            return int(proc.name)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds processes through /proc")
+def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resumes(server, tiny, tmp_path):
+    """SIGKILL the flow-run process the worker started for the SFT stage (what the OOM killer does): the
+    attempt fails with the worker's exit code (-9), the training under it dies too, and the stage's retry
+    resumes from the last checkpoint on the pool."""
+    from alignpipe.manifest import Manifest
+
+    api, env, root = server
+    path = tmp_path / "crash.yaml"
+    path.write_text(_recipe(tiny, tmp_path, POOL).read_text().replace(
+        "    max_steps: 40\n    resources: {pool: " + POOL + "}",
+        "    max_steps: 60\n    save_every: 10\n    eval_every: null\n    resources: {pool: " + POOL + ", retries: 1}"))
+    run = subprocess.Popen([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=8"], env=env,
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stages = tmp_path / "runs" / "tiny-demo" / "stages"
+    deadline = time.monotonic() + 300
+    ckpt = None
+    while time.monotonic() < deadline and run.poll() is None:
+        ckpt = next(iter(stages.glob("sft-*/checkpoints/step-20/state.json")), None) if stages.exists() else None
+        if ckpt:
+            break
+        time.sleep(0.2)
+    assert ckpt, "no SFT checkpoint before the deadline"
+    stage_dir = ckpt.parents[2]
+    stage_pid = _stage_process(stage_dir.name)
+    assert stage_pid, "the stage process is running"
+    job_pid = int(Path(f"/proc/{stage_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent: the worker's job
+    os.kill(job_pid, signal.SIGKILL)
+    gone = time.monotonic() + 15
+    while _alive(stage_pid):
+        assert time.monotonic() < gone, "the training outlived the worker's job (it would race the retry)"
+        time.sleep(0.1)
+    out, _ = run.communicate(timeout=540)
+    assert run.returncode == 0, out[-4000:] + (root / "worker.log").read_text()[-3000:]
+    assert "exit code -9" in out, "the failed attempt reports the worker job's exit code"
+    manifest = Manifest.read(stage_dir)
+    assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
+    assert manifest.info["prefect_flow_run_id"], "the retry ran on the pool again"
