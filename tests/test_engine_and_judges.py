@@ -65,3 +65,52 @@ def test_reward_function_errors_name_the_function():
     with pytest.raises(RewardFunctionError, match="returned 1 values for 2 completions"):
         score(lambda p, c, **_: [1.0], "bad", ["a", "b"], ["x", "y"])
     assert load_reward_fn("alignpipe.judges.rewards:length") is not None
+
+
+def test_greedy_decoding_equals_transformers_generate(engine):
+    """The engine's own decode loop (KV cache, left padding, early stop) against `model.generate`."""
+    import torch
+    from transformers import GenerationConfig
+
+    prompts = ["The film", "I watched it and", "A", "Honestly, the plot was"]
+    ours = [g.completion_ids for g in HFEngine(engine.model, engine.tok, 8).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=20))]
+    tok = engine.tok
+    side, tok.padding_side = tok.padding_side, "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    tok.padding_side = side
+    with torch.no_grad():
+        ref = engine.model.generate(**enc, generation_config=GenerationConfig(
+            max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    for mine, theirs in zip(ours, ref[:, enc["input_ids"].shape[1]:].tolist()):
+        if tok.eos_token_id in theirs:
+            theirs = theirs[: theirs.index(tok.eos_token_id) + 1]
+        else:
+            theirs = [i for i in theirs if i != tok.pad_token_id]
+        assert mine == theirs
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8),
+                                    dict(temperature=1.3, min_p=0.1), dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05)])
+def test_sampling_filters_match_transformers_warpers(params):
+    import torch
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    from alignpipe.engine.hf import filter_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    warpers = [TemperatureLogitsWarper(params["temperature"])]
+    if params.get("top_k"):
+        warpers.append(TopKLogitsWarper(params["top_k"]))
+    if params.get("top_p"):
+        warpers.append(TopPLogitsWarper(params["top_p"]))
+    if params.get("min_p"):
+        warpers.append(MinPLogitsWarper(params["min_p"]))
+    expected = logits.clone()
+    for w in warpers:
+        expected = w(None, expected)
+    ours = filter_logits(logits, SamplingParams(max_new_tokens=1, **params))
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    assert torch.allclose(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)], atol=1e-5)

@@ -9,7 +9,12 @@ from alignpipe.engine.sampling import SamplingParams
 
 
 class HFEngine:
-    """Generates with `model.generate`, `batch_size` prompts at a time."""
+    """Batched sampling with the model's own forward and KV cache, `batch_size` prompts at a time.
+
+    A plain decode loop rather than `model.generate`: for the small models rollouts train on CPU (and
+    for short completions anywhere) generate()'s per-token machinery (processor lists, stopping
+    criteria, kwargs bookkeeping) costs more than the forward itself. Greedy output equals
+    `model.generate`'s token for token (tested)."""
 
     def __init__(self, model, tokenizer, batch_size: int = 32):
         self.model = model
@@ -19,36 +24,25 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: SamplingParams | None = None,
                  seed: int | None = None) -> list[Generation]:
-        from transformers import GenerationConfig
-
         sampling = sampling or SamplingParams()
+        generator = None
+        device = next(self.model.parameters()).device
         if seed is not None:
-            torch.manual_seed(seed)
+            generator = torch.Generator(device=device).manual_seed(seed)
         eos = self.tok.eos_token_id
-        cfg = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy, num_return_sequences=n,
-            temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None,
-            top_k=sampling.top_k if (sampling.top_k and not sampling.greedy) else None,
-            min_p=sampling.min_p if (sampling.min_p and not sampling.greedy) else None,
-            pad_token_id=self.tok.pad_token_id, eos_token_id=eos,
-        )
         was_training = self.model.training
         self.model.eval()
-        side = self.tok.padding_side
-        self.tok.padding_side = "left"
-        device = next(self.model.parameters()).device
         out: list[Generation] = []
         try:
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start:start + self.batch_size]
-                enc = self._encode(chunk).to(device)
-                seqs = self.model.generate(**enc, generation_config=cfg)
-                new = seqs[:, enc["input_ids"].shape[1]:].tolist()
-                for k, ids in enumerate(new):
-                    out.append(self._finish(start + k // n, ids, eos))
+                enc = self._encode(chunk)
+                ids = enc["input_ids"].to(device).repeat_interleave(n, 0)
+                mask = enc["attention_mask"].to(device).repeat_interleave(n, 0)
+                new = decode(self.model, ids, mask, sampling, eos, self.tok.pad_token_id, generator).tolist()
+                for k, row in enumerate(new):
+                    out.append(self._finish(start + k // n, row, eos))
         finally:
-            self.tok.padding_side = side
             self.model.train(was_training)
         return out
 
@@ -57,7 +51,11 @@ class HFEngine:
         from transformers import BatchEncoding
 
         if chunk and isinstance(chunk[0], str):
-            return self.tok(chunk, return_tensors="pt", padding=True)
+            side, self.tok.padding_side = self.tok.padding_side, "left"
+            try:
+                return self.tok(chunk, return_tensors="pt", padding=True)
+            finally:
+                self.tok.padding_side = side
         n = max(len(ids) for ids in chunk)
         input_ids = torch.full((len(chunk), n), self.tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), n), dtype=torch.long)
@@ -79,3 +77,59 @@ class HFEngine:
             reason = "length"
         text = self.tok.decode(ids, skip_special_tokens=True)
         return Generation(prompt_index, text, ids, reason)
+
+
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, eos: int | None, pad: int,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample up to `max_new_tokens` for each left-padded row; (rows, steps) new tokens, `pad` after EOS.
+    Stops as soon as every row has ended."""
+    from transformers import DynamicCache
+
+    rows = ids.shape[0]
+    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=ids.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    pos = position[:, -1:] + 1
+    masks = [mask, torch.ones((rows, sampling.max_new_tokens), dtype=mask.dtype, device=mask.device)]
+    full_mask = torch.cat(masks, dim=1)
+    width = ids.shape[1]
+    for t in range(sampling.max_new_tokens):
+        token = next_token(logits, sampling, generator)
+        token = token.masked_fill(done, pad)
+        new[:, t] = token
+        if eos is not None:
+            done |= token == eos
+        if t + 1 == sampling.max_new_tokens or bool(done.all()):
+            return new[:, : t + 1]
+        logits = model(input_ids=token[:, None], attention_mask=full_mask[:, : width + t + 1], position_ids=pos,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        pos = pos + 1
+    return new
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row: argmax when greedy, else a sample from `filter_logits`."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(filter_logits(logits, sampling).softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p (the order and rules of transformers' warpers; tested
+    against them): filtered-out tokens get -inf."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= sampling.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    if sampling.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
