@@ -44,22 +44,30 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
-def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, labels: torch.Tensor, temperature: float):
+def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, labels: torch.Tensor, temperature: float,
+                    with_entropy: bool = True):
     logits = F.linear(hidden, head_weight, head_bias).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.log_softmax(-1)
     token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return token, entropy
+    if not with_entropy:
+        return token, token.new_zeros(())
+    return token, -(logp.exp() * logp).sum(-1)
+
+
+# Below this many logit values (B × T × V) the head runs in one piece without recomputation: chunking and
+# checkpointing only pay off when the float32 logits would be large (256 MB here).
+WHOLE_LOGITS_MAX = 64 * 2**20
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                    chunk_tokens: int = 4096, with_entropy: bool = False):
     """Log-probability of each next token, (B, T-1), without materialising (B, T, V) logits at once.
 
-    The decoder runs once; the LM head + log-softmax run over chunks of positions, each under
-    activation checkpointing when gradients are on, so peak memory holds one chunk of logits.
+    The decoder runs once; when the logits would be large (> WHOLE_LOGITS_MAX values) the LM head +
+    log-softmax run over chunks of positions, each under activation checkpointing when gradients are on,
+    so peak memory holds one chunk of logits; small ones are computed in one piece.
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, t+1].
     """
     # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
@@ -76,12 +84,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   use_cache=False).last_hidden_state[:, :-1]
     labels = input_ids[:, 1:]
     B, T, H = hidden.shape
-    step = max(1, chunk_tokens // max(1, B))
     weight = head.weight
     bias = getattr(head, "bias", None)
+    if B * T * weight.shape[0] <= WHOLE_LOGITS_MAX:
+        lp, ent = _chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
+        return (lp, ent.detach()) if with_entropy else lp
+    step = max(1, chunk_tokens // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
-        args = (hidden[:, s:s + step], weight, bias, labels[:, s:s + step], temperature)
+        args = (hidden[:, s:s + step], weight, bias, labels[:, s:s + step], temperature, with_entropy)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

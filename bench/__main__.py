@@ -2,8 +2,8 @@
 hyperparameters, alternating in fresh processes, median of N repeats, written to docs/benchmarks.md.
 
 Reported: samples/s, tokens/s (samples/s × mean tokens per row of the identical data), peak RSS of the
-process (imports included, as a user pays them), final loss, and ours/TRL ratios. PPO is not compared:
-TRL 1.16 has none, and TRL 1.12 (the last with PPO) needs its own environment.
+process (imports included, as a user pays them), final loss, and ours/TRL ratios. PPO runs against TRL 1.12
+(the last release with PPO; 1.16 has none), installed into bench/.trl-1.12.0 on first use.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def cpu() -> str:
 def mean_tokens(assets: Path, task: str) -> float | None:
     from alignpipe.modeling import load_tokenizer
 
-    if task == "grpo":
+    if task in ("grpo", "ppo"):
         return None
     tok = load_tokenizer(str(assets / "model"))
     name = "sentiment_sft" if task == "sft" else "sentiment_preferences"
@@ -51,9 +51,25 @@ def mean_tokens(assets: Path, task: str) -> float | None:
     return sum(len(x) + 1 for x in tok(texts)["input_ids"]) / len(texts)
 
 
+TRL_PPO = "1.12.0"  # the last TRL release with PPO (trl.experimental.ppo); 1.16 has none
+TRL_PPO_DIR = ROOT / "bench" / f".trl-{TRL_PPO}"
+
+
+def trl_with_ppo() -> Path:
+    """TRL 1.12 installed into its own folder (no dependencies: it runs on this environment's transformers),
+    put first on PYTHONPATH for the TRL side of the PPO case only."""
+    if not (TRL_PPO_DIR / "trl" / "experimental" / "ppo").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_PPO_DIR),
+                        f"trl=={TRL_PPO}"], check=True)
+    return TRL_PPO_DIR
+
+
 def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
+    env = dict(os.environ)
+    if impl == "trl" and task == "ppo":
+        env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run([sys.executable, "-m", "bench.run_one", impl, task, model, str(steps), str(assets)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} {task} {model} failed:\n{out.stderr[-3000:]}")
@@ -82,7 +98,7 @@ def _fmt(x) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("--trainers", default="sft,reward,dpo,grpo")
+    parser.add_argument("--trainers", default="sft,reward,dpo,grpo,ppo")
     parser.add_argument("--models", default="tiny")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

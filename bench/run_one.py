@@ -16,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 BATCH, LR, MAX_LEN = 8, 1e-4, 64
+ASSETS = ""  # set by main
 G, COMPLETION = 8, 32  # GRPO: 16 completions per step = 2 prompts × 8 generations, 32 new tokens
 
 
@@ -42,8 +43,26 @@ def model_for(kind: str, assets: str, task: str):
     return model, tok
 
 
+def reward_model_dir(assets: str) -> str:
+    """A seeded sequence-scoring head on the tiny model, saved once: PPO's reward model for both sides."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    path = f"{tempfile.gettempdir()}/alignpipe-bench-rm"
+    if not os.path.exists(f"{path}/config.json"):
+        from alignpipe.modeling import load_tokenizer
+
+        torch.manual_seed(1)
+        tok = load_tokenizer(f"{assets}/model")
+        rm = AutoModelForSequenceClassification.from_pretrained(f"{assets}/model", num_labels=1)
+        rm.config.pad_token_id = tok.pad_token_id
+        rm.save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
 def rows(assets: str, task: str) -> list[dict]:
-    name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts"}.get(task, "sentiment_preferences")
+    name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts", "ppo": "sentiment_prompts"}.get(task, "sentiment_preferences")
     out = [json.loads(line) for line in open(f"{assets}/data/{name}.jsonl")]
     if task == "sft":
         out = [{"prompt": r["prompt"], "completion": r["completion"]} for r in out]
@@ -71,8 +90,23 @@ def ours(task: str, model, tok, data, steps: int):
     elif task == "grpo":
         cfg = GRPOConfig(**{**common, "batch_size": 2 * G}, num_generations=G, max_completion_length=COMPLETION, sample_every=10**9)
         grpo.train(cfg, model, tok, data, RewardSet([LoadedReward("lexicon", sentiment_lexicon)]), tracker, out)
+    elif task == "ppo":
+        import copy
+
+        from alignpipe.engine.sampling import SamplingParams
+        from alignpipe.judges.reward_model import RewardModelScorer
+        from alignpipe.modeling import load_sequence_scorer
+        from alignpipe.trainers import ppo
+        from alignpipe.trainers.configs import PPOConfig
+
+        rm = reward_model_dir(ASSETS)
+        cfg = PPOConfig(**common, max_completion_length=COMPLETION, num_ppo_epochs=4, sample_every=10**9,
+                        sampling=SamplingParams(temperature=0.7, max_new_tokens=COMPLETION), missing_eos_penalty=1.0)
+        value = load_sequence_scorer(rm, pad_token_id=tok.pad_token_id)
+        ppo.train(cfg, model, value, tok, data, RewardSet([LoadedReward("rm", RewardModelScorer(rm))]), tracker, out,
+                  ref_model=copy.deepcopy(model))
     seconds = time.perf_counter() - t0
-    return seconds, tracker.last("train/loss"), tracker.series("train/tokens_per_s")
+    return seconds, tracker.last("loss/policy_avg" if task == "ppo" else "train/loss"), tracker.series("train/tokens_per_s")
 
 
 def trl_run(task: str, model, tok, data, steps: int):
@@ -93,6 +127,28 @@ def trl_run(task: str, model, tok, data, steps: int):
 
         trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=trl.DPOConfig(**common), processing_class=tok,
                                  train_dataset=ds)
+    elif task == "ppo":  # TRL 1.12 (the last with PPO), from its own target folder on PYTHONPATH
+        import copy
+
+        from transformers import AutoModelForSequenceClassification
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        rm = reward_model_dir(ASSETS)
+        for k in ("max_length", "lr_scheduler_type"):
+            common.pop(k)
+        prompts = Dataset.from_dict({"input_ids": [tok(r["prompt"])["input_ids"] for r in data]})
+        args = PPOConfig(**common, total_episodes=steps * BATCH, num_ppo_epochs=4, num_mini_batches=1, response_length=COMPLETION,
+                         temperature=0.7, stop_token="eos", missing_eos_penalty=1.0, kl_coef=0.05, num_sample_generations=0,
+                         local_rollout_forward_batch_size=BATCH)
+        trainer = PPOTrainer(args=args, processing_class=tok, model=model, ref_model=copy.deepcopy(model),
+                             reward_model=AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1),
+                             value_model=AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1),
+                             train_dataset=prompts)
+        trainer.train()
+        trainer.save_model(tempfile.mkdtemp())
+        seconds = time.perf_counter() - t0
+        losses = [h.get("loss/policy_avg") for h in trainer.state.log_history if "loss/policy_avg" in h]
+        return seconds, losses[-1] if losses else None, []
     elif task == "grpo":
         from alignpipe.judges.rewards import sentiment_lexicon
 
@@ -112,11 +168,13 @@ def trl_run(task: str, model, tok, data, steps: int):
 def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
     import torch
 
+    global ASSETS
+    ASSETS = assets
     torch.manual_seed(0)
     model, tok = model_for(kind, assets, task)
     data = rows(assets, task)
     seconds, loss, _ = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps)
-    samples = steps * (2 * G if task == "grpo" else BATCH)
+    samples = steps * (2 * G if task == "grpo" else BATCH)  # PPO: episodes
     print(json.dumps({"impl": impl, "task": task, "model": kind, "seconds": seconds, "samples_per_s": samples / seconds,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "loss": loss}))
 

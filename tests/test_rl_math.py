@@ -13,9 +13,13 @@ from alignpipe.trainers import grpo, ppo
 TOL = 1e-5
 
 
-def test_chunked_logprobs_equal_full_logits(tiny):
+@pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
+def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
+    """Large logits go through checkpointed chunks, small ones in one piece: both equal the plain computation."""
+    from alignpipe import rl_math
     from alignpipe.modeling import load_causal_lm
 
+    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 500, (3, 11), generator=g)
@@ -24,8 +28,9 @@ def test_chunked_logprobs_equal_full_logits(tiny):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1] / 0.7
     full = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    chunked = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6)  # 2 positions per chunk
+    chunked, entropy = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6, with_entropy=True)  # 2 positions per chunk
     assert torch.allclose(chunked, full, atol=TOL)
+    assert torch.allclose(entropy, -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1), atol=1e-4)
     chunked.sum().backward()  # gradients flow through the checkpointed chunks
     assert model.get_output_embeddings().weight.grad is not None
 

@@ -50,7 +50,15 @@ def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
+    # The fused kernel (CPU and CUDA, floating-point params) updates every tensor in one call; the default
+    # per-tensor loop costs ~15% of a step for small models on CPU.
+    params = decay + no_decay
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    try:
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None,
+                                 foreach=None if fused else True)
+    except (RuntimeError, ValueError):  # a device/dtype the fused kernel does not take
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
 
 
 def build_scheduler(optimizer, cfg: TrainingArgs, total_steps: int):
@@ -78,8 +86,15 @@ def total_steps(cfg: TrainingArgs, batches_per_epoch: int) -> int:
 
 
 def grad_norm(model) -> float:
-    norms = [p.grad.detach().norm(2) for p in model.parameters() if p.grad is not None]
-    return float(torch.norm(torch.stack(norms), 2)) if norms else 0.0
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)), 2)) if grads else 0.0
+
+
+def clip_and_measure(accelerator, model, max_norm: float | None) -> float:
+    """The global gradient norm before clipping, clipping to `max_norm` when set (one pass over the grads)."""
+    if not max_norm:
+        return grad_norm(model)
+    return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
 
 
 class Checkpointer:
@@ -261,9 +276,7 @@ class TrainLoop:
                 last = self.checkpoints.complete()
                 raise FloatingPointError(f"{self.name}: loss is {metrics['loss']} at step {self.step + 1}; "
                                          f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}")
-            gnorm = grad_norm(self.model)
-            if cfg.max_grad_norm:
-                acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            gnorm = clip_and_measure(acc, self.model, cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
