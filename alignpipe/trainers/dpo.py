@@ -189,10 +189,17 @@ def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: l
     starting weights) unless `precompute_ref_logps` or `reference_free` makes it unnecessary."""
     seed = cfg.seed if cfg.seed is not None else seed
     pad_id = tokenizer.pad_token_id
-    train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
     collate_fn = lambda b: collate(b, pad_id, cfg.max_length)  # noqa: E731
-    loop = TrainLoop("dpo", cfg, model, train_ex, collate_fn, tracker, output_dir, seed)
+    if cfg.precompute_ref_logps:  # the reference pass reads every tokenized row up front
+        train_ex, train_collate = tokenize(train_rows, tokenizer, cfg.max_length, cfg.max_prompt_length), collate_fn
+    else:
+        # Rows are tokenized batch by batch as the loader yields them: step 1 starts at once instead of after
+        # a pass over the whole dataset, and no tokenized copy of it is held.
+        train_ex = train_rows
+        train_collate = lambda b: collate(tokenize(b, tokenizer, cfg.max_length, cfg.max_prompt_length), pad_id,  # noqa: E731
+                                          cfg.max_length)
+    loop = TrainLoop("dpo", cfg, model, train_ex, train_collate, tracker, output_dir, seed)
     acc = loop.accelerator
     needs_copy = not (cfg.lora or cfg.reference_free or cfg.precompute_ref_logps)
     if needs_copy and ref_model is None:
