@@ -36,7 +36,7 @@ test-slow: $(BIN)/.installed
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 bench: $(BIN)/.installed $(ASSETS)/ASSETS.json
-	$(BIN)/python -m bench --models tiny --repeats 3
+	$(BIN)/python -m bench --models tiny,small --repeats 3
 
 clean:
 	rm -rf runs .pytest_cache

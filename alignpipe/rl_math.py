@@ -56,40 +56,66 @@ def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, 
     return token, -(logp.exp() * logp).sum(-1)
 
 
-# Below this many logit values (B × T × V) the head runs in one piece without recomputation: chunking and
-# checkpointing only pay off when the float32 logits would be large (256 MB here).
+# Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
+# checkpointing only pay off when the float32 logits would be large (256 MB here). It is also the budget of
+# one chunk, so a 150k vocabulary gets chunks of ~440 positions, a 512 one chunks of `chunk_tokens`.
 WHOLE_LOGITS_MAX = 64 * 2**20
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   chunk_tokens: int = 4096, with_entropy: bool = False):
-    """Log-probability of each next token, (B, T-1), without materialising (B, T, V) logits at once.
+                   chunk_tokens: int = 4096, with_entropy: bool = False, start: int = 0, only: torch.Tensor | None = None):
+    """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
 
-    The decoder runs once; when the logits would be large (> WHOLE_LOGITS_MAX values) the LM head +
-    log-softmax run over chunks of positions, each under activation checkpointing when gradients are on,
-    so peak memory holds one chunk of logits; small ones are computed in one piece.
-    Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, t+1].
+    The decoder runs once; the LM head + log-softmax run only where they are needed: from position `start`
+    on (a completion after a prompt of `start + 1` tokens), and, with `only` (a (B, T-1-start) mask), only at
+    its true positions (completion tokens of padded rows; elsewhere the result is 0). When the logits would be
+    large (> WHOLE_LOGITS_MAX values) they run over chunks of at most `chunk_tokens` positions and
+    WHOLE_LOGITS_MAX values, each under activation checkpointing when gradients are on, so peak memory holds
+    one chunk of logits; small ones are computed in one piece.
+    Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
     # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    labels = input_ids[:, start + 1:]
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
-        return _logprobs_from_logits(model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                           use_cache=False).logits[:, :-1], input_ids[:, 1:], temperature, chunk_tokens, with_entropy)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits[:, start:-1]
+        return _select(logits, labels, only, lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
+                       with_entropy)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
     head = base.get_output_embeddings()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state[:, :-1]
-    labels = input_ids[:, 1:]
-    B, T, H = hidden.shape
-    weight = head.weight
-    bias = getattr(head, "bias", None)
-    if B * T * weight.shape[0] <= WHOLE_LOGITS_MAX:
+                  use_cache=False).last_hidden_state[:, start:-1]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    return _select(hidden, labels, only, lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+                   with_entropy)
+
+
+def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):
+    """`fn(rows, labels)` everywhere, or (with the mask `only`) on the masked positions alone, scattered back
+    into zeros of the full shape."""
+    if only is None:
+        return fn(rows, labels)
+    sel = only.bool()
+    out = fn(rows[sel].unsqueeze(0), labels[sel].unsqueeze(0))
+    lp, ent = out if with_entropy else (out, None)
+    full = torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp[0])
+    if not with_entropy:
+        return full
+    return full, torch.zeros(labels.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent[0])
+
+
+def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, temperature: float,
+                   chunk_tokens: int, with_entropy: bool):
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = _chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
         return (lp, ent.detach()) if with_entropy else lp
-    step = max(1, chunk_tokens // max(1, B))
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
         args = (hidden[:, s:s + step], weight, bias, labels[:, s:s + step], temperature, with_entropy)
@@ -104,7 +130,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
-    step = max(1, chunk_tokens // max(1, logits.size(0)))
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // logits.size(-1)) // max(1, logits.size(0)))
     logps, entropies = [], []
     for s in range(0, logits.size(1), step):
         chunk = logits[:, s:s + step].float()

@@ -35,20 +35,47 @@ def cpu() -> str:
     return f"{os.cpu_count()} cores, {model}"
 
 
-def mean_tokens(assets: Path, task: str) -> float | None:
+def mean_tokens(assets: Path, task: str, model: str) -> float | None:
+    """Mean tokens per sample of the identical data both sides train on (rows cut at the shape's max length;
+    DPO and reward forward chosen and rejected, so both count). None for the online trainers."""
     from alignpipe.modeling import load_tokenizer
+    from bench.run_one import rows, shape_for
 
     if task in ("grpo", "ppo"):
         return None
+    shape = shape_for(model)
     tok = load_tokenizer(str(assets / "model"))
-    name = "sentiment_sft" if task == "sft" else "sentiment_preferences"
-    rows = [json.loads(line) for line in (assets / "data" / f"{name}.jsonl").read_text().splitlines()[:500]]
+    data = rows(str(assets), task, shape)[:500]
     if task == "sft":
-        texts = [r["prompt"] + r["completion"] for r in rows]
-    else:  # chosen and rejected are both forwarded
-        texts = [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows]
-        return 2 * sum(len(x) + 1 for x in tok(texts)["input_ids"]) / len(texts)
-    return sum(len(x) + 1 for x in tok(texts)["input_ids"]) / len(texts)
+        texts = [r["prompt"] + r["completion"] for r in data]
+    else:
+        texts = [r["prompt"] + r["chosen"] for r in data] + [r["prompt"] + r["rejected"] for r in data]
+    mean = sum(min(len(x) + 1, shape.max_len) for x in tok(texts)["input_ids"]) / len(texts)
+    return 2 * mean if task != "sft" else mean
+
+
+BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16 FLOP/s, SXM parts
+
+
+def sft_flops_per_token(model: str, seq_len: float) -> float | None:
+    """Training FLOPs per token, 6·N + 12·L·d·s (PaLM's appendix B: N = matmul parameters including the LM head,
+    attention counted over the whole row). Only for the GPU model, where MFU is reported."""
+    from bench.run_one import QWEN_05B as c
+
+    if not model.startswith("qwen"):
+        return None
+    d, L, kv = c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"]
+    head_dim = d // c["num_attention_heads"]
+    per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * c["intermediate_size"]  # q,o + k,v + gate,up,down
+    n = L * per_layer + c["vocab_size"] * d
+    return 6 * n + 12 * L * d * seq_len
+
+
+def gpu_peak() -> tuple[str, float | None]:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return name, next((v for k, v in BF16_PEAK.items() if k in name), None)
 
 
 TRL_PPO = "1.12.0"  # the last TRL release with PPO (trl.experimental.ppo); 1.16 has none
@@ -73,23 +100,42 @@ def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} {task} {model} failed:\n{out.stderr[-3000:]}")
+    sys.stderr.write(out.stderr[-2000:] if os.environ.get("BENCH_VERBOSE") else "")
     return json.loads(lines[-1])
 
 
-def table(results: dict, tokens: dict) -> list[str]:
-    lines = ["| trainer | model | ours samples/s | TRL samples/s | ratio | ours tokens/s | TRL tokens/s | ours peak RSS MB | "
-             "TRL peak RSS MB | RSS ratio | ours loss | TRL loss |", "|" + "---|" * 12]
+def table(results: dict, tokens: dict, gpu: bool) -> list[str]:
+    mem = "peak CUDA MB" if gpu else "peak RSS MB"
+    cols = ["trainer", "model", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s", "tokens/s ratio",
+            f"ours {mem}", f"TRL {mem}", "memory ratio", "ours loss", "TRL loss"]
+    if gpu:
+        cols += ["ours steady samples/s", "TRL steady samples/s", "steady ratio", "ours SFT MFU", "TRL SFT MFU"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    peak = gpu_peak()[1] if gpu else None
     for (task, model), runs in results.items():
-        med = {impl: {k: statistics.median(r[k] for r in runs[impl]) for k in ("samples_per_s", "peak_rss_mb")} for impl in runs}
+        keys = ("samples_per_s", "peak_mb") + (("steady_samples_per_s",) if gpu else ())
+        med = {impl: {k: _median([r.get(k) for r in runs[impl]]) for k in keys} for impl in runs}
         loss = {impl: runs[impl][-1]["loss"] for impl in runs}
         o, t = med["ours"], med["trl"]
-        tk = tokens.get(task)
-        tok_o = f"{o['samples_per_s'] * tk:,.0f}" if tk else "–"
-        tok_t = f"{t['samples_per_s'] * tk:,.0f}" if tk else "–"
-        lines.append(f"| {task} | {model} | {o['samples_per_s']:.1f} | {t['samples_per_s']:.1f} | **{o['samples_per_s'] / t['samples_per_s']:.2f}×** | "
-                     f"{tok_o} | {tok_t} | {o['peak_rss_mb']:,.0f} | {t['peak_rss_mb']:,.0f} | {o['peak_rss_mb'] / t['peak_rss_mb']:.2f} | "
-                     f"{_fmt(loss['ours'])} | {_fmt(loss['trl'])} |")
+        tk = tokens.get((task, model))
+        tok_o, tok_t = (o["samples_per_s"] * tk, t["samples_per_s"] * tk) if tk else (None, None)
+        row = [task, model, f"{o['samples_per_s']:.1f}", f"{t['samples_per_s']:.1f}", f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
+               f"{tok_o:,.0f}" if tk else "–", f"{tok_t:,.0f}" if tk else "–",
+               f"**{tok_o / tok_t:.2f}×**" if tk else "–",
+               f"{o['peak_mb']:,.0f}", f"{t['peak_mb']:,.0f}", f"{o['peak_mb'] / t['peak_mb']:.2f}", _fmt(loss["ours"]), _fmt(loss["trl"])]
+        if gpu:
+            so, st = o["steady_samples_per_s"], t["steady_samples_per_s"]
+            row += [f"{so:.1f}" if so else "–", f"{st:.1f}" if st else "–", f"**{so / st:.2f}×**" if so and st else "–"]
+            per_token = sft_flops_per_token(model, tk) if (task == "sft" and tk) else None
+            mfu = [f"{x * tk * per_token / peak:.1%}" if x else "–" for x in (so, st)] if (per_token and peak) else ["–", "–"]
+            row += mfu
+        lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _fmt(x) -> str:
@@ -108,30 +154,57 @@ def main() -> None:
     from alignpipe.tiny import make_tiny
 
     assets = make_tiny(args.assets)
+    from bench.run_one import shape_for
+
+    models, trainers = args.models.split(","), args.trainers.split(",")
+    gpu = shape_for(models[0]).gpu
+    if any(shape_for(m).gpu != gpu for m in models):
+        parser.error("--models mixes CPU models (tiny, small) with GPU ones (qwen0.5b): run them in separate invocations")
     results: dict = {}
-    tokens = {task: mean_tokens(assets, task) for task in args.trainers.split(",")}
-    for model in args.models.split(","):
-        for task in args.trainers.split(","):
+    tokens = {(task, model): mean_tokens(assets, task, model) for task in trainers for model in models}
+    for model in models:
+        for task in trainers:
             runs = {"ours": [], "trl": []}
             for rep in range(args.repeats):
                 for impl in (("ours", "trl") if rep % 2 == 0 else ("trl", "ours")):  # alternate who goes first
                     r = measure(impl, task, model, args.steps, assets)
                     runs[impl].append(r)
-                    print(f"{task:6} {model:5} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
-                          f"{r['peak_rss_mb']:.0f} MB, loss {r['loss']}", flush=True)
+                    print(f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
+                          f"{r['peak_mb']:.0f} MB, loss {r['loss']}", flush=True)
             results[(task, model)] = runs
-    lines = ["# Benchmarks: alignpipe vs TRL", "",
-             f"Measured {datetime.date.today()} on {cpu()}, CPU fp32; {versions()}.",
+    s = shape_for(models[0])
+    where = f"{gpu_peak()[0]}, bf16 weights and optimizer state" if gpu else f"{cpu()}, CPU fp32"
+    lines = ["## GPU: Qwen2-0.5B-shaped model (random init, bf16)" if gpu else
+             "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models", "",
+             f"Measured {datetime.date.today()} on {where}; {versions()}.",
              f"Median of {args.repeats} runs per side, alternating who runs first, each in a fresh process; "
-             f"{args.steps} optimizer steps, batch 8 (GRPO: 16 completions = 2 prompts × 8, 32 new tokens), max length 64, "
-             "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded); peak RSS includes imports. tokens/s = samples/s × mean "
-             "tokens per row of the (identical) data. Ratios are ours / TRL; on these shared machines absolute numbers "
-             "swing by up to 1.6× between runs, ratios from one run are what count.", "",
-             *table(results, tokens), "",
-             "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`).", ""]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
+             f"{args.steps} optimizer steps, batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
+             f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
+             "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
+             + ("Memory: `torch.cuda.max_memory_allocated`. MFU: tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 peak. "
+                if gpu else "Memory: peak RSS of the process, imports included. ")
+             + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
+             "numbers swing between runs on shared machines, ratios from one run are what count.", "",
+             *table(results, tokens, gpu), "",
+             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3`." if gpu else
+              "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."), ""]
+    write_section(Path(args.out), "gpu" if gpu else "cpu", lines)
     print("\n".join(lines))
+
+
+def write_section(path: Path, name: str, lines: list[str]) -> None:
+    """Replace the generated section `name` of the report (between its markers), keeping what is written by
+    hand around it (profiles, before/after, GPU and orchestration figures); a new report is just the section."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = "\n".join([begin, *lines, end])
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 if __name__ == "__main__":

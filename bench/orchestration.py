@@ -56,8 +56,18 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
+    import datetime
+
+    from bench.__main__ import cpu, write_section
+
     recipes = [Path(p) for p in (argv or sys.argv[1:])] or [ROOT / "pipelines" / "tiny-demo.yaml", ROOT / "pipelines" / "tiny-dpo.yaml"]
-    lines = table([measure(r) for r in recipes])
+    lines = ["## Orchestration overhead", "",
+             f"Measured {datetime.date.today()} on {cpu()}: each recipe run as a user runs it (`alignpipe run`, ephemeral "
+             "Prefect server, SQLite MLflow) in a fresh workdir, then again with every stage cached. Overhead = flow wall "
+             "time − Σ stages' own compute (their manifests' `duration_s`): Prefect start-up, flow and task runs, MLflow "
+             "runs, each stage process's start-up and imports.", "",
+             *table([measure(r) for r in recipes]), "", "Reproduce: `python -m bench.orchestration [RECIPE...]`.", ""]
+    write_section(ROOT / "docs" / "benchmarks.md", "orchestration", lines)
     print("\n".join(lines))
     return lines
 

@@ -28,11 +28,37 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1] / 0.7
     full = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    chunked, entropy = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6, with_entropy=True)  # 2 positions per chunk
+    chunked, entropy = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6, with_entropy=True)  # chunked: 1 position per chunk
     assert torch.allclose(chunked, full, atol=TOL)
     assert torch.allclose(entropy, -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1), atol=1e-4)
     chunked.sum().backward()  # gradients flow through the checkpointed chunks
     assert model.get_output_embeddings().weight.grad is not None
+
+
+@pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
+def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monkeypatch, whole_max):
+    """`start` (completions after a prompt) and `only` (completion tokens of padded rows) run the LM head on
+    fewer positions: values and gradients equal the full computation's on those positions, zeros elsewhere."""
+    from alignpipe import rl_math
+    from alignpipe.modeling import load_causal_lm
+
+    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
+    model = load_causal_lm(str(tiny / "model"))
+    ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    full = token_logprobs(model, ids, mask, temperature=0.9)
+    tail = token_logprobs(model, ids, mask, temperature=0.9, start=4)
+    assert tail.shape == (3, 7) and torch.allclose(tail, full[:, 4:], atol=TOL)
+    only = torch.zeros(3, 11, dtype=torch.bool)
+    only[0, 3:] = only[1, 5:9] = True  # row 2 has no scored tokens
+    (w := model.get_output_embeddings().weight).grad = None
+    (full * only).sum().backward()
+    g_full = w.grad.clone()
+    w.grad = None
+    part, ent = token_logprobs(model, ids, mask, temperature=0.9, only=only, with_entropy=True)
+    assert torch.allclose(part, full * only, atol=TOL) and (ent[~only] == 0).all()
+    part.sum().backward()
+    assert torch.allclose(w.grad, g_full, atol=1e-5)
 
 
 def test_kl_is_zero_for_the_same_policy_and_k3_is_nonnegative():

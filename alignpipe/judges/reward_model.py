@@ -8,11 +8,12 @@ from alignpipe.modeling import load_sequence_scorer, load_tokenizer
 
 
 class RewardModelScorer:
-    """`scorer(prompts, completions) -> [float]`, batched, on the model's device."""
+    """`scorer(prompts, completions) -> [float]`, batched, on `device` (the GPU when there is one)."""
 
-    def __init__(self, path: str, batch_size: int = 32, dtype: str = "float32"):
+    def __init__(self, path: str, batch_size: int = 32, dtype: str = "float32", device: str | None = None):
         self.tok = load_tokenizer(path)
-        self.model = load_sequence_scorer(path, dtype, pad_token_id=self.tok.pad_token_id).eval()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_sequence_scorer(path, dtype, pad_token_id=self.tok.pad_token_id).to(device).eval()
         self.batch_size = batch_size
 
     @torch.no_grad()

@@ -82,8 +82,9 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
 
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed completion log-probs (2B,), per-token log-probs (2B, T−1), shifted completion mask (2B, T−1))."""
-    per_token = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
-    mask = batch["completion_mask"][:, 1:].to(per_token.dtype)
+    mask = batch["completion_mask"][:, 1:]
+    per_token = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=mask)  # head on completions only
+    mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
 
 

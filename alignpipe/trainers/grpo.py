@@ -84,11 +84,8 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
     # Tokens after EOS are attended but come later, so causality keeps them out of earlier positions;
     # the loss masks them.
     attention = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
-    out = token_logprobs(model, ids, attention, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy)
-    P = prompt_ids.size(1)
-    if with_entropy:
-        return out[0][:, P - 1:], out[1][:, P - 1:]
-    return out[:, P - 1:]
+    return token_logprobs(model, ids, attention, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy,
+                          start=prompt_ids.size(1) - 1)
 
 
 def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,

@@ -102,9 +102,8 @@ def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
 def response_logprobs(policy, query, query_mask, response, temperature: float, chunk: int, with_entropy: bool = False):
     ids = torch.cat([query, response], 1)
     mask = torch.cat([query_mask, torch.ones_like(response)], 1)
-    out = token_logprobs(policy, ids, mask, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy)
-    P = query.size(1)
-    return (out[0][:, P - 1:], out[1][:, P - 1:]) if with_entropy else out[:, P - 1:]
+    return token_logprobs(policy, ids, mask, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy,
+                          start=query.size(1) - 1)
 
 
 def response_values(value_model, query, query_mask, response) -> torch.Tensor:

@@ -21,8 +21,8 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from alignpipe.rl_math import token_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import SFTConfig
 
@@ -78,12 +78,13 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over target tokens, and how many there were."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
+    target positions only (no logits for prompt or padding tokens) and in chunks when the vocabulary is large;
+    labels are the input ids with prompt and padding set to IGNORE, so scoring the next input id is the CE."""
     targets = batch["labels"][:, 1:]
-    logits = logits[:, :-1]
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
-    return loss, int((targets != IGNORE).sum())
+    valid = targets != IGNORE
+    logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
+    return -logps.sum(), int(valid.sum())
 
 
 def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:
