@@ -110,6 +110,18 @@ def test_storage_is_validated_before_anything_runs(demo_text, tmp_path):
     assert "look like credentials" in str(e.value) and "AWS_SECRET_ACCESS_KEY" in str(e.value)
 
 
+def test_credential_option_names_are_refused_and_look_alikes_pass():
+    from alignpipe.recipe.specs import secret_option_names
+
+    refused = {"key": 1, "secret": 1, "token": 1, "aws_secret_access_key": 1, "access_key": 1, "account_key": 1,
+               "sas_token": 1, "password": 1, "client_kwargs": {"aws_session_token": 1, "region_name": "eu"}}
+    assert sorted(secret_option_names(refused)) == sorted([k for k in refused if k != "client_kwargs"]
+                                                          + ["client_kwargs.aws_session_token"])
+    harmless = {"endpoint_url": "http://minio:9000", "sse_kms_key_id": "alias/x", "key_prefix": "p", "anon": False,
+                "client_kwargs": {"region_name": "eu"}, "requester_pays": True}
+    assert secret_option_names(harmless) == []
+
+
 # --- against a real S3 API ----------------------------------------------------------------------
 
 def _free_port() -> int:

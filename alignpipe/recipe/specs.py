@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -66,14 +68,30 @@ class Storage(Strict):
     @field_validator("options")
     @classmethod
     def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
-        secret = sorted(k for k in value if any(w in k.lower() for w in _SECRET_WORDS))
+        secret = sorted(secret_option_names(value))
         if secret:
             raise ValueError(f"storage option(s) {secret} look like credentials; a recipe is shared and logged, so "
                              "put credentials in the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
         return value
 
 
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
+_SECRET_WORDS = {"secret", "token", "password", "passwd", "credential", "credentials", "sas"}
+_KEY_QUALIFIERS = {"access", "account", "private", "api", "secret", "signing", "master"}
+
+
+def secret_option_names(options: dict[str, Any], prefix: str = "") -> list[str]:
+    """Option names (nested dicts too, as `client_kwargs.aws_secret_access_key`) that name a credential: a word
+    like secret/token/password, a bare `key`, or a `…access_key`-style name. `sse_kms_key_id` or `key_prefix`
+    name no secret and pass."""
+    found = []
+    for name, v in options.items():
+        words = [w for w in re.split(r"[^a-z0-9]+", str(name).lower()) if w]
+        qualified = len(words) >= 2 and words[-1] == "key" and words[-2] in _KEY_QUALIFIERS
+        if _SECRET_WORDS & set(words) or words == ["key"] or qualified:
+            found.append(prefix + str(name))
+        elif isinstance(v, dict):
+            found += secret_option_names(v, f"{prefix}{name}.")
+    return found
 
 
 class Resources(Strict):
