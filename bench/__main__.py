@@ -100,7 +100,6 @@ def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} {task} {model} failed:\n{out.stderr[-3000:]}")
-    sys.stderr.write(out.stderr[-2000:] if os.environ.get("BENCH_VERBOSE") else "")
     return json.loads(lines[-1])
 
 

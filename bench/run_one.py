@@ -281,7 +281,7 @@ def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
     per_step = 2 * shape.generations if task == "grpo" else shape.batch  # PPO: episodes
     print(json.dumps({"impl": impl, "task": task, "model": kind, "seconds": seconds, "samples_per_s": steps * per_step / seconds,
                       "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
-                      "peak_mb": peak_mb(shape.gpu), "peak_rss_mb": peak_mb(False), "loss": loss}))
+                      "peak_mb": peak_mb(shape.gpu), "loss": loss}))
 
 
 if __name__ == "__main__":

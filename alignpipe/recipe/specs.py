@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
