@@ -84,14 +84,58 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        use_cache=False).logits[:, start:-1]
         return _select(logits, labels, only, lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
                        with_entropy)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-    head = base.get_output_embeddings()
+    _, body, head = _decoder_and_head(model)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(hidden, labels, only, lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
                    with_entropy)
+
+
+def _decoder_and_head(model):
+    """The decoder stack and the LM head of a causal LM (or of a peft model's base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    return base, body, base.get_output_embeddings()
+
+
+def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, group: int,
+                           temperature: float = 1.0, chunk_tokens: int = 4096, with_entropy: bool = False):
+    """`token_logprobs` of the completion tokens, (B, C), when each run of `group` consecutive rows shares one
+    (left-padded) prompt, as GRPO's groups do: the decoder runs over each prompt once, its KV cache is repeated
+    `group` times, and only the completions run per row. Same values and gradients as running every row whole
+    (the prompt's gradient is the sum over its group, through the repeat), with B·P − (B/group)·P fewer tokens
+    in the forward and backward passes. Falls back to the row-by-row path where the cache cannot carry gradients
+    (DDP's forward, activation checkpointing) or when the rows are not grouped that way."""
+    B, P = prompt_ids.shape
+    firsts = slice(None, None, group)
+    grouped = (group > 1 and B % group == 0 and torch.equal(prompt_ids, prompt_ids[firsts].repeat_interleave(group, 0))
+               and torch.equal(prompt_mask, prompt_mask[firsts].repeat_interleave(group, 0)))
+    base = None if isinstance(model, torch.nn.parallel.DistributedDataParallel) else _decoder_and_head(model)[0]
+    if not grouped or base is None or getattr(base, "is_gradient_checkpointing", False):
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        # Tokens after EOS are attended but come later, so causality keeps them out of earlier positions.
+        mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+        return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                              start=P - 1)
+    from transformers import DynamicCache
+
+    _, body, head = _decoder_and_head(model)
+    p_mask = prompt_mask[firsts]
+    position = (p_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=base.config)
+    prompt_out = body(input_ids=prompt_ids[firsts], attention_mask=p_mask, position_ids=position, past_key_values=cache,
+                      use_cache=True).last_hidden_state
+    cache.batch_repeat_interleave(group)  # differentiable: the completions' gradients reach the prompt pass
+    C = completion_ids.size(1)
+    c_position = position[:, -1:].repeat_interleave(group, 0) + 1 + torch.arange(C, device=position.device)
+    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+    c_hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=c_position, past_key_values=cache,
+                    use_cache=True).last_hidden_state
+    # The prompt's last position scores the first completion token; completion position t scores token t + 1.
+    hidden = torch.cat([prompt_out[:, -1:].repeat_interleave(group, 0), c_hidden[:, :-1]], 1)
+    return _head_logprobs(hidden, head.weight, getattr(head, "bias", None), completion_ids, temperature, chunk_tokens,
+                          with_entropy)
 
 
 def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):

@@ -114,3 +114,34 @@ def test_sampling_filters_match_transformers_warpers(params):
     ours = filter_logits(logits, SamplingParams(max_new_tokens=1, **params))
     assert torch.equal(torch.isinf(ours), torch.isinf(expected))
     assert torch.allclose(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)], atol=1e-5)
+
+
+def test_greedy_samples_of_a_shared_prefill_equal_each_row_decoded_whole(engine):
+    """`n` samples per prompt prefill the prompt once and repeat its KV cache: with greedy decoding every
+    sample equals the prompt decoded on its own row, padded prompts included."""
+    import torch
+
+    from alignpipe.engine.hf import decode
+
+    tok = engine.tok
+    enc = HFEngine(engine.model, tok)._encode([tok("The film")["input_ids"], tok("I watched it and the")["input_ids"]])
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    with torch.no_grad():
+        shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], greedy, None, tok.pad_token_id, n=3)
+        whole = decode(engine.model, enc["input_ids"].repeat_interleave(3, 0), enc["attention_mask"].repeat_interleave(3, 0),
+                       greedy, None, tok.pad_token_id)
+    assert shared.shape == (6, 12) and torch.equal(shared, whole)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_never_draws_filtered_tokens():
+    import torch
+
+    from alignpipe.engine.hf import sample
+
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]).repeat(50_000, 1)
+    draws = sample(probs, torch.Generator().manual_seed(0))
+    first = torch.bincount(draws[0::2], minlength=5).float() / 50_000
+    assert torch.allclose(first, torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0]), atol=0.01) and first[1] == first[4] == 0
+    assert (draws[1::2] == 4).all()
+    again = sample(probs, torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)  # seeded

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from alignpipe.rl_math import gae, group_advantages, kl_estimate, masked_mean, masked_whiten, token_logprobs
+from alignpipe.rl_math import gae, group_advantages, kl_estimate, masked_mean, masked_whiten, shared_prompt_logprobs, token_logprobs
 from alignpipe.trainers import grpo, ppo
 
 TOL = 1e-5
@@ -59,6 +59,45 @@ def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monke
     assert torch.allclose(part, full * only, atol=TOL) and (ent[~only] == 0).all()
     part.sum().backward()
     assert torch.allclose(w.grad, g_full, atol=1e-5)
+
+
+@pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
+def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, whole_max):
+    """GRPO's groups: the prompt runs once per group and its KV cache is repeated; log-probs, entropies and
+    every parameter's gradient equal running each prompt + completion row whole (left padding included)."""
+    from alignpipe import rl_math
+    from alignpipe.modeling import load_causal_lm
+
+    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
+    model = load_causal_lm(str(tiny / "model"))
+    g = torch.Generator().manual_seed(2)
+    G, P, C = 3, 6, 5
+    prompts = torch.randint(2, 500, (2, P), generator=g)
+    p_mask = torch.ones_like(prompts)
+    p_mask[1, :2] = 0  # the second prompt is left-padded
+    prompt_ids, prompt_mask = prompts.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0)
+    completions = torch.randint(2, 500, (2 * G, C), generator=g)
+    weights = torch.randn(2 * G, C, generator=g)
+
+    def run(fn):
+        model.zero_grad()
+        logps, ent = fn()
+        (logps * weights).sum().backward()
+        return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ids, mask = torch.cat([prompt_ids, completions], 1), torch.cat([prompt_mask, torch.ones_like(completions)], 1)
+    whole = run(lambda: token_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, start=P - 1))
+    shared = run(lambda: shared_prompt_logprobs(model, prompt_ids, prompt_mask, completions, G, temperature=0.8, with_entropy=True))
+    assert torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
+    for name, grad in whole[2].items():
+        assert torch.allclose(shared[2][name], grad, atol=1e-5), name
+    # Rows that are not groups of one prompt take the row-by-row path and still agree.
+    mixed = prompt_ids.clone()
+    mixed[1, -1] = (mixed[1, -1] + 1) % 500
+    ids2 = torch.cat([mixed, completions], 1)
+    with torch.no_grad():
+        assert torch.allclose(shared_prompt_logprobs(model, mixed, prompt_mask, completions, G),
+                              token_logprobs(model, ids2, mask, start=P - 1), atol=TOL)
 
 
 def test_kl_is_zero_for_the_same_policy_and_k3_is_nonnegative():

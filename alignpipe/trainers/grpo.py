@@ -29,7 +29,7 @@ import torch
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
-from alignpipe.rl_math import group_advantages, masked_mean, token_logprobs
+from alignpipe.rl_math import group_advantages, masked_mean, shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import GRPOConfig
 from alignpipe.trainers.online import extra_columns, pad_left, pad_right, print_samples
@@ -78,14 +78,11 @@ def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tenso
 
 
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature: float, chunk: int,
-                     with_entropy: bool = False):
-    """Log-probs (and entropies) of the completion tokens, (B, C)."""
-    ids = torch.cat([prompt_ids, completion_ids], 1)
-    # Tokens after EOS are attended but come later, so causality keeps them out of earlier positions;
-    # the loss masks them.
-    attention = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
-    return token_logprobs(model, ids, attention, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy,
-                          start=prompt_ids.size(1) - 1)
+                     with_entropy: bool = False, group: int = 1):
+    """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` completions of
+    one prompt: the prompt's forward runs once per group (`shared_prompt_logprobs`)."""
+    return shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, group, temperature=temperature,
+                                  chunk_tokens=chunk, with_entropy=with_entropy)
 
 
 def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
@@ -149,7 +146,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
                 for s in range(0, len(gens), cfg.batch_size):
                     sl = slice(s, s + cfg.batch_size)
                     parts.append(completion_logps(m, prompt_ids[sl].to(device), prompt_mask[sl].to(device), comp_ids[sl].to(device),
-                                                  temperature, cfg.logprob_chunk_tokens).float())
+                                                  temperature, cfg.logprob_chunk_tokens, group=G).float())
             buf[key] = torch.cat(parts)
         loop.model.train()
         tokens = float(mask.sum())
@@ -190,7 +187,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
             with loop.no_sync_unless(j == len(micro) - 1):
                 logps, entropy = completion_logps(loop.model, b["prompt_ids"][sl].to(device), b["prompt_mask"][sl].to(device),
                                                   b["completion_ids"][sl].to(device), temperature, cfg.logprob_chunk_tokens,
-                                                  with_entropy=True)
+                                                  with_entropy=True, group=G)
                 old = b["old_logps"][sl].to(device) if "old_logps" in b else None
                 refl = b["ref_logps"][sl].to(device) if "ref_logps" in b else None
                 adv = b["advantages"][sl].to(device)
