@@ -99,43 +99,48 @@ def _decoder_and_head(model):
     return base, body, base.get_output_embeddings()
 
 
-def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, group: int,
-                           temperature: float = 1.0, chunk_tokens: int = 4096, with_entropy: bool = False):
-    """`token_logprobs` of the completion tokens, (B, C), when each run of `group` consecutive rows shares one
-    (left-padded) prompt, as GRPO's groups do: the decoder runs over each prompt once, its KV cache is repeated
-    `group` times, and only the completions run per row. Same values and gradients as running every row whole
-    (the prompt's gradient is the sum over its group, through the repeat), with B·P − (B/group)·P fewer tokens
-    in the forward and backward passes. Falls back to the row-by-row path where the cache cannot carry gradients
-    (DDP's forward, activation checkpointing) or when the rows are not grouped that way."""
-    B, P = prompt_ids.shape
-    firsts = slice(None, None, group)
-    grouped = (group > 1 and B % group == 0 and torch.equal(prompt_ids, prompt_ids[firsts].repeat_interleave(group, 0))
-               and torch.equal(prompt_mask, prompt_mask[firsts].repeat_interleave(group, 0)))
-    base = None if isinstance(model, torch.nn.parallel.DistributedDataParallel) else _decoder_and_head(model)[0]
-    if not grouped or base is None or getattr(base, "is_gradient_checkpointing", False):
-        ids = torch.cat([prompt_ids, completion_ids], 1)
-        # Tokens after EOS are attended but come later, so causality keeps them out of earlier positions.
-        mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                           index: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 4096, with_entropy: bool = False,
+                           only: torch.Tensor | None = None):
+    """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
+    prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
+    rejected answers to one prompt. Position t scores completion token t (the prompt's last token scores token 0).
+
+    The decoder runs over each prompt once; its KV cache is gathered to the completion rows (differentiably: a
+    prompt's gradient is the sum over its completions) and only the completions run per row: R·P − N·P fewer
+    tokens in the forward and backward than running every prompt + completion row whole, with the same values
+    and gradients. Completion padding goes at the end of a row (causality keeps it out of real tokens); `only`
+    (R, C) limits the LM head to the real completion tokens (zeros elsewhere). Falls back to whole rows where a
+    cache cannot carry gradients (DDP's forward, activation checkpointing) or a prompt is empty."""
+    R, C = completion_ids.shape
+    P = prompt_ids.size(1)
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    base = None if ddp else _decoder_and_head(model)[0]
+    shareable = (base is not None and not getattr(base, "is_gradient_checkpointing", False) and C > 0 and P > 0
+                 and bool(prompt_mask.bool().any(1).all()))
+    if not shareable:
+        ids = torch.cat([prompt_ids[index], completion_ids], 1)
+        mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
+        if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token
+            ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
         return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                              start=P - 1)
+                              start=max(P, 1) - 1, only=only)
     from transformers import DynamicCache
 
     _, body, head = _decoder_and_head(model)
-    p_mask = prompt_mask[firsts]
-    position = (p_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=base.config)
-    prompt_out = body(input_ids=prompt_ids[firsts], attention_mask=p_mask, position_ids=position, past_key_values=cache,
+    prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position, past_key_values=cache,
                       use_cache=True).last_hidden_state
-    cache.batch_repeat_interleave(group)  # differentiable: the completions' gradients reach the prompt pass
-    C = completion_ids.size(1)
-    c_position = position[:, -1:].repeat_interleave(group, 0) + 1 + torch.arange(C, device=position.device)
-    mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+    cache.batch_select_indices(index)  # differentiable gather: the completions' gradients reach the prompt pass
+    c_position = position[index, -1:] + 1 + torch.arange(C, device=position.device)
+    mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
     c_hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=c_position, past_key_values=cache,
                     use_cache=True).last_hidden_state
-    # The prompt's last position scores the first completion token; completion position t scores token t + 1.
-    hidden = torch.cat([prompt_out[:, -1:].repeat_interleave(group, 0), c_hidden[:, :-1]], 1)
-    return _head_logprobs(hidden, head.weight, getattr(head, "bias", None), completion_ids, temperature, chunk_tokens,
-                          with_entropy)
+    hidden = torch.cat([prompt_out[index, -1:], c_hidden[:, :-1]], 1)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    return _select(hidden, completion_ids, only,
+                   lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy), with_entropy)
 
 
 def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):

@@ -87,17 +87,25 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
 
     ids, mask = torch.cat([prompt_ids, completions], 1), torch.cat([prompt_mask, torch.ones_like(completions)], 1)
     whole = run(lambda: token_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, start=P - 1))
-    shared = run(lambda: shared_prompt_logprobs(model, prompt_ids, prompt_mask, completions, G, temperature=0.8, with_entropy=True))
+    index = torch.arange(2 * G) // G
+    shared = run(lambda: shared_prompt_logprobs(model, prompts, p_mask, completions, index, temperature=0.8, with_entropy=True))
     assert torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
     for name, grad in whole[2].items():
         assert torch.allclose(shared[2][name], grad, atol=1e-5), name
-    # Rows that are not groups of one prompt take the row-by-row path and still agree.
+    # DPO's layout (every chosen row, then every rejected row) with right-padded completions and the LM head on
+    # the real tokens only; and GRPO's wrapper on rows that are not groups, which runs them whole.
+    only = torch.ones(2 * G, C, dtype=torch.bool)
+    only[0, 3:] = only[4, 1:] = False
+    tiled = torch.arange(2 * G) % 2
+    ids3 = torch.cat([prompts[tiled], completions], 1)
+    mask3 = torch.cat([p_mask[tiled], torch.ones_like(completions)], 1)
     mixed = prompt_ids.clone()
     mixed[1, -1] = (mixed[1, -1] + 1) % 500
-    ids2 = torch.cat([mixed, completions], 1)
     with torch.no_grad():
-        assert torch.allclose(shared_prompt_logprobs(model, mixed, prompt_mask, completions, G),
-                              token_logprobs(model, ids2, mask, start=P - 1), atol=TOL)
+        assert torch.allclose(shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only),
+                              token_logprobs(model, ids3, mask3, start=P - 1) * only, atol=TOL)
+        assert torch.allclose(grpo.completion_logps(model, mixed, prompt_mask, completions, 1.0, 4096, group=G),
+                              token_logprobs(model, torch.cat([mixed, completions], 1), mask, start=P - 1), atol=TOL)
 
 
 def test_kl_is_zero_for_the_same_policy_and_k3_is_nonnegative():

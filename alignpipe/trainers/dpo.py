@@ -2,8 +2,9 @@
 
 Data: `preference` rows (prompt, chosen, rejected). Prompt tokens (left-truncated to
 `max_prompt_length`) + completion tokens + EOS, the whole truncated to `max_length`. Chosen and
-rejected of a batch go through the policy in one concatenated forward pass; a sequence's log-prob
-is the sum over its completion tokens, computed in chunks (no full (B, T, V) logits).
+rejected of a batch go through the policy in one forward pass that runs each prompt once (its KV cache
+shared by both answers); a sequence's log-prob is the sum over its completion tokens, computed in
+chunks (no full (B, T, V) logits).
 
 With ρ = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r)):
 - sigmoid (DPO): −(1−ε) log σ(βρ) − ε log σ(−βρ), ε = `label_smoothing` (cDPO; TRL ≤ 0.x's formula)
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import token_logprobs
+from alignpipe.rl_math import shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import DPOConfig
 
@@ -58,32 +59,56 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
 
 
 def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
-    """(2B, T) batch: chosen rows then rejected rows, right-padded; `completion_mask` marks completion tokens."""
-    seqs, comp = [], []
+    """A batch of B pairs, each prompt + answer cut to `max_length` tokens, in two layouts:
+    - what the policy runs (`completion_logps`): `prompt_ids`/`prompt_mask` (B, P), left-padded, once per pair,
+      and `completion_ids`/`completion_tokens` (2B, C), every chosen answer then every rejected one, right-padded;
+      `completion_tokens` marks the scored tokens;
+    - whole rows as TRL builds them (what the TRL parity test compares, and the token count): `input_ids`,
+      `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded."""
+    seqs, comp, prompts, answers = [], [], [], []
     for key in ("chosen_ids", "rejected_ids"):
         for e in examples:
-            ids = (e["prompt_ids"] + e[key])[:max_length]
-            seqs.append(ids)
-            comp.append(([0] * len(e["prompt_ids"]) + [1] * len(e[key]))[:max_length])
-    n = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), n), dtype=torch.long)
-    completion = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, (s, c) in enumerate(zip(seqs, comp)):
-        input_ids[i, :len(s)] = torch.tensor(s)
-        attention[i, :len(s)] = 1
-        completion[i, :len(c)] = torch.tensor(c)
-    batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+            prompt = e["prompt_ids"][:max_length]
+            answers.append(e[key][:max_length - len(prompt)])
+            seqs.append(prompt + answers[-1])
+            comp.append([0] * len(prompt) + [1] * len(answers[-1]))
+    prompts = [e["prompt_ids"][:max_length] for e in examples]
+    input_ids, attention = _pad(seqs, pad_id)
+    completion, _ = _pad(comp, 0)
+    prompt_ids, prompt_mask = _pad(prompts, pad_id, left=True)
+    completion_ids, completion_tokens = _pad(answers, pad_id)
+    for i, e in enumerate(examples * 2):
+        if not e["prompt_ids"]:  # nothing before the answer scores its first token (as in the whole row)
+            completion_tokens[i, :1] = 0
+    batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion, "prompt_ids": prompt_ids,
+             "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_tokens": completion_tokens}
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
     return batch
 
 
+def _pad(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, 0/1 mask), padded to the longest row (at least one column), on the right or the left."""
+    n = max(1, max(len(r) for r in rows))
+    values = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            cols = slice(n - len(r), n) if left else slice(0, len(r))
+            values[i, cols] = torch.tensor(r)
+            mask[i, cols] = 1
+    return values, mask
+
+
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed completion log-probs (2B,), per-token log-probs (2B, T−1), shifted completion mask (2B, T−1))."""
-    mask = batch["completion_mask"][:, 1:]
-    per_token = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=mask)  # head on completions only
+    """(summed completion log-probs (2B,), per-token log-probs (2B, C), completion token mask (2B, C)). Each prompt
+    runs once for its chosen and rejected answers (`shared_prompt_logprobs`); the LM head runs on answer tokens only."""
+    mask = batch["completion_tokens"]
+    pairs = batch["prompt_ids"].size(0)
+    index = torch.arange(2 * pairs, device=mask.device) % pairs
+    per_token = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index,
+                                       only=mask.bool())
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
 
@@ -125,7 +150,7 @@ class _Reference:
     @torch.no_grad()
     def compute(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.reference_free:
-            zeros = torch.zeros(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+            zeros = torch.zeros(batch["prompt_ids"].shape[0], device=batch["prompt_ids"].device)
             return zeros, zeros
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
@@ -168,7 +193,7 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
     logps, per_token, mask = completion_logps(model, batch)
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = reference_logps(batch)
-    lengths = batch["completion_mask"].sum(1).to(logps.dtype)
+    lengths = batch["completion_tokens"].sum(1).to(logps.dtype)
     losses, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing,
                                 *lengths.chunk(2))
     loss = losses.mean()

@@ -79,10 +79,15 @@ def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tenso
 
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature: float, chunk: int,
                      with_entropy: bool = False, group: int = 1):
-    """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` completions of
-    one prompt: the prompt's forward runs once per group (`shared_prompt_logprobs`)."""
-    return shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, group, temperature=temperature,
-                                  chunk_tokens=chunk, with_entropy=with_entropy)
+    """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
+    prompt: each prompt's forward runs once (`shared_prompt_logprobs`)."""
+    B = prompt_ids.size(0)
+    firsts = prompt_ids[::group], prompt_mask[::group]
+    index = torch.arange(B, device=prompt_ids.device) // group
+    if B % group or not (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index])):
+        firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)  # not grouped: one prompt per row
+    return shared_prompt_logprobs(model, *firsts, completion_ids, index, temperature=temperature, chunk_tokens=chunk,
+                                  with_entropy=with_entropy)
 
 
 def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
