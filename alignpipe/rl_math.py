@@ -125,22 +125,32 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
             ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
         return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                               start=max(P, 1) - 1, only=only)
-    from transformers import DynamicCache
-
     _, body, head = _decoder_and_head(model)
-    position = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=base.config)
-    prompt_out = body(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position, past_key_values=cache,
-                      use_cache=True).last_hidden_state
-    cache.batch_select_indices(index)  # differentiable gather: the completions' gradients reach the prompt pass
-    c_position = position[index, -1:] + 1 + torch.arange(C, device=position.device)
-    mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
-    c_hidden = body(input_ids=completion_ids, attention_mask=mask, position_ids=c_position, past_key_values=cache,
-                    use_cache=True).last_hidden_state
-    hidden = torch.cat([prompt_out[index, -1:], c_hidden[:, :-1]], 1)
+    prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
+    hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(hidden, completion_ids, only,
                    lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy), with_entropy)
+
+
+def shared_prefix_hidden(body, config, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor,
+                         index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a decoder stack over N left-padded prefixes (N, P) once, gather their KV cache to R rows (`index`, (R,)),
+    and run the right-padded suffixes (R, C) after them. Returns the last prefix position's hidden state per row
+    (R, 1, d) and the suffixes' hidden states (R, C, d), as running each prefix + suffix row whole would give them.
+    Every prefix must hold at least one token."""
+    from transformers import DynamicCache
+
+    position = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=config)
+    prefix_out = body(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position, past_key_values=cache,
+                      use_cache=True).last_hidden_state
+    cache.batch_select_indices(index)  # differentiable gather: the suffixes' gradients reach the prefix pass
+    s_position = position[index, -1:] + 1 + torch.arange(suffix_ids.size(1), device=position.device)
+    mask = torch.cat([prefix_mask[index], torch.ones_like(suffix_ids)], 1)
+    s_hidden = body(input_ids=suffix_ids, attention_mask=mask, position_ids=s_position, past_key_values=cache,
+                    use_cache=True).last_hidden_state
+    return prefix_out[index, -1:], s_hidden
 
 
 def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):

@@ -90,3 +90,45 @@ def test_precomputed_reference_matches_a_live_reference_and_is_cached(tiny, pair
     cfg = DPOConfig(learning_rate=1e-3, max_steps=1, batch_size=8, precompute_ref_logps=True)
     dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train[:64], [], Tracker(), tmp_path / "precompute")
     assert cache.stat().st_mtime_ns == stamp, "a re-run reuses the cached reference log-probs"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora):
+    """Each pair's common prefix runs once: scores and gradients equal the classifier's own forward on whole rows."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.trainers import reward
+
+    tok = load_tokenizer(str(tiny / "model"))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny / "model"), num_labels=1)
+    model.config.pad_token_id = tok.pad_token_id
+    if lora:
+        from alignpipe.modeling import lora_model
+
+        model = lora_model(model, LoraSpec(r=4), task_type="SEQ_CLS")
+    rows = [{"prompt": "The film was", "chosen": " great fun.", "rejected": " dull."},
+            {"prompt": "Honestly, I", "chosen": " loved it", "rejected": " loved it and more"},  # one answer extends the other
+            {"prompt": "A", "chosen": " fine film.", "rejected": " bad one."}]
+    batch = reward.collate(reward.tokenize(rows, tok, 64), tok.pad_token_id)
+    assert batch["prefix_mask"].sum(1).min() > 0 and batch["suffix_ids"].size(1) < batch["input_ids"].size(1)
+
+    def run(fn):
+        model.zero_grad()
+        out = fn()
+        (out * torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0])).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole = run(lambda: model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1))
+    shared = run(lambda: reward.scores(model, batch))
+    assert torch.allclose(shared[0], whole[0], atol=1e-5)
+    assert shared[1].keys() == whole[1].keys()
+    for name, grad in whole[1].items():
+        assert torch.allclose(shared[1][name], grad, atol=1e-5), name
+    # A pair with nothing in common (no prompt, different first tokens): the batch runs as whole rows.
+    bare = reward.collate(reward.tokenize(rows[:2] + [{"prompt": "", "chosen": "Fine.", "rejected": "Bad."}], tok, 64),
+                          tok.pad_token_id)
+    assert bare["prefix_mask"].sum(1).min() == 0
+    with torch.no_grad():
+        assert torch.allclose(reward.scores(model, bare), model(input_ids=bare["input_ids"], attention_mask=bare["attention_mask"]).logits.squeeze(-1), atol=1e-6)

@@ -43,6 +43,20 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists → (ids, 0/1 mask), padded to the longest row (at least one column) on the right, or on the
+    left (prompts that completions follow end at the same column)."""
+    n = max(1, max(len(r) for r in rows))
+    values = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            cols = slice(n - len(r), n) if left else slice(0, len(r))
+            values[i, cols] = torch.tensor(r, dtype=torch.long)
+            mask[i, cols] = 1
+    return values, mask
+
+
 def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     """AdamW with no weight decay on biases and normalization weights (1-D parameters)."""
     decay, no_decay = [], []

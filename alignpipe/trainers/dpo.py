@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from alignpipe.rl_math import shared_prompt_logprobs
-from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import DPOConfig
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
             seqs.append(prompt + answers[-1])
             comp.append([0] * len(prompt) + [1] * len(answers[-1]))
     prompts = [e["prompt_ids"][:max_length] for e in examples]
-    input_ids, attention = _pad(seqs, pad_id)
-    completion, _ = _pad(comp, 0)
-    prompt_ids, prompt_mask = _pad(prompts, pad_id, left=True)
-    completion_ids, completion_tokens = _pad(answers, pad_id)
+    input_ids, attention = pad_rows(seqs, pad_id)
+    completion, _ = pad_rows(comp, 0)
+    prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
+    completion_ids, completion_tokens = pad_rows(answers, pad_id)
     for i, e in enumerate(examples * 2):
         if not e["prompt_ids"]:  # nothing before the answer scores its first token (as in the whole row)
             completion_tokens[i, :1] = 0
@@ -86,19 +86,6 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
     return batch
-
-
-def _pad(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, 0/1 mask), padded to the longest row (at least one column), on the right or the left."""
-    n = max(1, max(len(r) for r in rows))
-    values = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), n), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            cols = slice(n - len(r), n) if left else slice(0, len(r))
-            values[i, cols] = torch.tensor(r)
-            mask[i, cols] = 1
-    return values, mask
 
 
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

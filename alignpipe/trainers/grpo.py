@@ -30,9 +30,9 @@ import torch
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.rl_math import group_advantages, masked_mean, shared_prompt_logprobs
-from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import GRPOConfig
-from alignpipe.trainers.online import extra_columns, pad_left, pad_right, print_samples
+from alignpipe.trainers.online import extra_columns, print_samples
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         completions = [g.completion for g in gens]
         total, per_fn = rewards(prompts_text, completions, extra_columns(rep_rows))
         adv, std = group_advantages(total, G, cfg.scale_rewards)
-        prompt_ids, prompt_mask = pad_left([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id)
-        comp_ids = pad_right([g.completion_ids for g in gens], tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id, left=True)
+        comp_ids, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
         lengths = torch.tensor([len(g.completion_ids) for g in gens])
         ended = torch.tensor([g.finish_reason == "stop" for g in gens])
         mask = completion_mask(comp_ids, lengths, ended, cfg.mask_truncated_completions)

@@ -4,34 +4,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "text", "messages")
 
 
 def extra_columns(rows: list[dict]) -> dict[str, list]:
     """Dataset columns other than the texts (e.g. `answer`), as reward functions receive them."""
     return {k: [r.get(k) for r in rows] for k in rows[0] if k not in TEXT_COLUMNS} if rows else {}
-
-
-def pad_left(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask), left-padded: prompts end at the same column, so completions line up after them."""
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, n - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, n - len(s):] = 1
-    return ids, mask
-
-
-def pad_right(seqs: list[list[int]], pad: int) -> torch.Tensor:
-    n = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids
 
 
 def print_samples(rows: list[dict], title: str) -> None:

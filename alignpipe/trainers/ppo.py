@@ -36,10 +36,10 @@ import torch.nn as nn
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.rl_math import gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
 from alignpipe.trainers.common import (
-    Checkpointer, TrainResult, build_optimizer, build_scheduler, progress, save_model, seed_everything,
+    Checkpointer, TrainResult, build_optimizer, build_scheduler, pad_rows, progress, save_model, seed_everything,
 )
 from alignpipe.trainers.configs import PPOConfig
-from alignpipe.trainers.online import extra_columns, pad_left, pad_right, print_samples
+from alignpipe.trainers.online import extra_columns, print_samples
 
 log = logging.getLogger(__name__)
 INVALID_LOGPROB = 1.0
@@ -176,8 +176,8 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             prompts = [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]]
             engine.update_weights(unwrapped.policy)
             gens = engine.generate(prompts, 1, sampling, seed=seed + update)
-            query, query_mask = pad_left(prompts, pad)
-            response = pad_right([g.completion_ids for g in gens], pad)
+            query, query_mask = pad_rows(prompts, pad, left=True)
+            response, _ = pad_rows([g.completion_ids for g in gens], pad)
             lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
             query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
             total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows))

@@ -2,7 +2,8 @@
 
 Model: a sequence classifier with one output (`AutoModelForSequenceClassification`, num_labels=1),
 whose score is read at the last non-padding token. Data: `preference` rows (prompt, chosen,
-rejected; optional `margin`). Chosen and rejected go through the model in one forward pass.
+rejected; optional `margin`). Chosen and rejected go through the model in one forward pass that runs
+their common token prefix (the prompt, mostly) once.
 
 Loss (Bradley-Terry): −log σ(r_c − r_r − margin), plus `center_rewards_coefficient` · mean((r_c + r_r)²).
 EOS is appended to plain-text completions, as TRL does.
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.rl_math import shared_prefix_hidden
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import RewardConfig
 
 
@@ -47,18 +49,58 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = Tr
 
 
 def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """[chosen rows..., rejected rows...] right-padded into one (2B, T) batch."""
+    """A batch of B pairs in two layouts:
+    - whole rows, [chosen rows..., rejected rows...] right-padded into (2B, T) `input_ids`/`attention_mask`;
+    - what `scores` runs when it can: each pair's common token prefix once, `prefix_ids`/`prefix_mask` (B, P)
+      left-padded, and the rest of each sequence, `suffix_ids`/`suffix_mask` (2B, C) right-padded (a suffix keeps
+      at least its last token, where the score is read)."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    n = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-    batch = {"input_ids": input_ids, "attention_mask": mask}
+    input_ids, mask = pad_rows(seqs, pad_id)
+    prefixes, suffixes = [], [[], []]
+    for e in examples:
+        c, r = e["chosen_ids"], e["rejected_ids"]
+        k = 0
+        while k < min(len(c), len(r)) - 1 and c[k] == r[k]:
+            k += 1
+        prefixes.append(c[:k])
+        suffixes[0].append(c[k:])
+        suffixes[1].append(r[k:])
+    prefix_ids, prefix_mask = pad_rows(prefixes, pad_id, left=True)
+    suffix_ids, suffix_mask = pad_rows(suffixes[0] + suffixes[1], pad_id)
+    batch = {"input_ids": input_ids, "attention_mask": mask, "prefix_ids": prefix_ids, "prefix_mask": prefix_mask,
+             "suffix_ids": suffix_ids, "suffix_mask": suffix_mask}
     if "margin" in examples[0]:
         batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float)
     return batch
+
+
+def scores(model, batch: dict) -> torch.Tensor:
+    """The (2B,) float rewards of a collated batch: chosen, then rejected. Each pair's common prefix runs once
+    (`shared_prefix_hidden`), the score is read at the last non-padding token as the classifier's own forward
+    reads it; whole rows where that cannot be done (DDP's forward, activation checkpointing, an empty prefix, a
+    head other than `score`)."""
+    shared = None if isinstance(model, torch.nn.parallel.DistributedDataParallel) else _shared_scores(model, batch)
+    if shared is not None:
+        return shared
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits.squeeze(-1).float()
+
+
+def _shared_scores(model, batch: dict) -> torch.Tensor | None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    pad = base.config.pad_token_id
+    if (pad is None or not hasattr(base, "score") or getattr(base, "is_gradient_checkpointing", False)
+            or not bool(batch["prefix_mask"].bool().any(1).all())):
+        return None
+    suffix = batch["suffix_ids"]
+    real = batch["suffix_mask"].bool() & (suffix != pad)
+    if not bool(real.any(1).all()):  # the last non-padding token would lie in the prefix
+        return None
+    rows = torch.arange(suffix.size(0), device=suffix.device)
+    last = (torch.arange(suffix.size(1), device=suffix.device) * real).argmax(-1)
+    pairs = batch["prefix_ids"].size(0)
+    _, hidden = shared_prefix_hidden(getattr(base, base.base_model_prefix), base.config, batch["prefix_ids"],
+                                     batch["prefix_mask"], suffix, rows % pairs)
+    return base.score(hidden[rows, last]).squeeze(-1).float()
 
 
 def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None,
@@ -74,8 +116,7 @@ def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Ten
 
 
 def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits.squeeze(-1).float()
-    rc, rr = rewards.chunk(2)
+    rc, rr = scores(model, batch).chunk(2)
     loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
     with torch.no_grad():
         stats = {"loss": float(loss), "accuracy": float((rc > rr).float().mean()), "margin": float((rc - rr).mean()),
