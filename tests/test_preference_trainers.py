@@ -93,14 +93,16 @@ def test_precomputed_reference_matches_a_live_reference_and_is_cached(tiny, pair
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora):
+def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeypatch):
     """Each pair's common prefix runs once: scores and gradients equal the classifier's own forward on whole rows."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from alignpipe.modeling import load_tokenizer
-    from alignpipe.trainers import reward
+    from alignpipe import rl_math
 
+    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
+    calls = []
+    monkeypatch.setattr(reward, "shared_prefix_hidden", lambda *a: calls.append(1) or rl_math.shared_prefix_hidden(*a))
     tok = load_tokenizer(str(tiny / "model"))
     model = AutoModelForSequenceClassification.from_pretrained(str(tiny / "model"), num_labels=1)
     model.config.pad_token_id = tok.pad_token_id
@@ -122,7 +124,7 @@ def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora):
 
     whole = run(lambda: model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1))
     shared = run(lambda: reward.scores(model, batch))
-    assert torch.allclose(shared[0], whole[0], atol=1e-5)
+    assert calls and torch.allclose(shared[0], whole[0], atol=1e-5)
     assert shared[1].keys() == whole[1].keys()
     for name, grad in whole[1].items():
         assert torch.allclose(shared[1][name], grad, atol=1e-5), name

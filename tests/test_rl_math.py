@@ -7,7 +7,10 @@ import tempfile
 import pytest
 import torch
 
-from alignpipe.rl_math import gae, group_advantages, kl_estimate, masked_mean, masked_whiten, shared_prompt_logprobs, token_logprobs
+from alignpipe.rl_math import (
+    gae, group_advantages, kl_estimate, masked_mean, masked_whiten, shared_prefix_hidden, shared_prompt_logprobs, token_logprobs,
+    worth_sharing,
+)
 from alignpipe.trainers import grpo, ppo
 
 TOL = 1e-5
@@ -69,6 +72,9 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     from alignpipe.modeling import load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
+    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
+    calls = []
+    monkeypatch.setattr(rl_math, "shared_prefix_hidden", lambda *a: calls.append(1) or shared_prefix_hidden(*a))
     model = load_causal_lm(str(tiny / "model"))
     g = torch.Generator().manual_seed(2)
     G, P, C = 3, 6, 5
@@ -89,7 +95,7 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     whole = run(lambda: token_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, start=P - 1))
     index = torch.arange(2 * G) // G
     shared = run(lambda: shared_prompt_logprobs(model, prompts, p_mask, completions, index, temperature=0.8, with_entropy=True))
-    assert torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
+    assert calls and torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
     for name, grad in whole[2].items():
         assert torch.allclose(shared[2][name], grad, atol=1e-5), name
     # DPO's layout (every chosen row, then every rejected row) with right-padded completions and the LM head on
@@ -106,6 +112,15 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
                               token_logprobs(model, ids3, mask3, start=P - 1) * only, atol=TOL)
         assert torch.allclose(grpo.completion_logps(model, mixed, prompt_mask, completions, 1.0, 4096, group=G),
                               token_logprobs(model, torch.cat([mixed, completions], 1), mask, start=P - 1), atol=TOL)
+
+
+def test_sharing_a_prompt_is_left_to_models_big_enough_to_gain(tiny):
+    """One more decoder call costs more than a few prompt tokens of a 1.7M-parameter model saves."""
+    from alignpipe.modeling import load_causal_lm
+
+    model = load_causal_lm(str(tiny / "model"))
+    assert not worth_sharing(model, 8 * 12)  # the bench's DPO batch
+    assert worth_sharing(model, 4096)
 
 
 def test_kl_is_zero_for_the_same_policy_and_k3_is_nonnegative():

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import shared_prefix_hidden
+from alignpipe.rl_math import shared_prefix_hidden, worth_sharing
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import RewardConfig
 
@@ -78,7 +78,7 @@ def scores(model, batch: dict) -> torch.Tensor:
     """The (2B,) float rewards of a collated batch: chosen, then rejected. Each pair's common prefix runs once
     (`shared_prefix_hidden`), the score is read at the last non-padding token as the classifier's own forward
     reads it; whole rows where that cannot be done (DDP's forward, activation checkpointing, an empty prefix, a
-    head other than `score`)."""
+    head other than `score`) or does not pay (`worth_sharing`)."""
     shared = None if isinstance(model, torch.nn.parallel.DistributedDataParallel) else _shared_scores(model, batch)
     if shared is not None:
         return shared
@@ -89,7 +89,8 @@ def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     pad = base.config.pad_token_id
     if (pad is None or not hasattr(base, "score") or getattr(base, "is_gradient_checkpointing", False)
-            or not bool(batch["prefix_mask"].bool().any(1).all())):
+            or not bool(batch["prefix_mask"].bool().any(1).all())
+            or not worth_sharing(base, batch["prefix_ids"].numel())):
         return None
     suffix = batch["suffix_ids"]
     real = batch["suffix_mask"].bool() & (suffix != pad)
