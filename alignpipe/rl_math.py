@@ -111,6 +111,14 @@ def worth_sharing(model, saved_tokens: int) -> bool:
     return saved_tokens * sum(p.numel() for p in model.parameters()) >= SHARE_MIN_SAVED
 
 
+def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
+    """Whether `shared_prefix_hidden` can serve `base` (the unwrapped model; None under DDP, whose own forward must
+    run for gradients to be synchronised): no activation checkpointing (it drops the KV cache), every prefix holds a
+    token, and the saving pays (`worth_sharing`)."""
+    return (base is not None and not getattr(base, "is_gradient_checkpointing", False) and prefix_mask.size(1) > 0
+            and bool(prefix_mask.bool().any(1).all()) and worth_sharing(base, saved_tokens))
+
+
 def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                            index: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 4096, with_entropy: bool = False,
                            only: torch.Tensor | None = None):
@@ -128,17 +136,14 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    base = None if ddp else _decoder_and_head(model)[0]
-    shareable = (base is not None and not getattr(base, "is_gradient_checkpointing", False) and C > 0 and P > 0
-                 and bool(prompt_mask.bool().any(1).all()) and worth_sharing(base, (R - prompt_ids.size(0)) * P))
-    if not shareable:
+    base, body, head = (None, None, None) if ddp else _decoder_and_head(model)
+    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P):
         ids = torch.cat([prompt_ids[index], completion_ids], 1)
         mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
         if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token
             ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
         return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                               start=max(P, 1) - 1, only=only)
-    _, body, head = _decoder_and_head(model)
     prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
     hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
     weight, bias = head.weight, getattr(head, "bias", None)

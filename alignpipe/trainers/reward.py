@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import shared_prefix_hidden, worth_sharing
+from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import RewardConfig
 
@@ -88,9 +88,7 @@ def scores(model, batch: dict) -> torch.Tensor:
 def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     pad = base.config.pad_token_id
-    if (pad is None or not hasattr(base, "score") or getattr(base, "is_gradient_checkpointing", False)
-            or not bool(batch["prefix_mask"].bool().any(1).all())
-            or not worth_sharing(base, batch["prefix_ids"].numel())):
+    if pad is None or not hasattr(base, "score") or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel()):
         return None
     suffix = batch["suffix_ids"]
     real = batch["suffix_mask"].bool() & (suffix != pad)
