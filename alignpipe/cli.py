@@ -69,18 +69,53 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     """Re-run the pipeline run RUN_ID's recipe with its overrides: finished stages are reused, a killed
-    stage continues from its last checkpoint."""
-    matches = list(Path(args.workdir).expanduser().glob(f"*/runs/{args.run_id}*.json"))
-    if not matches:
-        print(f"error: no pipeline run {args.run_id!r} under {args.workdir} (looked for */runs/<id>.json)", file=sys.stderr)
+    stage continues from its last checkpoint. The run's summary is looked up in the local workdir, then in
+    `--storage` (where a storage-backed run left it); a recipe file missing on this machine is rebuilt from
+    the text the run recorded."""
+    found = find_run_summary(args.run_id, args.workdir, args.storage)
+    if found is None:
+        where = f"{args.workdir} (*/runs/<id>.json)" + (f" or {args.storage} (*/runs/<id>.json)" if args.storage else "")
+        hint = "" if args.storage else "; a run with `storage:` in its recipe: pass --storage URL"
+        print(f"error: no pipeline run {args.run_id!r} under {where}{hint}", file=sys.stderr)
         return 2
-    summary = json.loads(matches[0].read_text())
+    summary, source = found
     request = summary.get("request") or {}
-    if not request.get("recipe"):
-        print(f"error: run {args.run_id} did not record its recipe path; run `alignpipe run RECIPE` again", file=sys.stderr)
+    recipe_path, text = request.get("recipe"), request.get("recipe_text")
+    if recipe_path and Path(recipe_path).is_file():
+        if text is not None and Path(recipe_path).read_text() != text:
+            print(f"note: {recipe_path} changed since run {summary['pipeline_run_id']}; resuming with the file as it is now")
+    elif text:
+        from alignpipe.recipe.load import parse_recipe
+
+        root = parse_recipe(text, request.get("overrides") or [], source=source, check_files=False).run_root
+        copy = root / "runs" / f"{summary['pipeline_run_id']}.recipe.yaml"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(text)
+        print(f"{recipe_path or 'the recipe'} is not on this machine: resuming with the recipe the run recorded ({copy})")
+        recipe_path = str(copy)
+    else:
+        print(f"error: run {args.run_id} ({source}) did not record its recipe, and {recipe_path!r} is not here; run "
+              "`alignpipe run RECIPE` again", file=sys.stderr)
         return 2
-    print(f"resuming {summary['pipeline']} from {request['recipe']} with {request.get('overrides') or 'no overrides'}")
-    return cmd_run(argparse.Namespace(recipe=request["recipe"], overrides=request.get("overrides") or [], force=[]))
+    print(f"resuming {summary['pipeline']} from {recipe_path} with {request.get('overrides') or 'no overrides'}")
+    return cmd_run(argparse.Namespace(recipe=recipe_path, overrides=request.get("overrides") or [], force=[]))
+
+
+def find_run_summary(run_id: str, workdir: str, storage: str | None = None) -> tuple[dict, str] | None:
+    """(summary, where it was found) of the pipeline run whose id starts with `run_id`: the newest match in
+    `<workdir>/*/runs/`, else in `<storage>/*/runs/`."""
+    local = sorted(Path(workdir).expanduser().glob(f"*/runs/{run_id}*.json"), key=lambda p: p.stat().st_mtime)
+    if local:
+        return json.loads(local[-1].read_text()), str(local[-1])
+    if not storage:
+        return None
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(storage)
+    matches = sorted(fs.glob(f"{root.rstrip('/')}/*/runs/{run_id}*.json"))
+    if not matches:
+        return None
+    return json.loads(fs.cat_file(matches[-1])), f"{fs.unstrip_protocol(matches[-1])}"
 
 
 def cmd_deploy(args) -> int:
@@ -129,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="run a pipeline run's recipe again: finished stages are reused, killed ones resume")
     p.add_argument("run_id", help="the pipeline (flow) run id, or a prefix of it")
     p.add_argument("--workdir", default="./runs", help="the recipe's workdir (default ./runs)")
+    p.add_argument("--storage", help="the recipe's storage URL (s3://…, gs://…): find the run there when this machine's "
+                   "workdir does not have it; credentials come from the environment, as for `storage:`")
     p.set_defaults(fn=cmd_resume)
     p = sub.add_parser("deploy", help="deploy the stage flow on work pools and/or a recipe's pipeline (with a schedule)")
     p.add_argument("--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)")

@@ -9,6 +9,7 @@ Models: `tiny` (the project's 1.7M Llama) and `small` (a 20M Llama, random init)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -265,7 +266,9 @@ def peak_mb(gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
+def case(impl: str, task: str, kind: str, steps: int, assets: str, around=contextlib.nullcontext) -> dict:
+    """Build the model and data, then run and time one side; `around` wraps the timed part only (the
+    profiler in `bench.profile`)."""
     import torch
 
     global ASSETS
@@ -277,11 +280,16 @@ def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
     if shape.gpu:
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock()
-    seconds, loss = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps, shape, kind, clock)
+    with around():
+        seconds, loss = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps, shape, kind, clock)
     per_step = 2 * shape.generations if task == "grpo" else shape.batch  # PPO: episodes
-    print(json.dumps({"impl": impl, "task": task, "model": kind, "seconds": seconds, "samples_per_s": steps * per_step / seconds,
-                      "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
-                      "peak_mb": peak_mb(shape.gpu), "loss": loss}))
+    return {"impl": impl, "task": task, "model": kind, "seconds": seconds, "samples_per_s": steps * per_step / seconds,
+            "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
+            "peak_mb": peak_mb(shape.gpu), "loss": loss}
+
+
+def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
+    print(json.dumps(case(impl, task, kind, steps, assets)))
 
 
 if __name__ == "__main__":

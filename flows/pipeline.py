@@ -68,6 +68,7 @@ def check_pools(recipe) -> None:
 def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
     """Run a recipe. `overrides` are `key=value` edits (`--set`), `force` stage ids to re-run."""
     logger = get_run_logger()
+    recipe_text = Path(recipe_path).read_text() if Path(recipe_path).is_file() else None
     recipe = load_recipe(recipe_path, overrides or [])  # validated again: UI-launched runs skip the CLI
     check_pools(recipe)
     plans = plan(recipe, force or [])
@@ -137,7 +138,8 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
 
     ordered = [outcomes[s.id] for s in recipe.topological_order()]
     end_pipeline_run(tracking, ordered)
-    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": list(overrides or [])}
+    # The recipe's text too: `alignpipe resume` on a machine without the file (storage runs) rebuilds it.
+    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": list(overrides or []), "recipe_text": recipe_text}
     summary_path = write_summary(recipe, run_id, ordered, tracking[2], request)
     failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
     if failed:

@@ -1,7 +1,11 @@
-"""The benchmark report's plumbing (the measurements themselves run in `make bench`, never in tests)."""
+"""The benchmark report's plumbing and the profiler wrapper (the measurements themselves run in `make bench`, never
+in tests)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from bench.__main__ import sft_flops_per_token, write_section
@@ -43,3 +47,36 @@ def test_mfu_flops_count_the_qwen_shape():
     per_token = sft_flops_per_token("qwen0.5b", 0)
     assert 6 * 480e6 < per_token < 6 * 500e6  # 494M matmul parameters, LM head included
     assert sft_flops_per_token("tiny", 100) is None
+
+
+def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny, tmp_path):
+    """`python -m bench.profile` runs a benchmark case under the torch profiler and writes the op table,
+    a Perfetto trace and the matrix-multiply share."""
+    out = tmp_path / "prof"
+    run = subprocess.run([sys.executable, "-m", "bench.profile", "ours", "sft", "tiny", "--steps", "2", "--assets", str(tiny),
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    prof = summary["profile"]
+    assert summary["samples_per_s"] > 0 and prof["clock"] == "cpu" and prof["total_ms"] > 0
+    ops = {row["op"] for row in prof["top"]}
+    assert "aten::mm" in ops or "aten::addmm" in ops, ops
+    assert 0 < prof["gemm_share"] < 1
+    assert abs(sum(r["share"] for r in prof["top"]) - sum(r["ms"] for r in prof["top"]) / prof["total_ms"]) < 1e-6
+    assert "traceEvents" in json.loads((out / "trace.json").read_text())
+    assert "Self CPU" in (out / "ops.txt").read_text() and "matrix multiplies" in run.stdout
+
+
+def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
+    from types import SimpleNamespace
+
+    from bench.profile import summarize
+
+    events = [SimpleNamespace(key="aten::mm", self_cpu_time_total=600.0, count=3),
+              SimpleNamespace(key="aten::add", self_cpu_time_total=300.0, count=9),
+              SimpleNamespace(key="aten::linear", self_cpu_time_total=100.0, count=3),
+              SimpleNamespace(key="aten::_scaled_dot_product_flash_attention_for_cpu_backward", self_cpu_time_total=200.0,
+                              count=1)]
+    s = summarize(events, device=False)
+    assert s["total_ms"] == 1.2 and abs(s["gemm_share"] - 800 / 1200) < 1e-12
+    assert [r["op"] for r in s["top"]][:2] == ["aten::mm", "aten::add"] and s["top"][-1]["op"] == "aten::linear"

@@ -210,3 +210,16 @@ def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, ti
               if d.rsplit("/", 1)[-1].startswith("judge-") and fs.exists(f"{d}/manifest.json")]
     assert len(judges) == 2, "machine C's judge (8 prompts) is in storage beside machine A's (16)"
     assert "test-secret" not in out.stdout + out.stderr
+
+    # Machine D has neither the recipe file nor the run: `resume` finds A's run in storage and rebuilds the recipe.
+    run_a = next((machines["A"] / "work" / "tiny-demo" / "runs").glob("*.json")).stem
+    recipe.rename(tmp_path / "elsewhere.yaml")
+    d = tmp_path / "D"
+    d.mkdir()
+    missing = subprocess.run([str(BIN / "alignpipe"), "resume", run_a[:8]], env=env, cwd=d, capture_output=True, text=True)
+    assert missing.returncode == 2 and "pass --storage URL" in missing.stderr
+    out = _run(["resume", run_a[:8], "--storage", "s3://alignpipe-test/root"], env, d)
+    assert "is not on this machine" in out.stdout and "stages.judge.num_prompts=16" in out.stdout
+    assert (d / "work" / "tiny-demo" / "runs" / f"{run_a}.recipe.yaml").read_text() == text
+    statuses = _statuses(d / "work")
+    assert statuses["sft"] == statuses["judge"] == "cached", statuses
