@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from alignpipe.data.formats import format_rows
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import dpo, reward
 from alignpipe.trainers.configs import DPOConfig, LoraSpec, RewardConfig
+from conftest import tiny_split
 
 
 @pytest.fixture(scope="module")
 def pairs(tiny):
-    tok = load_tokenizer(str(tiny / "model"))
-    raw = [json.loads(line) for line in (tiny / "data" / "sentiment_preferences.jsonl").read_text().splitlines()]
-    train, evals, _ = format_rows(raw[:1200], fmt="preference", tokenizer=tok, max_length=64, eval_fraction=0.1)
-    return tok, train, evals
+    return tiny_split(tiny, "sentiment_preferences", "preference", rows=1200, max_length=64)
 
 
 def test_reward_model_reaches_90_percent_on_held_out_pairs(tiny, pairs, tmp_path):

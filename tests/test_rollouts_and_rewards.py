@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -18,6 +17,7 @@ from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokeni
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import grpo, ppo, sft
 from alignpipe.trainers.configs import GRPOConfig, LoraSpec, PPOConfig, SFTConfig
+from conftest import tiny_split
 
 
 def check_engine_contract(engine, tok, prompts, n=2, max_new=5):
@@ -85,11 +85,7 @@ def test_http_scorer_over_loopback():
 @pytest.fixture(scope="module")
 def reversal_sft(tiny, tmp_path_factory):
     """SFT on the noisy reversal task (the tiny GRPO recipe's start)."""
-    from alignpipe.data.formats import format_rows
-
-    tok = load_tokenizer(str(tiny / "model"))
-    raw = [json.loads(line) for line in (tiny / "data" / "reverse.jsonl").read_text().splitlines()]
-    train, evals, _ = format_rows(raw, fmt="prompt_completion", tokenizer=tok, eval_fraction=0.1)
+    tok, train, evals = tiny_split(tiny, "reverse", "prompt_completion")
     out = tmp_path_factory.mktemp("revsft")
     sft.train(SFTConfig(learning_rate=1e-3, max_steps=400, batch_size=32, logging_every=100), load_causal_lm(str(tiny / "model")),
               tok, train, [], Tracker(), out)

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from alignpipe.data.formats import format_rows
-from alignpipe.modeling import is_adapter_dir, load_causal_lm, load_tokenizer
+from alignpipe.modeling import is_adapter_dir, load_causal_lm
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import sft
 from alignpipe.trainers.configs import LoraSpec, SFTConfig
+from conftest import tiny_split
 
 
 @pytest.fixture(scope="module")
 def data(tiny):
-    tok = load_tokenizer(str(tiny / "model"))
-    raw = [json.loads(line) for line in (tiny / "data" / "sentiment_sft.jsonl").read_text().splitlines()]
-    train, evals, _ = format_rows(raw[:800], fmt="prompt_completion", tokenizer=tok, max_length=64, eval_fraction=0.1)
-    return tok, train, evals
+    return tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=800, max_length=64)
 
 
 def test_sft_loss_falls_by_at_least_half(tiny, data, tmp_path):
