@@ -63,3 +63,15 @@ def test_forcing_a_finished_stage_starts_it_afresh(tiny, tmp_path):
     assert forced.fresh
     write_spec(recipe, forced, {}, ("sqlite:///x.db", "0", None), "run-2")
     assert not (forced.dir / "checkpoints").exists() and Manifest.read(forced.dir) is None
+
+
+def test_a_stage_process_leaving_early_still_runs_exit_handlers_and_flushes_its_output():
+    """`alignpipe.stage` skips the interpreter's slow teardown (`exit_now`): exit handlers still run, buffered
+    output still arrives, and the exit code is kept."""
+    import sys
+
+    code = ("import atexit, sys\nfrom alignpipe.stage import exit_now\natexit.register(lambda: print('handler ran'))\n"
+            "print('buffered line', end='')\nsys.stderr.write('to stderr')\nexit_now(3)\nprint('never')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert out.stdout == "buffered linehandler ran\n" and out.stderr == "to stderr"
