@@ -185,7 +185,8 @@ def main() -> None:
              + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
              "numbers swing between runs on shared machines, ratios from one run are what count.", "",
              *table(results, tokens, gpu), "",
-             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3`." if gpu else
+             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3`; profile one case with `python -m bench.profile "
+              "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)." if gpu else
               "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."), ""]
     write_section(Path(args.out), "gpu" if gpu else "cpu", lines)
     print("\n".join(lines))
