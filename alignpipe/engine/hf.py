@@ -21,7 +21,7 @@ class HFEngine:
         self.tok = tokenizer
         self.batch_size = batch_size
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
     def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: SamplingParams | None = None,
                  seed: int | None = None) -> list[Generation]:
         sampling = sampling or SamplingParams()
