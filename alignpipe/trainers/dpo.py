@@ -134,16 +134,15 @@ class _Reference:
             return self.loop.unwrapped.disable_adapter()
         return contextlib.nullcontext()
 
-    @torch.no_grad()
     def compute(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.reference_free:
             zeros = torch.zeros(batch["prompt_ids"].shape[0], device=batch["prompt_ids"].device)
             return zeros, zeros
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-        with self._context():
+        with torch.inference_mode(), self._context():  # no autograd bookkeeping per op, unlike no_grad
             logps, _, _ = completion_logps(self.model if self.model is not None else self.loop.model, batch)
-        return logps.chunk(2)
+        return logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
 
     def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:
         """Fill `ref_chosen_logps`/`ref_rejected_logps` into every example, from the cache when it matches."""
