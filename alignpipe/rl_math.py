@@ -77,14 +77,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1:]
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    base = unwrapped(model)
+    if base is None:
         # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits[:, start:-1]
         return _select(logits, labels, only, lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
                        with_entropy)
-    _, body, head = _decoder_and_head(model)
+    body, head = _decoder_and_head(base)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False).last_hidden_state[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
@@ -92,11 +93,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    with_entropy)
 
 
-def _decoder_and_head(model):
-    """The decoder stack and the LM head of a causal LM (or of a peft model's base model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def unwrapped(model):
+    """The model whose modules the chunked-head and shared-prefix paths call directly: a peft model's base model,
+    or the model itself; None under DDP, whose own forward must run for gradients to be synchronised."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _decoder_and_head(base):
+    """The decoder stack and the LM head of an `unwrapped` causal LM."""
     body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-    return base, body, base.get_output_embeddings()
+    return body, base.get_output_embeddings()
 
 
 # Sharing a prefix costs one more decoder call: a fixed ~1–3 ms of operator dispatch on CPU (kernel launches on a
@@ -112,8 +120,7 @@ def worth_sharing(model, saved_tokens: int) -> bool:
 
 
 def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
-    """Whether `shared_prefix_hidden` can serve `base` (the unwrapped model; None under DDP, whose own forward must
-    run for gradients to be synchronised): no activation checkpointing (it drops the KV cache), every prefix holds a
+    """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): no activation checkpointing (it drops the KV cache), every prefix holds a
     token, and the saving pays (`worth_sharing`)."""
     return (base is not None and not getattr(base, "is_gradient_checkpointing", False) and prefix_mask.size(1) > 0
             and bool(prefix_mask.bool().any(1).all()) and worth_sharing(base, saved_tokens))
@@ -135,8 +142,7 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     small for the saving to outweigh one more decoder call (`worth_sharing`)."""
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    base, body, head = (None, None, None) if ddp else _decoder_and_head(model)
+    base = unwrapped(model)
     if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P):
         ids = torch.cat([prompt_ids[index], completion_ids], 1)
         mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
@@ -144,6 +150,7 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
             ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
         return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                               start=max(P, 1) - 1, only=only)
+    body, head = _decoder_and_head(base)
     prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
     hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
     weight, bias = head.weight, getattr(head, "bias", None)

@@ -65,14 +65,13 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
       `completion_tokens` marks the scored tokens;
     - whole rows as TRL builds them (what the TRL parity test compares, and the token count): `input_ids`,
       `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded."""
-    seqs, comp, prompts, answers = [], [], [], []
+    prompts = [e["prompt_ids"][:max_length] for e in examples]
+    seqs, comp, answers = [], [], []
     for key in ("chosen_ids", "rejected_ids"):
-        for e in examples:
-            prompt = e["prompt_ids"][:max_length]
+        for e, prompt in zip(examples, prompts):
             answers.append(e[key][:max_length - len(prompt)])
             seqs.append(prompt + answers[-1])
             comp.append([0] * len(prompt) + [1] * len(answers[-1]))
-    prompts = [e["prompt_ids"][:max_length] for e in examples]
     input_ids, attention = pad_rows(seqs, pad_id)
     completion, _ = pad_rows(comp, 0)
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)

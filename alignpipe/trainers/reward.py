@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden
+from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import RewardConfig
 
@@ -79,17 +79,18 @@ def scores(model, batch: dict) -> torch.Tensor:
     (`shared_prefix_hidden`), the score is read at the last non-padding token as the classifier's own forward
     reads it; whole rows where that cannot be done (DDP's forward, activation checkpointing, an empty prefix, a
     head other than `score`) or does not pay (`worth_sharing`)."""
-    shared = None if isinstance(model, torch.nn.parallel.DistributedDataParallel) else _shared_scores(model, batch)
+    shared = _shared_scores(model, batch)
     if shared is not None:
         return shared
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits.squeeze(-1).float()
 
 
 def _shared_scores(model, batch: dict) -> torch.Tensor | None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    pad = base.config.pad_token_id
-    if pad is None or not hasattr(base, "score") or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel()):
+    base = unwrapped(model)
+    if (base is None or base.config.pad_token_id is None or not hasattr(base, "score")
+            or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel())):
         return None
+    pad = base.config.pad_token_id
     suffix = batch["suffix_ids"]
     real = batch["suffix_mask"].bool() & (suffix != pad)
     if not bool(real.any(1).all()):  # the last non-padding token would lie in the prefix
