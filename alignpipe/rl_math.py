@@ -107,16 +107,23 @@ def _decoder_and_head(base):
     return body, base.get_output_embeddings()
 
 
-# Sharing a prefix costs one more decoder call: a fixed ~1–3 ms of operator dispatch on CPU (kernel launches on a
-# GPU) that only pays off when the prompt work it saves is larger. Below this many saved token × parameter products
-# (~1 GFLOP of forward), whole rows run faster: DPO on the 1.7M-parameter bench model saves 8 pairs × ~12 prompt
-# tokens, 1.6e8, and ran 1.73× TRL whole against 1.27× shared; the 20M model's 1.9e9 gains 18%.
+# Sharing a prefix costs one more decoder call: a fixed ~1–3 ms of operator dispatch on CPU that only pays off when
+# the prompt work it saves is larger. Below this many saved token × parameter products (~1 GFLOP of forward), whole
+# rows run faster: DPO on the 1.7M-parameter bench model saves 8 pairs × ~12 prompt tokens, 1.6e8, and ran 1.73×
+# TRL whole against 1.27× shared; the 20M model's 1.9e9 gains 18%.
 SHARE_MIN_SAVED = 2**29
+# On a GPU the extra call is host time (a few hundred kernel launches, ~3–5 ms for a 24-layer model) while the saved
+# prompt tokens cost microseconds of device time: 8 pairs × ~12 tokens on the Qwen2-0.5B bench shape (4.7e10)
+# does not pay; prompts of hundreds of tokens do (2**38 ≈ 2.7e11 ≈ 0.5 TFLOP of forward + backward).
+GPU_SHARE_MIN_SAVED = 2**38
 
 
 def worth_sharing(model, saved_tokens: int) -> bool:
-    """Whether running `saved_tokens` fewer prefix tokens outweighs the extra decoder call (`SHARE_MIN_SAVED`)."""
-    return saved_tokens * sum(p.numel() for p in model.parameters()) >= SHARE_MIN_SAVED
+    """Whether running `saved_tokens` fewer prefix tokens outweighs the extra decoder call (`SHARE_MIN_SAVED`,
+    `GPU_SHARE_MIN_SAVED` for a model on a GPU)."""
+    params = list(model.parameters())
+    floor = GPU_SHARE_MIN_SAVED if params and params[0].device.type == "cuda" else SHARE_MIN_SAVED
+    return saved_tokens * sum(p.numel() for p in params) >= floor
 
 
 def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:

@@ -46,6 +46,23 @@ def test_lora_sft_saves_only_the_adapter(tiny, data, tmp_path):
     assert diff > 0, "the merged adapter changes the weights"
 
 
+def test_training_and_generation_leave_cudnn_attention_out(tiny, data, tmp_path):
+    """cuDNN's attention builds a plan per new shape on the host (docs/benchmarks.md); trainers and the engine run
+    their forwards with it switched off, and restore the setting afterwards."""
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.engine.sampling import SamplingParams
+
+    tok, train, evals = data
+    model = load_causal_lm(str(tiny / "model"))
+    seen = []
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    sft.train(SFTConfig(max_steps=1, batch_size=4), model, tok, train[:8], evals[:4], Tracker(), tmp_path)
+    HFEngine(model, tok).generate(["good"], sampling=SamplingParams(max_new_tokens=2))
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_completion_only_loss_masks_prompt_tokens(data):
     tok, train, _ = data
     ex = sft.tokenize(train[:1], tok, 64, completion_only=True)[0]

@@ -6,6 +6,7 @@ import torch
 
 from alignpipe.engine.base import Generation
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.modeling import under_attention_kernels
 
 
 class HFEngine:
@@ -22,6 +23,7 @@ class HFEngine:
         self.batch_size = batch_size
 
     @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
+    @under_attention_kernels
     def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: SamplingParams | None = None,
                  seed: int | None = None) -> list[Generation]:
         sampling = sampling or SamplingParams()

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import DPOConfig
@@ -194,6 +195,7 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
     return loss, stats
 
 
+@under_attention_kernels
 def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0, ref_model=None) -> TrainResult:
     """Align `model` on preference rows. Without LoRA, pass a frozen `ref_model` (a second copy of the

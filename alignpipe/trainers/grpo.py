@@ -29,6 +29,7 @@ import torch
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
+from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import group_advantages, masked_mean, shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import GRPOConfig
@@ -90,6 +91,7 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature
                                   with_entropy=with_entropy)
 
 
+@under_attention_kernels
 def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
           seed: int = 0, ref_model=None, engine=None, eval_rows: list[dict] | None = None) -> TrainResult:
     G = cfg.num_generations

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from alignpipe.judges.reward_set import RewardSet
+from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
 from alignpipe.trainers.common import (
     Checkpointer, TrainResult, build_optimizer, build_scheduler, pad_rows, progress, save_model, seed_everything,
@@ -115,6 +116,7 @@ def response_values(value_model, query, query_mask, response) -> torch.Tensor:
 
 # --- training -------------------------------------------------------------------------------------
 
+@under_attention_kernels
 def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
           seed: int = 0, ref_model=None, engine=None) -> TrainResult:
     from accelerate import Accelerator

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import RewardConfig
@@ -142,6 +143,7 @@ def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id
     return {"accuracy": float(sums[0] / count), "margin": float(sums[1] / count), "loss": float(sums[2] / count)}
 
 
+@under_attention_kernels
 def train(cfg: RewardConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0) -> TrainResult:
     """Train `model` (a 1-label sequence classifier) on preference rows; saves a merged, loadable scorer."""

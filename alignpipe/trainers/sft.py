@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import token_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult
 from alignpipe.trainers.configs import SFTConfig
@@ -102,6 +103,7 @@ def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: 
     return float(total[0] / total[1].clamp(min=1))
 
 
+@under_attention_kernels
 def train(cfg: SFTConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0) -> TrainResult:
     seed = cfg.seed if cfg.seed is not None else seed
