@@ -141,7 +141,7 @@ def _fmt(x) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) else "–"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--trainers", default="sft,reward,dpo,grpo,ppo")
     parser.add_argument("--models", default="tiny")
@@ -149,7 +149,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    args = parser.parse_args()
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="discarded runs per side before each trainer's timed ones (default: 1 on a GPU, 0 on CPU)")
+    args = parser.parse_args(argv)
     from alignpipe.tiny import make_tiny
 
     assets = make_tiny(args.assets)
@@ -159,11 +161,18 @@ def main() -> None:
     gpu = shape_for(models[0]).gpu
     if any(shape_for(m).gpu != gpu for m in models):
         parser.error("--models mixes CPU models (tiny, small) with GPU ones (qwen0.5b): run them in separate invocations")
+    # On a freshly started GPU machine the first process of each case ran at half speed (kernels compiled and
+    # cached, clocks rising): a discarded run per side keeps that out of the medians.
+    warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
     results: dict = {}
     tokens = {(task, model): mean_tokens(assets, task, model) for task in trainers for model in models}
     for model in models:
         for task in trainers:
             runs = {"ours": [], "trl": []}
+            for _ in range(warmup):
+                for impl in ("ours", "trl"):
+                    r = measure(impl, task, model, args.steps, assets)
+                    print(f"{task:6} {model:8} {impl:4} warm-up (discarded): {r['samples_per_s']:.1f} samples/s", flush=True)
             for rep in range(args.repeats):
                 for impl in (("ours", "trl") if rep % 2 == 0 else ("trl", "ours")):  # alternate who goes first
                     r = measure(impl, task, model, args.steps, assets)
@@ -176,7 +185,8 @@ def main() -> None:
     lines = ["## GPU: Qwen2-0.5B-shaped model (random init, bf16)" if gpu else
              "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models", "",
              f"Measured {datetime.date.today()} on {where}; {versions()}.",
-             f"Median of {args.repeats} runs per side, alternating who runs first, each in a fresh process; "
+             f"Median of {args.repeats} runs per side, alternating who runs first, each in a fresh process"
+             + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "") + "; "
              f"{args.steps} optimizer steps, batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
              f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
              "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "

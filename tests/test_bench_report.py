@@ -27,6 +27,27 @@ def test_a_generated_section_is_replaced_and_hand_written_text_kept(tmp_path):
     assert text.index("<!-- bench:gpu -->") > text.index("## Notes by hand")
 
 
+def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, monkeypatch):
+    import bench.__main__ as bench_main
+
+    calls = []
+
+    def fake(impl, task, model, steps, assets):
+        calls.append(impl)
+        first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
+        return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
+
+    monkeypatch.setattr(bench_main, "measure", fake)
+    monkeypatch.setattr(bench_main, "mean_tokens", lambda *a: 20.0)
+    out = tmp_path / "report.md"
+    bench_main.main(["--trainers", "sft", "--repeats", "3", "--warmup", "1", "--assets", str(tiny), "--out", str(out)])
+    assert calls == ["ours", "trl", "ours", "trl", "trl", "ours", "ours", "trl"]
+    text = out.read_text()
+    assert "after 1 discarded warm-up run per side" in text
+    row = next(line for line in text.splitlines() if line.startswith("| sft"))
+    assert "| 10.0 | 10.0 |" in row and "**1.00×**" in row
+
+
 def test_steady_rate_leaves_out_the_warm_up_steps():
     clock = StepClock()
     clock.times = [0.0] * WARMUP_STEPS + [10.0, 11.0, 12.0, 13.0]  # slow start, then 1 s per step
