@@ -29,7 +29,8 @@ def attention_kernels():
 
 
 def under_attention_kernels(fn):
-    """Decorator: `fn` runs inside `attention_kernels()` (each trainer's `train`, the engine's `generate`)."""
+    """Decorator: `fn` runs inside `attention_kernels()` (each trainer's `train`, the engine's `generate`, the
+    reward-model scorer)."""
     import functools
 
     @functools.wraps(fn)

@@ -51,15 +51,21 @@ def test_training_and_generation_leave_cudnn_attention_out(tiny, data, tmp_path)
     their forwards with it switched off, and restore the setting afterwards."""
     from alignpipe.engine.hf import HFEngine
     from alignpipe.engine.sampling import SamplingParams
+    from alignpipe.judges.reward_model import RewardModelScorer
 
     tok, train, evals = data
     model = load_causal_lm(str(tiny / "model"))
     seen = []
-    model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    model.get_decoder().register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
     before = torch.backends.cuda.cudnn_sdp_enabled()
     sft.train(SFTConfig(max_steps=1, batch_size=4), model, tok, train[:8], evals[:4], Tracker(), tmp_path)
+    trained = len(seen)
     HFEngine(model, tok).generate(["good"], sampling=SamplingParams(max_new_tokens=2))
-    assert seen and not any(seen)
+    generated = len(seen)
+    scorer = RewardModelScorer(str(tiny / "model"))
+    scorer.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    scorer(["good"], [" day"])
+    assert 0 < trained < generated < len(seen) and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 

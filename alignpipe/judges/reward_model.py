@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alignpipe.modeling import load_sequence_scorer, load_tokenizer
+from alignpipe.modeling import load_sequence_scorer, load_tokenizer, under_attention_kernels
 
 
 class RewardModelScorer:
@@ -17,6 +17,7 @@ class RewardModelScorer:
         self.batch_size = batch_size
 
     @torch.no_grad()
+    @under_attention_kernels
     def __call__(self, prompts: list[str], completions: list[str], **_) -> list[float]:
         eos = self.tok.eos_token or ""
         texts = [p + c if (p + c).endswith(eos) else p + c + eos for p, c in zip(prompts, completions)]
