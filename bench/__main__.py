@@ -103,9 +103,11 @@ def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
     return json.loads(lines[-1])
 
 
-def table(results: dict, tokens: dict, gpu: bool) -> list[str]:
+def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[str]:
+    """The markdown table of `results` {(trainer, model): {"ours": [run, ...], "trl": [...]}}; `runs_label` fills the
+    `runs × steps` column (so rows from separate invocations can share one table, `merge_rows`)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
-    cols = ["trainer", "model", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s", "tokens/s ratio",
+    cols = ["trainer", "model", "runs × steps", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s", "tokens/s ratio",
             f"ours {mem}", f"TRL {mem}", "memory ratio", "ours loss", "TRL loss"]
     if gpu:
         cols += ["ours steady samples/s", "TRL steady samples/s", "steady ratio", "ours SFT MFU", "TRL SFT MFU"]
@@ -118,7 +120,7 @@ def table(results: dict, tokens: dict, gpu: bool) -> list[str]:
         o, t = med["ours"], med["trl"]
         tk = tokens.get((task, model))
         tok_o, tok_t = (o["samples_per_s"] * tk, t["samples_per_s"] * tk) if tk else (None, None)
-        row = [task, model, f"{o['samples_per_s']:.1f}", f"{t['samples_per_s']:.1f}", f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
+        row = [task, model, runs_label, f"{o['samples_per_s']:.1f}", f"{t['samples_per_s']:.1f}", f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
                f"{tok_o:,.0f}" if tk else "–", f"{tok_t:,.0f}" if tk else "–",
                f"**{tok_o / tok_t:.2f}×**" if tk else "–",
                f"{o['peak_mb']:,.0f}", f"{t['peak_mb']:,.0f}", f"{o['peak_mb'] / t['peak_mb']:.2f}", _fmt(loss["ours"]), _fmt(loss["trl"])]
@@ -130,6 +132,28 @@ def table(results: dict, tokens: dict, gpu: bool) -> list[str]:
             row += mfu
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def merge_rows(old: list[str], new: list[str]) -> list[str]:
+    """Table `new` with the rows of table `old` (same columns) whose trainer and model it does not measure kept:
+    a GPU session that can afford only some trainers per invocation still ends with one table."""
+    def key(line: str) -> tuple[str, ...]:
+        return tuple(c.strip() for c in line.strip("|").split("|")[:2])
+
+    if not old or old[0] != new[0]:
+        return new
+    fresh = {key(line) for line in new[2:]}
+    return new[:2] + [line for line in old[2:] if key(line) not in fresh] + new[2:]
+
+
+def read_table(path: Path, name: str) -> list[str]:
+    """The table lines of generated section `name` of the report, or [] when there is none."""
+    text = path.read_text() if path.exists() else ""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    if begin not in text or end not in text:
+        return []
+    section = text.split(begin, 1)[1].split(end, 1)[0]
+    return [line for line in section.splitlines() if line.startswith("|")]
 
 
 def _median(values: list) -> float | None:
@@ -149,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the report's rows for trainers/models this invocation does not run (split GPU sessions)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="discarded runs per side before each trainer's timed ones (default: 1 on a GPU, 0 on CPU)")
     args = parser.parse_args(argv)
@@ -180,22 +206,26 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
                           f"{r['peak_mb']:.0f} MB, loss {r['loss']}", flush=True)
             results[(task, model)] = runs
+    rows = table(results, tokens, gpu, f"{args.repeats} × {args.steps}")
+    if args.merge:
+        rows = merge_rows(read_table(Path(args.out), "gpu" if gpu else "cpu"), rows)
     s = shape_for(models[0])
     where = f"{gpu_peak()[0]}, bf16 weights and optimizer state" if gpu else f"{cpu()}, CPU fp32"
     lines = ["## GPU: Qwen2-0.5B-shaped model (random init, bf16)" if gpu else
              "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models", "",
              f"Measured {datetime.date.today()} on {where}; {versions()}.",
-             f"Median of {args.repeats} runs per side, alternating who runs first, each in a fresh process"
+             "Median of the runs per side in the `runs × steps` column, alternating who runs first, each in a fresh process"
              + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "") + "; "
-             f"{args.steps} optimizer steps, batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
+             f"batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
              f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
              "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
              + ("Memory: `torch.cuda.max_memory_allocated`. MFU: tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 peak. "
                 if gpu else "Memory: peak RSS of the process, imports included. ")
+             + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if args.merge else "")
              + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
              "numbers swing between runs on shared machines, ratios from one run are what count.", "",
-             *table(results, tokens, gpu), "",
-             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3`; profile one case with `python -m bench.profile "
+             *rows, "",
+             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, `--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
               "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)." if gpu else
               "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."), ""]
     write_section(Path(args.out), "gpu" if gpu else "cpu", lines)

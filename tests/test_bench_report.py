@@ -48,6 +48,25 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
     assert "| 10.0 | 10.0 |" in row and "**1.00×**" in row
 
 
+def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
+    """A GPU session runs some trainers per invocation; `--merge` keeps the others' rows, replacing re-run ones."""
+    import bench.__main__ as bench_main
+
+    speed = {"value": 10.0}
+    monkeypatch.setattr(bench_main, "measure", lambda *a: {"samples_per_s": speed["value"], "peak_mb": 1.0, "loss": 0.1})
+    monkeypatch.setattr(bench_main, "mean_tokens", lambda *a: None)
+    out = tmp_path / "report.md"
+    common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0"]
+    bench_main.main(["--trainers", "sft,dpo", "--steps", "20", *common])
+    speed["value"] = 20.0
+    bench_main.main(["--trainers", "dpo,grpo", "--steps", "10", "--merge", *common])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
+    assert "| 1 × 20 | 10.0 |" in rows[0] and "| 1 × 10 | 20.0 |" in rows[1] and "| 1 × 10 | 20.0 |" in rows[2]
+    bench_main.main(["--trainers", "grpo", *common])  # without --merge the table is this invocation's alone
+    assert [line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line][0].startswith("| grpo")
+
+
 def test_steady_rate_leaves_out_the_warm_up_steps():
     clock = StepClock()
     clock.times = [0.0] * WARMUP_STEPS + [10.0, 11.0, 12.0, 13.0]  # slow start, then 1 s per step
