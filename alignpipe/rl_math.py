@@ -112,9 +112,11 @@ def _decoder_and_head(base):
 # rows run faster: DPO on the 1.7M-parameter bench model saves 8 pairs × ~12 prompt tokens, 1.6e8, and ran 1.73×
 # TRL whole against 1.27× shared; the 20M model's 1.9e9 gains 18%.
 SHARE_MIN_SAVED = 2**29
-# On a GPU the extra call is host time (a few hundred kernel launches, ~3–5 ms for a 24-layer model) while the saved
-# prompt tokens cost microseconds of device time: 8 pairs × ~12 tokens on the Qwen2-0.5B bench shape (4.7e10)
-# does not pay; prompts of hundreds of tokens do (2**38 ≈ 2.7e11 ≈ 0.5 TFLOP of forward + backward).
+# On a GPU the saved prompt tokens cost microseconds of device time while the shared path costs host time: DPO on the
+# Qwen2-0.5B bench shape (8 pairs × ~12 prompt tokens, 4.7e10) ran at 15–16 steady samples/s shared against 31–32
+# whole (H100, ~280 ms more per step than two more decoder calls' launches explain: the cache gather and the
+# prefix + suffix mask take slower attention paths). Only short prompts were measured there, so this floor
+# (2**38 ≈ 2.7e11, prompts of hundreds of tokens, ~0.5 TFLOP of forward + backward saved) is an estimate.
 GPU_SHARE_MIN_SAVED = 2**38
 
 
