@@ -41,6 +41,23 @@ def under_attention_kernels(fn):
     return wrapper
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Turn activation checkpointing on: `activation_checkpointing_enable` in newer transformers (5.23 here), where
+    the older `gradient_checkpointing_enable` warns that it goes away in v6."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
+
+
+def is_activation_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on (`is_activation_checkpointing`, or the older, warning
+    `is_gradient_checkpointing`)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
 def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
     """A tokenizer with a pad token (falls back to EOS, as TRL does)."""
     from transformers import AutoTokenizer

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from alignpipe.modeling import is_activation_checkpointing
+
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (values * mask).sum() if dim is None else (values * mask).sum(dim)
@@ -131,7 +133,7 @@ def worth_sharing(model, saved_tokens: int) -> bool:
 def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
     """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): no activation checkpointing (it drops the KV cache), every prefix holds a
     token, and the saving pays (`worth_sharing`)."""
-    return (base is not None and not getattr(base, "is_gradient_checkpointing", False) and prefix_mask.size(1) > 0
+    return (base is not None and not is_activation_checkpointing(base) and prefix_mask.size(1) > 0
             and bool(prefix_mask.bool().any(1).all()) and worth_sharing(base, saved_tokens))
 
 

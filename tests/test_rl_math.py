@@ -20,7 +20,7 @@ TOL = 1e-5
 def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     """Large logits go through checkpointed chunks, small ones in one piece: both equal the plain computation."""
     from alignpipe import rl_math
-    from alignpipe.modeling import load_causal_lm
+    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
@@ -43,7 +43,7 @@ def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monke
     """`start` (completions after a prompt) and `only` (completion tokens of padded rows) run the LM head on
     fewer positions: values and gradients equal the full computation's on those positions, zeros elsewhere."""
     from alignpipe import rl_math
-    from alignpipe.modeling import load_causal_lm
+    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
@@ -69,7 +69,7 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     """GRPO's groups: the prompt runs once per group and its KV cache is repeated; log-probs, entropies and
     every parameter's gradient equal running each prompt + completion row whole (left padding included)."""
     from alignpipe import rl_math
-    from alignpipe.modeling import load_causal_lm
+    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
@@ -121,6 +121,23 @@ def test_sharing_a_prompt_is_left_to_models_big_enough_to_gain(tiny):
     model = load_causal_lm(str(tiny / "model"))
     assert not worth_sharing(model, 8 * 12)  # the bench's DPO batch
     assert worth_sharing(model, 4096)
+
+
+def test_activation_checkpointing_turns_sharing_off_without_a_deprecation_warning(tiny, monkeypatch):
+    """The shared prefix's KV cache does not survive checkpointing's recomputation, so whole rows run then."""
+    import warnings
+
+    from alignpipe import rl_math
+    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
+
+    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)
+    model = load_causal_lm(str(tiny / "model"))
+    mask = torch.ones(2, 3, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert rl_math.can_share_prefix(model, mask, 6)
+        enable_activation_checkpointing(model)
+        assert not rl_math.can_share_prefix(model, mask, 6)
 
 
 def test_on_a_gpu_sharing_waits_for_long_prompts():

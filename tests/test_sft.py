@@ -69,6 +69,26 @@ def test_training_and_generation_leave_cudnn_attention_out(tiny, data, tmp_path)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
+def test_activation_checkpointing_trains_the_same_steps(tiny, data, tmp_path):
+    """`gradient_checkpointing: true` (the real-size recipes set it) recomputes activations in the backward: same
+    losses as without, through transformers' current API (no deprecation warning)."""
+    import warnings
+
+    from alignpipe.modeling import is_activation_checkpointing
+
+    tok, train, _ = data
+    losses = {}
+    for on in (False, True):
+        model, tracker = load_causal_lm(str(tiny / "model")), Tracker()
+        cfg = SFTConfig(max_steps=3, batch_size=4, logging_every=1, gradient_checkpointing=on)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            sft.train(cfg, model, tok, train[:12], [], tracker, tmp_path / str(on))
+        assert is_activation_checkpointing(model) == on
+        losses[on] = tracker.series("train/loss")
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
 def test_completion_only_loss_masks_prompt_tokens(data):
     tok, train, _ = data
     ex = sft.tokenize(train[:1], tok, 64, completion_only=True)[0]

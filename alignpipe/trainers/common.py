@@ -210,7 +210,7 @@ class TrainLoop:
         from accelerate import Accelerator
         from torch.utils.data import DataLoader
 
-        from alignpipe.modeling import count_parameters, lora_model
+        from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
 
         if not examples:
             raise ValueError(f"{name}: the training split is empty (check the format stage's max_length and eval_fraction)")
@@ -221,7 +221,7 @@ class TrainLoop:
         seed_everything(seed)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
             model.config.use_cache = False
         if cfg.lora:
             model = lora_model(model, cfg.lora, task_type=lora_task)

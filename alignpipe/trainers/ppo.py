@@ -121,7 +121,7 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
           seed: int = 0, ref_model=None, engine=None) -> TrainResult:
     from accelerate import Accelerator
 
-    from alignpipe.modeling import lora_model
+    from alignpipe.modeling import enable_activation_checkpointing, lora_model
 
     started = time.perf_counter()
     output_dir = Path(output_dir)
@@ -134,7 +134,7 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
     acc = Accelerator(cpu=not torch.cuda.is_available())
     device = acc.device
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        enable_activation_checkpointing(policy)
     if cfg.lora:
         policy = lora_model(policy, cfg.lora)
     elif ref_model is None:
