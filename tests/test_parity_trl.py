@@ -49,7 +49,7 @@ def trl_dpo(tiny, rows, **kwargs):
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return tok, policy, ref, batch, float(loss), metrics
+    return tok, policy, ref, batch, float(loss.detach()), metrics
 
 
 @pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.3), ("hinge", 0.5)])
