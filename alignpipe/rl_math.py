@@ -131,10 +131,11 @@ def worth_sharing(model, saved_tokens: int) -> bool:
 
 
 def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
-    """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): no activation checkpointing (it drops the KV cache), every prefix holds a
-    token, and the saving pays (`worth_sharing`)."""
-    return (base is not None and not is_activation_checkpointing(base) and prefix_mask.size(1) > 0
-            and bool(prefix_mask.bool().any(1).all()) and worth_sharing(base, saved_tokens))
+    """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): the saving pays
+    (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token. The
+    checks run cheapest first: the last one reads the mask back from the device."""
+    return (base is not None and prefix_mask.size(1) > 0 and worth_sharing(base, saved_tokens)
+            and not is_activation_checkpointing(base) and bool(prefix_mask.bool().any(1).all()))
 
 
 def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

@@ -107,8 +107,8 @@ def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[
     """The markdown table of `results` {(trainer, model): {"ours": [run, ...], "trl": [...]}}; `runs_label` fills the
     `runs × steps` column (so rows from separate invocations can share one table, `merge_rows`)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
-    cols = ["trainer", "model", "runs × steps", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s", "tokens/s ratio",
-            f"ours {mem}", f"TRL {mem}", "memory ratio", "ours loss", "TRL loss"]
+    cols = ["trainer", "model", "runs × steps", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s",
+            "tokens/s ratio", f"ours {mem}", f"TRL {mem}", "memory ratio", "ours loss", "TRL loss"]
     if gpu:
         cols += ["ours steady samples/s", "TRL steady samples/s", "steady ratio", "ours SFT MFU", "TRL SFT MFU"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -148,12 +148,18 @@ def merge_rows(old: list[str], new: list[str]) -> list[str]:
 
 def read_table(path: Path, name: str) -> list[str]:
     """The table lines of generated section `name` of the report, or [] when there is none."""
-    text = path.read_text() if path.exists() else ""
+    _, section, _ = split_section(path.read_text() if path.exists() else "", name)
+    return [line for line in (section or "").splitlines() if line.startswith("|")]
+
+
+def split_section(text: str, name: str) -> tuple[str, str | None, str]:
+    """(before, generated section `name` without its markers or None when absent, after) of a report's text."""
     begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     if begin not in text or end not in text:
-        return []
-    section = text.split(begin, 1)[1].split(end, 1)[0]
-    return [line for line in section.splitlines() if line.startswith("|")]
+        return text, None, ""
+    head, rest = text.split(begin, 1)
+    section, tail = rest.split(end, 1)
+    return head, section, tail
 
 
 def _median(values: list) -> float | None:
@@ -206,9 +212,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
                           f"{r['peak_mb']:.0f} MB, loss {r['loss']}", flush=True)
             results[(task, model)] = runs
+    section = "gpu" if gpu else "cpu"
     rows = table(results, tokens, gpu, f"{args.repeats} × {args.steps}")
     if args.merge:
-        rows = merge_rows(read_table(Path(args.out), "gpu" if gpu else "cpu"), rows)
+        rows = merge_rows(read_table(Path(args.out), section), rows)
     s = shape_for(models[0])
     where = f"{gpu_peak()[0]}, bf16 weights and optimizer state" if gpu else f"{cpu()}, CPU fp32"
     lines = ["## GPU: Qwen2-0.5B-shaped model (random init, bf16)" if gpu else
@@ -225,24 +232,23 @@ def main(argv: list[str] | None = None) -> None:
              + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
              "numbers swing between runs on shared machines, ratios from one run are what count.", "",
              *rows, "",
-             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, `--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
+             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, "
+              "`--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
               "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)." if gpu else
               "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."), ""]
-    write_section(Path(args.out), "gpu" if gpu else "cpu", lines)
+    write_section(Path(args.out), section, lines)
     print("\n".join(lines))
 
 
 def write_section(path: Path, name: str, lines: list[str]) -> None:
     """Replace the generated section `name` of the report (between its markers), keeping what is written by
     hand around it (profiles, before/after, GPU and orchestration figures); a new report is just the section."""
-    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = "\n".join([begin, *lines, end])
-    text = path.read_text() if path.exists() else ""
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
+    block = "\n".join([f"<!-- bench:{name} -->", *lines, f"<!-- /bench:{name} -->"])
+    head, section, tail = split_section(path.read_text() if path.exists() else "", name)
+    if section is not None:
+        text = head + block + tail
     else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+        text = (head.rstrip() + "\n\n" if head.strip() else "") + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
