@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
              f"batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
              f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
              "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
-             + ("Memory: `torch.cuda.max_memory_allocated`. MFU: tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 peak. "
+             + ("Steady: samples/s from the end of step 5 to the last step (data preparation, warm-up and saving left out). "
+                "Memory: `torch.cuda.max_memory_allocated`. MFU: steady tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 "
+                "peak. "
                 if gpu else "Memory: peak RSS of the process, imports included. ")
              + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if args.merge else "")
              + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
