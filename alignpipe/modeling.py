@@ -104,11 +104,16 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").exists()
 
 
-def load_sequence_scorer(path: str, dtype: str = "float32", trust_remote_code: bool = False, pad_token_id: int | None = None):
+def load_sequence_scorer(path: str, dtype: str = "float32", trust_remote_code: bool = False, pad_token_id: int | None = None,
+                         seed: int | None = None):
     """A one-output sequence classifier (reward model / value head) from `path`; when `path` holds a
-    causal LM, its score head starts random, as in TRL's RewardTrainer."""
+    causal LM, its score head starts random, as in TRL's RewardTrainer. transformers draws that head from torch's
+    global generator: with `seed` it is seeded first, so the same recipe starts from the same head on every run."""
+    import torch
     from transformers import AutoModelForSequenceClassification
 
+    if seed is not None:
+        torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype),
                                                                trust_remote_code=trust_remote_code)
     if pad_token_id is not None:

@@ -130,3 +130,37 @@ def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeyp
     assert bare["prefix_mask"].sum(1).min() == 0
     with torch.no_grad():
         assert torch.allclose(reward.scores(model, bare), model(input_ids=bare["input_ids"], attention_mask=bare["attention_mask"]).logits.squeeze(-1), atol=1e-6)
+
+
+def test_reward_stage_is_reproducible_from_its_seed(tiny, tmp_path):
+    """A reward model starts from a causal LM with a fresh score head, which transformers draws from torch's global
+    generator: the stage seeds it from the recipe, so two runs of one recipe train the same reward model (this
+    once differed run to run, and the PPO built on it with it), and another seed gives another head."""
+    from safetensors.torch import load_file
+
+    from alignpipe.manifest import Manifest
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.stages import format as format_stage
+    from alignpipe.stages import reward as reward_stage
+    from alignpipe.stages.context import StageContext
+
+    def run(name: str, seed: int) -> dict[str, torch.Tensor]:
+        recipe = parse_recipe(f"""name: rm
+seed: {seed}
+model: {{path: {tiny / 'model'}}}
+datasets: {{pairs: {{path: {tiny / 'data' / 'sentiment_preferences.jsonl'}}}}}
+stages:
+  - {{id: pref-data, kind: format, dataset: pairs, format: preference, max_length: 64, max_rows: 64}}
+  - {{id: rm, kind: reward, data: pref-data, max_steps: 2, batch_size: 8}}
+""")
+        root = tmp_path / name
+        data = format_stage.run(StageContext(recipe, recipe.stage("pref-data"), root / "data", {}, Tracker()))
+        inputs = {"pref-data": Manifest(stage_id="pref-data", kind="format", cache_key="k", outputs=data.outputs)}
+        torch.manual_seed(1000 + len(name))  # whatever the process did before: the stage must not depend on it
+        out = reward_stage.run(StageContext(recipe, recipe.stage("rm"), root / "rm", inputs, Tracker()))
+        return load_file(f"{out.outputs['model']}/model.safetensors")
+
+    first, second, other = run("a", 0), run("bb", 0), run("c", 1)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not torch.equal(first["score.weight"], other["score.weight"])
