@@ -18,10 +18,9 @@ def run(ctx: StageContext) -> StageResult:
         init = str(ctx.dir / "init")
         ctx.load_model(s.model, merge=True).save_pretrained(init)
     tokenizer = ctx.tokenizer(s.model)
-    seed = cfg.seed if cfg.seed is not None else ctx.seed
     model = load_sequence_scorer(init, ctx.recipe.model.dtype, trust_remote_code=ctx.recipe.model.trust_remote_code,
-                                 pad_token_id=tokenizer.pad_token_id, seed=seed)
-    result = reward.train(cfg, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, seed)
+                                 pad_token_id=tokenizer.pad_token_id, seed=ctx.seed)
+    result = reward.train(cfg, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
     fig = curves_figure(ctx.tracker, ["train/accuracy", "eval/accuracy"], f"reward model {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "accuracy_curve.png")
