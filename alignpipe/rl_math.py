@@ -48,10 +48,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, labels: torch.Tensor, temperature: float,
                     with_entropy: bool = True):
-    logits = F.linear(hidden, head_weight, head_bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logits.log_softmax(-1)
+    logp = _scaled_log_softmax(hidden, (head_weight, head_bias), temperature)
     token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return token, token.new_zeros(())
@@ -240,17 +237,67 @@ def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int,
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π ‖ π_ref) from samples of π (Schulman 2020).
-    k1: log π − log π_ref (unbiased, high variance); k2: ½ (log ratio)²; k3: exp(−r) − 1 + r with
-    r = log π − log π_ref (unbiased, always ≥ 0)."""
+    """Per-token penalty estimating KL(π ‖ π_ref) from tokens sampled from π, with r = log π − log π_ref
+    (Schulman 2020): `k1`/`kl` r (unbiased, high variance); `abs` |r|; `k2`/`mse` ½ r²; `k3` exp(−r) − 1 + r
+    (unbiased, always ≥ 0). kl/abs/mse are TRL 0.7's `kl_penalty` names (its `_kl_penalty`)."""
     r = logp - ref_logp
-    if kind == "k1":
+    if kind in ("k1", "kl"):
         return r
-    if kind == "k2":
+    if kind == "abs":
+        return r.abs()
+    if kind in ("k2", "mse"):
         return 0.5 * r ** 2
     if kind == "k3":
         return torch.exp(-r) - 1 + r
-    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+    raise ValueError(f"unknown KL estimator {kind!r}; use kl (k1), abs, mse (k2) or k3")
+
+
+def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0):
+    """The decoder's hidden states at positions start … T−2 (those that score tokens start+1 … T−1) and the LM
+    head's (weight, bias), for an unwrapped or peft causal LM (not under DDP). Returns (hidden, weight, bias)."""
+    base = unwrapped(model)
+    if base is None:
+        raise ValueError("decoder_hidden needs the model itself, not its DDP wrapper")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    body, head = _decoder_and_head(base)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state[:, start:-1]
+    return hidden, head.weight, getattr(head, "bias", None)
+
+
+def full_kl(hidden: torch.Tensor, head: tuple, ref_hidden: torch.Tensor, ref_head: tuple, labels: torch.Tensor,
+            temperature: float = 1.0, chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact per-position KL of the two next-token distributions, Σ_v π(v)(log π(v) − log π_ref(v)) at
+    `temperature` (TRL 0.7's `kl_penalty: full`), with both sides' log-prob of `labels`, from the hidden states and
+    (weight, bias) heads of `decoder_hidden`. Runs over chunks of positions within WHOLE_LOGITS_MAX values, so the
+    two (B, T, V) float32 log-softmaxes are never held whole. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
+    B, T, _ = hidden.shape
+    V = head[0].shape[0]
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
+    parts = []
+    with torch.no_grad():
+        for s in range(0, T, step):
+            sl = slice(s, s + step)
+            logp = _scaled_log_softmax(hidden[:, sl], head, temperature)
+            ref_logp = _scaled_log_softmax(ref_hidden[:, sl], ref_head, temperature)
+            idx = labels[:, sl].clamp(min=0).unsqueeze(-1)
+            parts.append((logp.gather(-1, idx).squeeze(-1), ref_logp.gather(-1, idx).squeeze(-1),
+                          (logp.exp() * (logp - ref_logp)).sum(-1)))
+    return tuple(torch.cat(cols, 1) for cols in zip(*parts))
+
+
+def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, head[0], head[1]).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.log_softmax(-1)
+
+
+def frac_zero_std(std: torch.Tensor) -> float:
+    """GRPO's `frac_reward_zero_std`: the fraction of completions whose group's reward std is 0 (a group where
+    every completion got the same reward, so none of them is learned from). As TRL counts it, a group with fewer
+    than two scorable completions has an undefined (NaN) std and is not a zero-std group."""
+    return float(torch.isclose(std, torch.zeros_like(std)).float().mean())
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:

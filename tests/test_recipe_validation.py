@@ -259,3 +259,50 @@ def test_vllm_server_rollouts_need_a_url(tiny):
 def test_ppo_is_single_process(tiny):
     text = rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", "    kl_coef: 0.05\n    resources: {processes: 2}\n")
     assert "the ppo stage runs in a single process for now" in problems_of(text)
+
+
+def ppo_with(tiny, *lines: str) -> str:
+    extra = "".join(f"    {line}\n" for line in lines)
+    return rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", "    kl_coef: 0.05\n" + extra)
+
+
+@pytest.mark.parametrize("line,field,bound", [
+    ("target: 0", "target", "greater than 0"), ("horizon: -5", "horizon", "greater than 0"),
+    ("score_clip: 0", "score_clip", "greater than 0"), ("ratio_threshold: 1.0", "ratio_threshold", "greater than 1"),
+    ("target_kl: 0", "target_kl", "greater than 0"),
+])
+def test_ppo_control_bounds_name_the_field_and_what_to_write(tiny, line, field, bound):
+    msg = problems_of(ppo_with(tiny, line))
+    assert f"stages[5].{field} (stage 'ppo')" in msg and f"{field} must be {bound}" in msg
+    assert f"fix: write `{field}:` as a number {bound}" in msg
+
+
+def test_ppo_early_stopping_needs_target_kl(tiny):
+    msg = problems_of(ppo_with(tiny, "early_stopping: true"))
+    assert "`early_stopping: true` needs `target_kl`" in msg and "add e.g. `target_kl: 1.0`" in msg
+    parse_recipe(ppo_with(tiny, "early_stopping: true", "target_kl: 0.5"))
+
+
+def test_ppo_score_norm_needs_score_scaling(tiny):
+    assert "`use_score_norm` applies only with `use_score_scaling: true`" in problems_of(ppo_with(tiny, "use_score_norm: true"))
+
+
+def test_ppo_kl_estimator_points_to_kl_penalty(tiny):
+    text = rl_recipe(tiny, "tiny-ppo.yaml").replace("kl_penalty: kl", "kl_estimator: k3")
+    assert "replace `kl_estimator: k3` with `kl_penalty: k3`" in problems_of(text)
+    msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("kl_penalty: kl", "kl_penalty: k2"))
+    assert "'kl', 'abs', 'mse', 'k3' or 'full'" in msg
+
+
+def test_ppo_controls_of_trl07_validate(tiny):
+    stage = parse_recipe(ppo_with(tiny, "adap_kl_ctrl: true", "target: 4", "horizon: 2000", "use_score_scaling: true",
+                                  "use_score_norm: true", "score_clip: 3", "ratio_threshold: 10").replace(
+                                      "kl_penalty: kl", "kl_penalty: full")).stage("ppo")
+    assert (stage.adap_kl_ctrl, stage.target, stage.horizon, stage.score_clip, stage.ratio_threshold) == (True, 4, 2000, 3, 10)
+    assert stage.kl_penalty == "full"
+
+
+def test_a_key_given_twice_is_an_error_not_silently_shadowed(tiny):
+    msg = problems_of(ppo_with(tiny, "kl_penalty: k3"))
+    assert "stages[5].kl_penalty" in msg and "key 'kl_penalty' is given twice (lines 40 and 41)" in msg
+    assert "fix: remove one of them" in msg

@@ -1,4 +1,4 @@
-"""Shared RL math against TRL (1.16's GRPO code; PPO's documented formulas, since 1.16 has no PPO)."""
+"""Shared RL math against TRL 1.16 (log-probs, GRPO). PPO's math is in test_ppo_math.py, against TRL 0.7.11."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from alignpipe.rl_math import (
-    gae, group_advantages, kl_estimate, masked_mean, masked_whiten, shared_prefix_hidden, shared_prompt_logprobs, token_logprobs,
+    frac_zero_std, group_advantages, kl_estimate, masked_mean, shared_prefix_hidden, shared_prompt_logprobs, token_logprobs,
     worth_sharing,
 )
-from alignpipe.trainers import grpo, ppo
+from alignpipe.trainers import grpo
 
 TOL = 1e-5
 
@@ -229,89 +229,16 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
     assert float(masked_mean(low, m)) == pytest.approx(trl_metrics["clip_ratio/low_mean"], abs=TOL)
 
 
-# --- PPO: TRL 1.12's PPOTrainer code, written out (TRL 1.16 has no PPO) ----------------------------
+def test_frac_reward_zero_std_counts_groups_as_trl():
+    """A group with fewer than two scorable completions has no std (NaN in both) and is not a zero-std group; a group
+    of equal rewards is. Compared with TRL 1.16's own `nanstd` + `isclose` on the same rewards."""
+    from trl.trainer.utils import nanstd as trl_nanstd
 
-def trl_masked_whiten(values, mask, shift_mean=True):
-    mean = (values * mask).sum() / mask.sum()
-    var = ((values - mean) ** 2 * mask).sum() / mask.sum()
-    var = var * mask.sum() / (mask.sum() - 1)  # trl.trainer.utils.masked_var(unbiased=True)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
-
-
-def trl_gae(rewards, values, gamma, lam):
-    lastgaelam, rev = 0, []
-    T = rewards.size(1)
-    for t in reversed(range(T)):
-        nextvalues = values[:, t + 1] if t < T - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
-        rev.append(lastgaelam)
-    adv = torch.stack(rev[::-1], axis=1)
-    return adv, adv + values
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0,    0.0, 1.0, 0.5, 1.0,    nan, nan, nan, 2.0,    nan, nan, nan, nan])
+    _, std = group_advantages(rewards, 4, "group")
+    trl_std = trl_nanstd(rewards.view(-1, 4), dim=1).repeat_interleave(4)
+    expected = float(torch.isclose(trl_std, torch.zeros_like(trl_std)).float().mean())
+    assert frac_zero_std(std) == expected == 0.25
 
 
-@pytest.fixture
-def episode():
-    g = torch.Generator().manual_seed(3)
-    B, R = 5, 7
-    lengths = torch.tensor([7, 3, 5, 1, 6])
-    idx = torch.arange(R).unsqueeze(0)
-    padding_mask = idx > (lengths - 1).unsqueeze(1)
-    padding_mask_p1 = idx > lengths.unsqueeze(1)
-    return {"g": g, "B": B, "R": R, "lengths": lengths, "padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1,
-            "logprobs": (torch.randn(B, R, generator=g) - 2).masked_fill(padding_mask, 1.0),
-            "ref": (torch.randn(B, R, generator=g) - 2).masked_fill(padding_mask, 1.0),
-            "values": torch.randn(B, R, generator=g).masked_fill(padding_mask_p1, 0), "scores": torch.randn(B, generator=g)}
-
-
-def test_masked_whiten_equals_trl(episode):
-    x, mask = torch.randn(5, 7, generator=episode["g"]), ~episode["padding_mask"]
-    for shift in (True, False):
-        assert torch.allclose(masked_whiten(x, mask, shift), trl_masked_whiten(x, mask, shift), atol=TOL)
-
-
-@pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_kl_reward_puts_score_on_last_token(episode, estimator):
-    e = episode
-    rewards, kl, non_score = ppo.kl_rewards(e["scores"], e["logprobs"], e["ref"], e["lengths"] - 1, 0.05, estimator)
-    logr = e["ref"] - e["logprobs"]  # TRL 1.12: kl = -logr (k1) or (logr.exp() - 1) - logr (k3)
-    expected_kl = -logr if estimator == "k1" else (logr.exp() - 1) - logr
-    assert torch.allclose(kl, expected_kl, atol=TOL)
-    expected = -0.05 * expected_kl
-    expected[torch.arange(e["B"]), e["lengths"] - 1] += e["scores"]
-    assert torch.allclose(rewards, expected, atol=TOL)
-    assert torch.allclose(kl.masked_fill(e["padding_mask"], 0), kl * (~e["padding_mask"]))  # INVALID logprobs give KL 0
-
-
-def test_gae_and_returns_equal_trl(episode):
-    e = episode
-    rewards, _, _ = ppo.kl_rewards(e["scores"], e["logprobs"], e["ref"], e["lengths"] - 1, 0.05)
-    ours_adv, ours_ret = gae(rewards, e["values"], (~e["padding_mask_p1"]).float(), gamma=0.99, lam=0.95)
-    ref_adv, ref_ret = trl_gae(rewards, e["values"], 0.99, 0.95)
-    valid = ~e["padding_mask_p1"]
-    assert torch.allclose(ours_adv[valid], ref_adv[valid], atol=TOL)
-    assert torch.allclose(ours_ret[valid], ref_ret[valid], atol=TOL)
-
-
-def test_policy_and_value_losses_equal_trl(episode):
-    e = episode
-    g = e["g"]
-    new = (e["logprobs"] + 0.3 * torch.randn(e["B"], e["R"], generator=g)).masked_fill(e["padding_mask"], 1.0)
-    adv = torch.randn(e["B"], e["R"], generator=g).masked_fill(e["padding_mask"], 0)
-    loss, clipfrac, ratio, approxkl = ppo.policy_loss(new, e["logprobs"], adv, ~e["padding_mask"], 0.2)
-    diff = new - e["logprobs"]
-    r = torch.exp(diff)
-    pg1, pg2 = -adv * r, -adv * torch.clamp(r, 0.8, 1.2)
-    m = ~e["padding_mask"]
-    assert float(loss) == pytest.approx(float((torch.max(pg1, pg2) * m).sum() / m.sum()), abs=TOL)
-    assert float(clipfrac) == pytest.approx(float(((pg2 > pg1).float() * m).sum() / m.sum()), abs=TOL)
-    assert float(approxkl) == pytest.approx(float(0.5 * (diff ** 2).mean()), abs=TOL)
-    vpred = e["values"] + 0.5 * torch.randn(e["B"], e["R"], generator=g)
-    returns = torch.randn(e["B"], e["R"], generator=g)
-    vloss, vclip = ppo.value_loss(vpred, e["values"], returns, ~e["padding_mask_p1"], 0.2)
-    clipped = torch.clamp(vpred, e["values"] - 0.2, e["values"] + 0.2)
-    v1, v2 = (vpred - returns) ** 2, (clipped - returns) ** 2
-    mp1 = ~e["padding_mask_p1"]
-    assert float(vloss) == pytest.approx(float(0.5 * (torch.max(v1, v2) * mp1).sum() / mp1.sum()), abs=TOL)
-    assert float(vclip) == pytest.approx(float(((v2 > v1).float() * mp1).sum() / mp1.sum()), abs=TOL)

@@ -169,7 +169,7 @@ def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
     tracker = Tracker()
     cfg = PPOConfig(learning_rate=1e-4, max_steps=3, batch_size=8, num_mini_batches=2, num_ppo_epochs=2, max_completion_length=8,
-                    logging_every=1, sample_every=1, missing_eos_penalty=0.5, whiten_rewards=True, kl_estimator="k3")
+                    logging_every=1, sample_every=1, missing_eos_penalty=0.5, whiten_rewards=True, kl_penalty="k3")
     result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
     assert result.steps == 3 and (tmp_path / "model" / "model.safetensors").exists()
     for key in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",

@@ -7,6 +7,7 @@ all of them are raised together as one `RecipeError`. Nothing is written while l
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -59,21 +60,30 @@ def _read_yaml(text: str, source: str) -> tuple[dict, dict[tuple, int]]:
         raise RecipeError([Problem((), "a recipe must be a YAML mapping (name:, model:, stages: ...)",
                                    "see pipelines/tiny-demo.yaml for an example")], source)
     lines: dict[tuple, int] = {}
-    _collect_lines(node, (), lines)
+    duplicates: list[Problem] = []
+    _collect_lines(node, (), lines, duplicates)
+    if duplicates:
+        raise RecipeError(duplicates, source)
     return data, lines
 
 
-def _collect_lines(node, path: tuple, out: dict[tuple, int]) -> None:
+def _collect_lines(node, path: tuple, out: dict[tuple, int], duplicates: list[Problem]) -> None:
+    """Record the line of every key and item; a key given twice in one mapping (YAML would keep the last one
+    silently) is a Problem."""
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             p = path + (key.value,)
-            out[p] = key.start_mark.line + 1
-            _collect_lines(value, p, out)
+            line = key.start_mark.line + 1
+            if p in out and key.value != "<<":
+                duplicates.append(Problem(p, f"key {key.value!r} is given twice (lines {out[p]} and {line}); "
+                                             "YAML would keep only the last", "remove one of them", line=line))
+            out[p] = line
+            _collect_lines(value, p, out, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for i, value in enumerate(node.value):
             p = path + (i,)
             out[p] = value.start_mark.line + 1
-            _collect_lines(value, p, out)
+            _collect_lines(value, p, out, duplicates)
 
 
 def _line_for(path: tuple, lines: dict[tuple, int]) -> int | None:
@@ -177,7 +187,17 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
     elif kind == "union_tag_not_found":
         msg = "stage has no `kind`"
         hint = f"add `kind:` with one of: {', '.join(STAGE_KINDS)}"
+    elif kind in _BOUNDS and loc:
+        field, (word, key) = loc[-1], _BOUNDS[kind]
+        msg = f"{field} must be {word} {err['ctx'][key]} (got {err.get('input')!r})"
+        default = _default(model, field)
+        hint = f"write `{field}:` as a number {word} {err['ctx'][key]}"
+        hint += f" (default {default})" if default is not None else ""
+        desc = _describe(model, field)
+        hint += f"; the field is: {desc}" if desc else ""
     else:
+        if kind == "value_error":
+            msg = msg.removeprefix("Value error, ")
         desc = _describe(model, loc[-1]) if loc else ""
         got = err.get("input")
         if not isinstance(got, (dict, list)):
@@ -187,10 +207,21 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
     return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data))
 
 
+_BOUNDS = {"greater_than": ("greater than", "gt"), "greater_than_equal": ("at least", "ge"),
+           "less_than": ("less than", "lt"), "less_than_equal": ("at most", "le")}
+
+
+def _default(model: type[BaseModel] | None, field):
+    info = getattr(model, "model_fields", {}).get(field) if model is not None else None
+    return None if info is None or info.is_required() else info.default
+
+
 def _describe(model: type[BaseModel] | None, field) -> str:
     if model is None or field not in getattr(model, "model_fields", {}):
         return ""
-    return (model.model_fields[field].description or "").split("\n")[0]
+    text = " ".join((model.model_fields[field].description or "").split())
+    first = re.split(r"(?<=[a-z0-9)`])\. ", text, maxsplit=1)[0]  # the first sentence, docstrings wrap mid-sentence
+    return first if first.endswith(".") else first + "."
 
 
 def _model_at(path: tuple, data: dict) -> type[BaseModel] | None:

@@ -192,7 +192,10 @@ class GRPOConfig(OnlineRLArgs):
 
 
 class PPOConfig(OnlineRLArgs):
-    """PPO for RLHF with the "N+ implementation details" (the design of TRL ≤ 1.12's PPOTrainer)."""
+    """PPO for RLHF with the "N+ implementation details" (the design of TRL ≤ 1.12's PPOTrainer), with the
+    controls of TRL 0.7's `PPOConfig` under their names there: adaptive KL control (`adap_kl_ctrl`, `target`,
+    `horizon`), `kl_penalty`, score scaling / normalisation / clipping, `ratio_threshold` and
+    `early_stopping` on `target_kl`. Each new control is off by default (a run behaves as before)."""
 
     learning_rate: float = Field(3e-6, gt=0)
     """Peak learning rate of AdamW (TRL's PPO default)."""
@@ -201,11 +204,41 @@ class PPOConfig(OnlineRLArgs):
     num_mini_batches: int = Field(1, gt=0)
     """Mini-batches per PPO epoch; rollout batch = batch_size × accumulation × num_mini_batches."""
     num_ppo_epochs: int = Field(4, gt=0)
-    """Passes over each rollout batch."""
+    """Passes over each rollout batch (TRL 0.7's `ppo_epochs`)."""
     kl_coef: float = Field(0.05, ge=0)
-    """Coefficient of the per-token KL penalty in the reward."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """KL estimator for the penalty (k1 as the seed's PPO; k3 is unbiased and lower variance)."""
+    """Coefficient of the per-token KL penalty in the reward; with `adap_kl_ctrl` its starting value
+    (TRL 0.7's `init_kl_coef`)."""
+    kl_penalty: Literal["kl", "abs", "mse", "k3", "full"] = "kl"
+    """Per-token KL penalty, with r = log π(token) − log π_ref(token) of the sampled token: `kl` r (Schulman's k1,
+    unbiased, can be negative); `abs` |r|; `mse` ½ r² (k2); `k3` exp(−r) − 1 + r (unbiased, ≥ 0, lower variance);
+    `full` Σ_v π(v)·(log π(v) − log π_ref(v)), the exact KL of the two next-token distributions from the logits
+    (one more head pass per token). kl/abs/mse/full are TRL 0.7's `kl_penalty` values; `k3` is TRL 1.x's."""
+    adap_kl_ctrl: bool = False
+    """Adapt `kl_coef` after every rollout batch toward the KL `target` (Ziegler et al. 2019):
+    kl_coef ×= 1 + clip(KL / target − 1, −0.2, 0.2) · episodes / horizon, KL being `objective/kl` (summed over a
+    response, averaged over the batch). TRL 0.7 defaults to on; here off, so `kl_coef` stays fixed."""
+    target: float = Field(6.0, gt=0)
+    """KL per response the adaptive controller steers toward (nats; `adap_kl_ctrl` only)."""
+    horizon: float = Field(10000.0, gt=0)
+    """Episodes over which the adaptive controller closes a proportional error (`adap_kl_ctrl` only): each batch of N
+    episodes moves `kl_coef` by at most a factor 1 ± 0.2·N/horizon."""
+    use_score_scaling: bool = False
+    """Divide each score by the running standard deviation of all scores seen so far (TRL 0.7's RunningMoments,
+    eps = float32 epsilon); applied after `missing_eos_penalty`, before `score_clip`."""
+    use_score_norm: bool = False
+    """With `use_score_scaling`, also subtract the running mean: scores become (s − mean) / std."""
+    score_clip: float | None = Field(None, gt=0)
+    """Clip (scaled) scores to [−score_clip, score_clip]; null disables."""
+    ratio_threshold: float | None = Field(None, gt=1)
+    """Skip a micro-batch whose mean importance ratio π/π_old over its response tokens exceeds this (its loss is
+    zeroed, as TRL 0.7 does; an optimizer step whose every micro-batch was skipped is not taken). Logged as
+    `policy/skipped_batches`. TRL 0.7 used 10; null disables."""
+    early_stopping: bool = False
+    """Stop a rollout batch's PPO epochs once the policy KL to the rollout policy, mean(log π_old − log π) over the
+    last mini-batch of an epoch, exceeds 1.5 × `target_kl` (TRL 0.7's rule). Logged as `policy/ppo_epochs` and
+    `policy/early_stopped`."""
+    target_kl: float | None = Field(None, gt=0)
+    """The policy-KL bound of `early_stopping` (TRL 0.7's default was 1)."""
     cliprange: float = Field(0.2, gt=0)
     """Policy ratio clipping."""
     cliprange_value: float = Field(0.2, gt=0)
@@ -217,6 +250,26 @@ class PPOConfig(OnlineRLArgs):
     lam: float = Field(0.95, ge=0, le=1)
     """GAE λ."""
     whiten_rewards: bool = False
-    """Whiten the per-token rewards (keeping their mean) before GAE."""
+    """Whiten the per-token rewards over response tokens (keeping their mean) before GAE."""
     missing_eos_penalty: float | None = Field(None, ge=0)
     """Subtract this from the score of responses that never produced EOS."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "kl_estimator" in data:
+            old = data["kl_estimator"]
+            new = {"k1": "kl", "k3": "k3"}.get(old, "kl")
+            raise ValueError(f"`kl_estimator` was merged into `kl_penalty`: replace `kl_estimator: {old}` with "
+                             f"`kl_penalty: {new}` (k1 is `kl`, k2 is `mse`)")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.early_stopping and self.target_kl is None:
+            raise ValueError("`early_stopping: true` needs `target_kl` (the policy KL above which, ×1.5, a batch's "
+                             "PPO epochs stop; TRL 0.7 used 1): add e.g. `target_kl: 1.0`, or set `early_stopping: false`")
+        if self.use_score_norm and not self.use_score_scaling:
+            raise ValueError("`use_score_norm` applies only with `use_score_scaling: true` (the running mean is subtracted "
+                             "from scaled scores): add `use_score_scaling: true`, or remove `use_score_norm`")
+        return self

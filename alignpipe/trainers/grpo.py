@@ -13,7 +13,8 @@ tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / token
 β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
 
 Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean, rewards/<fn>/std,
-frac_reward_zero_std, completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
+frac_reward_zero_std (groups with fewer than two scorable completions do not count as zero-std,
+as TRL counts them), completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
 clip_ratio/{low,high,region}_mean; eval/reward (greedy, held-out prompts).
 
 Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
@@ -30,7 +31,7 @@ import torch
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import group_advantages, masked_mean, shared_prompt_logprobs
+from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean, shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
 from alignpipe.trainers.configs import GRPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
@@ -165,7 +166,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         finite = total[~torch.isnan(total)]
         stats = {"reward": float(finite.mean()) if len(finite) else 0.0,
                  "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
-                 "frac_reward_zero_std": float(torch.isclose(std.nan_to_num(0.0), torch.zeros_like(std)).float().mean()),
+                 "frac_reward_zero_std": frac_zero_std(std),
                  "completions/mean_length": float(lengths.float().mean()), "completions/min_length": float(lengths.min()),
                  "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean())}
         for k, name in enumerate(rewards.names):

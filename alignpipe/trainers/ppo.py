@@ -1,5 +1,5 @@
-"""PPO for RLHF, following TRL ≤ 1.12's PPOTrainer and "The N+ implementation details of RLHF with PPO"
-(Huang et al., 2024).
+"""PPO for RLHF, following TRL's PPOTrainer (1.12's loop; 0.7's `PPOConfig` controls) and "The N+
+implementation details of RLHF with PPO" (Huang et al., 2024).
 
 One update: take `batch_size × accumulation × num_mini_batches` prompts (left-padded, so response
 columns line up), sample one response each at `temperature`, truncate at the first EOS, then (no grad):
@@ -7,19 +7,28 @@ columns line up), sample one response each at `temperature`, truncate at the fir
   masked to INVALID_LOGPROB after the response;
 - values from the value model (a sequence classifier initialised from a reward model, its head read
   at every position);
-- scores from the reward set on (prompt, response); `missing_eos_penalty` for responses without EOS.
-Rewards per token: −kl_coef · KL (k1 or k3), plus the score at the last response token. Optionally
-whitened (mean kept). GAE(γ, λ) gives advantages (whitened) and returns. Then `num_ppo_epochs` passes
-over shuffled mini-batches: clipped policy loss + vf_coef × clipped value loss (½ max of squared errors).
+- scores from the reward set on (prompt, response); `missing_eos_penalty` for responses without EOS; then
+  optional running score scaling / normalisation and clipping (`use_score_scaling`, `use_score_norm`, `score_clip`).
+Rewards per token: −kl_coef · `kl_penalty` (kl, abs, mse, k3 on the sampled token, or the full-distribution KL),
+plus the score at the last response token. GAE(γ, λ) runs over the response's own tokens: the step after the
+last one is terminal (nothing is bootstrapped from the padding after EOS), and reward whitening, advantage
+whitening, the value loss and every per-token metric cover response tokens only. Then up to `num_ppo_epochs`
+passes over shuffled mini-batches: clipped policy loss + vf_coef × clipped value loss (½ max of squared errors);
+a micro-batch whose mean ratio passes `ratio_threshold` is skipped, and `early_stopping` ends the epochs once the
+policy KL passes 1.5 × `target_kl`. After the batch, `adap_kl_ctrl` moves `kl_coef` toward `target`
+(trainers/ppo_controls.py).
 
-Departure from TRL 1.12 (on purpose): TRL adds the score one position *after* the last response token
-(`sequence_lengths + 1`); here it lands on the last response token itself, as the N+ paper and this
-project's spec describe, so λ does not discount it.
+Departures from TRL 1.12, both as TRL 0.7 and the N+ paper do: the score lands on the last response token
+(1.12 added it one position later, `sequence_lengths + 1`, so λ discounted it), and that token is the last step
+of the episode (1.12 treated the position after EOS as a real next step, bootstrapping from its value and
+training that value toward 0).
 
-Metrics (the seed's names): objective/kl, objective/entropy, objective/non_score_reward,
-objective/rlhf_reward, objective/scores, policy/approxkl_avg, policy/clipfrac_avg, loss/policy_avg,
-loss/value_avg, val/clipfrac_avg, policy/entropy_avg, val/ratio, val/ratio_var, val/num_eos_tokens,
-lr, episode, eps, plus rewards/<fn>/mean.
+Metrics (the seed's names): objective/kl, objective/kl_coef, objective/entropy, objective/non_score_reward,
+objective/rlhf_reward, objective/scores (after the EOS penalty and scaling), objective/raw_scores (the reward
+set's total), policy/approxkl_avg, policy/policykl_avg, policy/clipfrac_avg, loss/policy_avg, loss/value_avg,
+val/clipfrac_avg, policy/entropy_avg, val/ratio, val/ratio_var, val/num_eos_tokens, policy/ppo_epochs,
+policy/early_stopped, policy/skipped_batches, lr, episode, eps, rewards/<fn>/mean, and with score scaling
+objective/score_running_{mean,std}.
 """
 
 from __future__ import annotations
@@ -28,18 +37,21 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
+from alignpipe.rl_math import decoder_hidden, full_kl, gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
 from alignpipe.trainers.common import (
     Checkpointer, TrainResult, build_optimizer, build_scheduler, pad_rows, progress, save_model, seed_everything,
 )
 from alignpipe.trainers.configs import PPOConfig
+from alignpipe.trainers.ppo_controls import KLController, RunningMoments, ratio_exceeds, should_stop_early, transform_scores
 from alignpipe.trainers.online import extra_columns, print_samples
 
 log = logging.getLogger(__name__)
@@ -48,31 +60,54 @@ INVALID_LOGPROB = 1.0
 
 # --- the math (pure; parity-tested) ----------------------------------------------------------------
 
-def kl_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, last_index: torch.Tensor,
-               kl_coef: float, estimator: str = "k1"):
-    """Per-token rewards (B, R): −kl_coef·KL everywhere, + score at `last_index` (the last response
-    token). Returns (rewards, kl, non_score_reward)."""
-    kl = kl_estimate(logprobs, ref_logprobs, estimator)
+def kl_rewards(scores: torch.Tensor, kl: torch.Tensor, last_index: torch.Tensor, kl_coef: float):
+    """Per-token rewards (B, R) from the per-token KL penalty `kl` (B, R): −kl_coef·kl everywhere, + the score at
+    `last_index` (the last response token). Returns (rewards, non_score_reward)."""
     non_score = -kl_coef * kl
     rewards = non_score.clone()
     rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
-    return rewards, kl, non_score
+    return rewards, non_score
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float):
-    """Clipped surrogate: masked mean of max(−A·ρ, −A·clip(ρ)). Returns (loss, clipfrac, ratio, approxkl)."""
+def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
+                           lam: float, whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a response's own tokens: the step after the last response token (EOS, or the length limit) is
+    terminal, so nothing after it (values, rewards) reaches an advantage or a return. Rewards are optionally
+    whitened over response tokens (mean kept); advantages are whitened over them and 0 elsewhere. As TRL 0.7's
+    `compute_advantages` (TRL 1.12 bootstrapped from the value one position past the response)."""
+    mask = response_mask.to(rewards.dtype)
+    rewards = rewards * mask
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, response_mask.bool(), shift_mean=False) * mask
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    advantages = masked_whiten(advantages, response_mask.bool()) * mask
+    return advantages, returns * mask
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    ratio: torch.Tensor
+    approxkl: torch.Tensor
+    """½ · mean of (log π − log π_old)² over response tokens."""
+    policykl: torch.Tensor
+    """mean of (log π_old − log π) over response tokens (TRL 0.7's `policy/policykl`, early stopping's measure)."""
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float) -> PolicyLoss:
+    """Clipped surrogate: mean over response tokens of max(−A·ρ, −A·clip(ρ, 1 ± cliprange)), with its statistics
+    over the same tokens."""
     diff = new_logprobs - old_logprobs
     ratio = torch.exp(diff)
     losses1 = -advantages * ratio
     losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(losses1, losses2), mask)
     clipfrac = masked_mean((losses2 > losses1).float(), mask)
-    approxkl = 0.5 * (diff ** 2).mean()
-    return loss, clipfrac, ratio, approxkl
+    return PolicyLoss(loss, clipfrac, ratio, 0.5 * masked_mean(diff.detach() ** 2, mask), masked_mean(-diff.detach(), mask))
 
 
 def value_loss(vpred, old_values, returns, mask, cliprange_value: float):
-    """½ · masked mean of max((v − R)², (clip(v, v_old ± c) − R)²). Returns (loss, clipfrac)."""
+    """½ · mean over response tokens of max((v − R)², (clip(v, v_old ± c) − R)²). Returns (loss, clipfrac)."""
     clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     losses1 = (vpred - returns) ** 2
     losses2 = (clipped - returns) ** 2
@@ -101,20 +136,57 @@ def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
 
 
 def response_logprobs(policy, query, query_mask, response, temperature: float, chunk: int, with_entropy: bool = False):
-    ids = torch.cat([query, response], 1)
-    mask = torch.cat([query_mask, torch.ones_like(response)], 1)
+    ids, mask = _episode(query, query_mask, response)
     return token_logprobs(policy, ids, mask, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy,
                           start=query.size(1) - 1)
 
 
+def response_hidden(policy, query, query_mask, response):
+    """Decoder hidden states at the positions that score the response tokens, and the LM head (`decoder_hidden`)."""
+    ids, mask = _episode(query, query_mask, response)
+    return decoder_hidden(policy, ids, mask, start=query.size(1) - 1)
+
+
 def response_values(value_model, query, query_mask, response) -> torch.Tensor:
-    ids = torch.cat([query, response], 1)
-    mask = torch.cat([query_mask, torch.ones_like(response)], 1)
+    ids, mask = _episode(query, query_mask, response)
     P = query.size(1)
     return token_values(value_model, ids, mask)[:, P - 1:-1]
 
 
+def _episode(query, query_mask, response):
+    return torch.cat([query, response], 1), torch.cat([query_mask, torch.ones_like(response)], 1)
+
+
 # --- training -------------------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    """One batch of episodes and everything the PPO epochs read, (B, R) per token unless noted. R is the longest
+    response; `response_mask` is true on each response's own tokens (through its EOS), false after."""
+
+    query: torch.Tensor
+    """Left-padded prompt ids (B, P)."""
+    query_mask: torch.Tensor
+    response: torch.Tensor
+    """Right-padded response ids."""
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    """Log-probs of the sampling policy (INVALID_LOGPROB after the response)."""
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    """Value-head predictions (0 after the response)."""
+    kl: torch.Tensor
+    """The `kl_penalty` per token (0 after the response)."""
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    raw_scores: torch.Tensor
+    """(B,) the reward set's total per episode, before the EOS penalty and score scaling."""
+    scores: torch.Tensor
+    """(B,) the scores that entered the rewards."""
+    non_score: torch.Tensor
+    """−kl_coef · kl per token."""
+    kl_coef: float
+
 
 @under_attention_kernels
 def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
@@ -151,105 +223,152 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
     acc.register_for_checkpointing(scheduler)
     if acc.is_main_process:
         tracker.log_params({"ppo": cfg.model_dump(mode="json")})
+    kl_ctl = KLController(cfg.kl_coef, cfg.adap_kl_ctrl, cfg.target, cfg.horizon)
+    moments = RunningMoments() if cfg.use_score_scaling else None
     checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
     state = checkpoints.resume(acc)
     update = state["step"] if state else 0
+    if state:
+        kl_ctl.load_state_dict(state.get("kl_ctl", kl_ctl.state_dict()))
+        if moments is not None and "score_moments" in state:
+            moments.load_state_dict(state["score_moments"])
     unwrapped = acc.unwrap_model(model)
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
         engine = HFEngine(unwrapped.policy, tokenizer, cfg.rollout.batch_size)
 
-    def ref_logprobs_of(q, qm, r):
+    def reference():
+        """The reference model and the context it runs in (the adapter-disabled policy under LoRA)."""
         if ref is not None:
-            return response_logprobs(ref, q, qm, r, temperature, cfg.logprob_chunk_tokens)
-        with unwrapped.policy.disable_adapter():
-            return response_logprobs(unwrapped.policy, q, qm, r, temperature, cfg.logprob_chunk_tokens)
+            return ref, contextlib.nullcontext()
+        return unwrapped.policy, unwrapped.policy.disable_adapter()
+
+    def score_episodes(q, qm, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logprobs, ref_logprobs, full KL or None) of a slice of episodes."""
+        ref_model_, ref_ctx = reference()
+        if cfg.kl_penalty == "full":
+            hidden, *head = response_hidden(unwrapped.policy, q, qm, r)
+            with ref_ctx:
+                ref_hidden, *ref_head = response_hidden(ref_model_, q, qm, r)
+            return full_kl(hidden, tuple(head), ref_hidden, tuple(ref_head), r, temperature, cfg.logprob_chunk_tokens)
+        lp = response_logprobs(unwrapped.policy, q, qm, r, temperature, cfg.logprob_chunk_tokens)
+        with ref_ctx:
+            ref_lp = response_logprobs(ref_model_, q, qm, r, temperature, cfg.logprob_chunk_tokens)
+        return lp, ref_lp, None
+
+    def rollout(batch_rows: list[dict]) -> tuple[Rollout, list, torch.Tensor]:
+        prompts = [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]]
+        engine.update_weights(unwrapped.policy)
+        gens = engine.generate(prompts, 1, sampling, seed=seed + update)
+        query, query_mask = pad_rows(prompts, tokenizer.pad_token_id, left=True)
+        response, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
+        lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
+        query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
+        total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows))
+        raw_scores = torch.nan_to_num(total, nan=0.0).to(device)
+        scores = raw_scores.clone()
+        if cfg.missing_eos_penalty is not None:
+            scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
+        scores = transform_scores(scores, moments, cfg.use_score_norm, cfg.score_clip)
+        unwrapped.eval()
+        parts, values = [], []
+        for s in range(0, rollout_size, cfg.batch_size):
+            sl = slice(s, s + cfg.batch_size)
+            parts.append(score_episodes(query[sl], query_mask[sl], response[sl]))
+            values.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
+        logprobs, ref_logprobs = (torch.cat([p[i] for p in parts]).float() for i in (0, 1))
+        last = (lengths - 1).to(device)
+        padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
+        logprobs = logprobs.masked_fill(padding, INVALID_LOGPROB)
+        ref_logprobs = ref_logprobs.masked_fill(padding, INVALID_LOGPROB)
+        values = torch.cat(values).masked_fill(padding, 0)
+        kl = (torch.cat([p[2] for p in parts]).float() if cfg.kl_penalty == "full"
+              else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)).masked_fill(padding, 0)
+        token_rewards, non_score = kl_rewards(scores, kl, last, kl_ctl.value)
+        advantages, returns = advantages_and_returns(token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards)
+        batch = Rollout(query=query, query_mask=query_mask, response=response, response_mask=~padding, logprobs=logprobs,
+                        ref_logprobs=ref_logprobs, values=values, kl=kl, advantages=advantages, returns=returns,
+                        raw_scores=raw_scores, scores=scores, non_score=non_score.masked_fill(padding, 0), kl_coef=kl_ctl.value)
+        return batch, gens, per_fn
 
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     bar = progress(updates, "ppo", acc.is_main_process, initial=update)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    steps_per_epoch = cfg.num_mini_batches
     while update < updates:
         t0 = time.perf_counter()
         start = (update * rollout_size) % len(rows)
         batch_rows = [rows[order[(start + i) % len(rows)]] for i in range(rollout_size)]
-        # ---- rollout (no grad)
         with torch.no_grad():
-            prompts = [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]]
-            engine.update_weights(unwrapped.policy)
-            gens = engine.generate(prompts, 1, sampling, seed=seed + update)
-            query, query_mask = pad_rows(prompts, pad, left=True)
-            response, _ = pad_rows([g.completion_ids for g in gens], pad)
-            lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
-            query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
-            total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows))
-            scores = torch.nan_to_num(total, nan=0.0).to(device)
-            contain_eos = torch.tensor([g.finish_reason == "stop" for g in gens], device=device)
-            if cfg.missing_eos_penalty is not None:
-                scores[~contain_eos] -= cfg.missing_eos_penalty
-            unwrapped.eval()
-            logprobs, ref_logprobs, values = [], [], []
-            for s in range(0, rollout_size, cfg.batch_size):
-                sl = slice(s, s + cfg.batch_size)
-                logprobs.append(response_logprobs(unwrapped.policy, query[sl], query_mask[sl], response[sl], temperature, cfg.logprob_chunk_tokens))
-                ref_logprobs.append(ref_logprobs_of(query[sl], query_mask[sl], response[sl]))
-                values.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
-            logprobs, ref_logprobs, values = torch.cat(logprobs).float(), torch.cat(ref_logprobs).float(), torch.cat(values)
-            idx = torch.arange(response.size(1), device=device).unsqueeze(0)
-            last = (lengths - 1).to(device)
-            padding_mask = idx > last.unsqueeze(1)        # after the last response token
-            padding_mask_p1 = idx > (last + 1).unsqueeze(1)
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            values = values.masked_fill(padding_mask_p1, 0)
-            token_rewards, kl, non_score = kl_rewards(scores, logprobs, ref_logprobs, last, cfg.kl_coef, cfg.kl_estimator)
-            if cfg.whiten_rewards:
-                token_rewards = masked_whiten(token_rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
-            advantages, returns = gae(token_rewards, values, (~padding_mask_p1).float(), cfg.gamma, cfg.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+            b, gens, per_fn = rollout(batch_rows)
         # ---- PPO epochs
         unwrapped.train()
-        stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
-        for _ in range(cfg.num_ppo_epochs):
+        stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac",
+                                                         "entropy", "ratio")}
+        skipped, epochs_run, stopped = 0, 0, False
+        for epoch in range(cfg.num_ppo_epochs):
             perm = torch.randperm(rollout_size, device=device)
             for m0 in range(0, rollout_size, mini):
                 mb = perm[m0:m0 + mini]
+                skipped_here = 0
                 for j, s in enumerate(range(0, mini, cfg.batch_size)):
                     ix = mb[s:s + cfg.batch_size]
+                    mask = b.response_mask[ix]
                     sync = j == cfg.gradient_accumulation_steps - 1
                     with (contextlib.nullcontext() if sync else acc.no_sync(model)):
-                        new_lp, entropy = response_logprobs(unwrapped.policy, query[ix], query_mask[ix], response[ix], temperature,
-                                                            cfg.logprob_chunk_tokens, with_entropy=True)
-                        new_lp = new_lp.float().masked_fill(padding_mask[ix], INVALID_LOGPROB)
-                        vpred = response_values(unwrapped.value_model, query[ix], query_mask[ix], response[ix]).masked_fill(padding_mask_p1[ix], 0)
-                        pg, clipfrac, ratio, approxkl = policy_loss(new_lp, logprobs[ix], advantages[ix], ~padding_mask[ix], cfg.cliprange)
-                        vf, vf_clipfrac = value_loss(vpred, values[ix], returns[ix], ~padding_mask_p1[ix], cfg.cliprange_value)
-                        loss = pg + cfg.vf_coef * vf
+                        new_lp, entropy = response_logprobs(unwrapped.policy, b.query[ix], b.query_mask[ix], b.response[ix],
+                                                            temperature, cfg.logprob_chunk_tokens, with_entropy=True)
+                        new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
+                        vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix]).masked_fill(~mask, 0)
+                        pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
+                        vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
+                        loss = pl.loss + cfg.vf_coef * vf
+                        if ratio_exceeds(pl.ratio.detach(), mask, cfg.ratio_threshold):
+                            loss = loss * 0.0  # backward still runs, so processes stay in step
+                            skipped_here += 1
                         acc.backward(loss / cfg.gradient_accumulation_steps)
-                    for k, v in (("approxkl", approxkl), ("clipfrac", clipfrac), ("pg_loss", pg), ("vf_loss", vf),
-                                 ("vf_clipfrac", vf_clipfrac), ("entropy", entropy.mean()), ("ratio", ratio.mean())):
+                    for k, v in (("approxkl", pl.approxkl), ("policykl", pl.policykl), ("clipfrac", pl.clipfrac),
+                                 ("pg_loss", pl.loss), ("vf_loss", vf), ("vf_clipfrac", vf_clipfrac),
+                                 ("entropy", masked_mean(entropy, mask)), ("ratio", masked_mean(pl.ratio.detach(), mask))):
                         stats[k].append(float(v.detach()))
-                if cfg.max_grad_norm:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
+                skipped += skipped_here
+                if skipped_here < cfg.gradient_accumulation_steps:
+                    if cfg.max_grad_norm:
+                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+            epochs_run = epoch + 1
+            if cfg.early_stopping and should_stop_early(stats["policykl"][-1], cfg.target_kl):
+                stopped = True
+                log.info("ppo update %d: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)", update + 1,
+                         epochs_run, cfg.num_ppo_epochs, stats["policykl"][-1], cfg.target_kl)
+                for _ in range((cfg.num_ppo_epochs - epochs_run) * steps_per_epoch):
+                    scheduler.step()  # the schedule stays on time with the updates
+                break
         update += 1
         bar.update(1)
-        mean_kl = float(kl.masked_fill(padding_mask, 0).sum(1).mean())
-        mean_non_score = float(non_score.masked_fill(padding_mask, 0).sum(1).mean())
+        response_mask = b.response_mask
+        mean_kl = float(b.kl.sum(1).mean())
+        mean_non_score = float(b.non_score.sum(1).mean())
+        kl_ctl.update(mean_kl, rollout_size * acc.num_processes)
         ratios = torch.tensor(stats["ratio"])
         metrics = {
-            "eps": rollout_size / (time.perf_counter() - t0), "objective/kl": mean_kl,
-            "objective/entropy": float((-logprobs.masked_fill(padding_mask, 0)).sum(1).mean()),
-            "objective/non_score_reward": mean_non_score, "objective/rlhf_reward": mean_non_score + float(scores.mean()),
-            "objective/scores": float(scores.mean()), "policy/approxkl_avg": _mean(stats["approxkl"]),
+            "eps": rollout_size / (time.perf_counter() - t0), "objective/kl": mean_kl, "objective/kl_coef": b.kl_coef,
+            "objective/entropy": float((-b.logprobs.masked_fill(~response_mask, 0)).sum(1).mean()),
+            "objective/non_score_reward": mean_non_score, "objective/rlhf_reward": mean_non_score + float(b.scores.mean()),
+            "objective/scores": float(b.scores.mean()), "objective/raw_scores": float(b.raw_scores.mean()),
+            "policy/approxkl_avg": _mean(stats["approxkl"]), "policy/policykl_avg": _mean(stats["policykl"]),
             "policy/clipfrac_avg": _mean(stats["clipfrac"]), "loss/policy_avg": _mean(stats["pg_loss"]),
             "loss/value_avg": _mean(stats["vf_loss"]), "val/clipfrac_avg": _mean(stats["vf_clipfrac"]),
             "policy/entropy_avg": _mean(stats["entropy"]), "val/ratio": float(ratios.mean()),
             "val/ratio_var": float(ratios.var()) if len(ratios) > 1 else 0.0,
-            "val/num_eos_tokens": float((response == eos).sum()), "lr": scheduler.get_last_lr()[0], "episode": update * rollout_size,
+            "val/num_eos_tokens": float((b.response == tokenizer.eos_token_id).sum()), "lr": scheduler.get_last_lr()[0],
+            "episode": update * rollout_size, "policy/ppo_epochs": float(epochs_run), "policy/early_stopped": float(stopped),
+            "policy/skipped_batches": float(skipped),
         }
+        if moments is not None:
+            metrics.update({"objective/score_running_mean": float(moments.mean), "objective/score_running_std": float(moments.std)})
         for k, name in enumerate(rewards.names):
             col = per_fn[:, k][~torch.isnan(per_fn[:, k])]
             metrics[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
@@ -261,18 +380,20 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         if acc.is_main_process and (update % cfg.logging_every == 0 or update == updates or update == 1):
             tracker.log_metrics(metrics, update)
             bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{mean_kl:.3f}")
-            log.info("ppo update %d/%d score=%.4g kl=%.4g rlhf_reward=%.4g", update, updates, metrics["objective/scores"],
-                     mean_kl, metrics["objective/rlhf_reward"])
+            log.info("ppo update %d/%d score=%.4g kl=%.4g kl_coef=%.4g rlhf_reward=%.4g", update, updates,
+                     metrics["objective/scores"], mean_kl, b.kl_coef, metrics["objective/rlhf_reward"])
         if acc.is_main_process and (update % cfg.sample_every == 0 or update == 1):
             table = [{"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
-                     for r, g, sc in zip(batch_rows[:8], gens[:8], scores[:8])]
+                     for r, g, sc in zip(batch_rows[:8], gens[:8], b.scores[:8])]
             tracker.log_table(table, f"samples/update_{update:06d}")
             print_samples(table, f"ppo samples at update {update}")
         if cfg.save_every and update % cfg.save_every == 0 and update != updates:
-            checkpoints.save(acc, update)
+            extra = {"kl_ctl": kl_ctl.state_dict(), **({"score_moments": moments.state_dict()} if moments else {})}
+            checkpoints.save(acc, update, extra)
     bar.close()
     adapter = save_model(acc, unwrapped.policy, tokenizer, output_dir / "model")
-    final = {k: tracker.last(k) for k in ("objective/scores", "objective/rlhf_reward", "objective/kl") if tracker.last(k) is not None}
+    final = {k: tracker.last(k) for k in ("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef")
+             if tracker.last(k) is not None}
     return TrainResult(model_dir=output_dir / "model", steps=update, metrics=final, adapter=adapter,
                        seconds=time.perf_counter() - started, resumed_from=state["step"] if state else None)
 
