@@ -94,6 +94,37 @@ def lora_model(model, spec, task_type: str = "CAUSAL_LM"):
     return get_peft_model(model, cfg)
 
 
+def merged_state_dict(model) -> dict:
+    """The weights a peft LoRA model would have after `merge_and_unload()`, under the base model's names, computed
+    without touching the model: `merge_and_unload()` on the live policy would strip the adapter being trained (the
+    vLLM colocate engine needs merged weights after every step). A plain model gives its `state_dict()`."""
+    import torch
+
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and not module.merged:
+                active = [a for a in module.active_adapters if a in module.lora_A]
+                if active:
+                    deltas[name] = sum(module.get_delta_weight(a) for a in active)
+        state = {}
+        for key, value in base.state_dict().items():
+            if ".lora_" in key or ".original_module." in key:
+                continue
+            module_name, sep, param = key.rpartition(".base_layer.")
+            if sep:
+                if param == "weight" and module_name in deltas:
+                    value = value + deltas[module_name].to(value.dtype)
+                key = f"{module_name}.{param}"
+            state[key.replace(".modules_to_save.default.", ".")] = value.detach()
+    return state
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

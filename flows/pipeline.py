@@ -21,6 +21,7 @@ from alignpipe.pipeline import (
 from alignpipe.recipe import load_recipe
 from tasks import TASKS
 from tasks.dispatch import deployment_name, dispatch_task
+from tasks.hooks import hooks_for
 from tasks.skip import skip_task
 
 
@@ -111,7 +112,10 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     continue
                 inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
                 spec = write_spec(recipe, p, inputs, tracking, run_id)
-                task = dispatch_task if s.resources.pool else TASKS[s.kind]
+                task = TASKS[s.kind]
+                if s.resources.pool:  # the kind's default retries apply to its dispatch as to its local task
+                    hooks = hooks_for(s.kind)
+                    task = dispatch_task.with_options(retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds)
                 if s.resources.retries:
                     task = task.with_options(retries=s.resources.retries)
                 where = {"pool": s.resources.pool} if s.resources.pool else {}

@@ -1,11 +1,13 @@
 """The single-stage flow that work-pool workers run: one stage process from a spec file on storage
-every worker can reach. The pipeline flow stays the parent; this one only launches and reports."""
+every worker can reach. The pipeline flow stays the parent; this one only launches and reports. The
+stage kind's hooks (secrets from Prefect blocks, artifacts after success) apply here as in the local task."""
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from alignpipe.pipeline import launch
+from alignpipe.pipeline import launch, read_spec
+from tasks.hooks import hooks_for, stage_entry, stage_env
 
 
 @flow(name="alignpipe-stage", flow_run_name="{stage_id}")
@@ -14,7 +16,11 @@ def stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | 
     """Run one stage from its spec file (a shared path or a URL in the recipe's storage root) and return
     its manifest."""
     logger = get_run_logger()
+    spec = read_spec(spec_path, storage_options)
     manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                      processes=processes, timeout_s=timeout_s, accelerate_config=accelerate_config,
-                      storage_options=storage_options)
+                      processes=processes, timeout_s=timeout_s, extra_env=stage_env(spec),
+                      accelerate_config=accelerate_config, storage_options=storage_options)
+    on_done = hooks_for(stage_entry(spec)["kind"]).on_done
+    if on_done is not None:
+        on_done(manifest)
     return manifest.model_dump(mode="json")

@@ -1,15 +1,8 @@
-"""One thin Prefect task per stage kind. Each launches the stage process and returns its manifest."""
+"""One thin Prefect task per stage kind (`TASKS`), the dispatch task for work pools, and the per-kind hooks both use."""
 
-from tasks.dpo import dpo_task
-from tasks.format import format_task
-from tasks.grpo import grpo_task
-from tasks.judge import judge_task
-from tasks.ppo import ppo_task
-from tasks.push import push_task
-from tasks.reward import reward_task
-from tasks.sft import sft_task
+from alignpipe.recipe.stages import STAGE_KINDS
+from tasks.stage_task import stage_task
 
-TASKS = {"format": format_task, "sft": sft_task, "reward": reward_task, "dpo": dpo_task, "grpo": grpo_task,
-         "ppo": ppo_task, "judge": judge_task, "push": push_task}
+TASKS = {kind: stage_task(kind) for kind in STAGE_KINDS}
 
-__all__ = ["TASKS", "dpo_task", "format_task", "grpo_task", "judge_task", "ppo_task", "push_task", "reward_task", "sft_task"]
+__all__ = ["TASKS", "stage_task"]

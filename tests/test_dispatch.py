@@ -42,7 +42,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def hub():
+    """A loopback stand-in for the Hub that the worker's stage processes push to."""
+    from loopback import FakeHub, serve
+
+    fake = FakeHub()
+    with serve(fake) as url:
+        url.fake = fake
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("prefect")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -68,7 +79,9 @@ def server(tmp_path_factory):
     out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml",
                           "--name", POOL], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], env, root / "worker.log")
+    worker_env = {**env, "HF_ENDPOINT": str(hub), "HF_HUB_OFFLINE": "0"}  # no HF_TOKEN: a stage must get it from a block
+    worker_env.pop("HF_TOKEN", None)
+    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], worker_env, root / "worker.log")
     yield api, env, root
     _stop(worker)
     _stop(proc)
@@ -84,9 +97,22 @@ def _recipe(tiny, tmp_path, pool: str) -> Path:
     return path
 
 
-def test_sft_stage_runs_on_the_pools_worker_and_logs_under_the_pipeline_run(server, tiny, tmp_path):
+def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipeline_run(server, hub, tiny, tmp_path):
+    """SFT, judge and push dispatched to the pool: the push authenticates with the token of a Prefect Secret block
+    (resolved on the worker, never written to the spec) and the judge's Prefect artifacts are published, as the
+    local tasks do."""
     api, env, root = server
+    secret = "hf_pool_token_from_block"
+    subprocess.run([sys.executable, "-c", "import sys; from prefect.blocks.system import Secret; "
+                    "Secret(value=sys.argv[1]).save('pool-hub-token', overwrite=True)", secret], env=env, check=True, timeout=120)
     path = _recipe(tiny, tmp_path, POOL)
+    text = path.read_text()
+    for old, new in (("    reward: sentiment_lexicon", f"    reward: sentiment_lexicon\n    resources: {{pool: {POOL}}}"),
+                     ("    when: judge.win_rate >= 0.55 and judge.ci_low > 0.5\n    target: local",
+                      f"    target: hub\n    repo_id: me/pool-demo\n    token_secret: pool-hub-token\n    resources: {{pool: {POOL}}}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
     out = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + (root / "worker.log").read_text()[-3000:]
@@ -104,6 +130,16 @@ def test_sft_stage_runs_on_the_pools_worker_and_logs_under_the_pipeline_run(serv
     client = MlflowClient(summary["tracking_uri"])
     child = client.get_run(manifests["sft"].mlflow_run_id)
     assert child.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"] and child.info.status == "FINISHED"
+
+    commits = [c for c in hub.fake.commits if c["repo"] == "me/pool-demo"]
+    assert commits and all(c["authorization"] == f"Bearer {secret}" for c in commits), hub.fake.commits
+    assert manifests["publish"].info["prefect_flow_run_id"], "the push ran on the pool"
+    for spec in (tmp_path / "runs").rglob("spec.json"):
+        assert secret not in spec.read_text()
+    judge_run = manifests["judge"].info["prefect_flow_run_id"]
+    assert judge_run, "the judge ran on the pool"
+    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["judge-win-rates"]}}}).json()
+    assert any(a["flow_run_id"] == judge_run and a["type"] == "table" for a in artifacts), artifacts
 
 
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):

@@ -145,3 +145,41 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_never_draws_filtered_
     assert (draws[1::2] == 4).all()
     again = sample(probs, torch.Generator().manual_seed(0))
     assert torch.equal(draws, again)  # seeded
+
+
+def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
+    """`update_weights` hands vLLM the merged weights (equal to `merge_and_unload()` of a copy) and leaves the live
+    policy a peft model with every LoRA parameter still trainable (merging the live policy stripped them: 56 → 0)."""
+    import copy
+
+    import torch
+
+    from alignpipe.engine.vllm import VLLMColocateEngine
+    from alignpipe.modeling import lora_model
+    from alignpipe.trainers.configs import LoraSpec
+
+    policy = lora_model(load_causal_lm(str(tiny / "model")), LoraSpec(r=4))
+    with torch.no_grad():  # a trained adapter: lora_B starts at zero, which would make any merge look right
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    lora_before = {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad}
+    expected = copy.deepcopy(policy).merge_and_unload().state_dict()
+
+    class FakeVLLMModel:
+        loaded: dict = {}
+
+        def load_weights(self, weights):
+            self.loaded.update({k: v.clone() for k, v in weights})
+
+    class FakeLLM:  # the V0 layout `_vllm_model` reads
+        llm_engine = type("E", (), {"model_executor": type("X", (), {"driver_worker": type("W", (), {
+            "model_runner": type("R", (), {"model": FakeVLLMModel()})()})()})()})()
+
+    engine = object.__new__(VLLMColocateEngine)
+    engine.llm, engine._asleep = FakeLLM(), False
+    engine.update_weights(policy)
+    loaded = FakeVLLMModel.loaded
+    assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert hasattr(policy, "peft_config")
+    assert {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad} == lora_before and lora_before

@@ -225,7 +225,7 @@ def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_pat
     from prefect.blocks.system import Secret
 
     from alignpipe.stage import StageSpec
-    from tasks.push import hub_token_env
+    from tasks.hooks import hub_token_env
 
     Secret(value="hf_from_block").save("hub-token", overwrite=True)
     spec = StageSpec(recipe={"stages": [{"id": "publish", "kind": "push", "token_secret": "hub-token"}]}, stage_id="publish",

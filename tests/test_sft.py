@@ -122,3 +122,18 @@ def test_rerun_resumes_from_last_checkpoint(tiny, data, tmp_path):
     second = sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path)
     assert second.resumed_from == 4 and second.steps == 6
     assert [s for s, m in tracker.history if "train/loss" in m] == [5, 6], "the step counter continues"
+
+
+def test_num_tokens_is_the_running_total_at_each_log_point(tiny, data, tmp_path):
+    """`train/num_tokens` counts every loss token trained on so far: logged every 3 steps it equals the step-by-step
+    run's total at steps 3 and 6 (it was the mean of the window's running totals, below the total)."""
+    tok, train, evals = data
+    series = {}
+    for every in (1, 3):
+        tracker = Tracker()
+        cfg = SFTConfig(learning_rate=1e-3, max_steps=6, batch_size=8, logging_every=every)
+        sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path / str(every))
+        series[every] = tracker.series("train/num_tokens")
+    per_step = series[1]
+    assert len(per_step) == 6 and all(b > a for a, b in zip(per_step, per_step[1:]))
+    assert series[3] == [per_step[2], per_step[5]]

@@ -50,11 +50,14 @@ class VLLMColocateEngine:
         return None
 
     def update_weights(self, model) -> None:
-        """Copy the policy's weights into vLLM (a peft model is merged on the fly)."""
+        """Copy the policy's weights into vLLM (a peft model's merged weights, computed without merging the live
+        model: its adapter stays in training)."""
+        from alignpipe.modeling import merged_state_dict
+
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        state = model.merge_and_unload().state_dict() if hasattr(model, "merge_and_unload") else model.state_dict()
+        state = merged_state_dict(model)
         target = self._vllm_model()
         if target is not None:
             target.load_weights(state.items())

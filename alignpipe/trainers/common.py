@@ -194,6 +194,10 @@ class _NullContext:
         return False
 
 
+# Metrics a step function reports as running totals: logged as the window's last value, not its mean.
+RUNNING_TOTALS = frozenset({"num_tokens"})
+
+
 class TrainLoop:
     """The optimisation loop every offline trainer shares.
 
@@ -304,7 +308,8 @@ class TrainLoop:
             window_metrics.append({**metrics, "grad_norm": gnorm})
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
-                mean = {k: sum(m[k] for m in window_metrics) / len(window_metrics) for k in window_metrics[0]}
+                mean = {k: window_metrics[-1][k] if k in RUNNING_TOTALS else sum(m[k] for m in window_metrics) / len(window_metrics)
+                        for k in window_metrics[0]}
                 mean |= {"lr": self.scheduler.get_last_lr()[0], **meter.read(),
                          "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch}
                 self.log({f"train/{k}": v for k, v in mean.items()})

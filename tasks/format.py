@@ -1,3 +1,0 @@
-from tasks.stage_task import stage_task
-
-format_task = stage_task("format")

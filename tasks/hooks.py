@@ -1,0 +1,66 @@
+"""What differs between stage kinds on the Prefect side, in one table that both the local stage task
+(`tasks.stage_task`) and the work-pool flow (`flows.stage`) read: environment for the stage process
+(secrets resolved from Prefect blocks, never written to the spec), what runs after a stage succeeds
+(Prefect artifacts), and default retries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from alignpipe.manifest import Manifest
+from alignpipe.stage import StageSpec
+
+
+@dataclass(frozen=True)
+class KindHooks:
+    retries: int = 0
+    """Task retries when the recipe's `resources.retries` does not set them."""
+    retry_delay_seconds: list[int] | int = 0
+    env: Callable[[StageSpec], dict[str, str]] | None = None
+    """Extra environment variables for the stage process (e.g. a token from a Prefect Secret block)."""
+    on_done: Callable[[Manifest], None] | None = None
+    """Runs in the Prefect run after the stage succeeded (e.g. publishing artifacts)."""
+
+
+def stage_entry(spec: StageSpec) -> dict:
+    """The recipe's entry for the spec's stage."""
+    return next(s for s in spec.recipe["stages"] if s["id"] == spec.stage_id)
+
+
+def hub_token_env(spec: StageSpec) -> dict[str, str]:
+    """HF_TOKEN for the push process from the stage's Prefect Secret block, if it names one."""
+    from prefect.blocks.system import Secret
+
+    name = stage_entry(spec).get("token_secret")
+    return {"HF_TOKEN": Secret.load(name).get()} if name else {}
+
+
+def publish_judge_artifacts(manifest: Manifest) -> None:
+    """The win rates as a Prefect table artifact and the judge's report as a markdown artifact."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = "".join(ch if ch.isalnum() else "-" for ch in manifest.stage_id.lower())
+    rows = [{k: w[k] for k in ("candidate", "baseline", "win_rate", "ci_low", "ci_high", "wins", "ties", "losses")}
+            for w in manifest.info.get("win_rates", [])]
+    create_table_artifact(table=rows, key=f"{key}-win-rates", description=f"win rates of judge stage {manifest.stage_id}")
+    create_markdown_artifact(markdown=manifest.info.get("report", ""), key=f"{key}-report",
+                             description=f"report of judge stage {manifest.stage_id}")
+
+
+KIND_HOOKS: dict[str, KindHooks] = {
+    # Hub uploads fail transiently; the stage is idempotent (manifest last), so a retry is safe.
+    "push": KindHooks(retries=2, retry_delay_seconds=[5, 30], env=hub_token_env),
+    # Judging may call remote endpoints (LLM judges, HTTP scorers): retry transient failures.
+    "judge": KindHooks(retries=1, retry_delay_seconds=10, on_done=publish_judge_artifacts),
+}
+
+
+def hooks_for(kind: str) -> KindHooks:
+    return KIND_HOOKS.get(kind, KindHooks())
+
+
+def stage_env(spec: StageSpec) -> dict[str, str] | None:
+    """The extra environment of the spec's stage process, per its kind's hooks."""
+    hooks = hooks_for(stage_entry(spec)["kind"])
+    return hooks.env(spec) if hooks.env else None
