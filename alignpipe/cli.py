@@ -1,4 +1,4 @@
-"""`alignpipe` command line: validate, show, run, make-tiny."""
+"""`alignpipe` command line: validate, show, run, resume, deploy, make-tiny."""
 
 from __future__ import annotations
 
@@ -50,7 +50,11 @@ def cmd_run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)  # exit 2 before anything is written
     unknown = [f for f in args.force if f not in {s.id for s in recipe.stages}]
     if unknown:
-        raise RecipeError([], f"--force {unknown}: no such stage (stages: {', '.join(s.id for s in recipe.stages)})")
+        from alignpipe.recipe.errors import Problem
+
+        raise RecipeError([Problem(("--force",), f"no stage {f!r} in this recipe",
+                                   f"use one of: {', '.join(s.id for s in recipe.stages)}") for f in unknown],
+                          f"alignpipe run {args.recipe}")
     from flows.pipeline import check_pools, pipeline
 
     if any(s.resources.pool for s in recipe.stages):
@@ -120,20 +124,16 @@ def find_run_summary(run_id: str, workdir: str, storage: str | None = None) -> t
 
 def cmd_deploy(args) -> int:
     """Deploy the single-stage flow on each work pool (and, with --recipe, the pipeline flow for it)."""
-    from flows.pipeline import pipeline
-    from flows.stage import stage
+    from flows.deploy import deploy_pipeline, deploy_stage_flow
     from tasks.dispatch import STAGE_FLOW
 
-    root = str(Path(__file__).resolve().parents[1])
     for pool in args.pool:
-        stage.from_source(source=root, entrypoint="flows/stage.py:stage").deploy(name=pool, work_pool_name=pool)
+        deploy_stage_flow(pool)
         print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")
     if args.recipe:
         recipe = load_recipe(args.recipe, args.overrides)
         name = args.name or recipe.name
-        pipeline.from_source(source=root, entrypoint="flows/pipeline.py:pipeline").deploy(
-            name=name, work_pool_name=args.pipeline_pool, cron=args.cron,
-            parameters={"recipe_path": str(Path(args.recipe).resolve()), "overrides": args.overrides, "force": []})
+        deploy_pipeline(args.recipe, name, args.pipeline_pool, args.overrides, args.cron)
         print(f"deployed alignpipe-pipeline/{name} on work pool {args.pipeline_pool!r}" + (f" (cron {args.cron})" if args.cron else ""))
     return 0
 

@@ -39,7 +39,7 @@ def _tokens(text: str) -> list[tuple[str, str]]:
         m = _TOKEN.match(text, pos)
         if not m:
             raise GateError(f"cannot read {text[pos:].strip()[:20]!r} at column {pos + 1}")
-        kind = m.lastgroup
+        kind = m.lastgroup or ""
         value = m.group(kind)
         if kind == "word" and value in ("and", "or", "not"):
             kind = value

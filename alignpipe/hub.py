@@ -95,7 +95,7 @@ def _with_retries(what: str, fn, attempts: int, backoff_s: float):
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - classified below
+        except Exception as e:
             if attempt == attempts or not _transient(e):
                 raise RuntimeError(f"Hub {what} failed after {attempt} attempt(s): {e}. The model and its card are "
                                    "still in the stage folder; re-run the pipeline to retry the push.") from e

@@ -36,7 +36,7 @@ class Manifest(BaseModel):
         return path
 
     @classmethod
-    def read(cls, stage_dir: Path) -> "Manifest | None":
+    def read(cls, stage_dir: Path) -> Manifest | None:
         path = Path(stage_dir) / MANIFEST
         if not path.exists():
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ def load_causal_lm(path: str, dtype: str = "float32", revision: str | None = Non
     (merged into the weights when `merge`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), revision=revision,
-                                                 trust_remote_code=trust_remote_code)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), revision=revision,
+                                                      trust_remote_code=trust_remote_code)
     if adapter:
         from peft import PeftModel
 
@@ -111,7 +112,7 @@ def merged_state_dict(model) -> dict:
             if isinstance(module, LoraLayer) and not module.merged:
                 active = [a for a in module.active_adapters if a in module.lora_A]
                 if active:
-                    deltas[name] = sum(module.get_delta_weight(a) for a in active)
+                    deltas[name] = sum(module.get_delta_weight(a) for a in active)  # type: ignore[attr-defined]
         state = {}
         for key, value in base.state_dict().items():
             if ".lora_" in key or ".original_module." in key:
@@ -119,7 +120,7 @@ def merged_state_dict(model) -> dict:
             module_name, sep, param = key.rpartition(".base_layer.")
             if sep:
                 if param == "weight" and module_name in deltas:
-                    value = value + deltas[module_name].to(value.dtype)
+                    value = value + torch.as_tensor(deltas[module_name]).to(value.dtype)
                 key = f"{module_name}.{param}"
             state[key.replace(".modules_to_save.default.", ".")] = value.detach()
     return state

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -103,7 +103,7 @@ def plan(recipe: Recipe, force: list[str] | tuple[str, ...] = ()) -> dict[str, S
         finished = m is not None and m.cache_key == keys[s.id]
         cached = finished and s.id not in force
         out[s.id] = StagePlan(s.id, s.kind, keys[s.id], d, s.dependencies(), cached,
-                              localize(m, recipe.run_root) if cached and store else (m if cached else None),
+                              localize(m, recipe.run_root) if cached and store and m else (m if cached else None),
                               fresh=finished and not cached)
     return out
 
@@ -315,7 +315,7 @@ class StageOutcome:
     message: str = ""
 
     @classmethod
-    def from_manifest(cls, m: Manifest, status: str, duration: float | None = None) -> "StageOutcome":
+    def from_manifest(cls, m: Manifest, status: str, duration: float | None = None) -> StageOutcome:
         output = next(iter(m.outputs.values()), "")
         return cls(m.stage_id, m.kind, status, m.duration_s if duration is None else duration, m.key_metric,
                    m.metrics.get(m.key_metric) if m.key_metric else None, output)

@@ -15,10 +15,6 @@ from torch.utils.checkpoint import checkpoint
 from alignpipe.modeling import is_activation_checkpointing
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `values` where `mask` is 1 (over everything, or along `dim`)."""
     if dim is None:
@@ -194,11 +190,14 @@ def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bo
         return fn(rows, labels)
     sel = only.bool()
     out = fn(rows[sel].unsqueeze(0), labels[sel].unsqueeze(0))
-    lp, ent = out if with_entropy else (out, None)
-    full = torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp[0])
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(labels.shape, dtype=values.dtype, device=values.device).masked_scatter(sel, values[0])
+
     if not with_entropy:
-        return full
-    return full, torch.zeros(labels.shape, dtype=ent.dtype, device=ent.device).masked_scatter(sel, ent[0])
+        return scatter(out)
+    lp, ent = out
+    return scatter(lp), scatter(ent)
 
 
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, temperature: float,
@@ -218,8 +217,8 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: tor
             lp, ent = _chunk_logprobs(*args)
         logps.append(lp)
         entropies.append(ent.detach())
-    logps = torch.cat(logps, 1)
-    return (logps, torch.cat(entropies, 1)) if with_entropy else logps
+    logp = torch.cat(logps, 1)
+    return (logp, torch.cat(entropies, 1)) if with_entropy else logp
 
 
 def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
@@ -232,8 +231,8 @@ def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int,
         lp = chunk.log_softmax(-1)
         logps.append(lp.gather(-1, labels[:, s:s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
         entropies.append(-(lp.exp() * lp).sum(-1).detach())
-    logps = torch.cat(logps, 1)
-    return (logps, torch.cat(entropies, 1)) if with_entropy else logps
+    logp = torch.cat(logps, 1)
+    return (logp, torch.cat(entropies, 1)) if with_entropy else logp
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -283,7 +282,8 @@ def full_kl(hidden: torch.Tensor, head: tuple, ref_hidden: torch.Tensor, ref_hea
             idx = labels[:, sl].clamp(min=0).unsqueeze(-1)
             parts.append((logp.gather(-1, idx).squeeze(-1), ref_logp.gather(-1, idx).squeeze(-1),
                           (logp.exp() * (logp - ref_logp)).sum(-1)))
-    return tuple(torch.cat(cols, 1) for cols in zip(*parts))
+    logp, ref_logp, kl = (torch.cat(cols, 1) for cols in zip(*parts))
+    return logp, ref_logp, kl
 
 
 def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:

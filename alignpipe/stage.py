@@ -70,6 +70,19 @@ def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
     return tracker
 
 
+def require_gpus(stage_id: str, gpus: int) -> None:
+    """Fail at once, naming the stage, where fewer CUDA devices are visible than `resources.gpus` asks for."""
+    if not gpus:
+        return
+    import torch
+
+    seen = torch.cuda.device_count()
+    if seen < gpus:
+        raise RuntimeError(f"stage {stage_id!r} needs resources.gpus = {gpus} but this machine ({socket.gethostname()}) "
+                           f"shows {seen} CUDA device(s): run it on a pool whose workers have them "
+                           "(`resources: {pool: gpu}`), or lower `resources.gpus`")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = StageSpec.model_validate_json(Path(argv[0]).read_text())
@@ -93,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     log.info("stage %s (%s) → %s", stage.id, stage.kind, stage_dir)
     try:
+        require_gpus(stage.id, stage.resources.gpus)
         result = runner(stage.kind)(ctx)
-    except BaseException as e:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
+    except BaseException as e:
         log.exception("stage %s failed: %s", stage.id, e)
         if isinstance(tracker, MlflowTracker):
             tracker.set_tags({"alignpipe.error": f"{type(e).__name__}: {e}"[:500]})

@@ -154,7 +154,7 @@ class CheckpointMirror:
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-mirror")
         self._sent: set[str] = set()
 
-    def __enter__(self) -> "CheckpointMirror":
+    def __enter__(self) -> CheckpointMirror:
         self._thread.start()
         return self
 

@@ -92,7 +92,7 @@ class MlflowTracker(Tracker):
 
     @classmethod
     def start(cls, tracking_uri: str, experiment_id: str, run_name: str, parent_run_id: str | None = None,
-              tags: dict[str, str] | None = None) -> "MlflowTracker":
+              tags: dict[str, str] | None = None) -> MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         all_tags = dict(tags or {})

@@ -29,7 +29,8 @@ def versions() -> str:
 
 def cpu() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
     return f"{os.cpu_count()} cores, {model}"

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -67,7 +68,6 @@ def shape_for(kind: str) -> Shape:
 
 
 def model_for(kind: str, assets: str, task: str):
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from alignpipe.modeling import load_tokenizer
@@ -87,8 +87,14 @@ def random_model(kind: str, tok, head: str, seed: int = 0):
     """`small`: the BASELINES.md 20M Llama shape in fp32 on CPU; `qwen0.5b`: Qwen2-0.5B's shape, built in bf16
     directly on the GPU. Random init, seeded."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen2ForSequenceClassification)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+    )
 
     ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_labels=1)
     torch.manual_seed(seed)
@@ -133,7 +139,7 @@ def reward_model_dir(assets: str, kind: str) -> str:
 def rows(assets: str, task: str, shape: Shape = CPU) -> list[dict]:
     """The synthetic sentiment data; on GPU each row is `join` rows' text run together (~500 tokens)."""
     name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts", "ppo": "sentiment_prompts"}.get(task, "sentiment_preferences")
-    data = [json.loads(line) for line in open(f"{assets}/data/{name}.jsonl")]
+    data = [json.loads(line) for line in Path(f"{assets}/data/{name}.jsonl").read_text().splitlines()]
     k, n = shape.join, len(data)
     if task == "sft":
         return [{"prompt": r["prompt"], "completion": "".join(data[(i + j) % n]["completion"] for j in range(k))}

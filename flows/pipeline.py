@@ -9,14 +9,25 @@ from __future__ import annotations
 import concurrent.futures
 import uuid
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
 from alignpipe.manifest import Manifest
 from alignpipe.pipeline import (
-    STATUS_CACHED, STATUS_DONE, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED, StageOutcome, end_pipeline_run, gate, plan,
-    start_pipeline_run, write_spec, write_summary,
+    STATUS_CACHED,
+    STATUS_DONE,
+    STATUS_FAILED,
+    STATUS_NOT_RUN,
+    STATUS_SKIPPED,
+    StageOutcome,
+    end_pipeline_run,
+    gate,
+    plan,
+    start_pipeline_run,
+    write_spec,
+    write_summary,
 )
 from alignpipe.recipe import load_recipe
 from tasks import TASKS
@@ -31,7 +42,7 @@ class PipelineFailed(RuntimeError):
 
 def _flow_run_id() -> str:
     try:
-        return str(get_run_context().flow_run.id)
+        return str(get_run_context().flow_run.id)  # type: ignore[union-attr]  # a flow run's context
     except Exception:  # called outside a flow run (tests of the body)
         return uuid.uuid4().hex
 
@@ -105,7 +116,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     logger.warning("stage %s skipped: %s", s.id, outcomes[s.id].message)
                     skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
                     continue
-                if p.cached:
+                if p.cached and p.manifest is not None:
                     manifests[s.id] = p.manifest
                     outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)
                     logger.info("stage %s: cached (%s)", s.id, p.folder)
@@ -118,7 +129,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     task = dispatch_task.with_options(retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds)
                 if s.resources.retries:
                     task = task.with_options(retries=s.resources.retries)
-                where = {"pool": s.resources.pool} if s.resources.pool else {}
+                where: dict[str, Any] = {"pool": s.resources.pool} if s.resources.pool else {}
                 if recipe.storage:
                     where["storage_options"] = recipe.storage.options
                 future = task.submit(spec_path=spec, stage_id=s.id, processes=s.resources.processes,

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from alignpipe.pipeline import StageFailed, read_manifest, read_spec
@@ -29,16 +32,18 @@ def worker_exit_code(message: str) -> int:
 def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, timeout_s: float | None = None,
                   accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
     logger = get_run_logger()
-    flow_run = run_deployment(deployment_name(pool), parameters={"spec_path": spec_path, "stage_id": stage_id,
-                                                                 "processes": processes, "timeout_s": timeout_s,
-                                                                 "accelerate_config": accelerate_config,
-                                                                 "storage_options": storage_options},
-                              timeout=timeout_s, as_subflow=True)  # bounded: a dead worker cannot hang the pipeline
-    logger.info("stage %s ran as flow run %s on pool %s: %s", stage_id, flow_run.id, pool, flow_run.state.name)
+    flow_run = cast(FlowRun, run_deployment(  # called from a sync task: the FlowRun itself, not a coroutine
+        deployment_name(pool), parameters={"spec_path": spec_path, "stage_id": stage_id, "processes": processes,
+                                           "timeout_s": timeout_s, "accelerate_config": accelerate_config,
+                                           "storage_options": storage_options},
+        timeout=timeout_s, as_subflow=True))  # bounded: a dead worker cannot hang the pipeline
+    state = flow_run.state
+    state_name = state.name if state else "unknown"
+    logger.info("stage %s ran as flow run %s on pool %s: %s", stage_id, flow_run.id, pool, state_name)
     spec = read_spec(spec_path, storage_options)
     manifest = read_manifest(spec)
-    if not flow_run.state.is_completed() or manifest is None or manifest.cache_key != spec.cache_key:
-        message = flow_run.state.message or ""
+    if state is None or not state.is_completed() or manifest is None or manifest.cache_key != spec.cache_key:
+        message = (state.message if state else None) or ""
         raise StageFailed(stage_id, worker_exit_code(message),
-                          [f"flow run {flow_run.id} on pool {pool!r} ended {flow_run.state.name}: {message}"])
+                          [f"flow run {flow_run.id} on pool {pool!r} ended {state_name}: {message}"])
     return manifest.model_dump(mode="json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from alignpipe.manifest import Manifest
 from alignpipe.stage import StageSpec
@@ -16,7 +17,7 @@ from alignpipe.stage import StageSpec
 class KindHooks:
     retries: int = 0
     """Task retries when the recipe's `resources.retries` does not set them."""
-    retry_delay_seconds: list[int] | int = 0
+    retry_delay_seconds: list[float] | float = 0
     env: Callable[[StageSpec], dict[str, str]] | None = None
     """Extra environment variables for the stage process (e.g. a token from a Prefect Secret block)."""
     on_done: Callable[[Manifest], None] | None = None
@@ -33,7 +34,10 @@ def hub_token_env(spec: StageSpec) -> dict[str, str]:
     from prefect.blocks.system import Secret
 
     name = stage_entry(spec).get("token_secret")
-    return {"HF_TOKEN": Secret.load(name).get()} if name else {}
+    if not name:
+        return {}
+    block = cast(Secret, Secret.load(name))  # called outside an event loop, `load` returns the block itself
+    return {"HF_TOKEN": block.get()}
 
 
 def publish_judge_artifacts(manifest: Manifest) -> None:

@@ -64,7 +64,7 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
     assert "| 1 × 20 | 10.0 |" in rows[0] and "| 1 × 10 | 20.0 |" in rows[1] and "| 1 × 10 | 20.0 |" in rows[2]
     bench_main.main(["--trainers", "grpo", *common])  # without --merge the table is this invocation's alone
-    assert [line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line][0].startswith("| grpo")
+    assert next(line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line).startswith("| grpo")
 
 
 def test_steady_rate_leaves_out_the_warm_up_steps():

@@ -88,7 +88,7 @@ def server(tmp_path_factory, hub):
 
 
 def _recipe(tiny, tmp_path, pool: str) -> Path:
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     path = tmp_path / "pool.yaml"
     text = demo_recipe(tiny, tmp_path / "runs").replace("    learning_rate: 1.0e-3\n    max_steps: 150",
@@ -143,7 +143,7 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
 
 
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
-    api, env, _ = server
+    _api, env, _ = server
     path = _recipe(tiny, tmp_path, "no-such-pool")
     out = subprocess.run([str(BIN / "alignpipe"), "run", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
@@ -154,7 +154,7 @@ def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
 
 def test_resume_reruns_nothing_that_finished(server, tiny, tmp_path):
     """`alignpipe resume RUN_ID` re-runs a pipeline run's recipe with its overrides; all cached here."""
-    api, env, _ = server
+    _api, env, _ = server
     path = _recipe(tiny, tmp_path, POOL)
     first = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=540)
@@ -170,7 +170,7 @@ def test_resume_reruns_nothing_that_finished(server, tiny, tmp_path):
 
 
 def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, tmp_path):
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     api, env, _ = server
     recipe = tmp_path / "tiny-demo.yaml"  # the shipped recipe, pointed at this session's tiny assets
@@ -214,12 +214,13 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
     resumes from the last checkpoint on the pool."""
     from alignpipe.manifest import Manifest
 
-    api, env, root = server
+    _api, env, root = server
     path = tmp_path / "crash.yaml"
     path.write_text(_recipe(tiny, tmp_path, POOL).read_text().replace(
         "    max_steps: 40\n    resources: {pool: " + POOL + "}",
-        "    max_steps: 60\n    save_every: 10\n    eval_every: null\n    resources: {pool: " + POOL + ", retries: 1}"))
-    run = subprocess.Popen([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=8"], env=env,
+        "    max_steps: 60\n    save_every: 10\n    resources: {pool: " + POOL + ", retries: 1}"))
+    run = subprocess.Popen([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=8",
+                            "--set", "stages.sft.eval_every=null"], env=env,
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stages = tmp_path / "runs" / "tiny-demo" / "stages"
     deadline = time.monotonic() + 300

@@ -7,7 +7,7 @@ import pytest
 from alignpipe.engine.hf import HFEngine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.rewards import RewardFunctionError, exact_match, load_reward_fn, score, sentiment_lexicon
-from alignpipe.judges.winrate import win_rate, wilson_interval
+from alignpipe.judges.winrate import wilson_interval, win_rate
 from alignpipe.modeling import load_causal_lm, load_tokenizer
 
 
@@ -44,8 +44,9 @@ def test_wilson_interval_matches_hand_computation():
 
 
 def test_win_rate_counts_ties_as_half():
+    wr = win_rate([3, 1, 2, 0, 0.3 + 1e-12], [1, 1, 5, 0, 0.3])
+    assert (wr.wins, wr.ties, wr.losses) == (1, 3, 1), "scores 1e-12 apart are a tie"
     wr = win_rate([3, 1, 2, 0], [1, 1, 5, 0])
-    assert (wr.wins, wr.ties, wr.losses) == (1, 2, 1)
     assert wr.win_rate == pytest.approx(0.5)
     assert wr.ci_low < 0.5 < wr.ci_high
 
@@ -94,7 +95,10 @@ def test_greedy_decoding_equals_transformers_generate(engine):
 def test_sampling_filters_match_transformers_warpers(params):
     import torch
     from transformers.generation.logits_process import (
-        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     from alignpipe.engine.hf import filter_logits
@@ -166,11 +170,12 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     lora_before = {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad}
     expected = copy.deepcopy(policy).merge_and_unload().state_dict()
 
+    loaded: dict = {}
+
     class FakeVLLMModel:
-        loaded: dict = {}
 
         def load_weights(self, weights):
-            self.loaded.update({k: v.clone() for k, v in weights})
+            loaded.update({k: v.clone() for k, v in weights})
 
     class FakeLLM:  # the V0 layout `_vllm_model` reads
         llm_engine = type("E", (), {"model_executor": type("X", (), {"driver_worker": type("W", (), {
@@ -179,7 +184,6 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     engine = object.__new__(VLLMColocateEngine)
     engine.llm, engine._asleep = FakeLLM(), False
     engine.update_weights(policy)
-    loaded = FakeVLLMModel.loaded
     assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert hasattr(policy, "peft_config")
     assert {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad} == lora_before and lora_before

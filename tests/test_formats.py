@@ -31,7 +31,7 @@ def test_preference_drops_identical_pairs_and_long_rows(tiny):
     tok = load_tokenizer(str(tiny / "model"))
     raw = [{"prompt": "p", "chosen": "good", "rejected": "bad"}, {"prompt": "p", "chosen": "same", "rejected": "same"},
            {"prompt": "p " * 100, "chosen": "good", "rejected": "bad"}]
-    train, evals, stats = format_rows(raw, fmt="preference", tokenizer=tok, max_length=32, eval_fraction=0, shuffle=False)
+    train, _evals, stats = format_rows(raw, fmt="preference", tokenizer=tok, max_length=32, eval_fraction=0, shuffle=False)
     assert stats.dropped_identical_pair == 1 and stats.dropped_too_long == 1
     assert train == [{"prompt": "p", "chosen": "good", "rejected": "bad"}]
 

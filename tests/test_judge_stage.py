@@ -116,10 +116,14 @@ def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
     sampling: {{temperature: 0.9, max_new_tokens: 8}}
 """)
     result = judge_stage.run(ctx)
+    verdicts = []
     for r in ctx.tracker.tables["judged_examples"]:
         expected = combine(parse_verdict(r["judge_forward"]), parse_verdict(r["judge_swapped"]))
         assert r["verdict"] == expected
-    assert 0.0 <= result.metrics["judge/win_rate"] <= 1.0
+        verdicts.append(r["verdict"])
+    wins, ties = verdicts.count("win"), verdicts.count("tie")
+    assert result.metrics["judge/win_rate"] == pytest.approx((wins + 0.5 * ties) / len(verdicts))
+    assert (result.metrics["judge/wins"], result.metrics["judge/ties"]) == (wins, ties)
 
 
 def test_verdicts_and_matrix_by_hand():

@@ -11,24 +11,26 @@ from alignpipe.recipe import parse_recipe
 
 
 def run_stage(tiny, tmp_path, text_fn, stage: str, processes: int, overrides: list[str]):
-    recipe = parse_recipe(text_fn(tiny, tmp_path / f"runs{processes}"), overrides)
+    """Run `stage` with `processes` ranks after its ancestors; both runs of a test share one workdir, so the
+    ancestors (same config, same cache key) are trained once and reused."""
+    recipe = parse_recipe(text_fn(tiny, tmp_path / "runs"), overrides)
     plans = plan(recipe)
     tracking = start_pipeline_run(recipe, f"p{processes}")
     done = {}
     for sid in recipe.ancestors(stage):
         inputs = {a: done[a] for a in recipe.ancestors(sid)}
-        done[sid] = launch(write_spec(recipe, plans[sid], inputs, tracking, "x"), on_line=lambda line: None)
+        done[sid] = plans[sid].manifest if plans[sid].cached else launch(write_spec(recipe, plans[sid], inputs, tracking, "x"),
+                                                                        on_line=lambda line: None)
     spec = write_spec(recipe, plans[stage], {a: done[a] for a in recipe.ancestors(stage)}, tracking, "x")
     manifest = launch(spec, on_line=lambda line: None, processes=processes)
     client = MlflowClient(recipe.tracking_uri)
-    exp = client.get_experiment_by_name(recipe.experiment_name)
-    runs = client.search_runs([exp.experiment_id], f"tags.`alignpipe.stage_id` = '{stage}'")
+    runs = client.search_runs([tracking[1]], f"tags.`alignpipe.stage_id` = '{stage}' and tags.mlflow.parentRunId = '{tracking[2]}'")
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     return manifest, runs, losses
 
 
 def demo(tiny, workdir):
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     return demo_recipe(tiny, workdir)
 
@@ -42,7 +44,7 @@ def dpo(tiny, workdir):
 
 @pytest.mark.parametrize("text_fn,stage,per_process", [
     (demo, "sft", ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"]),
-    (dpo, "dpo", ["stages.sft.max_steps=30", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
+    (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
 ])
 def test_two_processes_match_one_process(tiny, tmp_path, text_fn, stage, per_process):
     one, _, single = run_stage(tiny, tmp_path, text_fn, stage, 1, per_process + [f"stages.{stage}.batch_size=16"])

@@ -28,7 +28,7 @@ def summary_of(recipe_path: Path, state, overrides=()) -> dict:
 
 @pytest.fixture(scope="module")
 def demo_run(prefect_harness, tiny, tmp_path_factory):
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     root = tmp_path_factory.mktemp("demo")
     path = root / "tiny-demo.yaml"
@@ -61,7 +61,10 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     sft_artifacts = [a.path for a in client.list_artifacts(sft_run.info.run_id)]
     assert "loss_curve.png" in sft_artifacts and "samples.json" in sft_artifacts
     judge_run = next(c for c in children if c.data.tags["alignpipe.stage_id"] == "judge")
-    assert 0.0 <= judge_run.data.metrics["judge/win_rate"] <= 1.0
+    m = judge_run.data.metrics
+    n = m["judge/wins"] + m["judge/ties"] + m["judge/losses"]
+    assert n == 64 and m["judge/win_rate"] == pytest.approx((m["judge/wins"] + 0.5 * m["judge/ties"]) / n)
+    assert m["judge/ci_low"] <= m["judge/win_rate"] <= m["judge/ci_high"]
     assert {"win_rate.png", "judged_examples.json"} <= {a.path for a in client.list_artifacts(judge_run.info.run_id)}
 
 
@@ -121,7 +124,7 @@ def test_force_reruns_one_stage(demo_run):
 
 
 def test_gate_opened_so_publish_registered_the_model_as_champion(demo_run):
-    path, state = demo_run
+    path, _state = demo_run
     recipe = load_recipe(path, FAST)
     client = MlflowClient(recipe.tracking_uri)
     champion = client.get_model_version_by_alias("tiny-demo-sft", "champion")
@@ -165,8 +168,8 @@ def test_untrained_candidate_fails_the_gate_and_publish_is_skipped(demo_run):
 def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness, tiny, tmp_path, monkeypatch):
     """`target: hub` with HfApi against a loopback stand-in for the Hub (HF_ENDPOINT): the files and the
     commit arrive, the token authorises the calls, and it appears in no log, MLflow store or artifact."""
-    from conftest import demo_recipe
     from loopback import FakeHub, serve
+    from support import demo_recipe
 
     token = "hf_SECRET_test_token_4242"
     hub = FakeHub()

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 from alignpipe.rl_math import full_kl, kl_estimate, masked_whiten
 from alignpipe.trainers import ppo
-from alignpipe.trainers.ppo_controls import KLController, RunningMoments, ratio_exceeds, should_stop_early, transform_scores
+from alignpipe.trainers.ppo_controls import (
+    KLController,
+    RunningMoments,
+    ratio_exceeds,
+    should_stop_early,
+    transform_scores,
+)
 
 TOL = 1e-6
 
@@ -244,8 +250,8 @@ def test_full_kl_from_hidden_states_equals_trl07_on_the_logits(temperature):
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse"])
 def test_rewards_advantages_and_returns_equal_trl07(episode, kind, whiten):
     e = episode
-    (rewards, non_score, kl), (adv, ret) = ours_advantages(e, kind, whiten)
-    t_rewards, t_non_score, t_kl = trl07_compute_rewards(e["scores"], e["logprobs"], e["ref"], e["mask"].long(), 0.05, kind)
+    (rewards, _non_score, kl), (adv, ret) = ours_advantages(e, kind, whiten)
+    t_rewards, _t_non_score, t_kl = trl07_compute_rewards(e["scores"], e["logprobs"], e["ref"], e["mask"].long(), 0.05, kind)
     m = e["mask"]
     assert torch.allclose(rewards[m], t_rewards[m], atol=TOL, rtol=0)
     assert torch.allclose(kl[m], t_kl[m], atol=TOL, rtol=0)

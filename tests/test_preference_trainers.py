@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from support import tiny_split
 
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import dpo, reward
 from alignpipe.trainers.configs import DPOConfig, LoraSpec, RewardConfig
-from conftest import tiny_split
 
 
 @pytest.fixture(scope="module")

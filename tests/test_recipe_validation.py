@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from alignpipe.recipe import RecipeError, load_recipe, parse_recipe
+from alignpipe.recipe import RecipeError, parse_recipe
 
 
 def problems_of(text: str, overrides=()) -> str:
@@ -124,8 +124,8 @@ def test_overrides_address_stages_by_id(demo_text):
 
 def test_every_field_is_documented():
     from alignpipe.recipe.schema import Recipe
-    from alignpipe.recipe.stages import STAGE_TYPES
     from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Resources, Tracking
+    from alignpipe.recipe.stages import STAGE_TYPES
 
     for model in (Recipe, ModelSpec, DatasetSpec, Tracking, Resources, *STAGE_TYPES):
         undocumented = [name for name, f in model.model_fields.items() if name != "kind" and not f.description]
@@ -306,3 +306,19 @@ def test_a_key_given_twice_is_an_error_not_silently_shadowed(tiny):
     msg = problems_of(ppo_with(tiny, "kl_penalty: k3"))
     assert "stages[5].kl_penalty" in msg and "key 'kl_penalty' is given twice (lines 40 and 41)" in msg
     assert "fix: remove one of them" in msg
+
+
+def test_cli_run_force_of_an_unknown_stage_exits_2_naming_the_stages(demo_text, tmp_path):
+    from alignpipe.cli import main
+
+    path = tmp_path / "demo.yaml"
+    path.write_text(demo_text)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["run", str(path), "--force", "sftt"]) == 2
+    assert "(1 problem)" in err.getvalue() and "--force: no stage 'sftt' in this recipe" in err.getvalue()
+    assert "fix: use one of: sft-data, eval-prompts, sft, judge, publish" in err.getvalue()
+    assert not (tmp_path / "runs").exists()

@@ -10,12 +10,12 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from alignpipe.pipeline import launch, plan, start_pipeline_run, stage_command, write_spec
+from alignpipe.pipeline import launch, plan, stage_command, start_pipeline_run, write_spec
 from alignpipe.recipe import parse_recipe
 
 
 def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     recipe = parse_recipe(demo_recipe(tiny, tmp_path / "runs"),
                           ["stages.sft.max_steps=60", "stages.sft.save_every=10", "stages.sft.logging_every=5",
@@ -49,7 +49,7 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
 
 def test_forcing_a_finished_stage_starts_it_afresh(tiny, tmp_path):
     """`--force sft` on a finished SFT must train again, not "resume" from its final checkpoint."""
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     from alignpipe.manifest import Manifest
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from alignpipe.rl_math import (
-    frac_zero_std, group_advantages, kl_estimate, masked_mean, shared_prefix_hidden, shared_prompt_logprobs, token_logprobs,
+    frac_zero_std,
+    group_advantages,
+    kl_estimate,
+    masked_mean,
+    shared_prefix_hidden,
+    shared_prompt_logprobs,
+    token_logprobs,
     worth_sharing,
 )
 from alignpipe.trainers import grpo
@@ -20,7 +26,7 @@ TOL = 1e-5
 def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     """Large logits go through checkpointed chunks, small ones in one piece: both equal the plain computation."""
     from alignpipe import rl_math
-    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
+    from alignpipe.modeling import load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
@@ -43,7 +49,7 @@ def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monke
     """`start` (completions after a prompt) and `only` (completion tokens of padded rows) run the LM head on
     fewer positions: values and gradients equal the full computation's on those positions, zeros elsewhere."""
     from alignpipe import rl_math
-    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
+    from alignpipe.modeling import load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
@@ -69,7 +75,7 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     """GRPO's groups: the prompt runs once per group and its KV cache is repeated; log-probs, entropies and
     every parameter's gradient equal running each prompt + completion row whole (left padding included)."""
     from alignpipe import rl_math
-    from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
+    from alignpipe.modeling import load_causal_lm
 
     monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
     monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model

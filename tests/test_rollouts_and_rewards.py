@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from loopback import completions_handler, serve
+from support import tiny_split
 
 from alignpipe.engine.hf import HFEngine
 from alignpipe.engine.sampling import SamplingParams
@@ -17,7 +17,6 @@ from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokeni
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import grpo, ppo, sft
 from alignpipe.trainers.configs import GRPOConfig, LoraSpec, PPOConfig, SFTConfig
-from conftest import tiny_split
 
 
 def check_engine_contract(engine, tok, prompts, n=2, max_new=5):

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 import torch
+from support import tiny_split
 
 from alignpipe.modeling import is_adapter_dir, load_causal_lm
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import sft
 from alignpipe.trainers.configs import LoraSpec, SFTConfig
-from conftest import tiny_split
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def test_rerun_resumes_from_last_checkpoint(tiny, data, tmp_path):
 def test_num_tokens_is_the_running_total_at_each_log_point(tiny, data, tmp_path):
     """`train/num_tokens` counts every loss token trained on so far: logged every 3 steps it equals the step-by-step
     run's total at steps 3 and 6 (it was the mean of the window's running totals, below the total)."""
-    tok, train, evals = data
+    tok, train, _evals = data
     series = {}
     for every in (1, 3):
         tracker = Tracker()
@@ -135,5 +136,5 @@ def test_num_tokens_is_the_running_total_at_each_log_point(tiny, data, tmp_path)
         sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path / str(every))
         series[every] = tracker.series("train/num_tokens")
     per_step = series[1]
-    assert len(per_step) == 6 and all(b > a for a, b in zip(per_step, per_step[1:]))
+    assert len(per_step) == 6 and all(b > a for a, b in itertools.pairwise(per_step))
     assert series[3] == [per_step[2], per_step[5]]

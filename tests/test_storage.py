@@ -173,7 +173,7 @@ def _statuses(workdir: Path) -> dict[str, str]:
 def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, tiny, tmp_path):
     """Machine A runs the pipeline with `storage: s3://…`; machine B (another, empty workdir) finds every stage
     finished in storage; machine C re-runs the judge, fetching the SFT model it never trained."""
-    from conftest import demo_recipe
+    from support import demo_recipe
 
     env, fs = s3
     recipe = tmp_path / "s3.yaml"

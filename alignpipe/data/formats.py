@@ -138,7 +138,7 @@ def format_rows(raw: list[dict], *, fmt: str, tokenizer, columns: dict[str, str]
         out = keep
     if max_length:
         out, stats.dropped_too_long = _drop_long(out, fmt, tokenizer, max_length)
-    n_eval = int(round(len(out) * eval_fraction))
+    n_eval = round(len(out) * eval_fraction)
     if eval_fraction > 0 and len(out) > 1:
         n_eval = max(1, n_eval)
     train, evals = out[: len(out) - n_eval], out[len(out) - n_eval:]

@@ -7,6 +7,8 @@ from typing import Literal, Protocol
 
 from alignpipe.engine.sampling import SamplingParams
 
+FinishReason = Literal["stop", "length"]
+
 
 @dataclass
 class Generation:
@@ -15,7 +17,7 @@ class Generation:
     prompt_index: int
     completion: str
     completion_ids: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class GenerationEngine(Protocol):

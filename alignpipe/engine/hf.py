@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alignpipe.engine.base import Generation
+from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.modeling import under_attention_kernels
 
@@ -70,6 +70,7 @@ class HFEngine:
         self.model = model
 
     def _finish(self, prompt_index: int, ids: list[int], eos: int) -> Generation:
+        reason: FinishReason
         if eos in ids:
             ids = ids[: ids.index(eos) + 1]
             reason = "stop"

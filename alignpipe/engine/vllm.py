@@ -18,7 +18,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from alignpipe.engine.base import Generation
+from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
 
 
@@ -81,7 +81,7 @@ class VLLMColocateEngine:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 ids = list(c.token_ids)
-                reason = "stop" if c.finish_reason == "stop" else "length"
+                reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
                 if reason == "stop" and (not ids or ids[-1] != self.tok.eos_token_id):
                     ids.append(self.tok.eos_token_id)
                 gens.append(Generation(i, self.tok.decode(ids, skip_special_tokens=True), ids, reason))
@@ -132,7 +132,7 @@ class VLLMServerEngine:
         gens = []
         for k, c in enumerate(choices):
             ids = self.tok(c["text"], add_special_tokens=False)["input_ids"]
-            reason = "stop" if c.get("finish_reason") == "stop" else "length"
+            reason: FinishReason = "stop" if c.get("finish_reason") == "stop" else "length"
             if reason == "stop":
                 ids = ids + [self.tok.eos_token_id]
             gens.append(Generation(k // n, c["text"], ids, reason))

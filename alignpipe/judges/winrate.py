@@ -34,17 +34,20 @@ def wilson_interval(successes: float, n: int, z: float = 1.959963984540054) -> t
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def win_rate(candidate: list[float], baseline: list[float], tol: float = 1e-9) -> WinRate:
-    """Compare paired scores: candidate wins when its score is higher (by more than `tol`)."""
+# Scores closer than this are a tie: the same completion scored in two batches can differ in the last bits.
+TIE_TOLERANCE = 1e-9
+
+
+def verdict(candidate: float, baseline: float, tol: float = TIE_TOLERANCE) -> str:
+    """'win' when the candidate's score is higher by more than `tol`, 'loss' when lower by more, else 'tie'."""
+    return "win" if candidate > baseline + tol else "loss" if candidate < baseline - tol else "tie"
+
+
+def win_rate(candidate: list[float], baseline: list[float], tol: float = TIE_TOLERANCE) -> WinRate:
+    """Compare paired scores (one per prompt each), by `verdict`."""
     if len(candidate) != len(baseline):
         raise ValueError("candidate and baseline need one score per prompt each")
-    wins = sum(1 for c, b in zip(candidate, baseline) if c > b + tol)
-    losses = sum(1 for c, b in zip(candidate, baseline) if c < b - tol)
-    ties = len(candidate) - wins - losses
-    n = len(candidate)
-    rate = (wins + 0.5 * ties) / n if n else 0.0
-    low, high = wilson_interval(wins + 0.5 * ties, n)
-    return WinRate(wins, ties, losses, rate, low, high)
+    return from_verdicts([verdict(c, b, tol) for c, b in zip(candidate, baseline)])
 
 
 def from_verdicts(verdicts: list[str]) -> WinRate:

@@ -7,7 +7,17 @@ from pathlib import Path
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.stages import (
-    BASE, CAUSAL_LM, DATASET, REWARD_MODEL, DPOStage, FormatStage, GRPOStage, JudgeStage, PPOStage, RewardStage, SFTStage,
+    BASE,
+    CAUSAL_LM,
+    DATASET,
+    REWARD_MODEL,
+    DPOStage,
+    FormatStage,
+    GRPOStage,
+    JudgeStage,
+    PPOStage,
+    RewardStage,
+    SFTStage,
 )
 
 # Canonical columns each format needs from the source (after `columns` mapping); any one option.
@@ -44,7 +54,8 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
 
 
 def _check_ids(recipe) -> list[Problem]:
-    problems, seen = [], {}
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
     for i, s in enumerate(recipe.stages):
         if s.id == BASE:
             problems.append(Problem(("stages", i, "id"), "'base' is reserved for the recipe's model", "rename the stage"))
@@ -86,7 +97,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                     f"but `{field}` needs {PRODUCT_NAMES.get(wanted, wanted)}",
                     f"name one of: {', '.join(producers) or '(none in this recipe)'}"))
             else:
-                accepted = ACCEPTED_FORMATS.get((type(s), field))
+                accepted = ACCEPTED_FORMATS.get((type(s), field))  # type: ignore[arg-type]
                 if accepted and isinstance(by_id[target], FormatStage) and by_id[target].format not in accepted:
                     problems.append(Problem(
                         path,
@@ -214,7 +225,7 @@ def _check_datasets(recipe) -> list[Problem]:
                 problems.append(Problem(("datasets", name, "columns", canon), f"column {src!r} is not in {spec.path!r}",
                                         f"columns found: {', '.join(cols)}"))
         available = {c for c in cols} | set(spec.columns)
-        for i, stage in users.get(name, []):
+        for _, stage in users.get(name, []):
             options = REQUIRED_COLUMNS[stage.format]
             if not any(all(c in available for c in opt) for opt in options):
                 need = " or ".join("+".join(o) for o in options)

@@ -37,7 +37,7 @@ def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: b
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError([_problem_from_pydantic(err, data, lines) for err in e.errors()], source) from None
+        raise RecipeError([_problem_from_pydantic(dict(err), data, lines) for err in e.errors()], source) from None
     problems = check_recipe(recipe, check_files=check_files)
     for p in problems:
         p.line = p.line or _line_for(p.path, lines)

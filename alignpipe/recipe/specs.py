@@ -103,7 +103,8 @@ class Resources(Strict):
     accelerate_config: str | None = None
     """An accelerate config file (FSDP, DeepSpeed) for `accelerate launch --config_file`."""
     gpus: int = Field(0, ge=0)
-    """GPUs the stage needs (for pool placement and documentation)."""
+    """GPUs the stage needs: where it runs (locally or on a pool's worker) the stage fails at once, before loading
+    anything, if fewer CUDA devices are visible."""
     retries: int = Field(0, ge=0)
     """Prefect task retries for this stage (a retry resumes from the last checkpoint)."""
     timeout_s: int | None = Field(None, gt=0)

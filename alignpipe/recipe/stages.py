@@ -5,12 +5,14 @@ Fields listed in a kind's `refs` name other stages by id (or `base`, the recipe'
 validator checks that the named stage produces what the field needs (`refs` value).
 
 To add a kind: write its model here (subclass `StageBase`, set `kind`, `produces`, `refs`), add it to
-`STAGE_TYPES`, and add its runner to `alignpipe.stages.RUNNERS` and its task to `tasks/`.
+`STAGE_TYPES`, write its runner as `alignpipe/stages/<kind>.py` (a `run(ctx)` function, listed in
+`alignpipe.stages.KINDS`), and give it Prefect-side hooks in `tasks/hooks.py` if it needs any (the task itself is
+made for every kind).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -36,6 +38,8 @@ class StageBase(Strict):
 
     id: str = Field(pattern=STAGE_ID_PATTERN)
     """Unique name of the stage; other stages refer to its outputs by this id."""
+    kind: str
+    """What the stage does: format, sft, reward, dpo, grpo, ppo, judge or push (each kind's model fixes it)."""
     needs: list[str] = Field(default_factory=list)
     """Extra stages that must finish first (stages named in reference fields are implied)."""
     resources: Resources = Field(default_factory=Resources)
@@ -363,5 +367,5 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, RewardStage, 
                                              PushStage)
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
-Stage = Annotated[Union[FormatStage, SFTStage, RewardStage, DPOStage, GRPOStage, PPOStage, JudgeStage, PushStage],
+Stage = Annotated[FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | PPOStage | JudgeStage | PushStage,
                   Field(discriminator="kind")]

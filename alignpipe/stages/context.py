@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from alignpipe.manifest import Manifest
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import BASE, StageBase
 from alignpipe.tracking import Tracker
+from alignpipe.trainers.common import resolve_seed
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,16 @@ class ModelSource:
     base_path: str | None = None
 
 
+S = TypeVar("S", bound=StageBase)
+
+
 @dataclass
-class StageContext:
+class StageContext(Generic[S]):
+    """What a runner of stage kind S gets: `stage` is that kind's typed config (for a trainer stage, also the
+    trainer's config: the runner hands it on as it is)."""
+
     recipe: Recipe
-    stage: StageBase
+    stage: S
     dir: Path
     inputs: dict[str, Manifest]
     tracker: Tracker
@@ -46,8 +53,8 @@ class StageContext:
 
     @property
     def seed(self) -> int:
-        own = getattr(self.stage, "seed", None)
-        return own if own is not None else self.recipe.seed
+        """The stage's own `seed`, or the recipe's."""
+        return resolve_seed(getattr(self.stage, "seed", None), self.recipe.seed)
 
     def model_source(self, ref: str) -> ModelSource:
         if ref == BASE:
@@ -64,6 +71,8 @@ class StageContext:
         src = self.model_source(ref)
         spec = self.recipe.model
         if src.adapter:
+            if src.base_path is None:
+                raise ValueError(f"{ref!r} is an adapter whose manifest names no base model")
             return load_causal_lm(src.base_path, spec.dtype, trust_remote_code=spec.trust_remote_code,
                                   adapter=src.path, merge=merge)
         revision = spec.revision if ref == BASE else None

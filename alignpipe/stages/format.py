@@ -8,12 +8,13 @@ from pathlib import Path
 from alignpipe.data.formats import format_rows
 from alignpipe.data.sources import load_raw, source_type
 from alignpipe.recipe.check import REQUIRED_COLUMNS
+from alignpipe.recipe.stages import FormatStage
 from alignpipe.stages.context import StageContext, StageResult
 
 log = logging.getLogger(__name__)
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[FormatStage]) -> StageResult:
     import datasets
 
     s = ctx.stage
@@ -35,13 +36,13 @@ def run(ctx: StageContext) -> StageResult:
     log.info("formatted %s → %s: %d train / %d eval rows (fingerprint %s)", s.dataset, s.format, stats.rows_train,
              stats.rows_eval, stats.fingerprint)
     out = Path(ctx.dir) / "data"
-    empty = {k: [] for k in (train or evals or [{}])[0]}
+    empty: dict[str, list] = {k: [] for k in (train or evals or [{}])[0]}
     dd = datasets.DatasetDict({
         "train": datasets.Dataset.from_list(train) if train else datasets.Dataset.from_dict(empty),
         "eval": datasets.Dataset.from_list(evals) if evals else datasets.Dataset.from_dict(empty),
     })
     dd.save_to_disk(str(out))
-    metrics = {"rows_train": stats.rows_train, "rows_eval": stats.rows_eval, "dropped_too_long": stats.dropped_too_long,
+    metrics: dict[str, float] = {"rows_train": stats.rows_train, "rows_eval": stats.rows_eval, "dropped_too_long": stats.dropped_too_long,
                "dropped_identical_pair": stats.dropped_identical_pair}
     ctx.tracker.log_params({"format": s.model_dump(mode="json", exclude={"resources"}), "dataset": spec.model_dump(mode="json"),
                             "fingerprint": stats.fingerprint})

@@ -5,9 +5,9 @@ from __future__ import annotations
 from alignpipe.engine.factory import make_engine
 from alignpipe.judges.reward_set import load_rewards
 from alignpipe.plots import curves_figure
+from alignpipe.recipe.stages import GRPOStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers import grpo
-from alignpipe.trainers.configs import GRPOConfig
 
 
 def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
@@ -15,14 +15,13 @@ def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)]
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[GRPOStage]) -> StageResult:
     s = ctx.stage
-    cfg = GRPOConfig.model_validate(s.model_dump(include=set(GRPOConfig.model_fields)))
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
-    model, tokenizer, base_path = ctx.start_model(s.model, lora=cfg.lora is not None)
-    ref = ctx.load_model(s.model, merge=True) if cfg.beta and not cfg.lora else None
-    engine = make_engine(cfg.rollout, model, tokenizer) if cfg.rollout.backend != "hf" else None
-    result = grpo.train(cfg, model, tokenizer, prompt_rows(ctx, s.data, "train"), rewards, ctx.tracker, ctx.dir, ctx.seed,
+    model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
+    ref = ctx.load_model(s.model, merge=True) if s.beta and not s.lora else None
+    engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
+    result = grpo.train(s, model, tokenizer, prompt_rows(ctx, s.data, "train"), rewards, ctx.tracker, ctx.dir, ctx.seed,
                         ref_model=ref, engine=engine, eval_rows=prompt_rows(ctx, s.data, "eval"))
     for keys, name in ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png")):
         fig = curves_figure(ctx.tracker, keys, f"GRPO {s.id}")

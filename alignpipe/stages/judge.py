@@ -8,37 +8,44 @@ import json
 import logging
 from itertools import combinations
 from pathlib import Path
+from typing import cast
 
 from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
 from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
-from alignpipe.judges.winrate import WinRate, from_verdicts, matrix
+from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
+from alignpipe.recipe.stages import JudgeStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers.online import extra_columns
 
 log = logging.getLogger(__name__)
 
 
-def generate(ctx: StageContext, ref: str, prompts: list[str]) -> list[str]:
+def generate(ctx: StageContext[JudgeStage], ref: str, prompts: list[str]) -> list[str]:
     s = ctx.stage
     engine = HFEngine(ctx.load_model(ref, merge=True), ctx.tokenizer(ref), batch_size=s.batch_size)
     return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
 
 
-def prompt_rows(ctx: StageContext) -> list[dict]:
+def prompt_rows(ctx: StageContext[JudgeStage]) -> list[dict]:
     s = ctx.stage
-    rows = load_raw(s.prompts_file).to_list() if s.prompts_file else ctx.rows(s.prompts, s.split)
+    source = s.prompts_file or f"{s.prompts} / {s.split}"
+    if s.prompts_file:
+        rows = load_raw(s.prompts_file).to_list()
+    else:
+        assert s.prompts is not None  # validation: exactly one of prompts, prompts_file
+        rows = ctx.rows(s.prompts, s.split)
     rows = rows[: s.num_prompts]
     if not rows:
-        raise ValueError(f"no prompts to judge ({s.prompts_file or s.prompts + ' / ' + s.split})")
+        raise ValueError(f"no prompts to judge ({source})")
     if "prompt" not in rows[0]:
         raise ValueError(f"the judge's prompts have no `prompt` column (columns: {sorted(rows[0])})")
     return rows
 
 
-def scorer(ctx: StageContext):
+def scorer(ctx: StageContext[JudgeStage]):
     """(name, fn) of the per-completion scorer, loaded before any generation so a bad one fails first."""
     s = ctx.stage
     if s.reward_model:
@@ -48,14 +55,16 @@ def scorer(ctx: StageContext):
     return s.reward, load_reward_fn(s.reward)
 
 
-def llm_judge(ctx: StageContext):
+def llm_judge(ctx: StageContext[JudgeStage]):
     spec = ctx.stage.llm_judge
+    assert spec is not None and (spec.url or spec.model)  # validation: exactly one of model, url
     if spec.url:
         return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
-    return f"LLM judge {spec.model}", LocalJudge(ctx.load_model(spec.model, merge=True), ctx.tokenizer(spec.model), spec.max_new_tokens)
+    model = cast(str, spec.model)
+    return f"LLM judge {model}", LocalJudge(ctx.load_model(model, merge=True), ctx.tokenizer(model), spec.max_new_tokens)
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[JudgeStage]) -> StageResult:
     s = ctx.stage
     judge_name, judge_fn = llm_judge(ctx) if s.llm_judge else scorer(ctx)
     rows = prompt_rows(ctx)
@@ -74,7 +83,7 @@ def run(ctx: StageContext) -> StageResult:
             records = judge_pairs(judge_fn, s.llm_judge.template, prompts, outputs[c], outputs[b])
         else:
             records = [{"candidate_score": cs, "baseline_score": bs,
-                        "verdict": "n/a" if cs is None or bs is None else ("win" if cs > bs else "loss" if cs < bs else "tie")}
+                        "verdict": "n/a" if cs is None or bs is None else verdict(cs, bs)}
                        for cs, bs in zip(scores[c], scores[b])]
         verdicts = [r["verdict"] for r in records if r["verdict"] != "n/a"]
         if not verdicts:

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder
-from alignpipe.recipe.stages import FormatStage, JudgeStage
+from alignpipe.recipe.stages import FormatStage, JudgeStage, PushStage
 from alignpipe.stages.context import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -14,7 +14,7 @@ CARD_HYPERPARAMETERS = ("learning_rate", "max_steps", "epochs", "batch_size", "g
                         "max_length", "lora", "beta", "loss_type", "num_generations", "kl_coef")
 
 
-def card_info(ctx: StageContext, adapter: bool) -> CardInfo:
+def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     recipe, s = ctx.recipe, ctx.stage
     info = CardInfo(name=s.repo_id or s.id, base_model=recipe.model.path, pipeline=recipe.name,
                     recipe_hash=recipe.fingerprint(), mlflow_run_id=ctx.mlflow_parent_run_id, license=s.license,
@@ -34,7 +34,7 @@ def card_info(ctx: StageContext, adapter: bool) -> CardInfo:
     return info
 
 
-def register(ctx: StageContext, spec, source: str) -> str:
+def register(ctx: StageContext[PushStage], spec, source: str) -> str:
     """Create a model version from the published location and move the alias to it."""
     client = getattr(ctx.tracker, "client", None)
     if client is None:
@@ -47,14 +47,14 @@ def register(ctx: StageContext, spec, source: str) -> str:
     except MlflowException:
         client.create_registered_model(spec.name, description=f"Published by alignpipe pipeline {ctx.recipe.name}")
     uri = source if "://" in source else Path(source).resolve().as_uri()
-    version = client.create_model_version(spec.name, source=uri, run_id=ctx.tracker.run_id,
+    version = client.create_model_version(spec.name, source=uri, run_id=getattr(ctx.tracker, "run_id", None),
                                           tags={"alignpipe.pipeline": ctx.recipe.name, "alignpipe.recipe_hash": ctx.recipe.fingerprint()})
     client.set_registered_model_alias(spec.name, spec.alias, version.version)
     log.info("registered %s version %s with alias %r", spec.name, version.version, spec.alias)
     return f"models:/{spec.name}@{spec.alias} (version {version.version})"
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[PushStage]) -> StageResult:
     s = ctx.stage
     src = ctx.model_source(s.model)
     folder = Path(src.path)
@@ -81,6 +81,7 @@ def run(ctx: StageContext) -> StageResult:
 
             revision = revision.replace("{run_id}", ctx.pipeline_run_id[:8]).replace(
                 "{date}", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+        assert s.repo_id is not None  # validation: target 'hub' needs repo_id
         url = push_to_hub(staged, s.repo_id, private=s.private, revision=revision, commit_message=message)
         outputs["published"] = url
         log.info("pushed %s to %s", s.model, url)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from alignpipe.modeling import load_sequence_scorer
 from alignpipe.plots import curves_figure
+from alignpipe.recipe.stages import RewardStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers import reward
-from alignpipe.trainers.configs import RewardConfig
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[RewardStage]) -> StageResult:
     s = ctx.stage
-    cfg = RewardConfig.model_validate(s.model_dump(include=set(RewardConfig.model_fields)))
     src = ctx.model_source(s.model)
     init = src.path
     if src.adapter:  # a classifier is built from full weights: merge the upstream adapter first
@@ -20,7 +19,7 @@ def run(ctx: StageContext) -> StageResult:
     tokenizer = ctx.tokenizer(s.model)
     model = load_sequence_scorer(init, ctx.recipe.model.dtype, trust_remote_code=ctx.recipe.model.trust_remote_code,
                                  pad_token_id=tokenizer.pad_token_id, seed=ctx.seed)
-    result = reward.train(cfg, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
+    result = reward.train(s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
     fig = curves_figure(ctx.tracker, ["train/accuracy", "eval/accuracy"], f"reward model {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "accuracy_curve.png")

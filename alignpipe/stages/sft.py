@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from alignpipe.plots import curves_figure
+from alignpipe.recipe.stages import SFTStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers import sft
-from alignpipe.trainers.configs import SFTConfig
 
 
-def run(ctx: StageContext) -> StageResult:
+def run(ctx: StageContext[SFTStage]) -> StageResult:
     s = ctx.stage
-    cfg = SFTConfig.model_validate(s.model_dump(include=set(SFTConfig.model_fields)))
-    model, tokenizer, base_path = ctx.start_model(s.model, lora=cfg.lora is not None)
-    result = sft.train(cfg, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
+    model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
+    result = sft.train(s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
     fig = curves_figure(ctx.tracker, ["train/loss", "eval/loss"], f"SFT {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "loss_curve.png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -30,6 +32,18 @@ class TrainResult:
     adapter: bool = False
     seconds: float = 0.0
     resumed_from: int | None = None
+
+
+def resolve_seed(own: int | None, default: int) -> int:
+    """A stage's or trainer config's own `seed` when set, else `default` (the recipe's)."""
+    return own if own is not None else default
+
+
+def config_params(cfg: TrainingArgs) -> dict:
+    """The hyperparameters of a trainer config as JSON values, for MLflow params: the fields of its trainer config
+    class only (a recipe stage is that config plus wiring such as ids and data references, which are not logged)."""
+    own = next(c for c in type(cfg).__mro__ if issubclass(c, TrainingArgs) and c.__module__ == TrainingArgs.__module__)
+    return cfg.model_dump(mode="json", include=set(own.model_fields))
 
 
 def seed_everything(seed: int) -> None:
@@ -59,7 +73,8 @@ def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[to
 
 def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     """AdamW with no weight decay on biases and normalization weights (1-D parameters)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
@@ -186,14 +201,6 @@ class Throughput:
         return out
 
 
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 # Metrics a step function reports as running totals: logged as the window's last value, not its mean.
 RUNNING_TOTALS = frozenset({"num_tokens"})
 
@@ -212,7 +219,7 @@ class TrainLoop:
     def __init__(self, name: str, cfg: TrainingArgs, model, examples: list[dict], collate, tracker, output_dir,
                  seed: int, lora_task: str = "CAUSAL_LM", rows_per_batch: int | None = None, repeat: int = 1):
         from accelerate import Accelerator
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, Dataset
 
         from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
 
@@ -231,12 +238,12 @@ class TrainLoop:
             model = lora_model(model, cfg.lora, task_type=lora_task)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
-            tracker.log_params({name: cfg.model_dump(mode="json"), "model.trainable_params": trainable, "model.total_params": total})
+            tracker.log_params({name: config_params(cfg), "model.trainable_params": trainable, "model.total_params": total})
 
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
             return self.accelerator.prepare_data_loader(
-                DataLoader(examples, batch_size=rows_per_batch or cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
+                DataLoader(cast("Dataset", examples), batch_size=rows_per_batch or cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))
@@ -263,7 +270,7 @@ class TrainLoop:
 
     def no_sync_unless(self, last: bool):
         """Skip the DDP gradient all-reduce on all but the last micro-batch of a step."""
-        return _NullContext() if last else self.accelerator.no_sync(self.model)
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
 
     def _micro_batches(self, start: int):
         m = start

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import shared_prompt_logprobs
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ class _Reference:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         with torch.inference_mode(), self._context():  # no autograd bookkeeping per op, unlike no_grad
             logps, _, _ = completion_logps(self.model if self.model is not None else self.loop.model, batch)
-        return logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
+        chosen, rejected = logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
+        return chosen, rejected
 
     def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:
         """Fill `ref_chosen_logps`/`ref_rejected_logps` into every example, from the cache when it matches."""
@@ -200,7 +201,7 @@ def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: l
           seed: int = 0, ref_model=None) -> TrainResult:
     """Align `model` on preference rows. Without LoRA, pass a frozen `ref_model` (a second copy of the
     starting weights) unless `precompute_ref_logps` or `reference_free` makes it unnecessary."""
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
     collate_fn = lambda b: collate(b, pad_id, cfg.max_length)  # noqa: E731

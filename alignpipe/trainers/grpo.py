@@ -31,8 +31,8 @@ import torch
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean, shared_prompt_logprobs
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
+from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean, shared_prompt_logprobs
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 
@@ -49,7 +49,9 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logp
     loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     kl = None
     if beta != 0.0:
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference log-probs")
+        kl = kl_estimate(logps, ref_logps, "k3")
         if kl_correction:
             kl = kl * ratio
         loss = loss + beta * kl
@@ -98,7 +100,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
     G = cfg.num_generations
     if cfg.batch_size % G:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = resolve_seed(cfg.seed, seed)
     temperature = cfg.sampling.temperature or 1.0
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon

@@ -23,7 +23,7 @@ Departures from TRL 1.12, both as TRL 0.7 and the N+ paper do: the score lands o
 of the episode (1.12 treated the position after EOS as a real next step, bootstrapping from its value and
 training that value toward 0).
 
-Metrics (the seed's names): objective/kl, objective/kl_coef, objective/entropy, objective/non_score_reward,
+Metrics (TRL 1.12's names, and TRL 0.7's for its controls): objective/kl, objective/kl_coef, objective/entropy, objective/non_score_reward,
 objective/rlhf_reward, objective/scores (after the EOS penalty and scaling), objective/raw_scores (the reward
 set's total), policy/approxkl_avg, policy/policykl_avg, policy/clipfrac_avg, loss/policy_avg, loss/value_avg,
 val/clipfrac_avg, policy/entropy_avg, val/ratio, val/ratio_var, val/num_eos_tokens, policy/ppo_epochs,
@@ -48,11 +48,26 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import decoder_hidden, full_kl, gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
 from alignpipe.trainers.common import (
-    Checkpointer, TrainResult, build_optimizer, build_scheduler, pad_rows, progress, save_model, seed_everything,
+    Checkpointer,
+    TrainResult,
+    build_optimizer,
+    build_scheduler,
+    config_params,
+    pad_rows,
+    progress,
+    resolve_seed,
+    save_model,
+    seed_everything,
 )
 from alignpipe.trainers.configs import PPOConfig
-from alignpipe.trainers.ppo_controls import KLController, RunningMoments, ratio_exceeds, should_stop_early, transform_scores
 from alignpipe.trainers.online import extra_columns, print_samples
+from alignpipe.trainers.ppo_controls import (
+    KLController,
+    RunningMoments,
+    ratio_exceeds,
+    should_stop_early,
+    transform_scores,
+)
 
 log = logging.getLogger(__name__)
 INVALID_LOGPROB = 1.0
@@ -197,7 +212,7 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
 
     started = time.perf_counter()
     output_dir = Path(output_dir)
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = resolve_seed(cfg.seed, seed)
     seed_everything(seed)
     temperature = cfg.sampling.temperature or 1.0
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
@@ -222,7 +237,7 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
     model, optimizer = acc.prepare(model, optimizer)  # scheduler unwrapped: see TrainLoop
     acc.register_for_checkpointing(scheduler)
     if acc.is_main_process:
-        tracker.log_params({"ppo": cfg.model_dump(mode="json")})
+        tracker.log_params({"ppo": config_params(cfg)})
     kl_ctl = KLController(cfg.kl_coef, cfg.adap_kl_ctrl, cfg.target, cfg.horizon)
     moments = RunningMoments() if cfg.use_score_scaling else None
     checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
@@ -272,19 +287,21 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
         scores = transform_scores(scores, moments, cfg.use_score_norm, cfg.score_clip)
         unwrapped.eval()
-        parts, values = [], []
+        lp_parts, ref_parts, kl_parts, value_parts = [], [], [], []
         for s in range(0, rollout_size, cfg.batch_size):
             sl = slice(s, s + cfg.batch_size)
-            parts.append(score_episodes(query[sl], query_mask[sl], response[sl]))
-            values.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
-        logprobs, ref_logprobs = (torch.cat([p[i] for p in parts]).float() for i in (0, 1))
+            lp, ref_lp, full = score_episodes(query[sl], query_mask[sl], response[sl])
+            lp_parts.append(lp)
+            ref_parts.append(ref_lp)
+            if full is not None:
+                kl_parts.append(full)
+            value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
         last = (lengths - 1).to(device)
         padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
-        logprobs = logprobs.masked_fill(padding, INVALID_LOGPROB)
-        ref_logprobs = ref_logprobs.masked_fill(padding, INVALID_LOGPROB)
-        values = torch.cat(values).masked_fill(padding, 0)
-        kl = (torch.cat([p[2] for p in parts]).float() if cfg.kl_penalty == "full"
-              else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)).masked_fill(padding, 0)
+        logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
+        ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
+        values = torch.cat(value_parts).masked_fill(padding, 0)
+        kl = (torch.cat(kl_parts).float() if kl_parts else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)).masked_fill(padding, 0)
         token_rewards, non_score = kl_rewards(scores, kl, last, kl_ctl.value)
         advantages, returns = advantages_and_returns(token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards)
         batch = Rollout(query=query, query_mask=query_mask, response=response, response_mask=~padding, logprobs=logprobs,
@@ -369,9 +386,9 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         }
         if moments is not None:
             metrics.update({"objective/score_running_mean": float(moments.mean), "objective/score_running_std": float(moments.std)})
-        for k, name in enumerate(rewards.names):
-            col = per_fn[:, k][~torch.isnan(per_fn[:, k])]
-            metrics[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
+        for j, fn_name in enumerate(rewards.names):
+            col = per_fn[:, j][~torch.isnan(per_fn[:, j])]
+            metrics[f"rewards/{fn_name}/mean"] = float(col.mean()) if len(col) else 0.0
         if not all(math.isfinite(v) for v in metrics.values()):
             bad = [k for k, v in metrics.items() if not math.isfinite(v)]
             last_ckpt = checkpoints.complete()

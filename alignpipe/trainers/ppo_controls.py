@@ -51,8 +51,8 @@ class RunningMoments:
         """Merge the batch `xs`; returns the batch's own (mean, Bessel-corrected std)."""
         xs = xs.detach().float()
         n = xs.numel()
-        xs_var, xs_mean = torch.var_mean(xs, unbiased=False)
-        xs_mean, xs_var = float(xs_mean), float(xs_var)
+        var_t, mean_t = torch.var_mean(xs, unbiased=False)
+        xs_mean, xs_var = float(mean_t), float(var_t)
         delta = xs_mean - self.mean
         total = self.count + n
         old_sum = self.var * self.count + delta ** 2 * self.count * n / total

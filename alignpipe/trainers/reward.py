@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden, unwrapped
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
 
@@ -57,7 +57,8 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
       at least its last token, where the score is read)."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     input_ids, mask = pad_rows(seqs, pad_id)
-    prefixes, suffixes = [], [[], []]
+    prefixes: list[list[int]] = []
+    suffixes: list[list[list[int]]] = [[], []]
     for e in examples:
         c, r = e["chosen_ids"], e["rejected_ids"]
         k = 0
@@ -147,7 +148,7 @@ def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id
 def train(cfg: RewardConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0) -> TrainResult:
     """Train `model` (a 1-label sequence classifier) on preference rows; saves a merged, loadable scorer."""
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     model.config.pad_token_id = pad_id
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.use_margin)

@@ -24,7 +24,7 @@ import torch
 
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import token_logprobs
-from alignpipe.trainers.common import TrainLoop, TrainResult
+from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: 
 @under_attention_kernels
 def train(cfg: SFTConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
           seed: int = 0) -> TrainResult:
-    seed = cfg.seed if cfg.seed is not None else seed
+    seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
