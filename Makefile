@@ -12,16 +12,21 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 export MLFLOW_ENABLE_TELEMETRY ?= false
 
-.PHONY: install demo test test-slow bench clean lint
+.PHONY: install demo test test-slow bench clean lint lock
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
 	touch $@
 
-install: $(BIN)/.installed
+# The test extra: TRL (the reference), moto/s3fs (local S3), pytest, ruff and mypy.
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed-test
 
 $(ASSETS)/ASSETS.json: $(BIN)/.installed
 	$(BIN)/alignpipe make-tiny $(ASSETS)
@@ -29,14 +34,25 @@ $(ASSETS)/ASSETS.json: $(BIN)/.installed
 demo: $(BIN)/.installed $(ASSETS)/ASSETS.json
 	$(BIN)/alignpipe run pipelines/tiny-demo.yaml
 
-test: $(BIN)/.installed
+LINTED := alignpipe tasks flows tests bench
+lint: $(BIN)/.installed-test
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/mypy alignpipe tasks flows
+
+test: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-slow: $(BIN)/.installed
+test-slow: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
-bench: $(BIN)/.installed $(ASSETS)/ASSETS.json
+bench: $(BIN)/.installed-test $(ASSETS)/ASSETS.json
 	$(BIN)/python -m bench --models tiny,small --repeats 3
+
+# Re-pin constraints.txt to what is installed now (after a pyproject change and a green `make lint test`).
+lock: $(BIN)/.installed-test
+	{ sed -n '1,2p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch==\|^#' | sort -f; } > constraints.tmp
+	mv constraints.tmp constraints.txt
 
 clean:
 	rm -rf runs .pytest_cache

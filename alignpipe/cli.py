@@ -12,8 +12,14 @@ from alignpipe.recipe import RecipeError, load_recipe
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="path of a YAML recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)",
+    )
 
 
 def cmd_validate(args) -> int:
@@ -52,9 +58,17 @@ def cmd_run(args) -> int:
     if unknown:
         from alignpipe.recipe.errors import Problem
 
-        raise RecipeError([Problem(("--force",), f"no stage {f!r} in this recipe",
-                                   f"use one of: {', '.join(s.id for s in recipe.stages)}") for f in unknown],
-                          f"alignpipe run {args.recipe}")
+        raise RecipeError(
+            [
+                Problem(
+                    ("--force",),
+                    f"no stage {f!r} in this recipe",
+                    f"use one of: {', '.join(s.id for s in recipe.stages)}",
+                )
+                for f in unknown
+            ],
+            f"alignpipe run {args.recipe}",
+        )
     from flows.pipeline import check_pools, pipeline
 
     if any(s.resources.pool for s in recipe.stages):
@@ -78,7 +92,9 @@ def cmd_resume(args) -> int:
     the text the run recorded."""
     found = find_run_summary(args.run_id, args.workdir, args.storage)
     if found is None:
-        where = f"{args.workdir} (*/runs/<id>.json)" + (f" or {args.storage} (*/runs/<id>.json)" if args.storage else "")
+        where = f"{args.workdir} (*/runs/<id>.json)" + (
+            f" or {args.storage} (*/runs/<id>.json)" if args.storage else ""
+        )
         hint = "" if args.storage else "; a run with `storage:` in its recipe: pass --storage URL"
         print(f"error: no pipeline run {args.run_id!r} under {where}{hint}", file=sys.stderr)
         return 2
@@ -87,7 +103,9 @@ def cmd_resume(args) -> int:
     recipe_path, text = request.get("recipe"), request.get("recipe_text")
     if recipe_path and Path(recipe_path).is_file():
         if text is not None and Path(recipe_path).read_text() != text:
-            print(f"note: {recipe_path} changed since run {summary['pipeline_run_id']}; resuming with the file as it is now")
+            print(
+                f"note: {recipe_path} changed since run {summary['pipeline_run_id']}; resuming with the file as it is now"
+            )
     elif text:
         from alignpipe.recipe.load import parse_recipe
 
@@ -95,11 +113,16 @@ def cmd_resume(args) -> int:
         copy = root / "runs" / f"{summary['pipeline_run_id']}.recipe.yaml"
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(text)
-        print(f"{recipe_path or 'the recipe'} is not on this machine: resuming with the recipe the run recorded ({copy})")
+        print(
+            f"{recipe_path or 'the recipe'} is not on this machine: resuming with the recipe the run recorded ({copy})"
+        )
         recipe_path = str(copy)
     else:
-        print(f"error: run {args.run_id} ({source}) did not record its recipe, and {recipe_path!r} is not here; run "
-              "`alignpipe run RECIPE` again", file=sys.stderr)
+        print(
+            f"error: run {args.run_id} ({source}) did not record its recipe, and {recipe_path!r} is not here; run "
+            "`alignpipe run RECIPE` again",
+            file=sys.stderr,
+        )
         return 2
     print(f"resuming {summary['pipeline']} from {recipe_path} with {request.get('overrides') or 'no overrides'}")
     return cmd_run(argparse.Namespace(recipe=recipe_path, overrides=request.get("overrides") or [], force=[]))
@@ -134,7 +157,10 @@ def cmd_deploy(args) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         name = args.name or recipe.name
         deploy_pipeline(args.recipe, name, args.pipeline_pool, args.overrides, args.cron)
-        print(f"deployed alignpipe-pipeline/{name} on work pool {args.pipeline_pool!r}" + (f" (cron {args.cron})" if args.cron else ""))
+        print(
+            f"deployed alignpipe-pipeline/{name} on work pool {args.pipeline_pool!r}"
+            + (f" (cron {args.cron})" if args.cron else "")
+        )
     return 0
 
 
@@ -161,14 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--force", action="append", default=[], metavar="STAGE", help="re-run this stage even if cached")
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("resume", help="run a pipeline run's recipe again: finished stages are reused, killed ones resume")
+    p = sub.add_parser(
+        "resume", help="run a pipeline run's recipe again: finished stages are reused, killed ones resume"
+    )
     p.add_argument("run_id", help="the pipeline (flow) run id, or a prefix of it")
     p.add_argument("--workdir", default="./runs", help="the recipe's workdir (default ./runs)")
-    p.add_argument("--storage", help="the recipe's storage URL (s3://…, gs://…): find the run there when this machine's "
-                   "workdir does not have it; credentials come from the environment, as for `storage:`")
+    p.add_argument(
+        "--storage",
+        help="the recipe's storage URL (s3://…, gs://…): find the run there when this machine's "
+        "workdir does not have it; credentials come from the environment, as for `storage:`",
+    )
     p.set_defaults(fn=cmd_resume)
-    p = sub.add_parser("deploy", help="deploy the stage flow on work pools and/or a recipe's pipeline (with a schedule)")
-    p.add_argument("--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)")
+    p = sub.add_parser(
+        "deploy", help="deploy the stage flow on work pools and/or a recipe's pipeline (with a schedule)"
+    )
+    p.add_argument(
+        "--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)"
+    )
     p.add_argument("--recipe", help="also deploy the pipeline flow for this recipe")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--name", help="pipeline deployment name (default: the recipe name)")

@@ -16,8 +16,10 @@ import operator
 import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"\s*(?:(?P<num>-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)|(?P<op><=|>=|==|!=|<|>|\(|\))|"
-                    r"(?P<word>[A-Za-z][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_/.-]+)?))")
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)|(?P<op><=|>=|==|!=|<|>|\(|\))|"
+    r"(?P<word>[A-Za-z][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_/.-]+)?))"
+)
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
 
 
@@ -169,7 +171,9 @@ def evaluate(node, metrics: dict[str, dict[str, float]]) -> tuple[bool, str]:
         if kind == "cmp":
             a, b = value(n[2]), value(n[3])
             result = _OPS[n[1]](a, b)
-            notes.append(f"{name(n[2])} = {a:.4g} {n[1]} {name(n[3])}{'' if n[3][0] == 'num' else f' = {b:.4g}'} → {str(result).lower()}")
+            notes.append(
+                f"{name(n[2])} = {a:.4g} {n[1]} {name(n[3])}{'' if n[3][0] == 'num' else f' = {b:.4g}'} → {str(result).lower()}"
+            )
             return result
         if kind in ("ref", "num"):
             return bool(value(n))

@@ -33,8 +33,13 @@ class CardInfo:
 
 def model_card(info: CardInfo) -> str:
     """Markdown with Hub model-card metadata (YAML header: license, base_model, tags, datasets)."""
-    meta = {"license": info.license, "base_model": info.base_model, "library_name": "peft" if info.adapter else "transformers",
-            "tags": sorted({"alignpipe", *info.tags}), "pipeline_tag": "text-generation"}
+    meta = {
+        "license": info.license,
+        "base_model": info.base_model,
+        "library_name": "peft" if info.adapter else "transformers",
+        "tags": sorted({"alignpipe", *info.tags}),
+        "pipeline_tag": "text-generation",
+    }
     hub_datasets = [d["path"] for d in info.datasets if d.get("hub")]
     if hub_datasets:
         meta["datasets"] = hub_datasets
@@ -44,8 +49,10 @@ def model_card(info: CardInfo) -> str:
     kind = "a LoRA adapter for" if info.adapter else "a fine-tune of"
     lines += [f"This model is {kind} `{info.base_model}`, trained by the alignpipe pipeline `{info.pipeline}`.", ""]
     lines += ["## Data", "", "| dataset | source | fingerprint | train rows | eval rows |", "|---|---|---|---|---|"]
-    lines += [f"| {d['name']} | `{d['path']}` | `{d.get('fingerprint', '')}` | {d.get('rows_train', '')} | {d.get('rows_eval', '')} |"
-              for d in info.datasets]
+    lines += [
+        f"| {d['name']} | `{d['path']}` | `{d.get('fingerprint', '')}` | {d.get('rows_train', '')} | {d.get('rows_eval', '')} |"
+        for d in info.datasets
+    ]
     lines += ["", "## Stages", ""]
     for s in info.stages:
         lines.append(f"### `{s['id']}` ({s['kind']})")
@@ -57,11 +64,24 @@ def model_card(info: CardInfo) -> str:
             lines += [f"| {k} | {v:.4g} |" for k, v in s["metrics"].items() if isinstance(v, (int, float))]
         lines.append("")
     if info.win_rates:
-        lines += ["## Judged win rates", "", "| candidate | baseline | win rate | 95% interval | prompts |", "|---|---|---|---|---|"]
-        lines += [f"| {w['candidate']} | {w['baseline']} | {w['win_rate']:.3f} | [{w['ci_low']:.3f}, {w['ci_high']:.3f}] | {w['n']} |"
-                  for w in info.win_rates]
+        lines += [
+            "## Judged win rates",
+            "",
+            "| candidate | baseline | win rate | 95% interval | prompts |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {w['candidate']} | {w['baseline']} | {w['win_rate']:.3f} | [{w['ci_low']:.3f}, {w['ci_high']:.3f}] | {w['n']} |"
+            for w in info.win_rates
+        ]
         lines.append("")
-    lines += ["## Reproduce", "", f"- recipe hash: `{info.recipe_hash}`", f"- MLflow run id: `{info.mlflow_run_id}`", ""]
+    lines += [
+        "## Reproduce",
+        "",
+        f"- recipe hash: `{info.recipe_hash}`",
+        f"- MLflow run id: `{info.mlflow_run_id}`",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -85,7 +105,11 @@ def _transient(error: Exception) -> bool:
     if status is not None:
         return status >= 500 or status == 429
     return isinstance(error, (ConnectionError, TimeoutError, OSError)) or type(error).__name__ in (
-        "ConnectError", "ReadTimeout", "RemoteProtocolError", "ConnectTimeout")
+        "ConnectError",
+        "ReadTimeout",
+        "RemoteProtocolError",
+        "ConnectTimeout",
+    )
 
 
 def _with_retries(what: str, fn, attempts: int, backoff_s: float):
@@ -97,25 +121,46 @@ def _with_retries(what: str, fn, attempts: int, backoff_s: float):
             return fn()
         except Exception as e:
             if attempt == attempts or not _transient(e):
-                raise RuntimeError(f"Hub {what} failed after {attempt} attempt(s): {e}. The model and its card are "
-                                   "still in the stage folder; re-run the pipeline to retry the push.") from e
+                raise RuntimeError(
+                    f"Hub {what} failed after {attempt} attempt(s): {e}. The model and its card are "
+                    "still in the stage folder; re-run the pipeline to retry the push."
+                ) from e
             delay = backoff_s * 2 ** (attempt - 1)
             logging.getLogger(__name__).warning("Hub %s failed (%s); retrying in %.0fs", what, e, delay)
             time.sleep(delay)
 
 
-def push_to_hub(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
-                commit_message: str = "alignpipe upload", endpoint: str | None = None, attempts: int = 4,
-                backoff_s: float = 2.0) -> str:
+def push_to_hub(
+    folder: Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str = "alignpipe upload",
+    endpoint: str | None = None,
+    attempts: int = 4,
+    backoff_s: float = 2.0,
+) -> str:
     """Create the repo (and branch) if needed and upload `folder`, retrying transient failures with
     exponential backoff. Returns the commit URL. The token comes from the environment (HF_TOKEN)."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint)
-    _with_retries("create_repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
-                  attempts, backoff_s)
+    _with_retries(
+        "create_repo",
+        lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
+        attempts,
+        backoff_s,
+    )
     if revision:
-        _with_retries("create_branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), attempts, backoff_s)
-    info = _with_retries("upload", lambda: api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
-                                                             commit_message=commit_message), attempts, backoff_s)
+        _with_retries(
+            "create_branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), attempts, backoff_s
+        )
+    info = _with_retries(
+        "upload",
+        lambda: api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message
+        ),
+        attempts,
+        backoff_s,
+    )
     return str(getattr(info, "commit_url", info))

@@ -69,14 +69,21 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     return tok
 
 
-def load_causal_lm(path: str, dtype: str = "float32", revision: str | None = None, trust_remote_code: bool = False,
-                   adapter: str | None = None, merge: bool = False):
+def load_causal_lm(
+    path: str,
+    dtype: str = "float32",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    adapter: str | None = None,
+    merge: bool = False,
+):
     """A causal LM from `path`; with `adapter`, the peft adapter at that path applied on top
     (merged into the weights when `merge`)."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), revision=revision,
-                                                      trust_remote_code=trust_remote_code)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype), revision=revision, trust_remote_code=trust_remote_code
+    )
     if adapter:
         from peft import PeftModel
 
@@ -90,8 +97,13 @@ def lora_model(model, spec, task_type: str = "CAUSAL_LM"):
     """Wrap `model` with a fresh LoRA adapter described by a `LoraSpec` (SEQ_CLS also trains the head)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                     target_modules=spec.target_modules, task_type=task_type)
+    cfg = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        task_type=task_type,
+    )
     return get_peft_model(model, cfg)
 
 
@@ -136,8 +148,13 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").exists()
 
 
-def load_sequence_scorer(path: str, dtype: str = "float32", trust_remote_code: bool = False, pad_token_id: int | None = None,
-                         seed: int | None = None):
+def load_sequence_scorer(
+    path: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    pad_token_id: int | None = None,
+    seed: int | None = None,
+):
     """A one-output sequence classifier (reward model / value head) from `path`; when `path` holds a
     causal LM, its score head starts random, as in TRL's RewardTrainer. transformers draws that head from torch's
     global generator: with `seed` it is seeded first, so the same recipe starts from the same head on every run."""
@@ -146,8 +163,9 @@ def load_sequence_scorer(path: str, dtype: str = "float32", trust_remote_code: b
 
     if seed is not None:
         torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype),
-                                                               trust_remote_code=trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+    )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

@@ -27,7 +27,13 @@ from alignpipe.recipe.stages import BASE, FormatStage
 from alignpipe.stage import StageSpec
 from alignpipe.storage import CheckpointMirror, is_url, localize, read_text, stage_folder
 
-STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED = "done", "cached", "failed", "not run", "skipped"
+STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED = (
+    "done",
+    "cached",
+    "failed",
+    "not run",
+    "skipped",
+)
 
 
 @lru_cache(maxsize=1)
@@ -56,8 +62,12 @@ def cache_keys(recipe: Recipe) -> dict[str, str]:
     """Stage id → key over its config, upstream keys, the data and model it reads, seed and code."""
     keys: dict[str, str] = {}
     for s in recipe.topological_order():
-        payload = {"stage": s.model_dump(mode="json", exclude={"resources", "description"}),
-                   "deps": {d: keys[d] for d in s.dependencies()}, "seed": recipe.seed, "code": code_version()}
+        payload = {
+            "stage": s.model_dump(mode="json", exclude={"resources", "description"}),
+            "deps": {d: keys[d] for d in s.dependencies()},
+            "seed": recipe.seed,
+            "code": code_version(),
+        }
         if isinstance(s, FormatStage) or BASE in s.references().values():
             payload["model"] = recipe.model.model_dump(mode="json")
         if isinstance(s, FormatStage):
@@ -102,14 +112,26 @@ def plan(recipe: Recipe, force: list[str] | tuple[str, ...] = ()) -> dict[str, S
         m = store.read_manifest(folder) if store else Manifest.read(d)
         finished = m is not None and m.cache_key == keys[s.id]
         cached = finished and s.id not in force
-        out[s.id] = StagePlan(s.id, s.kind, keys[s.id], d, s.dependencies(), cached,
-                              localize(m, recipe.run_root) if cached and store and m else (m if cached else None),
-                              fresh=finished and not cached)
+        out[s.id] = StagePlan(
+            s.id,
+            s.kind,
+            keys[s.id],
+            d,
+            s.dependencies(),
+            cached,
+            localize(m, recipe.run_root) if cached and store and m else (m if cached else None),
+            fresh=finished and not cached,
+        )
     return out
 
 
-def write_spec(recipe: Recipe, p: StagePlan, inputs: dict[str, Manifest], tracking: tuple[str, str, str | None],
-               pipeline_run_id: str) -> str:
+def write_spec(
+    recipe: Recipe,
+    p: StagePlan,
+    inputs: dict[str, Manifest],
+    tracking: tuple[str, str, str | None],
+    pipeline_run_id: str,
+) -> str:
     """Write the stage's spec file; its path, or its URL in the storage root when the recipe has one."""
     store = recipe.remote_store()
     if p.fresh:
@@ -118,9 +140,17 @@ def write_spec(recipe: Recipe, p: StagePlan, inputs: dict[str, Manifest], tracki
             store.fs.rm(store.path(f"stages/{p.folder}"), recursive=True)
     p.dir.mkdir(parents=True, exist_ok=True)
     uri, experiment_id, parent = tracking
-    spec = StageSpec(recipe=recipe.model_dump(mode="json"), stage_id=p.stage_id, stage_dir=str(p.dir), cache_key=p.key,
-                     inputs=inputs, tracking_uri=uri, experiment_id=experiment_id, parent_run_id=parent,
-                     pipeline_run_id=pipeline_run_id)
+    spec = StageSpec(
+        recipe=recipe.model_dump(mode="json"),
+        stage_id=p.stage_id,
+        stage_dir=str(p.dir),
+        cache_key=p.key,
+        inputs=inputs,
+        tracking_uri=uri,
+        experiment_id=experiment_id,
+        parent_run_id=parent,
+        pipeline_run_id=pipeline_run_id,
+    )
     path = p.dir / "spec.json"
     path.write_text(spec.model_dump_json(indent=1))
     if store:
@@ -159,15 +189,32 @@ def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | 
     if processes <= 1 and not accelerate_config:
         return [sys.executable, *stage]
     if _has_cuda() or accelerate_config:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--main_process_port",
-               str(_free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(_free_port()),
+        ]
         if accelerate_config:
             cmd += ["--config_file", accelerate_config]
         elif processes > 1:
             cmd += ["--multi_gpu"]
         return cmd + stage
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), *stage]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        *stage,
+    ]
 
 
 def _free_port() -> int:
@@ -187,9 +234,15 @@ def _has_cuda() -> bool:
         return False
 
 
-def launch(spec_path: str | Path, on_line: Callable[[str], None] = print, processes: int = 1, timeout_s: float | None = None,
-           extra_env: dict[str, str] | None = None, accelerate_config: str | None = None,
-           storage_options: dict | None = None) -> Manifest:
+def launch(
+    spec_path: str | Path,
+    on_line: Callable[[str], None] = print,
+    processes: int = 1,
+    timeout_s: float | None = None,
+    extra_env: dict[str, str] | None = None,
+    accelerate_config: str | None = None,
+    storage_options: dict | None = None,
+) -> Manifest:
     """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
     `extra_env` (e.g. a token from a secret store) reaches the process through its environment only.
     `spec_path` may be a URL in the recipe's storage root: the stage then runs on this machine's working
@@ -212,21 +265,37 @@ def launch(spec_path: str | Path, on_line: Callable[[str], None] = print, proces
     local_spec = local / "spec.json"
     local_spec.write_text(spec.model_copy(update={"stage_dir": str(local), "inputs": inputs}).model_dump_json(indent=1))
     with CheckpointMirror(store, local, f"stages/{folder}"):
-        manifest = _run_stage_process(local_spec, StageSpec.model_validate_json(local_spec.read_text()), on_line, processes,
-                                      timeout_s, extra_env, accelerate_config)
+        manifest = _run_stage_process(
+            local_spec,
+            StageSpec.model_validate_json(local_spec.read_text()),
+            on_line,
+            processes,
+            timeout_s,
+            extra_env,
+            accelerate_config,
+        )
     sent = store.upload_folder(local, f"stages/{folder}")
     on_line(f"storage: {sent} file(s) uploaded to {store.url_of(f'stages/{folder}')}")
     return manifest
 
 
-def _run_stage_process(spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config) -> Manifest:
+def _run_stage_process(
+    spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config
+) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if sys.stderr.isatty():  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(stage_command(spec_path, processes, accelerate_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1, env=env, preexec_fn=_die_with_parent())
+    proc = subprocess.Popen(
+        stage_command(spec_path, processes, accelerate_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        preexec_fn=_die_with_parent(),
+    )
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
     pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
@@ -287,18 +356,30 @@ def _pump_stderr(stream, keep: collections.deque) -> None:
 
 # --- MLflow parent run ---------------------------------------------------------------------------
 
+
 def start_pipeline_run(recipe: Recipe, pipeline_run_id: str) -> tuple[str, str, str]:
     """Create the parent MLflow run; returns (tracking uri, experiment id, run id)."""
     from alignpipe.tracking import MlflowTracker, ensure_experiment
 
     uri = recipe.tracking_uri
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     exp = ensure_experiment(uri, recipe.experiment_name, Path(recipe.workdir).expanduser() / "mlartifacts")
-    run = MlflowTracker.start(uri, exp, f"{recipe.name}", tags={"alignpipe.pipeline": recipe.name,
-                                                                 "alignpipe.pipeline_run_id": pipeline_run_id})
-    run.log_params({"recipe_hash": recipe.fingerprint(), "name": recipe.name, "seed": recipe.seed,
-                    "model": recipe.model.path, "stages": ",".join(s.id for s in recipe.stages)})
+    run = MlflowTracker.start(
+        uri,
+        exp,
+        f"{recipe.name}",
+        tags={"alignpipe.pipeline": recipe.name, "alignpipe.pipeline_run_id": pipeline_run_id},
+    )
+    run.log_params(
+        {
+            "recipe_hash": recipe.fingerprint(),
+            "name": recipe.name,
+            "seed": recipe.seed,
+            "model": recipe.model.path,
+            "stages": ",".join(s.id for s in recipe.stages),
+        }
+    )
     run.log_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False), "recipe.resolved.yaml")
     return uri, exp, run.run_id
 
@@ -317,8 +398,15 @@ class StageOutcome:
     @classmethod
     def from_manifest(cls, m: Manifest, status: str, duration: float | None = None) -> StageOutcome:
         output = next(iter(m.outputs.values()), "")
-        return cls(m.stage_id, m.kind, status, m.duration_s if duration is None else duration, m.key_metric,
-                   m.metrics.get(m.key_metric) if m.key_metric else None, output)
+        return cls(
+            m.stage_id,
+            m.kind,
+            status,
+            m.duration_s if duration is None else duration,
+            m.key_metric,
+            m.metrics.get(m.key_metric) if m.key_metric else None,
+            output,
+        )
 
 
 def gate(stage, manifests: dict[str, Manifest]) -> tuple[bool, str]:
@@ -338,19 +426,36 @@ def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome
     failed = any(o.status == STATUS_FAILED for o in outcomes)
     run.log_text(json.dumps([asdict(o) for o in outcomes], indent=1), "summary.json")
     run.set_tags({f"alignpipe.status.{o.stage_id}": o.status for o in outcomes})
-    run.set_tags({f"alignpipe.skip_reason.{o.stage_id}": o.message[:5000] for o in outcomes if o.status == STATUS_SKIPPED})
+    run.set_tags(
+        {f"alignpipe.skip_reason.{o.stage_id}": o.message[:5000] for o in outcomes if o.status == STATUS_SKIPPED}
+    )
     run.end("FAILED" if failed else "FINISHED")
 
 
-def write_summary(recipe: Recipe, pipeline_run_id: str, outcomes: list[StageOutcome], mlflow_run_id: str | None,
-                  request: dict | None = None) -> Path:
+def write_summary(
+    recipe: Recipe,
+    pipeline_run_id: str,
+    outcomes: list[StageOutcome],
+    mlflow_run_id: str | None,
+    request: dict | None = None,
+) -> Path:
     """`<run root>/runs/<pipeline run id>.json`: the outcome per stage and what to re-run (`alignpipe resume`)."""
     d = recipe.run_root / "runs"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{pipeline_run_id}.json"
-    path.write_text(json.dumps({"pipeline": recipe.name, "pipeline_run_id": pipeline_run_id, "mlflow_run_id": mlflow_run_id,
-                                "tracking_uri": recipe.tracking_uri, "request": request or {},
-                                "stages": [asdict(o) for o in outcomes]}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "pipeline": recipe.name,
+                "pipeline_run_id": pipeline_run_id,
+                "mlflow_run_id": mlflow_run_id,
+                "tracking_uri": recipe.tracking_uri,
+                "request": request or {},
+                "stages": [asdict(o) for o in outcomes],
+            },
+            indent=1,
+        )
+    )
     store = recipe.remote_store()
     if store:
         store.write_text(f"runs/{pipeline_run_id}.json", path.read_text())

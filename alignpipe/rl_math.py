@@ -42,8 +42,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
-def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, labels: torch.Tensor, temperature: float,
-                    with_entropy: bool = True):
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    head_bias,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+):
     logp = _scaled_log_softmax(hidden, (head_weight, head_bias), temperature)
     token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -57,8 +63,16 @@ def _chunk_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, 
 WHOLE_LOGITS_MAX = 64 * 2**20
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   chunk_tokens: int = 4096, with_entropy: bool = False, start: int = 0, only: torch.Tensor | None = None):
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    start: int = 0,
+    only: torch.Tensor | None = None,
+):
     """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
 
     The decoder runs once; the LM head + log-softmax run only where they are needed: from position `start`
@@ -71,21 +85,33 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    labels = input_ids[:, start + 1:]
+    labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
     if base is None:
         # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits[:, start:-1]
-        return _select(logits, labels, only, lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
-                       with_entropy)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits[:, start:-1]
+        return _select(
+            logits,
+            labels,
+            only,
+            lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
+            with_entropy,
+        )
     body, head = _decoder_and_head(base)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state[:, start:-1]
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
-    return _select(hidden, labels, only, lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
-                   with_entropy)
+    return _select(
+        hidden,
+        labels,
+        only,
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        with_entropy,
+    )
 
 
 def unwrapped(model):
@@ -127,13 +153,26 @@ def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool
     """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): the saving pays
     (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token. The
     checks run cheapest first: the last one reads the mask back from the device."""
-    return (base is not None and prefix_mask.size(1) > 0 and worth_sharing(base, saved_tokens)
-            and not is_activation_checkpointing(base) and bool(prefix_mask.bool().any(1).all()))
+    return (
+        base is not None
+        and prefix_mask.size(1) > 0
+        and worth_sharing(base, saved_tokens)
+        and not is_activation_checkpointing(base)
+        and bool(prefix_mask.bool().any(1).all())
+    )
 
 
-def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                           index: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 4096, with_entropy: bool = False,
-                           only: torch.Tensor | None = None):
+def shared_prompt_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    only: torch.Tensor | None = None,
+):
     """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
     prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
     rejected answers to one prompt. Position t scores completion token t (the prompt's last token scores token 0).
@@ -153,18 +192,32 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
         mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
         if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token
             ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
-        return token_logprobs(model, ids, mask, temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                              start=max(P, 1) - 1, only=only)
+        return token_logprobs(
+            model,
+            ids,
+            mask,
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
+            with_entropy=with_entropy,
+            start=max(P, 1) - 1,
+            only=only,
+        )
     body, head = _decoder_and_head(base)
     prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
     hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
     weight, bias = head.weight, getattr(head, "bias", None)
-    return _select(hidden, completion_ids, only,
-                   lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy), with_entropy)
+    return _select(
+        hidden,
+        completion_ids,
+        only,
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        with_entropy,
+    )
 
 
-def shared_prefix_hidden(body, config, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor,
-                         index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_prefix_hidden(
+    body, config, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a decoder stack over N left-padded prefixes (N, P) once, gather their KV cache to R rows (`index`, (R,)),
     and run the right-padded suffixes (R, C) after them. Returns the last prefix position's hidden state per row
     (R, 1, d) and the suffixes' hidden states (R, C, d), as running each prefix + suffix row whole would give them.
@@ -173,13 +226,15 @@ def shared_prefix_hidden(body, config, prefix_ids: torch.Tensor, prefix_mask: to
 
     position = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=config)
-    prefix_out = body(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position, past_key_values=cache,
-                      use_cache=True).last_hidden_state
+    prefix_out = body(
+        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position, past_key_values=cache, use_cache=True
+    ).last_hidden_state
     cache.batch_select_indices(index)  # differentiable gather: the suffixes' gradients reach the prefix pass
     s_position = position[index, -1:] + 1 + torch.arange(suffix_ids.size(1), device=position.device)
     mask = torch.cat([prefix_mask[index], torch.ones_like(suffix_ids)], 1)
-    s_hidden = body(input_ids=suffix_ids, attention_mask=mask, position_ids=s_position, past_key_values=cache,
-                    use_cache=True).last_hidden_state
+    s_hidden = body(
+        input_ids=suffix_ids, attention_mask=mask, position_ids=s_position, past_key_values=cache, use_cache=True
+    ).last_hidden_state
     return prefix_out[index, -1:], s_hidden
 
 
@@ -200,8 +255,15 @@ def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bo
     return scatter(lp), scatter(ent)
 
 
-def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, temperature: float,
-                   chunk_tokens: int, with_entropy: bool):
+def _head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+):
     B, T, _ = hidden.shape
     V = weight.shape[0]
     if B * T * V <= WHOLE_LOGITS_MAX:
@@ -210,7 +272,7 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: tor
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
-        args = (hidden[:, s:s + step], weight, bias, labels[:, s:s + step], temperature, with_entropy)
+        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, with_entropy)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -225,11 +287,11 @@ def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int,
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // logits.size(-1)) // max(1, logits.size(0)))
     logps, entropies = [], []
     for s in range(0, logits.size(1), step):
-        chunk = logits[:, s:s + step].float()
+        chunk = logits[:, s : s + step].float()
         if temperature != 1.0:
             chunk = chunk / temperature
         lp = chunk.log_softmax(-1)
-        logps.append(lp.gather(-1, labels[:, s:s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
+        logps.append(lp.gather(-1, labels[:, s : s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
         entropies.append(-(lp.exp() * lp).sum(-1).detach())
     logp = torch.cat(logps, 1)
     return (logp, torch.cat(entropies, 1)) if with_entropy else logp
@@ -245,7 +307,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "abs":
         return r.abs()
     if kind in ("k2", "mse"):
-        return 0.5 * r ** 2
+        return 0.5 * r**2
     if kind == "k3":
         return torch.exp(-r) - 1 + r
     raise ValueError(f"unknown KL estimator {kind!r}; use kl (k1), abs, mse (k2) or k3")
@@ -259,13 +321,21 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         raise ValueError("decoder_hidden needs the model itself, not its DDP wrapper")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     body, head = _decoder_and_head(base)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state[:, start:-1]
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1]
     return hidden, head.weight, getattr(head, "bias", None)
 
 
-def full_kl(hidden: torch.Tensor, head: tuple, ref_hidden: torch.Tensor, ref_head: tuple, labels: torch.Tensor,
-            temperature: float = 1.0, chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def full_kl(
+    hidden: torch.Tensor,
+    head: tuple,
+    ref_hidden: torch.Tensor,
+    ref_head: tuple,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact per-position KL of the two next-token distributions, Σ_v π(v)(log π(v) − log π_ref(v)) at
     `temperature` (TRL 0.7's `kl_penalty: full`), with both sides' log-prob of `labels`, from the hidden states and
     (weight, bias) heads of `decoder_hidden`. Runs over chunks of positions within WHOLE_LOGITS_MAX values, so the
@@ -280,8 +350,13 @@ def full_kl(hidden: torch.Tensor, head: tuple, ref_hidden: torch.Tensor, ref_hea
             logp = _scaled_log_softmax(hidden[:, sl], head, temperature)
             ref_logp = _scaled_log_softmax(ref_hidden[:, sl], ref_head, temperature)
             idx = labels[:, sl].clamp(min=0).unsqueeze(-1)
-            parts.append((logp.gather(-1, idx).squeeze(-1), ref_logp.gather(-1, idx).squeeze(-1),
-                          (logp.exp() * (logp - ref_logp)).sum(-1)))
+            parts.append(
+                (
+                    logp.gather(-1, idx).squeeze(-1),
+                    ref_logp.gather(-1, idx).squeeze(-1),
+                    (logp.exp() * (logp - ref_logp)).sum(-1),
+                )
+            )
     logp, ref_logp, kl = (torch.cat(cols, 1) for cols in zip(*parts))
     return logp, ref_logp, kl
 
@@ -330,7 +405,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv, nan=0.0), std
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over (B, T) per-token rewards and values; positions where
     `mask` is 0 (after the response) contribute nothing. Returns (advantages, returns)."""
     B, T = rewards.shape

@@ -78,9 +78,11 @@ def require_gpus(stage_id: str, gpus: int) -> None:
 
     seen = torch.cuda.device_count()
     if seen < gpus:
-        raise RuntimeError(f"stage {stage_id!r} needs resources.gpus = {gpus} but this machine ({socket.gethostname()}) "
-                           f"shows {seen} CUDA device(s): run it on a pool whose workers have them "
-                           "(`resources: {pool: gpu}`), or lower `resources.gpus`")
+        raise RuntimeError(
+            f"stage {stage_id!r} needs resources.gpus = {gpus} but this machine ({socket.gethostname()}) "
+            f"shows {seen} CUDA device(s): run it on a pool whose workers have them "
+            "(`resources: {pool: gpu}`), or lower `resources.gpus`"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     stage_dir = Path(spec.stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
-    tags = {"alignpipe.stage_id": stage.id, "alignpipe.kind": stage.kind, "alignpipe.cache_key": spec.cache_key,
-            "alignpipe.pipeline": recipe.name}
+    tags = {
+        "alignpipe.stage_id": stage.id,
+        "alignpipe.kind": stage.kind,
+        "alignpipe.cache_key": spec.cache_key,
+        "alignpipe.pipeline": recipe.name,
+    }
     tracker = _tracker(spec, stage, tags) if rank == 0 else Tracker()
     ctx = StageContext(recipe, stage, stage_dir, spec.inputs, tracker, spec.pipeline_run_id, spec.parent_run_id)
     started = time.perf_counter()
@@ -116,11 +122,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     duration = time.perf_counter() - started
     if rank == 0:
-        manifest = Manifest(stage_id=stage.id, kind=stage.kind, cache_key=spec.cache_key, outputs=result.outputs,
-                            metrics={k: float(v) for k, v in result.metrics.items()}, key_metric=result.key_metric,
-                            info={**result.info, "host": socket.gethostname(), "pid": os.getpid(),
-                                  "prefect_flow_run_id": os.environ.get("PREFECT__FLOW_RUN_ID")},
-                            mlflow_run_id=getattr(tracker, "run_id", None), duration_s=duration)
+        manifest = Manifest(
+            stage_id=stage.id,
+            kind=stage.kind,
+            cache_key=spec.cache_key,
+            outputs=result.outputs,
+            metrics={k: float(v) for k, v in result.metrics.items()},
+            key_metric=result.key_metric,
+            info={
+                **result.info,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "prefect_flow_run_id": os.environ.get("PREFECT__FLOW_RUN_ID"),
+            },
+            mlflow_run_id=getattr(tracker, "run_id", None),
+            duration_s=duration,
+        )
         if isinstance(tracker, MlflowTracker):
             tracker.log_metrics({"stage/duration_s": duration}, 0)
             tracker.end("FINISHED")

@@ -40,7 +40,7 @@ def localize(manifest: Manifest, run_root: Path) -> Manifest:
     outputs = {}
     for name, value in manifest.outputs.items():
         at = value.find(marker) if isinstance(value, str) else -1
-        rest = value[at + len(marker):] if at >= 0 else None
+        rest = value[at + len(marker) :] if at >= 0 else None
         outputs[name] = local + rest if rest is not None and (rest == "" or rest.startswith("/")) else value
     return manifest.model_copy(update={"outputs": outputs})
 
@@ -91,8 +91,11 @@ class RemoteStore:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
-        return {name[len(base):].lstrip("/"): int(info.get("size") or 0) for name, info in found.items()
-                if info.get("type") != "directory"}
+        return {
+            name[len(base) :].lstrip("/"): int(info.get("size") or 0)
+            for name, info in found.items()
+            if info.get("type") != "directory"
+        }
 
     def upload_folder(self, local: Path, rel: str, only: str | None = None) -> int:
         """Upload files of `local` that storage lacks (or holds at another size); the manifest last.

@@ -27,13 +27,22 @@ def summary_table(stages: list[dict], title: str) -> Table:
         status = f"[{STYLE.get(s['status'], '')}]{s['status']}[/]"
         if s.get("message"):
             status += f"\n{s['message'][:120]}"
-        t.add_row(s["stage_id"], s["kind"], status, f"{s['duration_s']:.1f}s" if s["duration_s"] else "-", metric, _short(s.get("output", "")))
+        t.add_row(
+            s["stage_id"],
+            s["kind"],
+            status,
+            f"{s['duration_s']:.1f}s" if s["duration_s"] else "-",
+            metric,
+            _short(s.get("output", "")),
+        )
     return t
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
     console = console or Console(width=None if Console().is_terminal else 160)
-    console.print(summary_table(summary["stages"], f"alignpipe · {summary['pipeline']} · run {summary['pipeline_run_id']}"))
+    console.print(
+        summary_table(summary["stages"], f"alignpipe · {summary['pipeline']} · run {summary['pipeline_run_id']}")
+    )
     if summary.get("mlflow_run_id"):
         console.print(f"MLflow: {summary['tracking_uri']}  (parent run {summary['mlflow_run_id']})")
 

@@ -24,8 +24,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TINY_MODEL = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+TINY_MODEL = dict(
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
@@ -34,9 +41,16 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|end|>", pad_token="<|pad|>",
-                                  additional_special_tokens=SPECIAL_TOKENS[2:], model_max_length=512)
+    bpe.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+        model_max_length=512,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -46,8 +60,13 @@ def tiny_llama(tokenizer, seed: int = 0, **overrides):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**TINY_MODEL, **overrides})
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **{**TINY_MODEL, **overrides},
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 

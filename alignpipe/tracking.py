@@ -91,8 +91,14 @@ class MlflowTracker(Tracker):
         self.run_id = run_id
 
     @classmethod
-    def start(cls, tracking_uri: str, experiment_id: str, run_name: str, parent_run_id: str | None = None,
-              tags: dict[str, str] | None = None) -> MlflowTracker:
+    def start(
+        cls,
+        tracking_uri: str,
+        experiment_id: str,
+        run_name: str,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         all_tags = dict(tags or {})
@@ -108,7 +114,7 @@ class MlflowTracker(Tracker):
         self.params.update(clean)
         items = [Param(k, str(v)[:6000]) for k, v in clean.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         import time
@@ -124,7 +130,9 @@ class MlflowTracker(Tracker):
     def log_table(self, rows: list[dict], name: str) -> None:
         super().log_table(rows, name)
         if rows:
-            self.client.log_table(self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]}, artifact_file=f"{name}.json")
+            self.client.log_table(
+                self.run_id, data={k: [r.get(k) for r in rows] for k in rows[0]}, artifact_file=f"{name}.json"
+            )
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)

@@ -87,8 +87,20 @@ def trl_with_ppo() -> Path:
     """TRL 1.12 installed into its own folder (no dependencies: it runs on this environment's transformers),
     put first on PYTHONPATH for the TRL side of the PPO case only."""
     if not (TRL_PPO_DIR / "trl" / "experimental" / "ppo").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_PPO_DIR),
-                        f"trl=={TRL_PPO}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(TRL_PPO_DIR),
+                f"trl=={TRL_PPO}",
+            ],
+            check=True,
+        )
     return TRL_PPO_DIR
 
 
@@ -96,8 +108,14 @@ def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
     env = dict(os.environ)
     if impl == "trl" and task == "ppo":
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out = subprocess.run([sys.executable, "-m", "bench.run_one", impl, task, model, str(steps), str(assets)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.run_one", impl, task, model, str(steps), str(assets)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} {task} {model} failed:\n{out.stderr[-3000:]}")
@@ -108,8 +126,22 @@ def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[
     """The markdown table of `results` {(trainer, model): {"ours": [run, ...], "trl": [...]}}; `runs_label` fills the
     `runs × steps` column (so rows from separate invocations can share one table, `merge_rows`)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
-    cols = ["trainer", "model", "runs × steps", "ours samples/s", "TRL samples/s", "ratio", "ours tokens/s", "TRL tokens/s",
-            "tokens/s ratio", f"ours {mem}", f"TRL {mem}", "memory ratio", "ours loss", "TRL loss"]
+    cols = [
+        "trainer",
+        "model",
+        "runs × steps",
+        "ours samples/s",
+        "TRL samples/s",
+        "ratio",
+        "ours tokens/s",
+        "TRL tokens/s",
+        "tokens/s ratio",
+        f"ours {mem}",
+        f"TRL {mem}",
+        "memory ratio",
+        "ours loss",
+        "TRL loss",
+    ]
     if gpu:
         cols += ["ours steady samples/s", "TRL steady samples/s", "steady ratio", "ours SFT MFU", "TRL SFT MFU"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -121,15 +153,31 @@ def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[
         o, t = med["ours"], med["trl"]
         tk = tokens.get((task, model))
         tok_o, tok_t = (o["samples_per_s"] * tk, t["samples_per_s"] * tk) if tk else (None, None)
-        row = [task, model, runs_label, f"{o['samples_per_s']:.1f}", f"{t['samples_per_s']:.1f}", f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
-               f"{tok_o:,.0f}" if tk else "–", f"{tok_t:,.0f}" if tk else "–",
-               f"**{tok_o / tok_t:.2f}×**" if tk else "–",
-               f"{o['peak_mb']:,.0f}", f"{t['peak_mb']:,.0f}", f"{o['peak_mb'] / t['peak_mb']:.2f}", _fmt(loss["ours"]), _fmt(loss["trl"])]
+        row = [
+            task,
+            model,
+            runs_label,
+            f"{o['samples_per_s']:.1f}",
+            f"{t['samples_per_s']:.1f}",
+            f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
+            f"{tok_o:,.0f}" if tk else "–",
+            f"{tok_t:,.0f}" if tk else "–",
+            f"**{tok_o / tok_t:.2f}×**" if tk else "–",
+            f"{o['peak_mb']:,.0f}",
+            f"{t['peak_mb']:,.0f}",
+            f"{o['peak_mb'] / t['peak_mb']:.2f}",
+            _fmt(loss["ours"]),
+            _fmt(loss["trl"]),
+        ]
         if gpu:
             so, st = o["steady_samples_per_s"], t["steady_samples_per_s"]
             row += [f"{so:.1f}" if so else "–", f"{st:.1f}" if st else "–", f"**{so / st:.2f}×**" if so and st else "–"]
             per_token = sft_flops_per_token(model, tk) if (task == "sft" and tk) else None
-            mfu = [f"{x * tk * per_token / peak:.1%}" if x else "–" for x in (so, st)] if (per_token and peak) else ["–", "–"]
+            mfu = (
+                [f"{x * tk * per_token / peak:.1%}" if x else "–" for x in (so, st)]
+                if (per_token and peak)
+                else ["–", "–"]
+            )
             row += mfu
         lines.append("| " + " | ".join(row) + " |")
     return lines
@@ -138,6 +186,7 @@ def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[
 def merge_rows(old: list[str], new: list[str]) -> list[str]:
     """Table `new` with the rows of table `old` (same columns) whose trainer and model it does not measure kept:
     a GPU session that can afford only some trainers per invocation still ends with one table."""
+
     def key(line: str) -> tuple[str, ...]:
         return tuple(c.strip() for c in line.strip("|").split("|")[:2])
 
@@ -180,10 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the report's rows for trainers/models this invocation does not run (split GPU sessions)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="discarded runs per side before each trainer's timed ones (default: 1 on a GPU, 0 on CPU)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the report's rows for trainers/models this invocation does not run (split GPU sessions)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="discarded runs per side before each trainer's timed ones (default: 1 on a GPU, 0 on CPU)",
+    )
     args = parser.parse_args(argv)
     from alignpipe.tiny import make_tiny
 
@@ -193,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     models, trainers = args.models.split(","), args.trainers.split(",")
     gpu = shape_for(models[0]).gpu
     if any(shape_for(m).gpu != gpu for m in models):
-        parser.error("--models mixes CPU models (tiny, small) with GPU ones (qwen0.5b): run them in separate invocations")
+        parser.error(
+            "--models mixes CPU models (tiny, small) with GPU ones (qwen0.5b): run them in separate invocations"
+        )
     # On a freshly started GPU machine the first process of each case ran at half speed (kernels compiled and
     # cached, clocks rising): a discarded run per side keeps that out of the medians.
     warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
@@ -205,13 +263,19 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(warmup):
                 for impl in ("ours", "trl"):
                     r = measure(impl, task, model, args.steps, assets)
-                    print(f"{task:6} {model:8} {impl:4} warm-up (discarded): {r['samples_per_s']:.1f} samples/s", flush=True)
+                    print(
+                        f"{task:6} {model:8} {impl:4} warm-up (discarded): {r['samples_per_s']:.1f} samples/s",
+                        flush=True,
+                    )
             for rep in range(args.repeats):
-                for impl in (("ours", "trl") if rep % 2 == 0 else ("trl", "ours")):  # alternate who goes first
+                for impl in ("ours", "trl") if rep % 2 == 0 else ("trl", "ours"):  # alternate who goes first
                     r = measure(impl, task, model, args.steps, assets)
                     runs[impl].append(r)
-                    print(f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
-                          f"{r['peak_mb']:.0f} MB, loss {r['loss']}", flush=True)
+                    print(
+                        f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
+                        f"{r['peak_mb']:.0f} MB, loss {r['loss']}",
+                        flush=True,
+                    )
             results[(task, model)] = runs
     section = "gpu" if gpu else "cpu"
     rows = table(results, tokens, gpu, f"{args.repeats} × {args.steps}")
@@ -219,26 +283,40 @@ def main(argv: list[str] | None = None) -> None:
         rows = merge_rows(read_table(Path(args.out), section), rows)
     s = shape_for(models[0])
     where = f"{gpu_peak()[0]}, bf16 weights and optimizer state" if gpu else f"{cpu()}, CPU fp32"
-    lines = ["## GPU: Qwen2-0.5B-shaped model (random init, bf16)" if gpu else
-             "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models", "",
-             f"Measured {datetime.date.today()} on {where}; {versions()}.",
-             "Median of the runs per side in the `runs × steps` column, alternating who runs first, each in a fresh process"
-             + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "") + "; "
-             f"batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
-             f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
-             "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
-             + ("Steady: samples/s from the end of step 5 to the last step (data preparation, warm-up and saving left out). "
-                "Memory: `torch.cuda.max_memory_allocated`. MFU: steady tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 "
-                "peak. "
-                if gpu else "Memory: peak RSS of the process, imports included. ")
-             + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if args.merge else "")
-             + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
-             "numbers swing between runs on shared machines, ratios from one run are what count.", "",
-             *rows, "",
-             ("Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, "
-              "`--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
-              "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)." if gpu else
-              "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."), ""]
+    lines = [
+        "## GPU: Qwen2-0.5B-shaped model (random init, bf16)"
+        if gpu
+        else "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models",
+        "",
+        f"Measured {datetime.date.today()} on {where}; {versions()}.",
+        "Median of the runs per side in the `runs × steps` column, alternating who runs first, each in a fresh process"
+        + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "")
+        + "; "
+        f"batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
+        f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
+        "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
+        + (
+            "Steady: samples/s from the end of step 5 to the last step (data preparation, warm-up and saving left out). "
+            "Memory: `torch.cuda.max_memory_allocated`. MFU: steady tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 "
+            "peak. "
+            if gpu
+            else "Memory: peak RSS of the process, imports included. "
+        )
+        + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if args.merge else "")
+        + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
+        "numbers swing between runs on shared machines, ratios from one run are what count.",
+        "",
+        *rows,
+        "",
+        (
+            "Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, "
+            "`--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
+            "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)."
+            if gpu
+            else "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."
+        ),
+        "",
+    ]
     write_section(Path(args.out), section, lines)
     print("\n".join(lines))
 

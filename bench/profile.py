@@ -25,9 +25,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
-            "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
-            "aten::_scaled_dot_product_flash_attention_for_cpu")
+GEMM_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+)
 
 
 def self_time_us(event, device: bool) -> float:
@@ -43,8 +50,14 @@ def summarize(events, device: bool) -> dict:
     rows = sorted(((e.key, self_time_us(e, device), e.count) for e in events), key=lambda r: -r[1])
     total = sum(t for _, t, _ in rows)
     gemm = sum(t for key, t, _ in rows if key.removesuffix("_backward") in GEMM_OPS)
-    return {"clock": "device" if device else "cpu", "total_ms": total / 1e3, "gemm_share": gemm / total if total else 0.0,
-            "top": [{"op": key, "ms": t / 1e3, "share": t / total if total else 0.0, "calls": n} for key, t, n in rows[:15]]}
+    return {
+        "clock": "device" if device else "cpu",
+        "total_ms": total / 1e3,
+        "gemm_share": gemm / total if total else 0.0,
+        "top": [
+            {"op": key, "ms": t / 1e3, "share": t / total if total else 0.0, "calls": n} for key, t, n in rows[:15]
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -56,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", help="output folder (default <tmp>/alignpipe-profile/IMPL-TRAINER-MODEL)")
     args = parser.parse_args(argv)
-    out = Path(args.out or Path(tempfile.gettempdir()) / "alignpipe-profile" / f"{args.impl}-{args.trainer}-{args.model}")
+    out = Path(
+        args.out or Path(tempfile.gettempdir()) / "alignpipe-profile" / f"{args.impl}-{args.trainer}-{args.model}"
+    )
     out.mkdir(parents=True, exist_ok=True)
     if args.impl == "trl" and args.trainer == "ppo":  # TRL 1.12, the last release with PPO, from its own folder
         from bench.__main__ import trl_with_ppo
@@ -87,8 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {**figures, "profile": summarize(events, device)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     p = summary["profile"]
-    print(f"{args.impl} {args.trainer} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
-          f"{p['total_ms']:.0f} ms of {p['clock']} self time, {100 * p['gemm_share']:.0f}% in matrix multiplies")
+    print(
+        f"{args.impl} {args.trainer} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
+        f"{p['total_ms']:.0f} ms of {p['clock']} self time, {100 * p['gemm_share']:.0f}% in matrix multiplies"
+    )
     for row in p["top"]:
         print(f"  {row['op']:<50} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%  {row['calls']:>7} calls")
     print(f"wrote {out}/ops.txt, trace.json, summary.json")

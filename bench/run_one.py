@@ -59,8 +59,17 @@ class StepClock:
 
 CPU = Shape(batch=8, max_len=64, generations=8, completion=32, join=1, gpu=False)
 GPU = Shape(batch=8, max_len=512, generations=8, completion=64, join=24, gpu=True, log_every=1)
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True)
+QWEN_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+)
 
 
 def shape_for(kind: str) -> Shape:
@@ -99,8 +108,17 @@ def random_model(kind: str, tok, head: str, seed: int = 0):
     ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_labels=1)
     torch.manual_seed(seed)
     if kind == "small":
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                          intermediate_size=1536, max_position_embeddings=512, tie_word_embeddings=True, **ids)
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=512,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1536,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            **ids,
+        )
         return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(cfg)
     cfg = Qwen2Config(**QWEN_05B, **ids)
     cls = Qwen2ForSequenceClassification if head == "reward" else Qwen2ForCausalLM
@@ -138,16 +156,22 @@ def reward_model_dir(assets: str, kind: str) -> str:
 
 def rows(assets: str, task: str, shape: Shape = CPU) -> list[dict]:
     """The synthetic sentiment data; on GPU each row is `join` rows' text run together (~500 tokens)."""
-    name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts", "ppo": "sentiment_prompts"}.get(task, "sentiment_preferences")
+    name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts", "ppo": "sentiment_prompts"}.get(
+        task, "sentiment_preferences"
+    )
     data = [json.loads(line) for line in Path(f"{assets}/data/{name}.jsonl").read_text().splitlines()]
     k, n = shape.join, len(data)
     if task == "sft":
-        return [{"prompt": r["prompt"], "completion": "".join(data[(i + j) % n]["completion"] for j in range(k))}
-                for i, r in enumerate(data[:2000])]
+        return [
+            {"prompt": r["prompt"], "completion": "".join(data[(i + j) % n]["completion"] for j in range(k))}
+            for i, r in enumerate(data[:2000])
+        ]
     if task in ("dpo", "reward") and k > 1:
         tail = lambda i: "".join(data[(i + j) % n]["chosen"] for j in range(1, k))  # noqa: E731
-        return [{"prompt": r["prompt"], "chosen": r["chosen"] + tail(i), "rejected": r["rejected"] + tail(i)}
-                for i, r in enumerate(data[:2000])]
+        return [
+            {"prompt": r["prompt"], "chosen": r["chosen"] + tail(i), "rejected": r["rejected"] + tail(i)}
+            for i, r in enumerate(data[:2000])
+        ]
     return data[:2000]
 
 
@@ -164,8 +188,14 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
                 clock.tick()
             super().log_metrics(metrics, step)
 
-    common = dict(learning_rate=LR, max_steps=steps, batch_size=shape.batch, max_length=shape.max_len,
-                  logging_every=shape.log_every or steps, lr_scheduler="linear")
+    common = dict(
+        learning_rate=LR,
+        max_steps=steps,
+        batch_size=shape.batch,
+        max_length=shape.max_len,
+        logging_every=shape.log_every or steps,
+        lr_scheduler="linear",
+    )
     tracker, out = ClockedTracker(), tempfile.mkdtemp()
     t0 = time.perf_counter()
     if task == "sft":
@@ -177,8 +207,12 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
 
         dpo.train(DPOConfig(**common), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
     elif task == "grpo":
-        cfg = GRPOConfig(**{**common, "batch_size": 2 * shape.generations}, num_generations=shape.generations,
-                         max_completion_length=shape.completion, sample_every=10**9)
+        cfg = GRPOConfig(
+            **{**common, "batch_size": 2 * shape.generations},
+            num_generations=shape.generations,
+            max_completion_length=shape.completion,
+            sample_every=10**9,
+        )
         grpo.train(cfg, model, tok, data, RewardSet([LoadedReward("lexicon", sentiment_lexicon)]), tracker, out)
     elif task == "ppo":
         import copy
@@ -190,11 +224,26 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
         from alignpipe.trainers.configs import PPOConfig
 
         rm, dtype = reward_model_dir(ASSETS, kind), ("bfloat16" if shape.gpu else "float32")
-        cfg = PPOConfig(**common, max_completion_length=shape.completion, num_ppo_epochs=4, sample_every=10**9,
-                        sampling=SamplingParams(temperature=0.7, max_new_tokens=shape.completion), missing_eos_penalty=1.0)
+        cfg = PPOConfig(
+            **common,
+            max_completion_length=shape.completion,
+            num_ppo_epochs=4,
+            sample_every=10**9,
+            sampling=SamplingParams(temperature=0.7, max_new_tokens=shape.completion),
+            missing_eos_penalty=1.0,
+        )
         value = load_sequence_scorer(rm, dtype, pad_token_id=tok.pad_token_id)
-        ppo.train(cfg, model, value, tok, data, RewardSet([LoadedReward("rm", RewardModelScorer(rm, dtype=dtype))]), tracker,
-                  out, ref_model=copy.deepcopy(model))
+        ppo.train(
+            cfg,
+            model,
+            value,
+            tok,
+            data,
+            RewardSet([LoadedReward("rm", RewardModelScorer(rm, dtype=dtype))]),
+            tracker,
+            out,
+            ref_model=copy.deepcopy(model),
+        )
     seconds = time.perf_counter() - t0
     return seconds, tracker.last("loss/policy_avg" if task == "ppo" else "train/loss")
 
@@ -208,20 +257,41 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         def on_step_end(self, *_, **__):
             clock.tick()
 
-    common = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=shape.batch, learning_rate=LR,
-                  report_to="none", use_cpu=not shape.gpu, bf16=shape.gpu, gradient_checkpointing=False, save_strategy="no",
-                  logging_steps=shape.log_every or steps, lr_scheduler_type="linear", max_length=shape.max_len, disable_tqdm=True)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=shape.batch,
+        learning_rate=LR,
+        report_to="none",
+        use_cpu=not shape.gpu,
+        bf16=shape.gpu,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=shape.log_every or steps,
+        lr_scheduler_type="linear",
+        max_length=shape.max_len,
+        disable_tqdm=True,
+    )
     ds = Dataset.from_list(data)
     t0 = time.perf_counter()  # construction (tokenization) + train + save, as `ours` is timed
     if task == "sft":
-        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**common, completion_only_loss=True), processing_class=tok, train_dataset=ds)
+        trainer = trl.SFTTrainer(
+            model=model, args=trl.SFTConfig(**common, completion_only_loss=True), processing_class=tok, train_dataset=ds
+        )
     elif task == "reward":
-        trainer = trl.RewardTrainer(model=model, args=trl.RewardConfig(**common), processing_class=tok, train_dataset=ds)
+        trainer = trl.RewardTrainer(
+            model=model, args=trl.RewardConfig(**common), processing_class=tok, train_dataset=ds
+        )
     elif task == "dpo":
         import copy
 
-        trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=trl.DPOConfig(**common), processing_class=tok,
-                                 train_dataset=ds)
+        trainer = trl.DPOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=trl.DPOConfig(**common),
+            processing_class=tok,
+            train_dataset=ds,
+        )
     elif task == "ppo":  # TRL 1.12 (the last with PPO), from its own target folder on PYTHONPATH
         import copy
 
@@ -232,12 +302,30 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         for k in ("max_length", "lr_scheduler_type"):
             common.pop(k)
         prompts = Dataset.from_dict({"input_ids": [tok(r["prompt"])["input_ids"] for r in data]})
-        args = PPOConfig(**common, total_episodes=steps * shape.batch, num_ppo_epochs=4, num_mini_batches=1,
-                         response_length=shape.completion, temperature=0.7, stop_token="eos", missing_eos_penalty=1.0,
-                         kl_coef=0.05, num_sample_generations=0, local_rollout_forward_batch_size=shape.batch)
+        args = PPOConfig(
+            **common,
+            total_episodes=steps * shape.batch,
+            num_ppo_epochs=4,
+            num_mini_batches=1,
+            response_length=shape.completion,
+            temperature=0.7,
+            stop_token="eos",
+            missing_eos_penalty=1.0,
+            kl_coef=0.05,
+            num_sample_generations=0,
+            local_rollout_forward_batch_size=shape.batch,
+        )
         load = lambda: AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1, dtype=model.dtype)  # noqa: E731
-        trainer = PPOTrainer(args=args, processing_class=tok, model=model, ref_model=copy.deepcopy(model),
-                             reward_model=load(), value_model=load(), train_dataset=prompts, callbacks=[Clock()])
+        trainer = PPOTrainer(
+            args=args,
+            processing_class=tok,
+            model=model,
+            ref_model=copy.deepcopy(model),
+            reward_model=load(),
+            value_model=load(),
+            train_dataset=prompts,
+            callbacks=[Clock()],
+        )
         trainer.train()
         trainer.save_model(tempfile.mkdtemp())
         seconds = time.perf_counter() - t0
@@ -250,9 +338,14 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
             return sentiment_lexicon(None, completions)
 
         common.pop("max_length")
-        args = trl.GRPOConfig(**{**common, "per_device_train_batch_size": 2 * shape.generations},
-                              num_generations=shape.generations, max_completion_length=shape.completion)
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds)
+        args = trl.GRPOConfig(
+            **{**common, "per_device_train_batch_size": 2 * shape.generations},
+            num_generations=shape.generations,
+            max_completion_length=shape.completion,
+        )
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds
+        )
     trainer.add_callback(Clock())
     result = trainer.train()
     trainer.save_model(tempfile.mkdtemp())
@@ -289,9 +382,16 @@ def case(impl: str, task: str, kind: str, steps: int, assets: str, around=contex
     with around():
         seconds, loss = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps, shape, kind, clock)
     per_step = 2 * shape.generations if task == "grpo" else shape.batch  # PPO: episodes
-    return {"impl": impl, "task": task, "model": kind, "seconds": seconds, "samples_per_s": steps * per_step / seconds,
-            "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
-            "peak_mb": peak_mb(shape.gpu), "loss": loss}
+    return {
+        "impl": impl,
+        "task": task,
+        "model": kind,
+        "seconds": seconds,
+        "samples_per_s": steps * per_step / seconds,
+        "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
+        "peak_mb": peak_mb(shape.gpu),
+        "loss": loss,
+    }
 
 
 def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:

@@ -21,5 +21,9 @@ def deploy_stage_flow(pool: str) -> None:
 def deploy_pipeline(recipe_path: str, name: str, work_pool: str, overrides: list[str], cron: str | None = None) -> None:
     """Deploy `alignpipe-pipeline/<name>` for a recipe, run by `work_pool`'s workers, on `cron` if given."""
     flow = cast(Any, pipeline.from_source(source=ROOT, entrypoint="flows/pipeline.py:pipeline"))
-    flow.deploy(name=name, work_pool_name=work_pool, cron=cron,
-                parameters={"recipe_path": str(Path(recipe_path).resolve()), "overrides": overrides, "force": []})
+    flow.deploy(
+        name=name,
+        work_pool_name=work_pool,
+        cron=cron,
+        parameters={"recipe_path": str(Path(recipe_path).resolve()), "overrides": overrides, "force": []},
+    )

@@ -63,15 +63,27 @@ def check_pools(recipe) -> None:
             try:
                 client.read_work_pool(pool)
             except ObjectNotFound:
-                problems.append(Problem(("stages", i, "resources", "pool"), f"work pool {pool!r} does not exist on the Prefect "
-                                        "server", f"create it (prefect work-pool create {pool} --type process) and deploy "
-                                        "the stage flow on it (infra/README.md), or remove `pool`", label=f"stage {s.id!r}"))
+                problems.append(
+                    Problem(
+                        ("stages", i, "resources", "pool"),
+                        f"work pool {pool!r} does not exist on the Prefect server",
+                        f"create it (prefect work-pool create {pool} --type process) and deploy "
+                        "the stage flow on it (infra/README.md), or remove `pool`",
+                        label=f"stage {s.id!r}",
+                    )
+                )
                 continue
             try:
                 client.read_deployment_by_name(deployment_name(pool))
             except ObjectNotFound:
-                problems.append(Problem(("stages", i, "resources", "pool"), f"no deployment {deployment_name(pool)!r} on pool "
-                                        f"{pool!r}", "deploy it: alignpipe deploy --pool " + pool, label=f"stage {s.id!r}"))
+                problems.append(
+                    Problem(
+                        ("stages", i, "resources", "pool"),
+                        f"no deployment {deployment_name(pool)!r} on pool {pool!r}",
+                        "deploy it: alignpipe deploy --pool " + pool,
+                        label=f"stage {s.id!r}",
+                    )
+                )
     if problems:
         raise RecipeError(problems, "recipe")
 
@@ -99,7 +111,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 pending.remove(s)
             elif any(outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED for d in deps):
                 skipped = [d for d in deps if outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED]
-                outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_SKIPPED, message=f"upstream stage {skipped[0]!r} was skipped")
+                outcomes[s.id] = StageOutcome(
+                    s.id, s.kind, STATUS_SKIPPED, message=f"upstream stage {skipped[0]!r} was skipped"
+                )
                 skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
                 pending.remove(s)
             elif all(d in manifests for d in deps):
@@ -112,7 +126,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     logger.error("stage %s: %s", s.id, outcomes[s.id].message)
                     continue
                 if not open_gate:
-                    outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_SKIPPED, message=f"gate `{s.when}` is false: {why}")
+                    outcomes[s.id] = StageOutcome(
+                        s.id, s.kind, STATUS_SKIPPED, message=f"gate `{s.when}` is false: {why}"
+                    )
                     logger.warning("stage %s skipped: %s", s.id, outcomes[s.id].message)
                     skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
                     continue
@@ -126,19 +142,28 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 task = TASKS[s.kind]
                 if s.resources.pool:  # the kind's default retries apply to its dispatch as to its local task
                     hooks = hooks_for(s.kind)
-                    task = dispatch_task.with_options(retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds)
+                    task = dispatch_task.with_options(
+                        retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds
+                    )
                 if s.resources.retries:
                     task = task.with_options(retries=s.resources.retries)
                 where: dict[str, Any] = {"pool": s.resources.pool} if s.resources.pool else {}
                 if recipe.storage:
                     where["storage_options"] = recipe.storage.options
-                future = task.submit(spec_path=spec, stage_id=s.id, processes=s.resources.processes,
-                                     timeout_s=s.resources.timeout_s, accelerate_config=s.resources.accelerate_config, **where)
+                future = task.submit(
+                    spec_path=spec,
+                    stage_id=s.id,
+                    processes=s.resources.processes,
+                    timeout_s=s.resources.timeout_s,
+                    accelerate_config=s.resources.accelerate_config,
+                    **where,
+                )
                 running[s.id] = (s, future)
         if not running:
             continue
-        done, _ = concurrent.futures.wait([f.wrapped_future for _, f in running.values()],
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            [f.wrapped_future for _, f in running.values()], return_when=concurrent.futures.FIRST_COMPLETED
+        )
         for sid, (s, future) in list(running.items()):
             if future.wrapped_future not in done:
                 continue
@@ -154,9 +179,15 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     ordered = [outcomes[s.id] for s in recipe.topological_order()]
     end_pipeline_run(tracking, ordered)
     # The recipe's text too: `alignpipe resume` on a machine without the file (storage runs) rebuilds it.
-    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": list(overrides or []), "recipe_text": recipe_text}
+    request = {
+        "recipe": str(Path(recipe_path).resolve()),
+        "overrides": list(overrides or []),
+        "recipe_text": recipe_text,
+    }
     summary_path = write_summary(recipe, run_id, ordered, tracking[2], request)
     failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
     if failed:
-        raise PipelineFailed(f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}")
+        raise PipelineFailed(
+            f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}"
+        )
     return {"summary": str(summary_path), "mlflow_run_id": tracking[2]}

@@ -11,15 +11,27 @@ from tasks.hooks import hooks_for, stage_entry, stage_env
 
 
 @flow(name="alignpipe-stage", flow_run_name="{stage_id}")
-def stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None,
-          accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
+def stage(
+    spec_path: str,
+    stage_id: str,
+    processes: int = 1,
+    timeout_s: float | None = None,
+    accelerate_config: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     """Run one stage from its spec file (a shared path or a URL in the recipe's storage root) and return
     its manifest."""
     logger = get_run_logger()
     spec = read_spec(spec_path, storage_options)
-    manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                      processes=processes, timeout_s=timeout_s, extra_env=stage_env(spec),
-                      accelerate_config=accelerate_config, storage_options=storage_options)
+    manifest = launch(
+        spec_path,
+        on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+        processes=processes,
+        timeout_s=timeout_s,
+        extra_env=stage_env(spec),
+        accelerate_config=accelerate_config,
+        storage_options=storage_options,
+    )
     on_done = hooks_for(stage_entry(spec)["kind"]).on_done
     if on_done is not None:
         on_done(manifest)

@@ -29,14 +29,32 @@ def worker_exit_code(message: str) -> int:
 
 
 @task(name="dispatch-stage", cache_policy=NONE, task_run_name="{stage_id}@{pool}")
-def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, timeout_s: float | None = None,
-                  accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
+def dispatch_task(
+    spec_path: str,
+    stage_id: str,
+    pool: str,
+    processes: int = 1,
+    timeout_s: float | None = None,
+    accelerate_config: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     logger = get_run_logger()
-    flow_run = cast(FlowRun, run_deployment(  # called from a sync task: the FlowRun itself, not a coroutine
-        deployment_name(pool), parameters={"spec_path": spec_path, "stage_id": stage_id, "processes": processes,
-                                           "timeout_s": timeout_s, "accelerate_config": accelerate_config,
-                                           "storage_options": storage_options},
-        timeout=timeout_s, as_subflow=True))  # bounded: a dead worker cannot hang the pipeline
+    flow_run = cast(
+        FlowRun,
+        run_deployment(  # called from a sync task: the FlowRun itself, not a coroutine
+            deployment_name(pool),
+            parameters={
+                "spec_path": spec_path,
+                "stage_id": stage_id,
+                "processes": processes,
+                "timeout_s": timeout_s,
+                "accelerate_config": accelerate_config,
+                "storage_options": storage_options,
+            },
+            timeout=timeout_s,
+            as_subflow=True,
+        ),
+    )  # bounded: a dead worker cannot hang the pipeline
     state = flow_run.state
     state_name = state.name if state else "unknown"
     logger.info("stage %s ran as flow run %s on pool %s: %s", stage_id, flow_run.id, pool, state_name)
@@ -44,6 +62,9 @@ def dispatch_task(spec_path: str, stage_id: str, pool: str, processes: int = 1, 
     manifest = read_manifest(spec)
     if state is None or not state.is_completed() or manifest is None or manifest.cache_key != spec.cache_key:
         message = (state.message if state else None) or ""
-        raise StageFailed(stage_id, worker_exit_code(message),
-                          [f"flow run {flow_run.id} on pool {pool!r} ended {state_name}: {message}"])
+        raise StageFailed(
+            stage_id,
+            worker_exit_code(message),
+            [f"flow run {flow_run.id} on pool {pool!r} ended {state_name}: {message}"],
+        )
     return manifest.model_dump(mode="json")

@@ -45,11 +45,18 @@ def publish_judge_artifacts(manifest: Manifest) -> None:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     key = "".join(ch if ch.isalnum() else "-" for ch in manifest.stage_id.lower())
-    rows = [{k: w[k] for k in ("candidate", "baseline", "win_rate", "ci_low", "ci_high", "wins", "ties", "losses")}
-            for w in manifest.info.get("win_rates", [])]
-    create_table_artifact(table=rows, key=f"{key}-win-rates", description=f"win rates of judge stage {manifest.stage_id}")
-    create_markdown_artifact(markdown=manifest.info.get("report", ""), key=f"{key}-report",
-                             description=f"report of judge stage {manifest.stage_id}")
+    rows = [
+        {k: w[k] for k in ("candidate", "baseline", "win_rate", "ci_low", "ci_high", "wins", "ties", "losses")}
+        for w in manifest.info.get("win_rates", [])
+    ]
+    create_table_artifact(
+        table=rows, key=f"{key}-win-rates", description=f"win rates of judge stage {manifest.stage_id}"
+    )
+    create_markdown_artifact(
+        markdown=manifest.info.get("report", ""),
+        key=f"{key}-report",
+        description=f"report of judge stage {manifest.stage_id}",
+    )
 
 
 KIND_HOOKS: dict[str, KindHooks] = {

@@ -15,14 +15,31 @@ def stage_task(kind: str):
     """A Prefect task for one stage kind. Caching is alignpipe's (manifests by cache key), not Prefect's."""
     hooks = hooks_for(kind)
 
-    @task(name=f"{kind}-stage", cache_policy=NONE, retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds,
-          task_run_name="{stage_id}")
-    def run_stage(spec_path: str, stage_id: str, processes: int = 1, timeout_s: float | None = None,
-                  accelerate_config: str | None = None, storage_options: dict | None = None) -> dict:
+    @task(
+        name=f"{kind}-stage",
+        cache_policy=NONE,
+        retries=hooks.retries,
+        retry_delay_seconds=hooks.retry_delay_seconds,
+        task_run_name="{stage_id}",
+    )
+    def run_stage(
+        spec_path: str,
+        stage_id: str,
+        processes: int = 1,
+        timeout_s: float | None = None,
+        accelerate_config: str | None = None,
+        storage_options: dict | None = None,
+    ) -> dict:
         logger = get_run_logger()
-        manifest = launch(spec_path, on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                          processes=processes, timeout_s=timeout_s, extra_env=stage_env(read_spec(spec_path, storage_options)),
-                          accelerate_config=accelerate_config, storage_options=storage_options)
+        manifest = launch(
+            spec_path,
+            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+            processes=processes,
+            timeout_s=timeout_s,
+            extra_env=stage_env(read_spec(spec_path, storage_options)),
+            accelerate_config=accelerate_config,
+            storage_options=storage_options,
+        )
         if hooks.on_done is not None:
             hooks.on_done(manifest)
         return manifest.model_dump(mode="json")

@@ -68,8 +68,13 @@ def completions_handler(method, path, body, headers):
         for i, _ in enumerate(prompts):
             for j in range(n):
                 stop = (i + j) % 2 == 0
-                choices.append({"index": i * n + j, "text": " good film" if stop else " x y z",
-                                "finish_reason": "stop" if stop else "length"})
+                choices.append(
+                    {
+                        "index": i * n + j,
+                        "text": " good film" if stop else " x y z",
+                        "finish_reason": "stop" if stop else "length",
+                    }
+                )
         return 200, {"choices": choices[::-1]}  # out of order on purpose: the engine sorts by index
     return 404, {"error": "not found"}
 
@@ -96,7 +101,9 @@ class FakeHub:
             self.validated.append(body)
             return 200, {"errors": [], "warnings": []}
         if path.startswith("/api/repos/create"):
-            repo_id = f"{body.get('organization') or 'user'}/{body['name']}" if "/" not in body["name"] else body["name"]
+            repo_id = (
+                f"{body.get('organization') or 'user'}/{body['name']}" if "/" not in body["name"] else body["name"]
+            )
             private = body.get("private") if "private" in body else body.get("visibility") == "private"
             self.repos.setdefault(repo_id, {"private": private, "branches": {"main": {}}})
             return 200, {"url": f"{base}/{repo_id}", "name": repo_id, "id": repo_id}
@@ -112,9 +119,17 @@ class FakeHub:
             repo["branches"].setdefault(branch, dict(repo["branches"]["main"]))
             return 200, {}
         if action == "preupload":
-            return 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                                    "oid": git_hash(files[f["path"]]) if files and f["path"] in files else None}
-                                   for f in body["files"]]}
+            return 200, {
+                "files": [
+                    {
+                        "path": f["path"],
+                        "uploadMode": "regular",
+                        "shouldIgnore": False,
+                        "oid": git_hash(files[f["path"]]) if files and f["path"] in files else None,
+                    }
+                    for f in body["files"]
+                ]
+            }
         if action == "commit":
             self.commit_attempts += 1
             if self.fail_commits > 0:
@@ -125,10 +140,21 @@ class FakeHub:
             added = {x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"}
             files.update(added)
             oid = hashlib.sha1(f"{len(self.commits)}{sorted(added)}".encode()).hexdigest()
-            self.commits.append({"repo": repo_id, "branch": branch, "message": header["summary"], "files": sorted(added),
-                                 "authorization": headers.get("Authorization") or headers.get("authorization")})
+            self.commits.append(
+                {
+                    "repo": repo_id,
+                    "branch": branch,
+                    "message": header["summary"],
+                    "files": sorted(added),
+                    "authorization": headers.get("Authorization") or headers.get("authorization"),
+                }
+            )
             repo["head"] = oid
             return 200, {"commitUrl": f"{base}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
         if action in ("revision", "info"):
-            return 200, {"id": repo_id, "sha": repo.get("head", "0" * 40), "siblings": [{"rfilename": p} for p in (files or {})]}
+            return 200, {
+                "id": repo_id,
+                "sha": repo.get("head", "0" * 40),
+                "siblings": [{"rfilename": p} for p in (files or {})],
+            }
         return 404, {"error": f"unknown action {action}"}

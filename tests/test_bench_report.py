@@ -53,7 +53,9 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     import bench.__main__ as bench_main
 
     speed = {"value": 10.0}
-    monkeypatch.setattr(bench_main, "measure", lambda *a: {"samples_per_s": speed["value"], "peak_mb": 1.0, "loss": 0.1})
+    monkeypatch.setattr(
+        bench_main, "measure", lambda *a: {"samples_per_s": speed["value"], "peak_mb": 1.0, "loss": 0.1}
+    )
     monkeypatch.setattr(bench_main, "mean_tokens", lambda *a: None)
     out = tmp_path / "report.md"
     common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0"]
@@ -64,7 +66,9 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
     assert "| 1 × 20 | 10.0 |" in rows[0] and "| 1 × 10 | 20.0 |" in rows[1] and "| 1 × 10 | 20.0 |" in rows[2]
     bench_main.main(["--trainers", "grpo", *common])  # without --merge the table is this invocation's alone
-    assert next(line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line).startswith("| grpo")
+    assert next(
+        line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line
+    ).startswith("| grpo")
 
 
 def test_steady_rate_leaves_out_the_warm_up_steps():
@@ -76,8 +80,16 @@ def test_steady_rate_leaves_out_the_warm_up_steps():
 
 def test_critical_path_follows_the_longest_chain_not_the_sum():
     # tiny-dpo: the SFT and reward-model branches run side by side
-    seconds = {"sft-data": 1.0, "pref-data": 1.0, "eval-prompts": 1.0, "sft": 10.0, "rm": 30.0, "dpo": 5.0, "judge": 2.0,
-               "judge-rm": 2.0}
+    seconds = {
+        "sft-data": 1.0,
+        "pref-data": 1.0,
+        "eval-prompts": 1.0,
+        "sft": 10.0,
+        "rm": 30.0,
+        "dpo": 5.0,
+        "judge": 2.0,
+        "judge-rm": 2.0,
+    }
     total = critical_path(ROOT / "pipelines" / "tiny-dpo.yaml", seconds)
     assert total < sum(seconds.values())
     assert total >= 1.0 + 10.0 + 5.0 + 2.0  # format → sft → dpo → judge at least
@@ -93,8 +105,26 @@ def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny,
     """`python -m bench.profile` runs a benchmark case under the torch profiler and writes the op table,
     a Perfetto trace and the matrix-multiply share."""
     out = tmp_path / "prof"
-    run = subprocess.run([sys.executable, "-m", "bench.profile", "ours", "sft", "tiny", "--steps", "2", "--assets", str(tiny),
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.profile",
+            "ours",
+            "sft",
+            "tiny",
+            "--steps",
+            "2",
+            "--assets",
+            str(tiny),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     prof = summary["profile"]
@@ -112,11 +142,14 @@ def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
 
     from bench.profile import summarize
 
-    events = [SimpleNamespace(key="aten::mm", self_cpu_time_total=600.0, count=3),
-              SimpleNamespace(key="aten::add", self_cpu_time_total=300.0, count=9),
-              SimpleNamespace(key="aten::linear", self_cpu_time_total=100.0, count=3),
-              SimpleNamespace(key="aten::_scaled_dot_product_flash_attention_for_cpu_backward", self_cpu_time_total=200.0,
-                              count=1)]
+    events = [
+        SimpleNamespace(key="aten::mm", self_cpu_time_total=600.0, count=3),
+        SimpleNamespace(key="aten::add", self_cpu_time_total=300.0, count=9),
+        SimpleNamespace(key="aten::linear", self_cpu_time_total=100.0, count=3),
+        SimpleNamespace(
+            key="aten::_scaled_dot_product_flash_attention_for_cpu_backward", self_cpu_time_total=200.0, count=1
+        ),
+    ]
     s = summarize(events, device=False)
     assert s["total_ms"] == 1.2 and abs(s["gemm_share"] - 800 / 1200) < 1e-12
     assert [r["op"] for r in s["top"]][:2] == ["aten::mm", "aten::add"] and s["top"][-1]["op"] == "aten::linear"

@@ -58,9 +58,18 @@ def server(tmp_path_factory, hub):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(root / "home"), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="2", DO_NOT_TRACK="1", ALIGNPIPE_HOME=str(REPO))
-    proc = _start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, root / "server.log")
+    env.update(
+        PREFECT_HOME=str(root / "home"),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+        DO_NOT_TRACK="1",
+        ALIGNPIPE_HOME=str(REPO),
+    )
+    proc = _start(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, root / "server.log"
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -74,12 +83,36 @@ def server(tmp_path_factory, hub):
     else:
         _stop(proc)
         pytest.fail("prefect server did not answer /api/health within 120 s")
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process", "--base-job-template",
-                    str(REPO / "infra" / "work-pools" / "process.json")], env=env, check=True, capture_output=True, timeout=120)
-    out = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml",
-                          "--name", POOL], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    subprocess.run(
+        [
+            str(BIN / "prefect"),
+            "work-pool",
+            "create",
+            POOL,
+            "--type",
+            "process",
+            "--base-job-template",
+            str(REPO / "infra" / "work-pools" / "process.json"),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    out = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--name", POOL],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    worker_env = {**env, "HF_ENDPOINT": str(hub), "HF_HUB_OFFLINE": "0"}  # no HF_TOKEN: a stage must get it from a block
+    worker_env = {
+        **env,
+        "HF_ENDPOINT": str(hub),
+        "HF_HUB_OFFLINE": "0",
+    }  # no HF_TOKEN: a stage must get it from a block
     worker_env.pop("HF_TOKEN", None)
     worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], worker_env, root / "worker.log")
     yield api, env, root
@@ -91,8 +124,10 @@ def _recipe(tiny, tmp_path, pool: str) -> Path:
     from support import demo_recipe
 
     path = tmp_path / "pool.yaml"
-    text = demo_recipe(tiny, tmp_path / "runs").replace("    learning_rate: 1.0e-3\n    max_steps: 150",
-                                                      f"    learning_rate: 1.0e-3\n    max_steps: 40\n    resources: {{pool: {pool}}}")
+    text = demo_recipe(tiny, tmp_path / "runs").replace(
+        "    learning_rate: 1.0e-3\n    max_steps: 150",
+        f"    learning_rate: 1.0e-3\n    max_steps: 40\n    resources: {{pool: {pool}}}",
+    )
     path.write_text(text)
     return path
 
@@ -103,18 +138,38 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
     local tasks do."""
     api, env, root = server
     secret = "hf_pool_token_from_block"
-    subprocess.run([sys.executable, "-c", "import sys; from prefect.blocks.system import Secret; "
-                    "Secret(value=sys.argv[1]).save('pool-hub-token', overwrite=True)", secret], env=env, check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from prefect.blocks.system import Secret; "
+            "Secret(value=sys.argv[1]).save('pool-hub-token', overwrite=True)",
+            secret,
+        ],
+        env=env,
+        check=True,
+        timeout=120,
+    )
     path = _recipe(tiny, tmp_path, POOL)
     text = path.read_text()
-    for old, new in (("    reward: sentiment_lexicon", f"    reward: sentiment_lexicon\n    resources: {{pool: {POOL}}}"),
-                     ("    when: judge.win_rate >= 0.55 and judge.ci_low > 0.5\n    target: local",
-                      f"    target: hub\n    repo_id: me/pool-demo\n    token_secret: pool-hub-token\n    resources: {{pool: {POOL}}}")):
+    for old, new in (
+        ("    reward: sentiment_lexicon", f"    reward: sentiment_lexicon\n    resources: {{pool: {POOL}}}"),
+        (
+            "    when: judge.win_rate >= 0.55 and judge.ci_low > 0.5\n    target: local",
+            f"    target: hub\n    repo_id: me/pool-demo\n    token_secret: pool-hub-token\n    resources: {{pool: {POOL}}}",
+        ),
+    ):
         assert old in text, old
         text = text.replace(old, new)
     path.write_text(text)
-    out = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    out = subprocess.run(
+        [str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + (root / "worker.log").read_text()[-3000:]
     summary = json.loads(next((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json")).read_text())
     from alignpipe.manifest import Manifest
@@ -145,8 +200,9 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
     _api, env, _ = server
     path = _recipe(tiny, tmp_path, "no-such-pool")
-    out = subprocess.run([str(BIN / "alignpipe"), "run", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [str(BIN / "alignpipe"), "run", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2
     assert "stages[2].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
     assert not (tmp_path / "runs" / "tiny-demo").exists()
@@ -156,12 +212,24 @@ def test_resume_reruns_nothing_that_finished(server, tiny, tmp_path):
     """`alignpipe resume RUN_ID` re-runs a pipeline run's recipe with its overrides; all cached here."""
     _api, env, _ = server
     path = _recipe(tiny, tmp_path, POOL)
-    first = subprocess.run([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"], env=env,
-                           cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    first = subprocess.run(
+        [str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert first.returncode == 0, first.stdout[-2000:]
     run_file = next((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json"))
-    out = subprocess.run([str(BIN / "alignpipe"), "resume", run_file.stem[:8]], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [str(BIN / "alignpipe"), "resume", run_file.stem[:8]],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "stages.judge.num_prompts=16" in out.stdout
     latest = max((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
@@ -175,9 +243,27 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
     api, env, _ = server
     recipe = tmp_path / "tiny-demo.yaml"  # the shipped recipe, pointed at this session's tiny assets
     recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
-    out = subprocess.run([str(BIN / "alignpipe"), "deploy", "--pool", POOL, "--recipe", str(recipe),
-                          "--name", "weekly-demo", "--pipeline-pool", POOL, "--cron", "0 3 * * 1"],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            str(BIN / "alignpipe"),
+            "deploy",
+            "--pool",
+            POOL,
+            "--recipe",
+            str(recipe),
+            "--name",
+            "weekly-demo",
+            "--pipeline-pool",
+            POOL,
+            "--cron",
+            "0 3 * * 1",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
     assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
@@ -216,12 +302,30 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
 
     _api, env, root = server
     path = tmp_path / "crash.yaml"
-    path.write_text(_recipe(tiny, tmp_path, POOL).read_text().replace(
-        "    max_steps: 40\n    resources: {pool: " + POOL + "}",
-        "    max_steps: 60\n    save_every: 10\n    resources: {pool: " + POOL + ", retries: 1}"))
-    run = subprocess.Popen([str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=8",
-                            "--set", "stages.sft.eval_every=null"], env=env,
-                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path.write_text(
+        _recipe(tiny, tmp_path, POOL)
+        .read_text()
+        .replace(
+            "    max_steps: 40\n    resources: {pool: " + POOL + "}",
+            "    max_steps: 60\n    save_every: 10\n    resources: {pool: " + POOL + ", retries: 1}",
+        )
+    )
+    run = subprocess.Popen(
+        [
+            str(BIN / "alignpipe"),
+            "run",
+            str(path),
+            "--set",
+            "stages.judge.num_prompts=8",
+            "--set",
+            "stages.sft.eval_every=null",
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stages = tmp_path / "runs" / "tiny-demo" / "stages"
     deadline = time.monotonic() + 300
     ckpt = None
@@ -234,7 +338,9 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
     stage_dir = ckpt.parents[2]
     stage_pid = _stage_process(stage_dir.name)
     assert stage_pid, "the stage process is running"
-    job_pid = int(Path(f"/proc/{stage_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent: the worker's job
+    job_pid = int(
+        Path(f"/proc/{stage_pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    )  # its parent: the worker's job
     os.kill(job_pid, signal.SIGKILL)
     gone = time.monotonic() + 15
     while _alive(stage_pid):

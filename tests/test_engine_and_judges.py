@@ -74,15 +74,24 @@ def test_greedy_decoding_equals_transformers_generate(engine):
     from transformers import GenerationConfig
 
     prompts = ["The film", "I watched it and", "A", "Honestly, the plot was"]
-    ours = [g.completion_ids for g in HFEngine(engine.model, engine.tok, 8).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=20))]
+    ours = [
+        g.completion_ids
+        for g in HFEngine(engine.model, engine.tok, 8).generate(
+            prompts, 1, SamplingParams(temperature=0, max_new_tokens=20)
+        )
+    ]
     tok = engine.tok
     side, tok.padding_side = tok.padding_side, "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     tok.padding_side = side
     with torch.no_grad():
-        ref = engine.model.generate(**enc, generation_config=GenerationConfig(
-            max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    for mine, theirs in zip(ours, ref[:, enc["input_ids"].shape[1]:].tolist()):
+        ref = engine.model.generate(
+            **enc,
+            generation_config=GenerationConfig(
+                max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+            ),
+        )
+    for mine, theirs in zip(ours, ref[:, enc["input_ids"].shape[1] :].tolist()):
         if tok.eos_token_id in theirs:
             theirs = theirs[: theirs.index(tok.eos_token_id) + 1]
         else:
@@ -90,8 +99,15 @@ def test_greedy_decoding_equals_transformers_generate(engine):
         assert mine == theirs
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.8),
-                                    dict(temperature=1.3, min_p=0.1), dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.3, min_p=0.1),
+        dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+    ],
+)
 def test_sampling_filters_match_transformers_warpers(params):
     import torch
     from transformers.generation.logits_process import (
@@ -132,8 +148,14 @@ def test_greedy_samples_of_a_shared_prefill_equal_each_row_decoded_whole(engine)
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     with torch.no_grad():
         shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], greedy, None, tok.pad_token_id, n=3)
-        whole = decode(engine.model, enc["input_ids"].repeat_interleave(3, 0), enc["attention_mask"].repeat_interleave(3, 0),
-                       greedy, None, tok.pad_token_id)
+        whole = decode(
+            engine.model,
+            enc["input_ids"].repeat_interleave(3, 0),
+            enc["attention_mask"].repeat_interleave(3, 0),
+            greedy,
+            None,
+            tok.pad_token_id,
+        )
     assert shared.shape == (6, 12) and torch.equal(shared, whole)
 
 
@@ -173,13 +195,21 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     loaded: dict = {}
 
     class FakeVLLMModel:
-
         def load_weights(self, weights):
             loaded.update({k: v.clone() for k, v in weights})
 
     class FakeLLM:  # the V0 layout `_vllm_model` reads
-        llm_engine = type("E", (), {"model_executor": type("X", (), {"driver_worker": type("W", (), {
-            "model_runner": type("R", (), {"model": FakeVLLMModel()})()})()})()})()
+        llm_engine = type(
+            "E",
+            (),
+            {
+                "model_executor": type(
+                    "X",
+                    (),
+                    {"driver_worker": type("W", (), {"model_runner": type("R", (), {"model": FakeVLLMModel()})()})()},
+                )()
+            },
+        )()
 
     engine = object.__new__(VLLMColocateEngine)
     engine.llm, engine._asleep = FakeLLM(), False

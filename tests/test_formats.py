@@ -7,20 +7,40 @@ from alignpipe.modeling import load_tokenizer
 def test_plain_prompt_completion_split_is_deterministic(tiny):
     tok = load_tokenizer(str(tiny / "model"))
     raw = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(20)]
-    a = format_rows(raw, fmt="prompt_completion", tokenizer=tok, columns={"prompt": "q", "completion": "a"}, eval_fraction=0.25, seed=1)
-    b = format_rows(raw, fmt="prompt_completion", tokenizer=tok, columns={"prompt": "q", "completion": "a"}, eval_fraction=0.25, seed=1)
+    a = format_rows(
+        raw,
+        fmt="prompt_completion",
+        tokenizer=tok,
+        columns={"prompt": "q", "completion": "a"},
+        eval_fraction=0.25,
+        seed=1,
+    )
+    b = format_rows(
+        raw,
+        fmt="prompt_completion",
+        tokenizer=tok,
+        columns={"prompt": "q", "completion": "a"},
+        eval_fraction=0.25,
+        seed=1,
+    )
     train, evals, stats = a
     assert (len(train), len(evals)) == (15, 5)
     assert set(train[0]) == {"prompt", "completion"}
     assert stats.fingerprint == b[2].fingerprint
-    assert stats.fingerprint != format_rows(raw, fmt="prompt_completion", tokenizer=tok,
-                                            columns={"prompt": "q", "completion": "a"}, seed=2)[2].fingerprint
+    assert (
+        stats.fingerprint
+        != format_rows(raw, fmt="prompt_completion", tokenizer=tok, columns={"prompt": "q", "completion": "a"}, seed=2)[
+            2
+        ].fingerprint
+    )
 
 
 def test_chat_template_renders_prompt_with_generation_prompt(tiny):
     tok = load_tokenizer(str(tiny / "model"))
     raw = [{"prompt": "hello", "completion": "world", "answer": "x"}]
-    train, _, _ = format_rows(raw, fmt="prompt_completion", tokenizer=tok, chat_template=True, system_prompt="be nice", eval_fraction=0)
+    train, _, _ = format_rows(
+        raw, fmt="prompt_completion", tokenizer=tok, chat_template=True, system_prompt="be nice", eval_fraction=0
+    )
     row = train[0]
     assert row["prompt"] == "<|system|>be nice<|end|><|user|>hello<|end|><|assistant|>"
     assert row["completion"] == "world<|end|>"
@@ -29,9 +49,14 @@ def test_chat_template_renders_prompt_with_generation_prompt(tiny):
 
 def test_preference_drops_identical_pairs_and_long_rows(tiny):
     tok = load_tokenizer(str(tiny / "model"))
-    raw = [{"prompt": "p", "chosen": "good", "rejected": "bad"}, {"prompt": "p", "chosen": "same", "rejected": "same"},
-           {"prompt": "p " * 100, "chosen": "good", "rejected": "bad"}]
-    train, _evals, stats = format_rows(raw, fmt="preference", tokenizer=tok, max_length=32, eval_fraction=0, shuffle=False)
+    raw = [
+        {"prompt": "p", "chosen": "good", "rejected": "bad"},
+        {"prompt": "p", "chosen": "same", "rejected": "same"},
+        {"prompt": "p " * 100, "chosen": "good", "rejected": "bad"},
+    ]
+    train, _evals, stats = format_rows(
+        raw, fmt="preference", tokenizer=tok, max_length=32, eval_fraction=0, shuffle=False
+    )
     assert stats.dropped_identical_pair == 1 and stats.dropped_too_long == 1
     assert train == [{"prompt": "p", "chosen": "good", "rejected": "bad"}]
 

@@ -44,7 +44,12 @@ def test_a_hub_that_keeps_failing_gives_a_clear_error_and_keeps_the_folder(folde
     hub = FakeHub()
     hub.fail_commits = 99
     # huggingface_hub retries 5xx itself (with its own backoff); one attempt of ours is enough to see the error.
-    with serve(hub) as url, pytest.raises(RuntimeError, match=r"(?s)Hub upload failed after 1 attempt\(s\).*503.*still in the stage folder"):
+    with (
+        serve(hub) as url,
+        pytest.raises(
+            RuntimeError, match=r"(?s)Hub upload failed after 1 attempt\(s\).*503.*still in the stage folder"
+        ),
+    ):
         push_to_hub(folder, "alice/m", endpoint=url, attempts=1, backoff_s=0.01)
     assert hub.commit_attempts >= 1 and not hub.commits
     assert (folder / "config.json").exists() and (folder / "README.md").exists()
@@ -64,17 +69,29 @@ def test_push_stage_merges_a_lora_adapter_when_asked(tiny, tmp_path):
     tok = load_tokenizer(str(tiny / "model"))
     rows = [json.loads(line) for line in (tiny / "data" / "sentiment_sft.jsonl").read_text().splitlines()[:64]]
     train, _, _ = format_rows(rows, fmt="prompt_completion", tokenizer=tok, eval_fraction=0)
-    result = sft.train(SFTConfig(max_steps=2, batch_size=8, lora=LoraSpec(r=4)), load_causal_lm(str(tiny / "model")), tok, train, [],
-                       Tracker(), tmp_path / "sft")
-    adapter = Manifest(stage_id="sft", kind="sft", cache_key="k", outputs={"model": str(result.model_dir)},
-                       info={"adapter": True, "base_model_path": str(tiny / "model")})
+    result = sft.train(
+        SFTConfig(max_steps=2, batch_size=8, lora=LoraSpec(r=4)),
+        load_causal_lm(str(tiny / "model")),
+        tok,
+        train,
+        [],
+        Tracker(),
+        tmp_path / "sft",
+    )
+    adapter = Manifest(
+        stage_id="sft",
+        kind="sft",
+        cache_key="k",
+        outputs={"model": str(result.model_dir)},
+        info={"adapter": True, "base_model_path": str(tiny / "model")},
+    )
     recipe = parse_recipe(f"""name: m
-model: {{path: {tiny / 'model'}}}
+model: {{path: {tiny / "model"}}}
 stages:
   - {{id: sft-data, kind: format, dataset: d, format: prompt_completion}}
   - {{id: sft, kind: sft, data: sft-data}}
-  - {{id: publish, kind: push, model: sft, target: local, path: {tmp_path / 'out'}, merge_adapter: true}}
-datasets: {{d: {{path: {tiny / 'data' / 'sentiment_sft.jsonl'}}}}}
+  - {{id: publish, kind: push, model: sft, target: local, path: {tmp_path / "out"}, merge_adapter: true}}
+datasets: {{d: {{path: {tiny / "data" / "sentiment_sft.jsonl"}}}}}
 """)
     ctx = StageContext(recipe, recipe.stage("publish"), tmp_path / "publish", {"sft": adapter}, Tracker())
     (tmp_path / "publish").mkdir()

@@ -36,8 +36,12 @@ def models(tiny, tmp_path_factory):
         tok.save_pretrained(root / f"m{k}")
         paths.append(str(root / f"m{k}"))
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "topic": "film"}) + "\n" for p in
-                               ["The film", "I watched it and", "Critics say", "My review:", "After the movie,", "The cast"]))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": p, "topic": "film"}) + "\n"
+            for p in ["The film", "I watched it and", "Critics say", "My review:", "After the movie,", "The cast"]
+        )
+    )
     return tiny, paths, prompts
 
 
@@ -49,14 +53,18 @@ def context(tiny, tmp_path, stage_yaml: str) -> StageContext:
 
 def test_three_models_give_a_consistent_win_rate_matrix(models, tmp_path):
     tiny, paths, prompts = models
-    ctx = context(tiny, tmp_path, f"""  - id: judge
+    ctx = context(
+        tiny,
+        tmp_path,
+        f"""  - id: judge
     kind: judge
     candidate: [{paths[1]}, {paths[2]}]
     baseline: {paths[0]}
     prompts_file: {prompts}
     reward: length
     sampling: {{temperature: 0.9, max_new_tokens: 12}}
-""")
+""",
+    )
     result = judge_stage.run(ctx)
     grid = result.info["matrix"]
     assert result.info["models"] == [paths[1], paths[2], paths[0]] and len(grid) == 3
@@ -68,7 +76,12 @@ def test_three_models_give_a_consistent_win_rate_matrix(models, tmp_path):
     assert len(result.info["win_rates"]) == 3, "2 candidate×baseline pairs + the candidates against each other"
     assert f"judge/{paths[1]}_vs_{paths[0]}/win_rate" in result.metrics
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert len(saved["examples"]) == 3 * 6 and {"prompt", "candidate_completion", "baseline_completion", "verdict"} <= set(saved["examples"][0])
+    assert len(saved["examples"]) == 3 * 6 and {
+        "prompt",
+        "candidate_completion",
+        "baseline_completion",
+        "verdict",
+    } <= set(saved["examples"][0])
     assert "Win rate of the row model against the column model" in (tmp_path / "report.md").read_text()
     assert ctx.tracker.tables["judged_examples"]
 
@@ -83,17 +96,23 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
         text = body["messages"][0]["content"]
         a = re.search(r"Response A:\n(.*)\n\nResponse B:", text, re.S).group(1)
         b = re.search(r"Response B:\n(.*)\n\nWhich", text, re.S).group(1)
-        return 200, {"choices": [{"message": {"content": "A" if len(a) > len(b) else "B" if len(b) > len(a) else "tie?"}}]}
+        return 200, {
+            "choices": [{"message": {"content": "A" if len(a) > len(b) else "B" if len(b) > len(a) else "tie?"}}]
+        }
 
     with serve(chat) as url:
-        ctx = context(tiny, tmp_path, f"""  - id: judge
+        ctx = context(
+            tiny,
+            tmp_path,
+            f"""  - id: judge
     kind: judge
     candidate: {paths[1]}
     baseline: {paths[0]}
     prompts_file: {prompts}
     llm_judge: {{url: {url}}}
     sampling: {{temperature: 0.9, max_new_tokens: 12}}
-""")
+""",
+        )
         result = judge_stage.run(ctx)
         calls = [r for r in url.requests if r["path"] == "/v1/chat/completions"]
     assert len(calls) == 2 * 6, "every pair judged in both orders"
@@ -107,14 +126,18 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
 
 def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
     tiny, paths, prompts = models
-    ctx = context(tiny, tmp_path, f"""  - id: judge
+    ctx = context(
+        tiny,
+        tmp_path,
+        f"""  - id: judge
     kind: judge
     candidate: {paths[1]}
     baseline: {paths[0]}
     prompts_file: {prompts}
     llm_judge: {{model: {paths[2]}, max_new_tokens: 4}}
     sampling: {{temperature: 0.9, max_new_tokens: 8}}
-""")
+""",
+    )
     result = judge_stage.run(ctx)
     verdicts = []
     for r in ctx.tracker.tables["judged_examples"]:
@@ -127,8 +150,15 @@ def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
 
 
 def test_verdicts_and_matrix_by_hand():
-    assert parse_verdict(" B, clearly") == "B" and parse_verdict("neither") is None and parse_verdict("Answer: A") == "A"
-    assert combine("A", "B") == "win" and combine("B", "A") == "loss" and combine("A", "A") == "tie" and combine(None, "B") == "tie"
+    assert (
+        parse_verdict(" B, clearly") == "B" and parse_verdict("neither") is None and parse_verdict("Answer: A") == "A"
+    )
+    assert (
+        combine("A", "B") == "win"
+        and combine("B", "A") == "loss"
+        and combine("A", "A") == "tie"
+        and combine(None, "B") == "tie"
+    )
     wr = from_verdicts(["win", "win", "win", "tie", "loss"])
     assert (wr.wins, wr.ties, wr.losses) == (3, 1, 1) and wr.win_rate == pytest.approx(0.7)
     # Wilson by hand: p = 0.7, n = 5, z² = 3.8416 → centre 0.61311 ± 0.31432
@@ -147,7 +177,11 @@ def test_judge_config_errors(tiny):
 
     assert "exactly one of `prompts`" in problems("  - {id: j, kind: judge, candidate: base}")
     assert "exactly one of `model` (local judge) or `url`" in problems(
-        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {}}")
+        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {}}"
+    )
     assert "template is missing {response_b}" in problems(
-        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {url: http://x, template: '{prompt} {response_a}'}}")
-    assert "no stage named 'sfft'" in problems("  - {id: j, kind: judge, candidate: [base, sfft], prompts_file: x.jsonl}")
+        "  - {id: j, kind: judge, candidate: base, prompts_file: x.jsonl, llm_judge: {url: http://x, template: '{prompt} {response_a}'}}"
+    )
+    assert "no stage named 'sfft'" in problems(
+        "  - {id: j, kind: judge, candidate: [base, sfft], prompts_file: x.jsonl}"
+    )

@@ -18,7 +18,12 @@ def run_recipe(name: str, tiny: Path, tmp_path: Path, edits: dict[str, str] | No
     from flows.pipeline import pipeline
 
     path = tmp_path / name
-    text = (ROOT / "pipelines" / name).read_text().replace("assets/tiny", str(tiny)).replace("./runs", str(tmp_path / "runs"))
+    text = (
+        (ROOT / "pipelines" / name)
+        .read_text()
+        .replace("assets/tiny", str(tiny))
+        .replace("./runs", str(tmp_path / "runs"))
+    )
     for old, new in (edits or {}).items():
         assert old in text, old
         text = text.replace(old, new)
@@ -40,8 +45,14 @@ def child_metrics(recipe, summary) -> dict[str, dict[str, float]]:
 def test_tiny_dpo_beats_sft_and_reward_model_is_accurate(prefect_harness, tiny, tmp_path):
     recipe, summary = run_recipe("tiny-dpo.yaml", tiny, tmp_path)
     metrics = child_metrics(recipe, summary)
-    print("reward model eval accuracy", metrics["rm"]["eval/accuracy"], "DPO win rate vs SFT", metrics["judge"]["judge/win_rate"],
-          "by reward model", metrics["judge-rm"]["judge/win_rate"])
+    print(
+        "reward model eval accuracy",
+        metrics["rm"]["eval/accuracy"],
+        "DPO win rate vs SFT",
+        metrics["judge"]["judge/win_rate"],
+        "by reward model",
+        metrics["judge-rm"]["judge/win_rate"],
+    )
     assert metrics["rm"]["eval/accuracy"] >= 0.90
     assert metrics["judge"]["judge/win_rate"] >= 0.65
 
@@ -58,8 +69,10 @@ def test_tiny_ppo_raises_rlhf_reward_and_beats_sft(prefect_harness, tiny, tmp_pa
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
     exp = client.get_experiment_by_name(recipe.experiment_name)
-    ppo_run = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and "
-                                                      "tags.`alignpipe.stage_id` = 'ppo'")[0]
+    ppo_run = client.search_runs(
+        [exp.experiment_id],
+        f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",
+    )[0]
     history = [m.value for m in client.get_metric_history(ppo_run.info.run_id, "objective/rlhf_reward")]
     print("rlhf_reward", history[0], "→", history[-1], "win rate vs SFT", metrics["judge"]["judge/win_rate"])
     assert history[-1] > history[0]
@@ -72,21 +85,34 @@ def test_tiny_ppo_adaptive_kl_holds_the_target_and_beats_sft(prefect_harness, ti
     batches at this size), so the check is on means over 5 updates (160 episodes): over the last half of training each
     stays within ±50% of the target. PPO still beats SFT by the judge."""
     target = 1.0
-    edits = {"    kl_coef: 0.05\n": f"    kl_coef: 0.2\n    adap_kl_ctrl: true\n    target: {target}\n    horizon: 64\n",
-             "    logging_every: 5\n": "    logging_every: 1\n"}
+    edits = {
+        "    kl_coef: 0.05\n": f"    kl_coef: 0.2\n    adap_kl_ctrl: true\n    target: {target}\n    horizon: 64\n",
+        "    logging_every: 5\n": "    logging_every: 1\n",
+    }
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path, edits)
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
     exp = client.get_experiment_by_name(recipe.experiment_name)
-    ppo_run = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and "
-                                                      "tags.`alignpipe.stage_id` = 'ppo'")[0]
+    ppo_run = client.search_runs(
+        [exp.experiment_id],
+        f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",
+    )[0]
+
     def history(key):
         return [m.value for m in sorted(client.get_metric_history(ppo_run.info.run_id, key), key=lambda m: m.step)]
 
     kl, coef = history("objective/kl"), history("objective/kl_coef")
     assert len(kl) == len(coef) == 40 and coef[0] == 0.2 and len(set(coef)) > 30, "the coefficient moves every update"
-    windows = [sum(kl[i:i + 5]) / 5 for i in range(20, 40, 5)]
-    print("KL per update", [round(k, 2) for k in kl], "\nlast-half 5-update means", [round(w, 3) for w in windows],
-          "\nkl_coef", [round(c, 3) for c in coef], "\nwin rate vs SFT", metrics["judge"]["judge/win_rate"])
+    windows = [sum(kl[i : i + 5]) / 5 for i in range(20, 40, 5)]
+    print(
+        "KL per update",
+        [round(k, 2) for k in kl],
+        "\nlast-half 5-update means",
+        [round(w, 3) for w in windows],
+        "\nkl_coef",
+        [round(c, 3) for c in coef],
+        "\nwin rate vs SFT",
+        metrics["judge"]["judge/win_rate"],
+    )
     assert all(0.5 * target <= w <= 1.5 * target for w in windows), windows
     assert metrics["judge"]["judge/win_rate"] >= 0.65

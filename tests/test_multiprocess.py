@@ -19,12 +19,17 @@ def run_stage(tiny, tmp_path, text_fn, stage: str, processes: int, overrides: li
     done = {}
     for sid in recipe.ancestors(stage):
         inputs = {a: done[a] for a in recipe.ancestors(sid)}
-        done[sid] = plans[sid].manifest if plans[sid].cached else launch(write_spec(recipe, plans[sid], inputs, tracking, "x"),
-                                                                        on_line=lambda line: None)
+        done[sid] = (
+            plans[sid].manifest
+            if plans[sid].cached
+            else launch(write_spec(recipe, plans[sid], inputs, tracking, "x"), on_line=lambda line: None)
+        )
     spec = write_spec(recipe, plans[stage], {a: done[a] for a in recipe.ancestors(stage)}, tracking, "x")
     manifest = launch(spec, on_line=lambda line: None, processes=processes)
     client = MlflowClient(recipe.tracking_uri)
-    runs = client.search_runs([tracking[1]], f"tags.`alignpipe.stage_id` = '{stage}' and tags.mlflow.parentRunId = '{tracking[2]}'")
+    runs = client.search_runs(
+        [tracking[1]], f"tags.`alignpipe.stage_id` = '{stage}' and tags.mlflow.parentRunId = '{tracking[2]}'"
+    )
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     return manifest, runs, losses
 
@@ -42,14 +47,23 @@ def dpo(tiny, workdir):
     return text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
 
 
-@pytest.mark.parametrize("text_fn,stage,per_process", [
-    (demo, "sft", ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"]),
-    (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
-])
+@pytest.mark.parametrize(
+    "text_fn,stage,per_process",
+    [
+        (demo, "sft", ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"]),
+        (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
+    ],
+)
 def test_two_processes_match_one_process(tiny, tmp_path, text_fn, stage, per_process):
     one, _, single = run_stage(tiny, tmp_path, text_fn, stage, 1, per_process + [f"stages.{stage}.batch_size=16"])
-    two, runs, double = run_stage(tiny, tmp_path, text_fn, stage, 2,
-                                  per_process + [f"stages.{stage}.batch_size=8", f"stages.{stage}.resources.processes=2"])
+    two, runs, double = run_stage(
+        tiny,
+        tmp_path,
+        text_fn,
+        stage,
+        2,
+        per_process + [f"stages.{stage}.batch_size=8", f"stages.{stage}.resources.processes=2"],
+    )
     print(stage, "1 process:", [round(x, 3) for x in single], "2 processes:", [round(x, 3) for x in double])
     assert len(single) == len(double)
     assert all(abs(a - b) <= 0.15 * max(abs(a), 0.05) for a, b in zip(single, double)), (single, double)

@@ -44,9 +44,19 @@ def trl_dpo(tiny, rows, **kwargs):
     tok = load_tokenizer(str(tiny / "model"))
     policy = perturbed(load_causal_lm(str(tiny / "model")))
     ref = load_causal_lm(str(tiny / "model"))
-    args = trl.DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, report_to="none", use_cpu=True,
-                         bf16=False, gradient_checkpointing=False, max_length=128, **kwargs)
-    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, processing_class=tok, train_dataset=Dataset.from_list(rows))
+    args = trl.DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=128,
+        **kwargs,
+    )
+    trainer = trl.DPOTrainer(
+        model=policy, ref_model=ref, args=args, processing_class=tok, train_dataset=Dataset.from_list(rows)
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)
@@ -61,21 +71,32 @@ def test_dpo_loss_and_metrics_equal_trl(tiny, rows, loss_type, beta):
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(ours[key], trl_batch[key]), key
     with torch.no_grad():
-        loss, stats = dpo.batch_loss(policy, ours, lambda b: dpo.completion_logps(ref, b)[0].chunk(2),
-                                     DPOConfig(beta=beta, loss_type=loss_type))
+        loss, stats = dpo.batch_loss(
+            policy, ours, lambda b: dpo.completion_logps(ref, b)[0].chunk(2), DPOConfig(beta=beta, loss_type=loss_type)
+        )
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
     assert stats["rewards/margins"] != 0
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert stats[key] == pytest.approx(trl_metrics[key], abs=TOL), key
 
 
 def test_rpo_equals_trl_sigmoid_plus_sft_mix(tiny, rows):
     alpha = 0.7
-    tok, policy, ref, _, trl_loss, _ = trl_dpo(tiny, rows, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, alpha])
+    tok, policy, ref, _, trl_loss, _ = trl_dpo(
+        tiny, rows, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, alpha]
+    )
     ours = dpo.collate(dpo.tokenize(rows[:4], tok, 128), tok.pad_token_id, 128)
     with torch.no_grad():
-        loss, _ = dpo.batch_loss(policy, ours, lambda b: dpo.completion_logps(ref, b)[0].chunk(2),
-                                 DPOConfig(beta=0.1, rpo_alpha=alpha))
+        loss, _ = dpo.batch_loss(
+            policy, ours, lambda b: dpo.completion_logps(ref, b)[0].chunk(2), DPOConfig(beta=0.1, rpo_alpha=alpha)
+        )
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
 
 
@@ -88,7 +109,9 @@ def test_label_smoothing_and_reference_free_follow_the_documented_formulas():
     beta, eps = 0.2, 0.1
     losses, _, _ = dpo.dpo_loss(pc, pr, rc, rr, beta, "sigmoid", eps)
     rho = (pc - rc) - (pr - rr)
-    expected = -(1 - eps) * torch.nn.functional.logsigmoid(beta * rho) - eps * torch.nn.functional.logsigmoid(-beta * rho)
+    expected = -(1 - eps) * torch.nn.functional.logsigmoid(beta * rho) - eps * torch.nn.functional.logsigmoid(
+        -beta * rho
+    )
     assert torch.allclose(losses, expected, atol=TOL)
     free, r_c, _ = dpo.dpo_loss(pc, pr, torch.zeros(6), torch.zeros(6), beta)
     assert torch.allclose(free, -torch.nn.functional.logsigmoid(beta * (pc - pr)), atol=TOL)
@@ -104,8 +127,16 @@ def test_reward_loss_and_metrics_equal_trl(tiny, rows, margin, center):
     model = AutoModelForSequenceClassification.from_pretrained(str(tiny / "model"), num_labels=1)
     model.config.pad_token_id = tok.pad_token_id
     perturbed(model, seed=1, scale=0.1)
-    args = trl.RewardConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, report_to="none", use_cpu=True,
-                            bf16=False, gradient_checkpointing=False, max_length=128, center_rewards_coefficient=center)
+    args = trl.RewardConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=128,
+        center_rewards_coefficient=center,
+    )
     trainer = trl.RewardTrainer(model=model, args=args, processing_class=tok, train_dataset=Dataset.from_list(data))
     trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.model.train()
@@ -143,7 +174,9 @@ def _trajectories(tiny, task: str, steps: int = 6):
             return load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
         return load_causal_lm(str(tiny / "model"))
 
-    common = dict(learning_rate=lr, max_steps=steps, batch_size=8, max_length=max_length, logging_every=1, lr_scheduler="linear")
+    common = dict(
+        learning_rate=lr, max_steps=steps, batch_size=8, max_length=max_length, logging_every=1, lr_scheduler="linear"
+    )
     tracker, m = Tracker(), model()
     if task == "sft":
         sft.train(SFTConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp())
@@ -153,14 +186,30 @@ def _trajectories(tiny, task: str, steps: int = 6):
         reward.train(RewardConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp())
     ours = [(d["train/loss"], d["train/grad_norm"]) for _, d in tracker.history if "train/loss" in d]
 
-    args = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=8, learning_rate=lr, report_to="none",
-                use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", logging_steps=1,
-                lr_scheduler_type="linear", max_length=max_length, disable_tqdm=True)
+    args = dict(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=lr,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        lr_scheduler_type="linear",
+        max_length=max_length,
+        disable_tqdm=True,
+    )
     ds, m = Dataset.from_list(data), model()
     if task == "sft":
-        trainer = trl.SFTTrainer(model=m, args=trl.SFTConfig(**args, completion_only_loss=True), processing_class=tok, train_dataset=ds)
+        trainer = trl.SFTTrainer(
+            model=m, args=trl.SFTConfig(**args, completion_only_loss=True), processing_class=tok, train_dataset=ds
+        )
     elif task == "dpo":
-        trainer = trl.DPOTrainer(model=m, ref_model=copy.deepcopy(m), args=trl.DPOConfig(**args), processing_class=tok, train_dataset=ds)
+        trainer = trl.DPOTrainer(
+            model=m, ref_model=copy.deepcopy(m), args=trl.DPOConfig(**args), processing_class=tok, train_dataset=ds
+        )
     else:
         trainer = trl.RewardTrainer(model=m, args=trl.RewardConfig(**args), processing_class=tok, train_dataset=ds)
     trainer.train()

@@ -109,11 +109,23 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
     state = run_flow(path, broken)
     assert state.is_failed()
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, broken)["stages"]}
-    assert statuses == {"sft-data": "cached", "eval-prompts": "cached", "sft": "cached", "judge": "failed", "publish": "not run"}
+    assert statuses == {
+        "sft-data": "cached",
+        "eval-prompts": "cached",
+        "sft": "cached",
+        "judge": "failed",
+        "publish": "not run",
+    }
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, fixed)["stages"]}
-    assert statuses == {"sft-data": "cached", "eval-prompts": "cached", "sft": "cached", "judge": "done", "publish": "done"}
+    assert statuses == {
+        "sft-data": "cached",
+        "eval-prompts": "cached",
+        "sft": "cached",
+        "judge": "done",
+        "publish": "done",
+    }
 
 
 def test_force_reruns_one_stage(demo_run):
@@ -160,7 +172,9 @@ def test_untrained_candidate_fails_the_gate_and_publish_is_skipped(demo_run):
     assert parent.data.tags["alignpipe.status.publish"] == "skipped"
     assert parent.data.tags["alignpipe.skip_reason.publish"] == publish["message"]
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
     skipped = [r for r in runs if r.name == "publish"]
     assert skipped and skipped[0].state.name == "Skipped" and "is false" in skipped[0].state.message
 
@@ -174,7 +188,9 @@ def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness,
     token = "hf_SECRET_test_token_4242"
     hub = FakeHub()
     text = demo_recipe(tiny, tmp_path / "runs").replace(
-        "    target: local ", "    repo_id: alice/tiny-sft\n    revision: nightly-{run_id}\n    private: true\n    target: hub ")
+        "    target: local ",
+        "    repo_id: alice/tiny-sft\n    revision: nightly-{run_id}\n    private: true\n    target: hub ",
+    )
     path = tmp_path / "hub.yaml"
     path.write_text(text)
     with serve(hub) as url:
@@ -215,8 +231,15 @@ def test_a_stage_that_dies_before_logging_reports_its_traceback(tmp_path):
     from alignpipe.pipeline import StageFailed, launch
     from alignpipe.stage import StageSpec
 
-    spec = StageSpec(recipe={"name": "x"}, stage_id="s", stage_dir=str(tmp_path), cache_key="k", inputs={},
-                     tracking_uri="sqlite:///x.db", experiment_id="0")
+    spec = StageSpec(
+        recipe={"name": "x"},
+        stage_id="s",
+        stage_dir=str(tmp_path),
+        cache_key="k",
+        inputs={},
+        tracking_uri="sqlite:///x.db",
+        experiment_id="0",
+    )
     path = tmp_path / "spec.json"
     path.write_text(spec.model_dump_json())
     with pytest.raises(StageFailed) as e:
@@ -231,8 +254,15 @@ def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_pat
     from tasks.hooks import hub_token_env
 
     Secret(value="hf_from_block").save("hub-token", overwrite=True)
-    spec = StageSpec(recipe={"stages": [{"id": "publish", "kind": "push", "token_secret": "hub-token"}]}, stage_id="publish",
-                     stage_dir=str(tmp_path), cache_key="k", inputs={}, tracking_uri="sqlite:///x", experiment_id="0")
+    spec = StageSpec(
+        recipe={"stages": [{"id": "publish", "kind": "push", "token_secret": "hub-token"}]},
+        stage_id="publish",
+        stage_dir=str(tmp_path),
+        cache_key="k",
+        inputs={},
+        tracking_uri="sqlite:///x",
+        experiment_id="0",
+    )
     path = tmp_path / "spec.json"
     path.write_text(spec.model_dump_json())
     assert hub_token_env(spec) == {"HF_TOKEN": "hf_from_block"}

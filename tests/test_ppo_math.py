@@ -27,6 +27,7 @@ TOL = 1e-6
 
 # --- TRL 0.7.11, written out ------------------------------------------------------------------------
 
+
 def trl07_masked_mean(values, mask):
     """trl/core.py:116-121 (axis=None)."""
     return (values * mask).sum() / mask.sum()
@@ -102,8 +103,19 @@ def trl07_compute_advantages(values, rewards, mask, gamma, lam, whiten_rewards, 
     return values, advantages, returns
 
 
-def trl07_loss(old_logprobs, values, vpreds, logprobs, mask, advantages, returns, cliprange, cliprange_value, vf_coef,
-               ratio_threshold):
+def trl07_loss(
+    old_logprobs,
+    values,
+    vpreds,
+    logprobs,
+    mask,
+    advantages,
+    returns,
+    cliprange,
+    cliprange_value,
+    vf_coef,
+    ratio_threshold,
+):
     """trl/trainer/ppo_trainer.py:1190-1222 (`loss`, without the entropy and return/value statistics)."""
     vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)  # core.py:152-158
     vf_losses1 = (vpreds - returns) ** 2
@@ -122,8 +134,16 @@ def trl07_loss(old_logprobs, values, vpreds, logprobs, mask, advantages, returns
         pg_loss, vf_loss, loss = pg_loss * 0.0, vf_loss * 0.0, loss * 0.0
     approxkl = 0.5 * trl07_masked_mean((logprobs - old_logprobs) ** 2, mask)
     policykl = trl07_masked_mean(old_logprobs - logprobs, mask)
-    return {"loss": loss, "pg_loss": pg_loss, "vf_loss": vf_loss, "vf_clipfrac": vf_clipfrac, "pg_clipfrac": pg_clipfrac,
-            "approxkl": approxkl, "policykl": policykl, "skipped": skipped}
+    return {
+        "loss": loss,
+        "pg_loss": pg_loss,
+        "vf_loss": vf_loss,
+        "vf_clipfrac": vf_clipfrac,
+        "pg_clipfrac": pg_clipfrac,
+        "approxkl": approxkl,
+        "policykl": policykl,
+        "skipped": skipped,
+    }
 
 
 class Trl07AdaptiveKLController:
@@ -190,6 +210,7 @@ def trl07_early_stop(policykl, target_kl):
 
 # --- inputs ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def episode():
     """Five responses of lengths 7, 3, 5, 1, 6 in a (5, 7) batch: the response mask, sampled log-probs of the policy and
@@ -198,10 +219,17 @@ def episode():
     B, R = 5, 7
     lengths = torch.tensor([7, 3, 5, 1, 6])
     mask = torch.arange(R).unsqueeze(0) < lengths.unsqueeze(1)
-    return {"g": g, "B": B, "R": R, "lengths": lengths, "mask": mask,
-            "logprobs": (torch.randn(B, R, generator=g) - 2).masked_fill(~mask, ppo.INVALID_LOGPROB),
-            "ref": (torch.randn(B, R, generator=g) - 2).masked_fill(~mask, ppo.INVALID_LOGPROB),
-            "values": torch.randn(B, R, generator=g).masked_fill(~mask, 0), "scores": torch.randn(B, generator=g)}
+    return {
+        "g": g,
+        "B": B,
+        "R": R,
+        "lengths": lengths,
+        "mask": mask,
+        "logprobs": (torch.randn(B, R, generator=g) - 2).masked_fill(~mask, ppo.INVALID_LOGPROB),
+        "ref": (torch.randn(B, R, generator=g) - 2).masked_fill(~mask, ppo.INVALID_LOGPROB),
+        "values": torch.randn(B, R, generator=g).masked_fill(~mask, 0),
+        "scores": torch.randn(B, generator=g),
+    }
 
 
 def ours_advantages(e, kind="kl", whiten=False, values=None, kl_coef=0.05, gamma=0.99, lam=0.95):
@@ -213,10 +241,13 @@ def ours_advantages(e, kind="kl", whiten=False, values=None, kl_coef=0.05, gamma
 
 # --- equal to TRL 0.7.11 --------------------------------------------------------------------------
 
+
 def test_masked_whiten_equals_trl07(episode):
     x, mask = torch.randn(5, 7, generator=episode["g"]), episode["mask"]
     for shift in (True, False):
-        assert torch.allclose(masked_whiten(x, mask, shift), trl07_masked_whiten(x, mask.float(), shift), atol=TOL, rtol=0)
+        assert torch.allclose(
+            masked_whiten(x, mask, shift), trl07_masked_whiten(x, mask.float(), shift), atol=TOL, rtol=0
+        )
 
 
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse"])
@@ -234,7 +265,11 @@ def test_full_kl_from_hidden_states_equals_trl07_on_the_logits(temperature):
     B, T, d, V = 3, 11, 16, 50
     h, rh = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
     # weights of a trained head's scale (logits of a few units), so float32 KLs of ~0.1–1 are compared at 1e-6
-    w, rw, bias = 0.2 * torch.randn(V, d, generator=g), 0.2 * torch.randn(V, d, generator=g), torch.randn(V, generator=g)
+    w, rw, bias = (
+        0.2 * torch.randn(V, d, generator=g),
+        0.2 * torch.randn(V, d, generator=g),
+        torch.randn(V, generator=g),
+    )
     labels = torch.randint(0, V, (B, T), generator=g)
     logits, ref_logits = (F.linear(h, w, bias) / temperature), (F.linear(rh, rw, bias) / temperature)
     expected = trl07_kl_penalty("full", F.log_softmax(logits, 2), F.log_softmax(ref_logits, 2))  # core.py:95-104
@@ -242,7 +277,9 @@ def test_full_kl_from_hidden_states_equals_trl07_on_the_logits(temperature):
         lp, ref_lp, kl = full_kl(h, (w, bias), rh, (rw, bias), labels, temperature, chunk_tokens=chunk)
         assert torch.allclose(kl, expected, atol=TOL, rtol=0)
         assert torch.allclose(lp, F.log_softmax(logits, 2).gather(2, labels.unsqueeze(2)).squeeze(2), atol=TOL, rtol=0)
-        assert torch.allclose(ref_lp, F.log_softmax(ref_logits, 2).gather(2, labels.unsqueeze(2)).squeeze(2), atol=TOL, rtol=0)
+        assert torch.allclose(
+            ref_lp, F.log_softmax(ref_logits, 2).gather(2, labels.unsqueeze(2)).squeeze(2), atol=TOL, rtol=0
+        )
     assert (kl >= -TOL).all()
 
 
@@ -251,18 +288,24 @@ def test_full_kl_from_hidden_states_equals_trl07_on_the_logits(temperature):
 def test_rewards_advantages_and_returns_equal_trl07(episode, kind, whiten):
     e = episode
     (rewards, _non_score, kl), (adv, ret) = ours_advantages(e, kind, whiten)
-    t_rewards, _t_non_score, t_kl = trl07_compute_rewards(e["scores"], e["logprobs"], e["ref"], e["mask"].long(), 0.05, kind)
+    t_rewards, _t_non_score, t_kl = trl07_compute_rewards(
+        e["scores"], e["logprobs"], e["ref"], e["mask"].long(), 0.05, kind
+    )
     m = e["mask"]
     assert torch.allclose(rewards[m], t_rewards[m], atol=TOL, rtol=0)
     assert torch.allclose(kl[m], t_kl[m], atol=TOL, rtol=0)
-    _, t_adv, t_ret = trl07_compute_advantages(e["values"], t_rewards, m.float(), 0.99, 0.95, whiten, remask_whitened=True)
+    _, t_adv, t_ret = trl07_compute_advantages(
+        e["values"], t_rewards, m.float(), 0.99, 0.95, whiten, remask_whitened=True
+    )
     assert torch.allclose(adv[m], t_adv[m], atol=TOL, rtol=0)
     assert torch.allclose(ret, t_ret * m, atol=TOL, rtol=0)
     assert not adv[~m].any() and not ret[~m].any()
     if whiten:  # the re-mask matters only where there is padding: on unpadded rows TRL 0.7's own code gives the same
         full = {**e, "lengths": torch.full((e["B"],), e["R"]), "mask": torch.ones_like(m)}
         (f_rewards, _, _), (f_adv, f_ret) = ours_advantages(full, kind, whiten)
-        _, tf_adv, tf_ret = trl07_compute_advantages(full["values"], f_rewards, full["mask"].float(), 0.99, 0.95, whiten)
+        _, tf_adv, tf_ret = trl07_compute_advantages(
+            full["values"], f_rewards, full["mask"].float(), 0.99, 0.95, whiten
+        )
         assert torch.allclose(f_adv, tf_adv, atol=TOL, rtol=0) and torch.allclose(f_ret, tf_ret, atol=TOL, rtol=0)
 
 
@@ -281,8 +324,13 @@ def test_policy_and_value_losses_and_ratio_threshold_equal_trl07(episode, thresh
     loss = (pl.loss + 0.1 * vf) * (0.0 if skipped else 1.0)
     t = trl07_loss(e["logprobs"], e["values"], vpred, new, m.float(), adv, returns, 0.2, 0.2, 0.1, threshold)
     assert skipped == t["skipped"] and skipped == (threshold < 2)  # the 0.3-σ perturbation gives a mean ratio ≈ 1.1
-    for ours, theirs in ((loss, t["loss"]), (pl.clipfrac, t["pg_clipfrac"]), (vf_clipfrac, t["vf_clipfrac"]),
-                         (pl.approxkl, t["approxkl"]), (pl.policykl, t["policykl"])):
+    for ours, theirs in (
+        (loss, t["loss"]),
+        (pl.clipfrac, t["pg_clipfrac"]),
+        (vf_clipfrac, t["vf_clipfrac"]),
+        (pl.approxkl, t["approxkl"]),
+        (pl.policykl, t["policykl"]),
+    ):
         assert float(ours) == pytest.approx(float(theirs), abs=TOL)
     if not skipped:
         assert float(pl.loss) == pytest.approx(float(t["pg_loss"]), abs=TOL)
@@ -290,7 +338,10 @@ def test_policy_and_value_losses_and_ratio_threshold_equal_trl07(episode, thresh
 
 
 def test_adaptive_kl_controller_equals_trl07():
-    ours, theirs = KLController(0.2, adaptive=True, target=6.0, horizon=10000), Trl07AdaptiveKLController(0.2, 6.0, 10000)
+    ours, theirs = (
+        KLController(0.2, adaptive=True, target=6.0, horizon=10000),
+        Trl07AdaptiveKLController(0.2, 6.0, 10000),
+    )
     fixed = KLController(0.2)
     for kl, n in [(0.0, 256), (3.0, 256), (6.0, 64), (7.0, 64), (100.0, 512), (-2.0, 128), (5.9, 8000)]:
         ours.update(kl, n)
@@ -303,7 +354,9 @@ def test_adaptive_kl_controller_equals_trl07():
     assert restored.value == ours.value
 
 
-@pytest.mark.parametrize("scaling,norm,clip", [(True, False, None), (True, True, None), (True, True, 0.5), (False, False, 1.0)])
+@pytest.mark.parametrize(
+    "scaling,norm,clip", [(True, False, None), (True, True, None), (True, True, 0.5), (False, False, 1.0)]
+)
 def test_score_scaling_normalisation_and_clipping_equal_trl07(scaling, norm, clip):
     g = torch.Generator().manual_seed(1)
     ours, theirs = RunningMoments() if scaling else None, Trl07RunningMoments()
@@ -313,7 +366,9 @@ def test_score_scaling_normalisation_and_clipping_equal_trl07(scaling, norm, cli
         expected = trl07_scale_scores(scores.clone(), theirs, scaling, norm, clip)
         assert torch.allclose(mine, expected, atol=TOL, rtol=0)
         if scaling:
-            assert ours.mean == pytest.approx(float(theirs.mean), abs=TOL) and ours.std == pytest.approx(float(theirs.std), abs=TOL)
+            assert ours.mean == pytest.approx(float(theirs.mean), abs=TOL) and ours.std == pytest.approx(
+                float(theirs.std), abs=TOL
+            )
     if scaling:
         again = RunningMoments()
         again.load_state_dict(ours.state_dict())
@@ -332,6 +387,7 @@ def test_early_stopping_rule_equals_trl07(policykl):
 
 
 # --- the terminal step after EOS ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("whiten", [False, True], ids=["raw", "whiten_rewards"])
 def test_nothing_after_the_response_reaches_advantages_returns_or_losses(episode, whiten):
@@ -355,7 +411,9 @@ def test_nothing_after_the_response_reaches_advantages_returns_or_losses(episode
     new = (e["logprobs"] + 0.2 * torch.randn(e["B"], e["R"], generator=g)).masked_fill(~m, ppo.INVALID_LOGPROB)
     vpred = e["values"] + 0.3 * torch.randn(e["B"], e["R"], generator=g)
     vpred_noisy = vpred + 50.0 * (~m)
-    assert ppo.policy_loss(new, e["logprobs"], adv, m, 0.2).loss == ppo.policy_loss(new, e["logprobs"], adv2, m, 0.2).loss
+    assert (
+        ppo.policy_loss(new, e["logprobs"], adv, m, 0.2).loss == ppo.policy_loss(new, e["logprobs"], adv2, m, 0.2).loss
+    )
     assert ppo.value_loss(vpred, e["values"], ret, m, 0.2) == ppo.value_loss(vpred_noisy, noisy, ret2, m, 0.2)
 
 
@@ -376,5 +434,5 @@ def test_policy_statistics_average_over_response_tokens_only(episode):
     m = e["mask"]
     new = (e["logprobs"] + 0.3).masked_fill(~m, ppo.INVALID_LOGPROB)
     pl = ppo.policy_loss(new, e["logprobs"], torch.zeros_like(new), m, 0.2)
-    assert float(pl.approxkl) == pytest.approx(0.5 * 0.3 ** 2, abs=1e-6)
+    assert float(pl.approxkl) == pytest.approx(0.5 * 0.3**2, abs=1e-6)
     assert float(pl.policykl) == pytest.approx(-0.3, abs=1e-6)

@@ -23,8 +23,17 @@ def run_ppo(tiny, tmp_path, tracker=None, lora=False, **overrides):
     value = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
     rows = [{"prompt": p} for p in PROMPTS * 8]
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
-    args = dict(learning_rate=1e-4, max_steps=3, batch_size=8, num_mini_batches=2, num_ppo_epochs=2, max_completion_length=8,
-                logging_every=1, sample_every=100, lora=LoraSpec(r=4) if lora else None)
+    args = dict(
+        learning_rate=1e-4,
+        max_steps=3,
+        batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        max_completion_length=8,
+        logging_every=1,
+        sample_every=100,
+        lora=LoraSpec(r=4) if lora else None,
+    )
     cfg = PPOConfig(**{**args, **overrides})
     tracker = tracker or Tracker()
     result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
@@ -34,8 +43,9 @@ def run_ppo(tiny, tmp_path, tracker=None, lora=False, **overrides):
 def test_adaptive_kl_coefficient_follows_the_controller_every_update(tiny, tmp_path):
     """`objective/kl_coef` is logged at every update; each batch's coefficient is the last one moved by the controller
     from that batch's `objective/kl` over its 16 episodes (horizon 32: up to ±10% a batch)."""
-    _, tracker, _ = run_ppo(tiny, tmp_path, learning_rate=3e-3, max_steps=4, kl_coef=0.2, adap_kl_ctrl=True, target=0.5,
-                            horizon=32)
+    _, tracker, _ = run_ppo(
+        tiny, tmp_path, learning_rate=3e-3, max_steps=4, kl_coef=0.2, adap_kl_ctrl=True, target=0.5, horizon=32
+    )
     coefs, kls = tracker.series("objective/kl_coef"), tracker.series("objective/kl")
     assert len(coefs) == len(kls) == 4 and coefs[0] == 0.2
     for t in range(3):

@@ -21,8 +21,15 @@ def test_reward_model_reaches_90_percent_on_held_out_pairs(tiny, pairs, tmp_path
     tok, train, evals = pairs
     model = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
     tracker = Tracker()
-    result = reward.train(RewardConfig(learning_rate=1e-3, max_steps=40, batch_size=16, logging_every=10), model, tok,
-                          train, evals, tracker, tmp_path)
+    result = reward.train(
+        RewardConfig(learning_rate=1e-3, max_steps=40, batch_size=16, logging_every=10),
+        model,
+        tok,
+        train,
+        evals,
+        tracker,
+        tmp_path,
+    )
     assert result.metrics["eval/accuracy"] >= 0.90, result.metrics
     assert tracker.series("train/loss")[-1] < tracker.series("train/loss")[0]
     scorer = load_sequence_scorer(str(result.model_dir))  # saved as a loadable, merged scorer
@@ -32,7 +39,9 @@ def test_reward_model_reaches_90_percent_on_held_out_pairs(tiny, pairs, tmp_path
 def test_lora_reward_model_is_saved_merged(tiny, pairs, tmp_path):
     tok, train, _ = pairs
     model = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
-    result = reward.train(RewardConfig(max_steps=3, batch_size=8, lora=LoraSpec(r=4)), model, tok, train, [], Tracker(), tmp_path)
+    result = reward.train(
+        RewardConfig(max_steps=3, batch_size=8, lora=LoraSpec(r=4)), model, tok, train, [], Tracker(), tmp_path
+    )
     assert (result.model_dir / "model.safetensors").exists() and not (result.model_dir / "adapter_config.json").exists()
 
 
@@ -40,8 +49,16 @@ def test_dpo_increases_reward_margins(tiny, pairs, tmp_path):
     tok, train, evals = pairs
     tracker = Tracker()
     cfg = DPOConfig(learning_rate=5e-4, max_steps=12, batch_size=16, logging_every=4, beta=0.1)
-    result = dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, evals[:32], tracker, tmp_path,
-                       ref_model=load_causal_lm(str(tiny / "model")))
+    result = dpo.train(
+        cfg,
+        load_causal_lm(str(tiny / "model")),
+        tok,
+        train,
+        evals[:32],
+        tracker,
+        tmp_path,
+        ref_model=load_causal_lm(str(tiny / "model")),
+    )
     margins = tracker.series("train/rewards/margins")
     assert margins[-1] > margins[0] and result.metrics["eval/rewards/accuracies"] > 0.5
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "loss"):
@@ -61,8 +78,13 @@ def test_lora_reference_is_the_policy_with_adapter_disabled(tiny, pairs, tmp_pat
     for mode in ("lora", "copy"):
         torch.manual_seed(0)
         tracker = Tracker()
-        cfg = DPOConfig(learning_rate=1e-3, max_steps=1, batch_size=8, logging_every=1,
-                        lora=LoraSpec(r=4) if mode == "lora" else None)
+        cfg = DPOConfig(
+            learning_rate=1e-3,
+            max_steps=1,
+            batch_size=8,
+            logging_every=1,
+            lora=LoraSpec(r=4) if mode == "lora" else None,
+        )
         ref = None if mode == "lora" else load_causal_lm(str(tiny / "model"))
         dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path / mode, ref_model=ref)
         first[mode] = tracker.series("train/loss")[0]
@@ -75,9 +97,13 @@ def test_precomputed_reference_matches_a_live_reference_and_is_cached(tiny, pair
     losses = {}
     for mode in ("precompute", "live"):
         tracker = Tracker()
-        cfg = DPOConfig(learning_rate=1e-3, max_steps=2, batch_size=8, logging_every=1, precompute_ref_logps=mode == "precompute")
+        cfg = DPOConfig(
+            learning_rate=1e-3, max_steps=2, batch_size=8, logging_every=1, precompute_ref_logps=mode == "precompute"
+        )
         ref = load_causal_lm(str(tiny / "model")) if mode == "live" else None
-        dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train[:64], [], tracker, tmp_path / mode, ref_model=ref)
+        dpo.train(
+            cfg, load_causal_lm(str(tiny / "model")), tok, train[:64], [], tracker, tmp_path / mode, ref_model=ref
+        )
         losses[mode] = tracker.series("train/loss")
     assert losses["precompute"] == pytest.approx(losses["live"], abs=1e-5)
     cache = tmp_path / "precompute" / "ref_logps.pt"
@@ -105,9 +131,15 @@ def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeyp
         from alignpipe.modeling import lora_model
 
         model = lora_model(model, LoraSpec(r=4), task_type="SEQ_CLS")
-    rows = [{"prompt": "The film was", "chosen": " great fun.", "rejected": " dull."},
-            {"prompt": "Honestly, I", "chosen": " loved it", "rejected": " loved it and more"},  # one answer extends the other
-            {"prompt": "A", "chosen": " fine film.", "rejected": " bad one."}]
+    rows = [
+        {"prompt": "The film was", "chosen": " great fun.", "rejected": " dull."},
+        {
+            "prompt": "Honestly, I",
+            "chosen": " loved it",
+            "rejected": " loved it and more",
+        },  # one answer extends the other
+        {"prompt": "A", "chosen": " fine film.", "rejected": " bad one."},
+    ]
     batch = reward.collate(reward.tokenize(rows, tok, 64), tok.pad_token_id)
     assert batch["prefix_mask"].sum(1).min() > 0 and batch["suffix_ids"].size(1) < batch["input_ids"].size(1)
 
@@ -124,11 +156,16 @@ def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeyp
     for name, grad in whole[1].items():
         assert torch.allclose(shared[1][name], grad, atol=1e-5), name
     # A pair with nothing in common (no prompt, different first tokens): the batch runs as whole rows.
-    bare = reward.collate(reward.tokenize(rows[:2] + [{"prompt": "", "chosen": "Fine.", "rejected": "Bad."}], tok, 64),
-                          tok.pad_token_id)
+    bare = reward.collate(
+        reward.tokenize(rows[:2] + [{"prompt": "", "chosen": "Fine.", "rejected": "Bad."}], tok, 64), tok.pad_token_id
+    )
     assert bare["prefix_mask"].sum(1).min() == 0
     with torch.no_grad():
-        assert torch.allclose(reward.scores(model, bare), model(input_ids=bare["input_ids"], attention_mask=bare["attention_mask"]).logits.squeeze(-1), atol=1e-6)
+        assert torch.allclose(
+            reward.scores(model, bare),
+            model(input_ids=bare["input_ids"], attention_mask=bare["attention_mask"]).logits.squeeze(-1),
+            atol=1e-6,
+        )
 
 
 def test_reward_stage_is_reproducible_from_its_seed(tiny, tmp_path):
@@ -146,8 +183,8 @@ def test_reward_stage_is_reproducible_from_its_seed(tiny, tmp_path):
     def run(name: str, seed: int) -> dict[str, torch.Tensor]:
         recipe = parse_recipe(f"""name: rm
 seed: {seed}
-model: {{path: {tiny / 'model'}}}
-datasets: {{pairs: {{path: {tiny / 'data' / 'sentiment_preferences.jsonl'}}}}}
+model: {{path: {tiny / "model"}}}
+datasets: {{pairs: {{path: {tiny / "data" / "sentiment_preferences.jsonl"}}}}}
 stages:
   - {{id: pref-data, kind: format, dataset: pairs, format: preference, max_length: 64, max_rows: 64}}
   - {{id: rm, kind: reward, data: pref-data, max_steps: 2, batch_size: 8}}

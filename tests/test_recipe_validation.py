@@ -134,7 +134,9 @@ def test_every_field_is_documented():
 
 def _cli(args, cwd: Path, env_extra=None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "alignpipe.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "alignpipe.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_run_of_bad_recipe_exits_2_and_writes_nothing(demo_text, tmp_path):
@@ -179,10 +181,13 @@ def test_dpo_recipe_is_valid(tiny):
     assert recipe.stage("dpo").beta == 0.1 and recipe.stage("rm").kind == "reward"
 
 
-@pytest.mark.parametrize("edit,expected", [
-    ("beta: 0.1", "beta: 0"),
-    ("beta: 0.1", "beta: -1"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        ("beta: 0.1", "beta: 0"),
+        ("beta: 0.1", "beta: -1"),
+    ],
+)
 def test_dpo_beta_must_be_positive(tiny, edit, expected):
     msg = problems_of(dpo_recipe(tiny).replace(edit, expected))
     assert "stages[5].beta (stage 'dpo')" in msg and "greater than 0" in msg
@@ -194,14 +199,20 @@ def test_dpo_unknown_loss_type(tiny):
 
 
 def test_dpo_model_must_be_a_causal_lm(tiny):
-    msg = problems_of(dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: rm  # policy"))
+    msg = problems_of(
+        dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: rm  # policy")
+    )
     assert "stage 'rm' is a reward stage and produces a reward model, but `model` needs a causal LM" in msg
-    msg = problems_of(dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: pref-data  # policy"))
+    msg = problems_of(
+        dpo_recipe(tiny).replace("    model: sft                        # policy", "    model: pref-data  # policy")
+    )
     assert "stage 'pref-data' is a format stage" in msg
 
 
 def test_preference_stage_needs_preference_data(tiny):
-    msg = problems_of(dpo_recipe(tiny).replace("    data: pref-data\n    loss_type", "    data: sft-data\n    loss_type"))
+    msg = problems_of(
+        dpo_recipe(tiny).replace("    data: pref-data\n    loss_type", "    data: sft-data\n    loss_type")
+    )
     assert "produces prompt_completion data; a dpo stage's `data` needs preference" in msg
 
 
@@ -229,14 +240,18 @@ def test_grpo_batch_must_split_into_groups_and_says_what_to_change(tiny):
 
 
 def test_grpo_batch_times_processes_is_checked(tiny):
-    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("    batch_size: 64", "    batch_size: 12\n    resources: {processes: 2}")
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace(
+        "    batch_size: 64", "    batch_size: 12\n    resources: {processes: 2}"
+    )
     text = text.replace("num_generations: 8", "num_generations: 8")
     msg = problems_of(text)
     assert "12 × 2 = 24 completions" in msg
 
 
 def test_reward_spec_needs_exactly_one_source(tiny):
-    msg = problems_of(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", "{function: exact_match, url: http://x}"))
+    msg = problems_of(
+        rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", "{function: exact_match, url: http://x}")
+    )
     assert "stages[2].rewards[0]" in msg and "exactly one of function, reward_model, url" in msg
 
 
@@ -252,12 +267,17 @@ def test_ppo_needs_a_value_model(tiny):
 
 
 def test_vllm_server_rollouts_need_a_url(tiny):
-    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("    sampling: {temperature: 1.0}", "    sampling: {temperature: 1.0}\n    rollout: {backend: vllm, mode: server}")
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace(
+        "    sampling: {temperature: 1.0}",
+        "    sampling: {temperature: 1.0}\n    rollout: {backend: vllm, mode: server}",
+    )
     assert "rollout mode 'server' needs `server_url`" in problems_of(text)
 
 
 def test_ppo_is_single_process(tiny):
-    text = rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", "    kl_coef: 0.05\n    resources: {processes: 2}\n")
+    text = rl_recipe(tiny, "tiny-ppo.yaml").replace(
+        "    kl_coef: 0.05\n", "    kl_coef: 0.05\n    resources: {processes: 2}\n"
+    )
     assert "the ppo stage runs in a single process for now" in problems_of(text)
 
 
@@ -266,11 +286,16 @@ def ppo_with(tiny, *lines: str) -> str:
     return rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", "    kl_coef: 0.05\n" + extra)
 
 
-@pytest.mark.parametrize("line,field,bound", [
-    ("target: 0", "target", "greater than 0"), ("horizon: -5", "horizon", "greater than 0"),
-    ("score_clip: 0", "score_clip", "greater than 0"), ("ratio_threshold: 1.0", "ratio_threshold", "greater than 1"),
-    ("target_kl: 0", "target_kl", "greater than 0"),
-])
+@pytest.mark.parametrize(
+    "line,field,bound",
+    [
+        ("target: 0", "target", "greater than 0"),
+        ("horizon: -5", "horizon", "greater than 0"),
+        ("score_clip: 0", "score_clip", "greater than 0"),
+        ("ratio_threshold: 1.0", "ratio_threshold", "greater than 1"),
+        ("target_kl: 0", "target_kl", "greater than 0"),
+    ],
+)
 def test_ppo_control_bounds_name_the_field_and_what_to_write(tiny, line, field, bound):
     msg = problems_of(ppo_with(tiny, line))
     assert f"stages[5].{field} (stage 'ppo')" in msg and f"{field} must be {bound}" in msg
@@ -284,7 +309,9 @@ def test_ppo_early_stopping_needs_target_kl(tiny):
 
 
 def test_ppo_score_norm_needs_score_scaling(tiny):
-    assert "`use_score_norm` applies only with `use_score_scaling: true`" in problems_of(ppo_with(tiny, "use_score_norm: true"))
+    assert "`use_score_norm` applies only with `use_score_scaling: true`" in problems_of(
+        ppo_with(tiny, "use_score_norm: true")
+    )
 
 
 def test_ppo_kl_estimator_points_to_kl_penalty(tiny):
@@ -295,10 +322,25 @@ def test_ppo_kl_estimator_points_to_kl_penalty(tiny):
 
 
 def test_ppo_controls_of_trl07_validate(tiny):
-    stage = parse_recipe(ppo_with(tiny, "adap_kl_ctrl: true", "target: 4", "horizon: 2000", "use_score_scaling: true",
-                                  "use_score_norm: true", "score_clip: 3", "ratio_threshold: 10").replace(
-                                      "kl_penalty: kl", "kl_penalty: full")).stage("ppo")
-    assert (stage.adap_kl_ctrl, stage.target, stage.horizon, stage.score_clip, stage.ratio_threshold) == (True, 4, 2000, 3, 10)
+    stage = parse_recipe(
+        ppo_with(
+            tiny,
+            "adap_kl_ctrl: true",
+            "target: 4",
+            "horizon: 2000",
+            "use_score_scaling: true",
+            "use_score_norm: true",
+            "score_clip: 3",
+            "ratio_threshold: 10",
+        ).replace("kl_penalty: kl", "kl_penalty: full")
+    ).stage("ppo")
+    assert (stage.adap_kl_ctrl, stage.target, stage.horizon, stage.score_clip, stage.ratio_threshold) == (
+        True,
+        4,
+        2000,
+        3,
+        10,
+    )
     assert stage.kl_penalty == "full"
 
 

@@ -17,15 +17,25 @@ from alignpipe.recipe import parse_recipe
 def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
     from support import demo_recipe
 
-    recipe = parse_recipe(demo_recipe(tiny, tmp_path / "runs"),
-                          ["stages.sft.max_steps=60", "stages.sft.save_every=10", "stages.sft.logging_every=5",
-                           "stages.sft.eval_every=null"])
+    recipe = parse_recipe(
+        demo_recipe(tiny, tmp_path / "runs"),
+        [
+            "stages.sft.max_steps=60",
+            "stages.sft.save_every=10",
+            "stages.sft.logging_every=5",
+            "stages.sft.eval_every=null",
+        ],
+    )
     plans = plan(recipe)
     tracking = start_pipeline_run(recipe, "run-1")
     fmt = launch(write_spec(recipe, plans["sft-data"], {}, tracking, "run-1"), on_line=lambda line: None)
     spec = write_spec(recipe, plans["sft"], {"sft-data": fmt}, tracking, "run-1")
-    proc = subprocess.Popen(stage_command(spec), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        stage_command(spec),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     ckpt = plans["sft"].dir / "checkpoints" / "step-20" / "state.json"
     deadline = time.monotonic() + 180
     while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -40,7 +50,9 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
 
     client = MlflowClient(recipe.tracking_uri)
     exp = client.get_experiment_by_name(recipe.experiment_name)
-    runs = client.search_runs([exp.experiment_id], f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'")
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'"
+    )
     assert len(runs) == 1 and runs[0].info.run_id == manifest.mlflow_run_id
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["alignpipe.resumed"] == "true"
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
@@ -70,8 +82,10 @@ def test_a_stage_process_leaving_early_still_runs_exit_handlers_and_flushes_its_
     output still arrives, and the exit code is kept."""
     import sys
 
-    code = ("import atexit, sys\nfrom alignpipe.stage import exit_now\natexit.register(lambda: print('handler ran'))\n"
-            "print('buffered line', end='')\nsys.stderr.write('to stderr')\nexit_now(3)\nprint('never')\n")
+    code = (
+        "import atexit, sys\nfrom alignpipe.stage import exit_now\natexit.register(lambda: print('handler ran'))\n"
+        "print('buffered line', end='')\nsys.stderr.write('to stderr')\nexit_now(3)\nprint('never')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 3
     assert out.stdout == "buffered linehandler ran\n" and out.stderr == "to stderr"

@@ -37,7 +37,9 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1] / 0.7
     full = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    chunked, entropy = token_logprobs(model, ids, mask, temperature=0.7, chunk_tokens=6, with_entropy=True)  # chunked: 1 position per chunk
+    chunked, entropy = token_logprobs(
+        model, ids, mask, temperature=0.7, chunk_tokens=6, with_entropy=True
+    )  # chunked: 1 position per chunk
     assert torch.allclose(chunked, full, atol=TOL)
     assert torch.allclose(entropy, -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1), atol=1e-4)
     chunked.sum().backward()  # gradients flow through the checkpointed chunks
@@ -100,7 +102,9 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     ids, mask = torch.cat([prompt_ids, completions], 1), torch.cat([prompt_mask, torch.ones_like(completions)], 1)
     whole = run(lambda: token_logprobs(model, ids, mask, temperature=0.8, with_entropy=True, start=P - 1))
     index = torch.arange(2 * G) // G
-    shared = run(lambda: shared_prompt_logprobs(model, prompts, p_mask, completions, index, temperature=0.8, with_entropy=True))
+    shared = run(
+        lambda: shared_prompt_logprobs(model, prompts, p_mask, completions, index, temperature=0.8, with_entropy=True)
+    )
     assert calls and torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
     for name, grad in whole[2].items():
         assert torch.allclose(shared[2][name], grad, atol=1e-5), name
@@ -114,10 +118,16 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     mixed = prompt_ids.clone()
     mixed[1, -1] = (mixed[1, -1] + 1) % 500
     with torch.no_grad():
-        assert torch.allclose(shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only),
-                              token_logprobs(model, ids3, mask3, start=P - 1) * only, atol=TOL)
-        assert torch.allclose(grpo.completion_logps(model, mixed, prompt_mask, completions, 1.0, 4096, group=G),
-                              token_logprobs(model, torch.cat([mixed, completions], 1), mask, start=P - 1), atol=TOL)
+        assert torch.allclose(
+            shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only),
+            token_logprobs(model, ids3, mask3, start=P - 1) * only,
+            atol=TOL,
+        )
+        assert torch.allclose(
+            grpo.completion_logps(model, mixed, prompt_mask, completions, 1.0, 4096, group=G),
+            token_logprobs(model, torch.cat([mixed, completions], 1), mask, start=P - 1),
+            atol=TOL,
+        )
 
 
 def test_sharing_a_prompt_is_left_to_models_big_enough_to_gain(tiny):
@@ -150,6 +160,7 @@ def test_on_a_gpu_sharing_waits_for_long_prompts():
     """On a GPU the extra decoder call is host time: the Qwen2-0.5B bench shape's 8 pairs × 12 prompt tokens ran DPO
     at half the speed shared; prompts of hundreds of tokens still share. (Parameters stand in: only their device
     type and size are read.)"""
+
     class Param:
         device = torch.device("cuda")
 
@@ -179,7 +190,7 @@ def test_group_advantages_equal_trl(scale):
     g = torch.Generator().manual_seed(1)
     rewards = torch.randn(12, generator=g)
     rewards[5] = float("nan")  # unscorable completion
-    rewards[8:12] = 2.0        # a zero-std group
+    rewards[8:12] = 2.0  # a zero-std group
     ours, std = group_advantages(rewards, 4, scale)
     # TRL 1.16 GRPOTrainer._generate_and_score_completions, "sum_then_normalize":
     mean = torch.nanmean(rewards.view(-1, 4), 1).repeat_interleave(4)
@@ -195,8 +206,9 @@ def test_group_advantages_equal_trl(scale):
     assert torch.allclose(std, ref_std, atol=TOL, equal_nan=True)
 
 
-@pytest.mark.parametrize("loss_type,kl_correction", [("grpo", True), ("bnpo", True), ("dr_grpo", False), ("dapo", True),
-                                                    ("dapo", False)])
+@pytest.mark.parametrize(
+    "loss_type,kl_correction", [("grpo", True), ("bnpo", True), ("dr_grpo", False), ("dapo", True), ("dapo", False)]
+)
 def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
@@ -205,27 +217,59 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
 
     tok, model = load_tokenizer(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
     C = 5
-    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_generations=4, report_to="none",
-                          use_cpu=True, bf16=False, gradient_checkpointing=False, loss_type=loss_type, beta=0.04, epsilon=0.2,
-                          epsilon_high=0.28, max_completion_length=C, use_bias_correction_kl=kl_correction)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
-                              processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 8))
+    args = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        loss_type=loss_type,
+        beta=0.04,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_completion_length=C,
+        use_bias_correction_kl=kl_correction,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"prompt": "a"}] * 8),
+    )
     g = torch.Generator().manual_seed(0)
     B, P = 4, 3
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
-    inputs = {"prompt_ids": torch.randint(2, 500, (B, P), generator=g), "prompt_mask": torch.ones(B, P, dtype=torch.long),
-              "completion_ids": torch.randint(2, 500, (B, C), generator=g), "completion_mask": mask,
-              "advantages": torch.randn(B, generator=g), "old_per_token_logps": torch.randn(B, C, generator=g) * 0.1 - 5,
-              "ref_per_token_logps": torch.randn(B, C, generator=g) - 3, "num_items_in_batch": mask.sum().float()}
+    inputs = {
+        "prompt_ids": torch.randint(2, 500, (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(2, 500, (B, C), generator=g),
+        "completion_mask": mask,
+        "advantages": torch.randn(B, generator=g),
+        "old_per_token_logps": torch.randn(B, C, generator=g) * 0.1 - 5,
+        "ref_per_token_logps": torch.randn(B, C, generator=g) - 3,
+        "num_items_in_batch": mask.sum().float(),
+    }
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)))
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     with torch.no_grad():
-        logps, entropy = grpo.completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                                               1.0, 4096, with_entropy=True)
-        ptl, ratio, kl = grpo.per_token_loss(logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"],
-                                             inputs["advantages"], 0.2, 0.28, 0.04, kl_correction)
+        logps, entropy = grpo.completion_logps(
+            model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0, 4096, with_entropy=True
+        )
+        ptl, ratio, kl = grpo.per_token_loss(
+            logps,
+            inputs["old_per_token_logps"],
+            inputs["ref_per_token_logps"],
+            inputs["advantages"],
+            0.2,
+            0.28,
+            0.04,
+            kl_correction,
+        )
         m = mask.float()
         loss = grpo.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
@@ -241,10 +285,8 @@ def test_frac_reward_zero_std_counts_groups_as_trl():
     from trl.trainer.utils import nanstd as trl_nanstd
 
     nan = float("nan")
-    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0,    0.0, 1.0, 0.5, 1.0,    nan, nan, nan, 2.0,    nan, nan, nan, nan])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 1.0, nan, nan, nan, 2.0, nan, nan, nan, nan])
     _, std = group_advantages(rewards, 4, "group")
     trl_std = trl_nanstd(rewards.view(-1, 4), dim=1).repeat_interleave(4)
     expected = float(torch.isclose(trl_std, torch.zeros_like(trl_std)).float().mean())
     assert frac_zero_std(std) == expected == 0.25
-
-

@@ -39,7 +39,10 @@ def test_hf_engine_meets_the_contract_with_text_and_token_prompts(tiny):
     check_engine_contract(engine, tok, ["The film", "I watched it and", "Critics say"])
     ids = tok(["The film", "I watched it and"])["input_ids"]
     a = [g.completion_ids for g in engine.generate(ids, 1, SamplingParams(temperature=0, max_new_tokens=6))]
-    b = [g.completion_ids for g in engine.generate(["The film", "I watched it and"], 1, SamplingParams(temperature=0, max_new_tokens=6))]
+    b = [
+        g.completion_ids
+        for g in engine.generate(["The film", "I watched it and"], 1, SamplingParams(temperature=0, max_new_tokens=6))
+    ]
     assert a == b, "token-id prompts are left-padded exactly as text prompts"
 
 
@@ -86,14 +89,23 @@ def reversal_sft(tiny, tmp_path_factory):
     """SFT on the noisy reversal task (the tiny GRPO recipe's start)."""
     tok, train, evals = tiny_split(tiny, "reverse", "prompt_completion")
     out = tmp_path_factory.mktemp("revsft")
-    sft.train(SFTConfig(learning_rate=1e-3, max_steps=400, batch_size=32, logging_every=100), load_causal_lm(str(tiny / "model")),
-              tok, train, [], Tracker(), out)
+    sft.train(
+        SFTConfig(learning_rate=1e-3, max_steps=400, batch_size=32, logging_every=100),
+        load_causal_lm(str(tiny / "model")),
+        tok,
+        train,
+        [],
+        Tracker(),
+        out,
+    )
     strip = lambda rows: [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]  # noqa: E731
     return tok, out / "model", strip(train), strip(evals)
 
 
 def accuracy(model, tok, rows) -> float:
-    gens = HFEngine(model, tok, 64).generate([r["prompt"] for r in rows], 1, SamplingParams(temperature=0, max_new_tokens=10))
+    gens = HFEngine(model, tok, 64).generate(
+        [r["prompt"] for r in rows], 1, SamplingParams(temperature=0, max_new_tokens=10)
+    )
     return sum(exact_match(None, [g.completion], answer=[r["answer"]])[0] for g, r in zip(gens, rows)) / len(rows)
 
 
@@ -102,17 +114,36 @@ def test_grpo_raises_held_out_accuracy_by_40_points(reversal_sft, tmp_path):
     before = accuracy(load_causal_lm(str(start)), tok, evals[:200])
     model = load_causal_lm(str(start))
     tracker = Tracker()
-    cfg = GRPOConfig(learning_rate=3e-4, max_steps=40, batch_size=64, num_generations=8, max_completion_length=10,
-                     logging_every=5, sample_every=20)
+    cfg = GRPOConfig(
+        learning_rate=3e-4,
+        max_steps=40,
+        batch_size=64,
+        num_generations=8,
+        max_completion_length=10,
+        logging_every=5,
+        sample_every=20,
+    )
     rewards = RewardSet([LoadedReward("exact_match", exact_match)])
     result = grpo.train(cfg, model, tok, train, rewards, tracker, tmp_path, eval_rows=evals)
     after = accuracy(model, tok, evals[:200])
     print(f"held-out exact match: SFT {before:.2f} → GRPO {after:.2f}")
     assert after - before >= 0.40
     assert result.metrics["eval/reward"] > 0.5
-    for key in ("reward", "reward_std", "rewards/exact_match/mean", "frac_reward_zero_std", "completions/mean_length",
-                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "entropy",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "loss"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/exact_match/mean",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "loss",
+    ):
         assert tracker.last(f"train/{key}") is not None, key
     assert "samples/step_000000" in tracker.tables and "samples/step_000020" in tracker.tables
 
@@ -123,9 +154,20 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     rollout for a second step (ratios ≠ 1 then); truncated completions can be masked out."""
     tok, start, train, _ = reversal_sft
     tracker = Tracker()
-    cfg = GRPOConfig(learning_rate=1e-3, max_steps=4, batch_size=16, num_generations=4, max_completion_length=10, beta=0.1,
-                     loss_type=loss_type, num_iterations=2, mask_truncated_completions=True, lora=LoraSpec(r=4),
-                     logging_every=1, sample_every=100)
+    cfg = GRPOConfig(
+        learning_rate=1e-3,
+        max_steps=4,
+        batch_size=16,
+        num_generations=4,
+        max_completion_length=10,
+        beta=0.1,
+        loss_type=loss_type,
+        num_iterations=2,
+        mask_truncated_completions=True,
+        lora=LoraSpec(r=4),
+        logging_every=1,
+        sample_every=100,
+    )
     rewards = RewardSet([LoadedReward("exact_match", exact_match)])
     result = grpo.train(cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, tmp_path)
     assert result.adapter and result.steps == 4
@@ -136,8 +178,15 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
 def test_grpo_refuses_a_batch_that_does_not_split_into_groups(reversal_sft, tmp_path):
     tok, start, train, _ = reversal_sft
     with pytest.raises(ValueError, match=r"batch_size \(10\) must be a multiple of num_generations \(4\)"):
-        grpo.train(GRPOConfig(batch_size=10, num_generations=4), load_causal_lm(str(start)), tok, train,
-                   RewardSet([LoadedReward("em", exact_match)]), Tracker(), tmp_path)
+        grpo.train(
+            GRPOConfig(batch_size=10, num_generations=4),
+            load_causal_lm(str(start)),
+            tok,
+            train,
+            RewardSet([LoadedReward("em", exact_match)]),
+            Tracker(),
+            tmp_path,
+        )
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(reversal_sft, tmp_path, monkeypatch):
@@ -152,10 +201,19 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(reversal_sft, tmp
         return loss, ratio, kl
 
     monkeypatch.setattr(grpo, "per_token_loss", nan_from_step_three)
-    cfg = GRPOConfig(learning_rate=1e-3, max_steps=6, batch_size=8, num_generations=4, max_completion_length=6, save_every=1,
-                     logging_every=1)
+    cfg = GRPOConfig(
+        learning_rate=1e-3,
+        max_steps=6,
+        batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        save_every=1,
+        logging_every=1,
+    )
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 3; last checkpoint kept: .*step-2"):
-        grpo.train(cfg, load_causal_lm(str(start)), tok, train, RewardSet([LoadedReward("em", exact_match)]), tracker, tmp_path)
+        grpo.train(
+            cfg, load_causal_lm(str(start)), tok, train, RewardSet([LoadedReward("em", exact_match)]), tracker, tmp_path
+        )
     assert (tmp_path / "checkpoints" / "step-2" / "state.json").exists()
 
 
@@ -167,15 +225,44 @@ def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
     rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 8]
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
     tracker = Tracker()
-    cfg = PPOConfig(learning_rate=1e-4, max_steps=3, batch_size=8, num_mini_batches=2, num_ppo_epochs=2, max_completion_length=8,
-                    logging_every=1, sample_every=1, missing_eos_penalty=0.5, whiten_rewards=True, kl_penalty="k3")
+    cfg = PPOConfig(
+        learning_rate=1e-4,
+        max_steps=3,
+        batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        max_completion_length=8,
+        logging_every=1,
+        sample_every=1,
+        missing_eos_penalty=0.5,
+        whiten_rewards=True,
+        kl_penalty="k3",
+    )
     result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
     assert result.steps == 3 and (tmp_path / "model" / "model.safetensors").exists()
-    for key in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
-                "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-                "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode", "eps"):
+    for key in (
+        "objective/kl",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "objective/scores",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "policy/entropy_avg",
+        "val/ratio",
+        "val/ratio_var",
+        "val/num_eos_tokens",
+        "lr",
+        "episode",
+        "eps",
+    ):
         assert tracker.last(key) is not None and math.isfinite(tracker.last(key)), key
-    assert tracker.series("objective/kl")[0] == pytest.approx(0.0, abs=1e-5), "the first rollout is on the reference policy"
+    assert tracker.series("objective/kl")[0] == pytest.approx(0.0, abs=1e-5), (
+        "the first rollout is on the reference policy"
+    )
     assert tracker.last("episode") == 3 * 16
     assert "samples/update_000003" in tracker.tables
 
@@ -183,8 +270,16 @@ def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
 def test_ppo_and_grpo_resume_from_their_last_checkpoint(tiny, reversal_sft, tmp_path):
     tok, start, train, _ = reversal_sft
     rewards = RewardSet([LoadedReward("exact_match", exact_match)])
-    grpo_cfg = GRPOConfig(learning_rate=1e-3, max_steps=3, batch_size=8, num_generations=4, max_completion_length=6, save_every=1,
-                          logging_every=1, sample_every=100)
+    grpo_cfg = GRPOConfig(
+        learning_rate=1e-3,
+        max_steps=3,
+        batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        save_every=1,
+        logging_every=1,
+        sample_every=100,
+    )
     grpo.train(grpo_cfg, load_causal_lm(str(start)), tok, train, rewards, Tracker(), tmp_path / "grpo")
     tracker = Tracker()
     again = grpo.train(grpo_cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, tmp_path / "grpo")
@@ -192,12 +287,38 @@ def test_ppo_and_grpo_resume_from_their_last_checkpoint(tiny, reversal_sft, tmp_
 
     rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 4]
     value = lambda: load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)  # noqa: E731
-    ppo_cfg = PPOConfig(learning_rate=1e-4, max_steps=3, batch_size=4, num_ppo_epochs=1, max_completion_length=6, save_every=1,
-                        logging_every=1, sample_every=100)
+    ppo_cfg = PPOConfig(
+        learning_rate=1e-4,
+        max_steps=3,
+        batch_size=4,
+        num_ppo_epochs=1,
+        max_completion_length=6,
+        save_every=1,
+        logging_every=1,
+        sample_every=100,
+    )
     lengths = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
-    ppo.train(ppo_cfg, load_causal_lm(str(tiny / "model")), value(), tok, rows, lengths, Tracker(), tmp_path / "ppo",
-              ref_model=load_causal_lm(str(tiny / "model")))
+    ppo.train(
+        ppo_cfg,
+        load_causal_lm(str(tiny / "model")),
+        value(),
+        tok,
+        rows,
+        lengths,
+        Tracker(),
+        tmp_path / "ppo",
+        ref_model=load_causal_lm(str(tiny / "model")),
+    )
     tracker = Tracker()
-    again = ppo.train(ppo_cfg, load_causal_lm(str(tiny / "model")), value(), tok, rows, lengths, tracker, tmp_path / "ppo",
-                      ref_model=load_causal_lm(str(tiny / "model")))
+    again = ppo.train(
+        ppo_cfg,
+        load_causal_lm(str(tiny / "model")),
+        value(),
+        tok,
+        rows,
+        lengths,
+        tracker,
+        tmp_path / "ppo",
+        ref_model=load_causal_lm(str(tiny / "model")),
+    )
     assert again.resumed_from == 2 and again.steps == 3 and [s for s, _ in tracker.history] == [3]

@@ -108,7 +108,9 @@ def test_gradient_accumulation_matches_one_big_batch(tiny, data, tmp_path):
         torch.manual_seed(0)
         model = load_causal_lm(str(tiny / "model"))
         tracker = Tracker()
-        cfg = SFTConfig(learning_rate=1e-3, max_steps=1, batch_size=bs, gradient_accumulation_steps=acc, logging_every=1)
+        cfg = SFTConfig(
+            learning_rate=1e-3, max_steps=1, batch_size=bs, gradient_accumulation_steps=acc, logging_every=1
+        )
         sft.train(cfg, model, tok, train[:16], [], tracker, tmp_path / f"{bs}")
         results.append(tracker.series("train/loss")[0])
     assert abs(results[0] - results[1]) < 1e-5, results

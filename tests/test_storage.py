@@ -60,9 +60,15 @@ def test_upload_sends_the_manifest_last_and_download_can_leave_checkpoints_behin
 
 def test_localize_moves_paths_inside_the_stage_folder_only(tmp_path):
     key = "a" * 64
-    m = _manifest(key=key, outputs={"model": f"/other/host/runs/p/stages/{stage_folder('sft', key)}/model",
-                                    "folder": f"/x/stages/{stage_folder('sft', key)}", "hub": "https://hub/org/m",
-                                    "near": f"/x/stages/{stage_folder('sft', key)}-other/model"})
+    m = _manifest(
+        key=key,
+        outputs={
+            "model": f"/other/host/runs/p/stages/{stage_folder('sft', key)}/model",
+            "folder": f"/x/stages/{stage_folder('sft', key)}",
+            "hub": "https://hub/org/m",
+            "near": f"/x/stages/{stage_folder('sft', key)}-other/model",
+        },
+    )
     out = localize(m, tmp_path).outputs
     assert out["model"] == str(tmp_path / "stages" / stage_folder("sft", key) / "model")
     assert out["folder"] == str(tmp_path / "stages" / stage_folder("sft", key))
@@ -113,16 +119,33 @@ def test_storage_is_validated_before_anything_runs(demo_text, tmp_path):
 def test_credential_option_names_are_refused_and_look_alikes_pass():
     from alignpipe.recipe.specs import secret_option_names
 
-    refused = {"key": 1, "secret": 1, "token": 1, "aws_secret_access_key": 1, "access_key": 1, "account_key": 1,
-               "sas_token": 1, "password": 1, "client_kwargs": {"aws_session_token": 1, "region_name": "eu"}}
-    assert sorted(secret_option_names(refused)) == sorted([k for k in refused if k != "client_kwargs"]
-                                                          + ["client_kwargs.aws_session_token"])
-    harmless = {"endpoint_url": "http://minio:9000", "sse_kms_key_id": "alias/x", "key_prefix": "p", "anon": False,
-                "client_kwargs": {"region_name": "eu"}, "requester_pays": True}
+    refused = {
+        "key": 1,
+        "secret": 1,
+        "token": 1,
+        "aws_secret_access_key": 1,
+        "access_key": 1,
+        "account_key": 1,
+        "sas_token": 1,
+        "password": 1,
+        "client_kwargs": {"aws_session_token": 1, "region_name": "eu"},
+    }
+    assert sorted(secret_option_names(refused)) == sorted(
+        [k for k in refused if k != "client_kwargs"] + ["client_kwargs.aws_session_token"]
+    )
+    harmless = {
+        "endpoint_url": "http://minio:9000",
+        "sse_kms_key_id": "alias/x",
+        "key_prefix": "p",
+        "anon": False,
+        "client_kwargs": {"region_name": "eu"},
+        "requester_pays": True,
+    }
     assert secret_option_names(harmless) == []
 
 
 # --- against a real S3 API ----------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -135,8 +158,12 @@ def s3(tmp_path_factory):
     """`moto_server` on loopback (a local S3 API), a bucket, and the environment a worker would have."""
     log = tmp_path_factory.mktemp("s3") / "moto.log"
     port = _free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -148,8 +175,13 @@ def s3(tmp_path_factory):
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("moto_server did not start:\n" + log.read_text()[-2000:])
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "test-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
     import fsspec
 
     fs = fsspec.filesystem("s3", key="test-key", secret="test-secret", endpoint_url=endpoint, skip_instance_cache=True)
@@ -160,7 +192,9 @@ def s3(tmp_path_factory):
 
 
 def _run(args, env, cwd, timeout=400):
-    out = subprocess.run([str(BIN / "alignpipe"), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [str(BIN / "alignpipe"), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -179,7 +213,8 @@ def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, ti
     recipe = tmp_path / "s3.yaml"
     shared_db = f"sqlite:///{tmp_path / 'mlflow.db'}"  # one tracking store for all "machines", as a server would be
     text = demo_recipe(tiny, Path("./work")).replace(
-        "seed: 0\n", f"seed: 0\nstorage: {{url: 's3://alignpipe-test/root'}}\ntracking: {{uri: '{shared_db}'}}\n")
+        "seed: 0\n", f"seed: 0\nstorage: {{url: 's3://alignpipe-test/root'}}\ntracking: {{uri: '{shared_db}'}}\n"
+    )
     text = text.replace("    max_steps: 150", "    max_steps: 30\n    save_every: 10")
     recipe.write_text(text)
     machines = {m: tmp_path / m for m in "ABC"}
@@ -197,7 +232,8 @@ def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, ti
     statuses = _statuses(machines["B"] / "work")
     assert statuses["sft"] == statuses["judge"] == statuses["sft-data"] == "cached", statuses
     assert not (machines["B"] / "work" / "tiny-demo" / "stages").exists() or not any(
-        (machines["B"] / "work" / "tiny-demo" / "stages").rglob("*.safetensors")), "nothing was fetched that was not needed"
+        (machines["B"] / "work" / "tiny-demo" / "stages").rglob("*.safetensors")
+    ), "nothing was fetched that was not needed"
 
     out = _run(["run", str(recipe), "--set", "stages.judge.num_prompts=8"], env, machines["C"])
     statuses = _statuses(machines["C"] / "work")
@@ -206,8 +242,11 @@ def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, ti
     assert (local_sft / "model" / "config.json").exists(), "the judge fetched the SFT model from storage"
     assert not (local_sft / "checkpoints").exists()
     fs.invalidate_cache()
-    judges = [d for d in fs.ls("alignpipe-test/root/tiny-demo/stages", detail=False)
-              if d.rsplit("/", 1)[-1].startswith("judge-") and fs.exists(f"{d}/manifest.json")]
+    judges = [
+        d
+        for d in fs.ls("alignpipe-test/root/tiny-demo/stages", detail=False)
+        if d.rsplit("/", 1)[-1].startswith("judge-") and fs.exists(f"{d}/manifest.json")
+    ]
     assert len(judges) == 2, "machine C's judge (8 prompts) is in storage beside machine A's (16)"
     assert "test-secret" not in out.stdout + out.stderr
 
@@ -216,7 +255,9 @@ def test_pipeline_on_s3_resumes_from_a_machine_with_an_empty_working_copy(s3, ti
     recipe.rename(tmp_path / "elsewhere.yaml")
     d = tmp_path / "D"
     d.mkdir()
-    missing = subprocess.run([str(BIN / "alignpipe"), "resume", run_a[:8]], env=env, cwd=d, capture_output=True, text=True)
+    missing = subprocess.run(
+        [str(BIN / "alignpipe"), "resume", run_a[:8]], env=env, cwd=d, capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "pass --storage URL" in missing.stderr
     out = _run(["resume", run_a[:8], "--storage", "s3://alignpipe-test/root"], env, d)
     assert "is not on this machine" in out.stdout and "stages.judge.num_prompts=16" in out.stdout

@@ -57,8 +57,10 @@ class Renderer:
         self.chat = chat_template
         self.system = system_prompt
         if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("`chat_template: true` but the tokenizer has no chat template; "
-                             "set `chat_template: false` or use a tokenizer that defines one")
+            raise ValueError(
+                "`chat_template: true` but the tokenizer has no chat template; "
+                "set `chat_template: false` or use a tokenizer that defines one"
+            )
 
     def _turns(self, prompt) -> list[dict]:
         turns = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -73,7 +75,11 @@ class Renderer:
 
     def completion(self, prompt, completion) -> str:
         if not self.chat:
-            return completion if isinstance(completion, str) else [m for m in completion if m["role"] == "assistant"][-1]["content"]
+            return (
+                completion
+                if isinstance(completion, str)
+                else [m for m in completion if m["role"] == "assistant"][-1]["content"]
+            )
         if isinstance(completion, list):  # a whole conversation (e.g. UltraFeedback): keep the last assistant turn
             reply = [m for m in completion if m["role"] == "assistant"][-1:] or completion[-1:]
         else:
@@ -81,9 +87,11 @@ class Renderer:
         full = self.tok.apply_chat_template(self._turns(prompt) + reply, tokenize=False)
         head = self.prompt(prompt)
         if not full.startswith(head):
-            raise ValueError("the chat template renders the prompt differently alone and in a conversation; "
-                             "cannot split prompt from completion")
-        return full[len(head):]
+            raise ValueError(
+                "the chat template renders the prompt differently alone and in a conversation; "
+                "cannot split prompt from completion"
+            )
+        return full[len(head) :]
 
     def text(self, row) -> str:
         if "messages" in row and row["messages"] is not None:
@@ -105,10 +113,18 @@ def to_format(row: dict, fmt: str, r: Renderer) -> dict:
     if fmt == "prompt_only":
         return {"prompt": r.prompt(row["prompt"]), **extra}
     if fmt == "prompt_completion":
-        return {"prompt": r.prompt(row["prompt"]), "completion": r.completion(row["prompt"], row["completion"]), **extra}
+        return {
+            "prompt": r.prompt(row["prompt"]),
+            "completion": r.completion(row["prompt"], row["completion"]),
+            **extra,
+        }
     if fmt == "preference":
-        return {"prompt": r.prompt(row.get("prompt", "")), "chosen": r.completion(row.get("prompt", ""), row["chosen"]),
-                "rejected": r.completion(row.get("prompt", ""), row["rejected"]), **extra}
+        return {
+            "prompt": r.prompt(row.get("prompt", "")),
+            "chosen": r.completion(row.get("prompt", ""), row["chosen"]),
+            "rejected": r.completion(row.get("prompt", ""), row["rejected"]),
+            **extra,
+        }
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -119,9 +135,20 @@ def fingerprint(rows: list[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def format_rows(raw: list[dict], *, fmt: str, tokenizer, columns: dict[str, str] | None = None, chat_template: bool = False,
-                system_prompt: str | None = None, max_length: int | None = None, eval_fraction: float = 0.1,
-                max_rows: int | None = None, shuffle: bool = True, seed: int = 0) -> tuple[list[dict], list[dict], FormatStats]:
+def format_rows(
+    raw: list[dict],
+    *,
+    fmt: str,
+    tokenizer,
+    columns: dict[str, str] | None = None,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+    eval_fraction: float = 0.1,
+    max_rows: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> tuple[list[dict], list[dict], FormatStats]:
     """Raw rows → (train rows, eval rows, stats). Deterministic for a given seed."""
     stats = FormatStats(rows_in=len(raw))
     rows = map_columns(raw, columns or {})
@@ -141,7 +168,7 @@ def format_rows(raw: list[dict], *, fmt: str, tokenizer, columns: dict[str, str]
     n_eval = round(len(out) * eval_fraction)
     if eval_fraction > 0 and len(out) > 1:
         n_eval = max(1, n_eval)
-    train, evals = out[: len(out) - n_eval], out[len(out) - n_eval:]
+    train, evals = out[: len(out) - n_eval], out[len(out) - n_eval :]
     stats.rows_train, stats.rows_eval = len(train), len(evals)
     stats.fingerprint = fingerprint(train + [{"_split": "eval"}] + evals)
     stats.examples = out[:3]

@@ -60,7 +60,9 @@ def peek_columns(path: str, kind: str) -> list[str] | None:
     return None
 
 
-def load_raw(path: str, kind: str = "auto", split: str = "train", subset: str | None = None, revision: str | None = None):
+def load_raw(
+    path: str, kind: str = "auto", split: str = "train", subset: str | None = None, revision: str | None = None
+):
     """Load a raw dataset as a `datasets.Dataset` (one split)."""
     import datasets
 

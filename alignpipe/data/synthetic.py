@@ -18,8 +18,34 @@ from __future__ import annotations
 import random
 import re
 
-TITLE_A = ["Silent", "Broken", "Golden", "Last", "Hidden", "Crimson", "Distant", "Frozen", "Wild", "Quiet", "Electric", "Lonely"]
-TITLE_B = ["River", "Garden", "Empire", "Summer", "Harbor", "Machine", "Kingdom", "Station", "Forest", "Letter", "Mirror", "Road"]
+TITLE_A = [
+    "Silent",
+    "Broken",
+    "Golden",
+    "Last",
+    "Hidden",
+    "Crimson",
+    "Distant",
+    "Frozen",
+    "Wild",
+    "Quiet",
+    "Electric",
+    "Lonely",
+]
+TITLE_B = [
+    "River",
+    "Garden",
+    "Empire",
+    "Summer",
+    "Harbor",
+    "Machine",
+    "Kingdom",
+    "Station",
+    "Forest",
+    "Letter",
+    "Mirror",
+    "Road",
+]
 OPENERS = [
     "I watched {t} last night and",
     "{t} is a film that",
@@ -33,10 +59,34 @@ OPENERS = [
 ASPECTS = ["story", "acting", "music", "ending", "cast", "script", "camera work", "pacing"]
 
 # Word → weight. The judge's score is the weighted count of positive minus negative words.
-POSITIVE = {"great": 1.0, "good": 1.0, "wonderful": 1.5, "brilliant": 1.5, "amazing": 1.5, "excellent": 1.5,
-            "beautiful": 1.0, "fun": 1.0, "loved": 1.5, "enjoyed": 1.0, "masterpiece": 2.0, "charming": 1.0}
-NEGATIVE = {"boring": 1.0, "bad": 1.0, "awful": 1.5, "terrible": 1.5, "dull": 1.0, "weak": 1.0,
-            "poor": 1.0, "hated": 1.5, "disliked": 1.0, "mess": 1.5, "tedious": 1.0, "waste": 2.0}
+POSITIVE = {
+    "great": 1.0,
+    "good": 1.0,
+    "wonderful": 1.5,
+    "brilliant": 1.5,
+    "amazing": 1.5,
+    "excellent": 1.5,
+    "beautiful": 1.0,
+    "fun": 1.0,
+    "loved": 1.5,
+    "enjoyed": 1.0,
+    "masterpiece": 2.0,
+    "charming": 1.0,
+}
+NEGATIVE = {
+    "boring": 1.0,
+    "bad": 1.0,
+    "awful": 1.5,
+    "terrible": 1.5,
+    "dull": 1.0,
+    "weak": 1.0,
+    "poor": 1.0,
+    "hated": 1.5,
+    "disliked": 1.0,
+    "mess": 1.5,
+    "tedious": 1.0,
+    "waste": 2.0,
+}
 POS_VERBS = ["loved", "enjoyed"]
 NEG_VERBS = ["hated", "disliked"]
 POS_ADJ = [w for w in POSITIVE if w not in POS_VERBS + ["masterpiece"]]
@@ -70,15 +120,26 @@ def sentiment_sft(n: int, seed: int = 0, positive_share: float = 0.6) -> list[di
     rows = []
     for _ in range(n):
         positive = rng.random() < positive_share
-        rows.append({"prompt": review_prompt(rng), "completion": review_completion(rng, positive),
-                     "label": "positive" if positive else "negative"})
+        rows.append(
+            {
+                "prompt": review_prompt(rng),
+                "completion": review_completion(rng, positive),
+                "label": "positive" if positive else "negative",
+            }
+        )
     return rows
 
 
 def sentiment_preferences(n: int, seed: int = 1) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt": review_prompt(rng), "chosen": review_completion(rng, True),
-             "rejected": review_completion(rng, False)} for _ in range(n)]
+    return [
+        {
+            "prompt": review_prompt(rng),
+            "chosen": review_completion(rng, True),
+            "rejected": review_completion(rng, False),
+        }
+        for _ in range(n)
+    ]
 
 
 def sentiment_prompts(n: int, seed: int = 2) -> list[dict]:

@@ -21,7 +21,8 @@ class Generation:
 
 
 class GenerationEngine(Protocol):
-    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None,
-                 seed: int | None = None) -> list[Generation]:
+    def generate(
+        self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None
+    ) -> list[Generation]:
         """`n` completions per prompt, grouped by prompt: result[i * n + j] is prompt i's j-th."""
         ...

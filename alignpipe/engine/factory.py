@@ -15,5 +15,9 @@ def make_engine(spec, model, tokenizer):
         return VLLMServerEngine(spec.server_url, tokenizer)
     from alignpipe.engine.vllm import VLLMColocateEngine
 
-    return VLLMColocateEngine(model, tokenizer, gpu_memory_utilization=spec.gpu_memory_utilization,
-                              sleep_between_rollouts=spec.sleep_between_rollouts)
+    return VLLMColocateEngine(
+        model,
+        tokenizer,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        sleep_between_rollouts=spec.sleep_between_rollouts,
+    )

@@ -24,8 +24,13 @@ class HFEngine:
 
     @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
     @under_attention_kernels
-    def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: SamplingParams | None = None,
-                 seed: int | None = None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+    ) -> list[Generation]:
         sampling = sampling or SamplingParams()
         generator = None
         device = next(self.model.parameters()).device
@@ -37,10 +42,18 @@ class HFEngine:
         out: list[Generation] = []
         try:
             for start in range(0, len(prompts), self.batch_size):
-                chunk = prompts[start:start + self.batch_size]
+                chunk = prompts[start : start + self.batch_size]
                 enc = self._encode(chunk)
-                new = decode(self.model, enc["input_ids"].to(device), enc["attention_mask"].to(device), sampling, eos,
-                             self.tok.pad_token_id, generator, n=n).tolist()
+                new = decode(
+                    self.model,
+                    enc["input_ids"].to(device),
+                    enc["attention_mask"].to(device),
+                    sampling,
+                    eos,
+                    self.tok.pad_token_id,
+                    generator,
+                    n=n,
+                ).tolist()
                 for k, row in enumerate(new):
                     out.append(self._finish(start + k // n, row, eos))
         finally:
@@ -61,8 +74,8 @@ class HFEngine:
         input_ids = torch.full((len(chunk), n), self.tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), n), dtype=torch.long)
         for i, ids in enumerate(chunk):
-            input_ids[i, n - len(ids):] = torch.tensor(ids)
-            mask[i, n - len(ids):] = 1
+            input_ids[i, n - len(ids) :] = torch.tensor(ids)
+            mask[i, n - len(ids) :] = 1
         return BatchEncoding({"input_ids": input_ids, "attention_mask": mask})
 
     def update_weights(self, model) -> None:
@@ -81,8 +94,16 @@ class HFEngine:
         return Generation(prompt_index, text, ids, reason)
 
 
-def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParams, eos: int | None, pad: int,
-           generator: torch.Generator | None = None, n: int = 1) -> torch.Tensor:
+def decode(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    sampling: SamplingParams,
+    eos: int | None,
+    pad: int,
+    generator: torch.Generator | None = None,
+    n: int = 1,
+) -> torch.Tensor:
     """Sample up to `max_new_tokens`, `n` times for each left-padded prompt row; (rows × n, steps) new tokens
     (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
     times. Stops as soon as every row has ended."""
@@ -90,8 +111,14 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParam
 
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
@@ -112,8 +139,13 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingParam
             done |= token == eos
         if t + 1 == sampling.max_new_tokens or bool(done.all()):
             return new[:, : t + 1]
-        logits = model(input_ids=token[:, None], attention_mask=full_mask[..., : width + t + 1], position_ids=pos,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(
+            input_ids=token[:, None],
+            attention_mask=full_mask[..., : width + t + 1],
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
         pos = pos + 1
     return new
 
@@ -122,11 +154,14 @@ def _takes_padding_mask(model) -> bool:
     """Whether a one-token decode step can be given a ready 4-D boolean mask (transformers passes 4-D masks
     through as they are): SDPA attention and no sliding-window layers, whose own masks would be skipped."""
     config = model.config
-    return (getattr(config, "_attn_implementation", None) == "sdpa"
-            and "sliding_attention" not in (getattr(config, "layer_types", None) or []))
+    return getattr(config, "_attn_implementation", None) == "sdpa" and "sliding_attention" not in (
+        getattr(config, "layer_types", None) or []
+    )
 
 
-def next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One token per row: argmax when greedy, else a sample from `filter_logits`."""
     if sampling.greedy:
         return logits.argmax(-1)

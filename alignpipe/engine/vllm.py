@@ -23,12 +23,21 @@ from alignpipe.engine.sampling import SamplingParams
 
 
 class VLLMColocateEngine:
-    def __init__(self, model, tokenizer, gpu_memory_utilization: float = 0.3, sleep_between_rollouts: bool = True,
-                 dtype: str = "auto", seed: int = 0):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        gpu_memory_utilization: float = 0.3,
+        sleep_between_rollouts: bool = True,
+        dtype: str = "auto",
+        seed: int = 0,
+    ):
         try:
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - depends on the vllm extra
-            raise ImportError("rollout backend 'vllm' needs the vllm extra: pip install 'alignpipe[vllm]' (GPU only)") from e
+            raise ImportError(
+                "rollout backend 'vllm' needs the vllm extra: pip install 'alignpipe[vllm]' (GPU only)"
+            ) from e
         source = getattr(model.config, "_name_or_path", "")
         if not source or not Path(source).exists():
             source = tempfile.mkdtemp(prefix="alignpipe-vllm-")
@@ -36,8 +45,13 @@ class VLLMColocateEngine:
             tokenizer.save_pretrained(source)
         self.tok = tokenizer
         self.sleep = sleep_between_rollouts
-        self.llm = LLM(model=source, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
-                       enable_sleep_mode=sleep_between_rollouts)
+        self.llm = LLM(
+            model=source,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            seed=seed,
+            enable_sleep_mode=sleep_between_rollouts,
+        )
         self._asleep = False
 
     def _vllm_model(self):
@@ -66,15 +80,24 @@ class VLLMColocateEngine:
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
-    def generate(self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+    def generate(
+        self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None
+    ) -> list[Generation]:
         from vllm import SamplingParams as VSampling
 
         sampling = sampling or SamplingParams()
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        params = VSampling(n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                           top_k=sampling.top_k or -1, min_p=sampling.min_p, seed=seed)
+        params = VSampling(
+            n=n,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or -1,
+            min_p=sampling.min_p,
+            seed=seed,
+        )
         inputs = [{"prompt_token_ids": p} if not isinstance(p, str) else p for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         gens = []
@@ -110,12 +133,19 @@ class VLLMServerEngine:
     def update_weights(self, model) -> None:
         """The server owns its weights; nothing is pushed (see the module docstring)."""
 
-    def generate(self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None) -> list[Generation]:
+    def generate(
+        self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None
+    ) -> list[Generation]:
         import httpx
 
         sampling = sampling or SamplingParams()
-        payload = {"prompt": list(prompts), "n": n, "max_tokens": sampling.max_new_tokens,
-                   "temperature": sampling.temperature, "top_p": sampling.top_p}
+        payload = {
+            "prompt": list(prompts),
+            "n": n,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
         if sampling.top_k:
             payload["top_k"] = sampling.top_k
         if sampling.min_p:

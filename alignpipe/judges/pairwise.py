@@ -52,7 +52,12 @@ class EndpointJudge:
     """An OpenAI-compatible `/v1/chat/completions` endpoint as judge (temperature 0)."""
 
     def __init__(self, base_url: str, model: str | None = None, max_new_tokens: int = 8, timeout_s: float = 120.0):
-        self.base, self.model, self.max_new_tokens, self.timeout_s = base_url.rstrip("/"), model, max_new_tokens, timeout_s
+        self.base, self.model, self.max_new_tokens, self.timeout_s = (
+            base_url.rstrip("/"),
+            model,
+            max_new_tokens,
+            timeout_s,
+        )
 
     def __call__(self, prompts: list[str]) -> list[str]:
         import httpx
@@ -64,9 +69,15 @@ class EndpointJudge:
                 response.raise_for_status()
                 self.model = response.json()["data"][0]["id"]
             for p in prompts:
-                response = client.post(f"{self.base}/v1/chat/completions", json={
-                    "model": self.model, "messages": [{"role": "user", "content": p}], "temperature": 0,
-                    "max_tokens": self.max_new_tokens})
+                response = client.post(
+                    f"{self.base}/v1/chat/completions",
+                    json={
+                        "model": self.model,
+                        "messages": [{"role": "user", "content": p}],
+                        "temperature": 0,
+                        "max_tokens": self.max_new_tokens,
+                    },
+                )
                 response.raise_for_status()
                 out.append(response.json()["choices"][0]["message"]["content"])
         return out
@@ -81,5 +92,7 @@ def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], 
     records = []
     for i in range(n):
         first, second = parse_verdict(answers[i]), parse_verdict(answers[n + i])
-        records.append({"judge_forward": answers[i], "judge_swapped": answers[n + i], "verdict": combine(first, second)})
+        records.append(
+            {"judge_forward": answers[i], "judge_swapped": answers[n + i], "verdict": combine(first, second)}
+        )
     return records

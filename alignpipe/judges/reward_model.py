@@ -27,7 +27,7 @@ class RewardModelScorer:
         scores: list[float] = []
         try:
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True).to(device)
+                enc = self.tok(texts[i : i + self.batch_size], return_tensors="pt", padding=True).to(device)
                 scores += self.model(**enc).logits.squeeze(-1).float().tolist()
         finally:
             self.tok.padding_side = side

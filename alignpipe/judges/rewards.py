@@ -52,8 +52,14 @@ def length_penalty(prompts, completions, target=20, scale=0.05, **_) -> list[flo
     return [-scale * abs(len(c.split()) - target) for c in completions]
 
 
-BUILTINS: dict[str, RewardFn] = {"sentiment_lexicon": sentiment_lexicon, "length": length, "exact_match": exact_match,
-                                 "keyword": keyword, "regex": regex, "length_penalty": length_penalty}
+BUILTINS: dict[str, RewardFn] = {
+    "sentiment_lexicon": sentiment_lexicon,
+    "length": length,
+    "exact_match": exact_match,
+    "keyword": keyword,
+    "regex": regex,
+    "length_penalty": length_penalty,
+}
 
 
 class RewardFunctionError(ValueError):
@@ -66,7 +72,9 @@ def load_reward_fn(spec: str) -> RewardFn:
         return BUILTINS[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise RewardFunctionError(f"reward {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`")
+        raise RewardFunctionError(
+            f"reward {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
@@ -88,22 +96,33 @@ class HTTPScorer:
 
         import httpx
 
-        payload = {"prompts": list(prompts), "completions": list(completions),
-                   "columns": {k: list(v) for k, v in columns.items()}}
+        payload = {
+            "prompts": list(prompts),
+            "completions": list(completions),
+            "columns": {k: list(v) for k, v in columns.items()},
+        }
         for attempt in range(self.retries):
             try:
                 response = httpx.post(self.url, json=payload, timeout=self.timeout_s)
                 response.raise_for_status()
                 return response.json()["rewards"]
             except (httpx.TransportError, httpx.HTTPStatusError) as e:
-                if attempt == self.retries - 1 or (isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500):
+                if attempt == self.retries - 1 or (
+                    isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500
+                ):
                     raise RewardFunctionError(f"remote reward {self.url}: {e}") from e
-                time.sleep(2 ** attempt)
+                time.sleep(2**attempt)
         raise AssertionError("unreachable")
 
 
-def score(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None,
-          kwargs: dict | None = None) -> list[float | None]:
+def score(
+    fn: RewardFn,
+    name: str,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list] | None = None,
+    kwargs: dict | None = None,
+) -> list[float | None]:
     """Call `fn` and check it returned one number (or None) per completion."""
     try:
         result = list(fn(prompts, completions, **(columns or {}), **(kwargs or {})))

@@ -58,10 +58,17 @@ def _check_ids(recipe) -> list[Problem]:
     seen: dict[str, int] = {}
     for i, s in enumerate(recipe.stages):
         if s.id == BASE:
-            problems.append(Problem(("stages", i, "id"), "'base' is reserved for the recipe's model", "rename the stage"))
+            problems.append(
+                Problem(("stages", i, "id"), "'base' is reserved for the recipe's model", "rename the stage")
+            )
         elif s.id in seen:
-            problems.append(Problem(("stages", i, "id"), f"duplicate stage id {s.id!r} (also stages[{seen[s.id]}])",
-                                    "give every stage a unique id"))
+            problems.append(
+                Problem(
+                    ("stages", i, "id"),
+                    f"duplicate stage id {s.id!r} (also stages[{seen[s.id]}])",
+                    "give every stage a unique id",
+                )
+            )
         seen.setdefault(s.id, i)
     return problems
 
@@ -73,7 +80,9 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
     for i, s in enumerate(recipe.stages):
         for j, need in enumerate(s.needs):
             if need == s.id:
-                problems.append(Problem(("stages", i, "needs", j), f"stage {s.id!r} needs itself", "remove it from `needs`"))
+                problems.append(
+                    Problem(("stages", i, "needs", j), f"stage {s.id!r} needs itself", "remove it from `needs`")
+                )
             elif need not in by_id:
                 problems.append(Problem(("stages", i, "needs", j), f"no stage named {need!r}", f"name one of: {ids}"))
         for rel, target, wanted in s.reference_fields():
@@ -84,56 +93,94 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
             if target == BASE and wanted == CAUSAL_LM:
                 continue
             if target == s.id:
-                problems.append(Problem(path, f"stage {s.id!r} refers to itself",
-                                        f"name one of: {', '.join(producers) or '(none yet)'}"))
+                problems.append(
+                    Problem(
+                        path, f"stage {s.id!r} refers to itself", f"name one of: {', '.join(producers) or '(none yet)'}"
+                    )
+                )
             elif target not in by_id:
-                problems.append(Problem(path, f"no stage named {target!r}",
-                                        f"`{field}` takes {PRODUCT_NAMES.get(wanted, wanted)}: {', '.join(producers) or '(none in this recipe)'}"))
+                problems.append(
+                    Problem(
+                        path,
+                        f"no stage named {target!r}",
+                        f"`{field}` takes {PRODUCT_NAMES.get(wanted, wanted)}: {', '.join(producers) or '(none in this recipe)'}",
+                    )
+                )
             elif by_id[target].produces != wanted:
                 other = by_id[target]
-                problems.append(Problem(
-                    path,
-                    f"stage {target!r} is a {other.kind} stage and produces {PRODUCT_NAMES.get(other.produces, other.produces)}, "
-                    f"but `{field}` needs {PRODUCT_NAMES.get(wanted, wanted)}",
-                    f"name one of: {', '.join(producers) or '(none in this recipe)'}"))
+                problems.append(
+                    Problem(
+                        path,
+                        f"stage {target!r} is a {other.kind} stage and produces {PRODUCT_NAMES.get(other.produces, other.produces)}, "
+                        f"but `{field}` needs {PRODUCT_NAMES.get(wanted, wanted)}",
+                        f"name one of: {', '.join(producers) or '(none in this recipe)'}",
+                    )
+                )
             else:
                 accepted = ACCEPTED_FORMATS.get((type(s), field))  # type: ignore[arg-type]
                 if accepted and isinstance(by_id[target], FormatStage) and by_id[target].format not in accepted:
-                    problems.append(Problem(
-                        path,
-                        f"format stage {target!r} produces {by_id[target].format} data; a {s.kind} stage's `{field}` needs {' or '.join(accepted)}",
-                        f"set `format:` of stage {target!r} to {accepted[0]}, or point `{field}` at another format stage"))
+                    problems.append(
+                        Problem(
+                            path,
+                            f"format stage {target!r} produces {by_id[target].format} data; a {s.kind} stage's `{field}` needs {' or '.join(accepted)}",
+                            f"set `format:` of stage {target!r} to {accepted[0]}, or point `{field}` at another format stage",
+                        )
+                    )
         for target in sorted(s.gate_stages()):
             if target not in by_id:
-                problems.append(Problem(("stages", i, "when"), f"the condition reads stage {target!r}, which does not exist",
-                                        f"name one of: {ids}"))
+                problems.append(
+                    Problem(
+                        ("stages", i, "when"),
+                        f"the condition reads stage {target!r}, which does not exist",
+                        f"name one of: {ids}",
+                    )
+                )
         problems += _check_generation_groups(s, i)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
-            problems.append(Problem(("stages", i, "prompts_file"), f"prompts file {s.prompts_file!r} does not exist",
-                                    "fix the path (relative paths are from the directory you run alignpipe in)"))
+            problems.append(
+                Problem(
+                    ("stages", i, "prompts_file"),
+                    f"prompts file {s.prompts_file!r} does not exist",
+                    "fix the path (relative paths are from the directory you run alignpipe in)",
+                )
+            )
         if isinstance(s, FormatStage) and s.dataset not in recipe.datasets:
-            problems.append(Problem(("stages", i, "dataset"), f"no dataset named {s.dataset!r}",
-                                    f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}"))
+            problems.append(
+                Problem(
+                    ("stages", i, "dataset"),
+                    f"no dataset named {s.dataset!r}",
+                    f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}",
+                )
+            )
     return problems
 
 
 def _check_generation_groups(s, i: int) -> list[Problem]:
     """GRPO's completions per step must split into whole groups of `num_generations`; PPO runs in one process."""
     if isinstance(s, PPOStage) and s.resources.processes > 1:
-        return [Problem(("stages", i, "resources", "processes"), "the ppo stage runs in a single process for now "
-                        f"(got processes: {s.resources.processes}); its policy and value model are not DDP-synchronised",
-                        "set resources.processes: 1 (use grpo or dpo for multi-process training)")]
+        return [
+            Problem(
+                ("stages", i, "resources", "processes"),
+                "the ppo stage runs in a single process for now "
+                f"(got processes: {s.resources.processes}); its policy and value model are not DDP-synchronised",
+                "set resources.processes: 1 (use grpo or dpo for multi-process training)",
+            )
+        ]
     if not isinstance(s, GRPOStage):
         return []
     per_step = s.batch_size * s.resources.processes
     if per_step % s.num_generations == 0 and s.batch_size % s.num_generations == 0:
         return []
     g = s.num_generations
-    return [Problem(("stages", i, "batch_size"),
-                    f"batch_size × processes = {s.batch_size} × {s.resources.processes} = {per_step} completions per forward "
-                    f"pass, which does not split into groups of num_generations = {g}",
-                    f"make batch_size a multiple of {g} (e.g. {g * max(1, round(s.batch_size / g))}), or change num_generations "
-                    f"to a divisor of {s.batch_size}")]
+    return [
+        Problem(
+            ("stages", i, "batch_size"),
+            f"batch_size × processes = {s.batch_size} × {s.resources.processes} = {per_step} completions per forward "
+            f"pass, which does not split into groups of num_generations = {g}",
+            f"make batch_size a multiple of {g} (e.g. {g * max(1, round(s.batch_size / g))}), or change num_generations "
+            f"to a divisor of {s.batch_size}",
+        )
+    ]
 
 
 def _check_cycles(recipe) -> list[Problem]:
@@ -145,7 +192,7 @@ def _check_cycles(recipe) -> list[Problem]:
         state[node] = 1
         for d in deps[node]:
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d] if d in stack else [node, d]
+                return stack[stack.index(d) :] + [d] if d in stack else [node, d]
             if d not in state:
                 cycle = visit(d, stack + [d])
                 if cycle:
@@ -157,8 +204,13 @@ def _check_cycles(recipe) -> list[Problem]:
         if s.id not in state:
             cycle = visit(s.id, [s.id])
             if cycle:
-                return [Problem(("stages", index[cycle[0]], "needs"), f"dependency cycle: {' → '.join(cycle)}",
-                                "remove one of these dependencies (in `needs` or a reference field)")]
+                return [
+                    Problem(
+                        ("stages", index[cycle[0]], "needs"),
+                        f"dependency cycle: {' → '.join(cycle)}",
+                        "remove one of these dependencies (in `needs` or a reference field)",
+                    )
+                ]
     return []
 
 
@@ -173,18 +225,33 @@ def _check_storage(recipe) -> list[Problem]:
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
-        return [Problem(("storage", "url"), f"unknown storage protocol {protocol!r}",
-                        "use an fsspec URL such as s3://bucket/prefix, gs://bucket/prefix or file:///mnt/shared")]
+        return [
+            Problem(
+                ("storage", "url"),
+                f"unknown storage protocol {protocol!r}",
+                "use an fsspec URL such as s3://bucket/prefix, gs://bucket/prefix or file:///mnt/shared",
+            )
+        ]
     except ImportError:
         hint = known_implementations.get(protocol, {}).get("err", "")
-        return [Problem(("storage", "url"), f"the {protocol!r} filesystem's library is not installed",
-                        f"pip install 'alignpipe[{protocol}]' (or the package fsspec names: {hint})" if protocol == "s3"
-                        else f"install it: {hint or 'see fsspec known implementations'}")]
+        return [
+            Problem(
+                ("storage", "url"),
+                f"the {protocol!r} filesystem's library is not installed",
+                f"pip install 'alignpipe[{protocol}]' (or the package fsspec names: {hint})"
+                if protocol == "s3"
+                else f"install it: {hint or 'see fsspec known implementations'}",
+            )
+        ]
     return []
 
 
 def _looks_local(path: str) -> bool:
-    return path.startswith((".", "/", "~")) or path.count("/") >= 2 or Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
+    return (
+        path.startswith((".", "/", "~"))
+        or path.count("/") >= 2
+        or Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
+    )
 
 
 def _check_model(recipe) -> list[Problem]:
@@ -192,8 +259,13 @@ def _check_model(recipe) -> list[Problem]:
     for field in ("path", "tokenizer"):
         value = getattr(recipe.model, field)
         if value and not Path(value).expanduser().exists() and (_looks_local(value) or not is_hub_id(value)):
-            problems.append(Problem(("model", field), f"model directory {value!r} does not exist",
-                                    "fix the path, run `alignpipe make-tiny assets/tiny` for the demo assets, or give a Hub id like org/name"))
+            problems.append(
+                Problem(
+                    ("model", field),
+                    f"model directory {value!r} does not exist",
+                    "fix the path, run `alignpipe make-tiny assets/tiny` for the demo assets, or give a Hub id like org/name",
+                )
+            )
     return problems
 
 
@@ -208,29 +280,49 @@ def _check_datasets(recipe) -> list[Problem]:
         if kind == "hub":
             continue  # checked when the format stage loads it; no downloads at validation time
         if not Path(spec.path).expanduser().exists():
-            problems.append(Problem(("datasets", name, "path"), f"dataset file {spec.path!r} does not exist",
-                                    "fix the path (relative paths are from the directory you run alignpipe in), "
-                                    "or run `alignpipe make-tiny assets/tiny` for the demo data"))
+            problems.append(
+                Problem(
+                    ("datasets", name, "path"),
+                    f"dataset file {spec.path!r} does not exist",
+                    "fix the path (relative paths are from the directory you run alignpipe in), "
+                    "or run `alignpipe make-tiny assets/tiny` for the demo data",
+                )
+            )
             continue
         try:
             cols = peek_columns(spec.path, kind)
         except Exception as e:  # unreadable file: say so here rather than mid-pipeline
-            problems.append(Problem(("datasets", name, "path"), f"cannot read {spec.path!r} as {kind}: {e}",
-                                    "check the file's contents or set `type:`"))
+            problems.append(
+                Problem(
+                    ("datasets", name, "path"),
+                    f"cannot read {spec.path!r} as {kind}: {e}",
+                    "check the file's contents or set `type:`",
+                )
+            )
             continue
         if cols is None:
             continue
         for canon, src in spec.columns.items():
             if src not in cols:
-                problems.append(Problem(("datasets", name, "columns", canon), f"column {src!r} is not in {spec.path!r}",
-                                        f"columns found: {', '.join(cols)}"))
+                problems.append(
+                    Problem(
+                        ("datasets", name, "columns", canon),
+                        f"column {src!r} is not in {spec.path!r}",
+                        f"columns found: {', '.join(cols)}",
+                    )
+                )
         available = {c for c in cols} | set(spec.columns)
         for _, stage in users.get(name, []):
             options = REQUIRED_COLUMNS[stage.format]
             if not any(all(c in available for c in opt) for opt in options):
                 need = " or ".join("+".join(o) for o in options)
-                problems.append(Problem(
-                    ("datasets", name, "columns"),
-                    f"stage {stage.id!r} formats {name!r} as {stage.format}, which needs columns {need}; found: {', '.join(cols)}",
-                    "map your columns, e.g. `columns: {" + ", ".join(f"{c}: <your column>" for c in options[0]) + "}`"))
+                problems.append(
+                    Problem(
+                        ("datasets", name, "columns"),
+                        f"stage {stage.id!r} formats {name!r} as {stage.format}, which needs columns {need}; found: {', '.join(cols)}",
+                        "map your columns, e.g. `columns: {"
+                        + ", ".join(f"{c}: <your column>" for c in options[0])
+                        + "}`",
+                    )
+                )
     return problems

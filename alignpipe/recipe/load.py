@@ -54,11 +54,28 @@ def _read_yaml(text: str, source: str) -> tuple[dict, dict[tuple, int]]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark else None
-        raise RecipeError([Problem((), f"not valid YAML: {getattr(e, 'problem', e)}",
-                                   "fix the YAML syntax (indentation, quotes, colons)", line=line)], source) from None
+        raise RecipeError(
+            [
+                Problem(
+                    (),
+                    f"not valid YAML: {getattr(e, 'problem', e)}",
+                    "fix the YAML syntax (indentation, quotes, colons)",
+                    line=line,
+                )
+            ],
+            source,
+        ) from None
     if not isinstance(data, dict):
-        raise RecipeError([Problem((), "a recipe must be a YAML mapping (name:, model:, stages: ...)",
-                                   "see pipelines/tiny-demo.yaml for an example")], source)
+        raise RecipeError(
+            [
+                Problem(
+                    (),
+                    "a recipe must be a YAML mapping (name:, model:, stages: ...)",
+                    "see pipelines/tiny-demo.yaml for an example",
+                )
+            ],
+            source,
+        )
     lines: dict[tuple, int] = {}
     duplicates: list[Problem] = []
     _collect_lines(node, (), lines, duplicates)
@@ -75,8 +92,14 @@ def _collect_lines(node, path: tuple, out: dict[tuple, int], duplicates: list[Pr
             p = path + (key.value,)
             line = key.start_mark.line + 1
             if p in out and key.value != "<<":
-                duplicates.append(Problem(p, f"key {key.value!r} is given twice (lines {out[p]} and {line}); "
-                                             "YAML would keep only the last", "remove one of them", line=line))
+                duplicates.append(
+                    Problem(
+                        p,
+                        f"key {key.value!r} is given twice (lines {out[p]} and {line}); YAML would keep only the last",
+                        "remove one of them",
+                        line=line,
+                    )
+                )
             out[p] = line
             _collect_lines(value, p, out, duplicates)
     elif isinstance(node, yaml.SequenceNode):
@@ -104,6 +127,7 @@ def _label_for(path: tuple, data: dict) -> str:
 
 # --- `--set` overrides -------------------------------------------------------------------------
 
+
 def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
     """Apply `a.b.c=value` overrides. In `stages.X.field`, X is a stage id or an index. Values are
     parsed as YAML (`3e-4` → float, `[a, b]` → list, `null` → None)."""
@@ -111,7 +135,9 @@ def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            problems.append(Problem((), f"override {item!r} is not KEY=VALUE", "write e.g. --set stages.sft.max_steps=50"))
+            problems.append(
+                Problem((), f"override {item!r} is not KEY=VALUE", "write e.g. --set stages.sft.max_steps=50")
+            )
             continue
         try:
             value = yaml.safe_load(raw) if raw else ""
@@ -119,8 +145,13 @@ def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
             value = raw
         err = _set_path(data, key.split("."), value)
         if err:
-            problems.append(Problem(tuple(key.split(".")), f"override --set {item!r}: {err}",
-                                    "use dotted field names; stages are addressed by id, e.g. stages.sft.learning_rate=1e-4"))
+            problems.append(
+                Problem(
+                    tuple(key.split(".")),
+                    f"override --set {item!r}: {err}",
+                    "use dotted field names; stages are addressed by id, e.g. stages.sft.learning_rate=1e-4",
+                )
+            )
     if problems:
         raise RecipeError(problems, source)
     return data
@@ -159,6 +190,7 @@ def _list_index(items: list, part: str) -> int | None:
 
 
 # --- pydantic errors → Problems ----------------------------------------------------------------
+
 
 def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Problem:
     loc = tuple(err["loc"])
@@ -207,8 +239,12 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
     return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data))
 
 
-_BOUNDS = {"greater_than": ("greater than", "gt"), "greater_than_equal": ("at least", "ge"),
-           "less_than": ("less than", "lt"), "less_than_equal": ("at most", "le")}
+_BOUNDS = {
+    "greater_than": ("greater than", "gt"),
+    "greater_than_equal": ("at least", "ge"),
+    "less_than": ("less than", "lt"),
+    "less_than_equal": ("at most", "le"),
+}
 
 
 def _default(model: type[BaseModel] | None, field):

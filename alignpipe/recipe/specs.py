@@ -69,8 +69,10 @@ class Storage(Strict):
     def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
         secret = sorted(secret_option_names(value))
         if secret:
-            raise ValueError(f"storage option(s) {secret} look like credentials; a recipe is shared and logged, so "
-                             "put credentials in the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+            raise ValueError(
+                f"storage option(s) {secret} look like credentials; a recipe is shared and logged, so "
+                "put credentials in the environment (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
+            )
         return value
 
 

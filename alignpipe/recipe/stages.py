@@ -71,11 +71,16 @@ class StageBase(Strict):
         from alignpipe.gates import parse, stages_in
 
         return stages_in(parse(self.when))
+
     refs: ClassVar[dict[str, str]] = {}
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
         """(field path within the stage, stage id or `base` it names, product it needs) per reference."""
-        return [((name,), getattr(self, name), wanted) for name, wanted in self.refs.items() if getattr(self, name) is not None]
+        return [
+            ((name,), getattr(self, name), wanted)
+            for name, wanted in self.refs.items()
+            if getattr(self, name) is not None
+        ]
 
     def references(self) -> dict[str, str]:
         """Reference field (dotted path) → stage id (or `base`) it names."""
@@ -195,8 +200,11 @@ class _RLStage(StageBase):
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
         own = super().reference_fields()
-        return own + [(("rewards", i, "reward_model"), r.reward_model, REWARD_MODEL)
-                      for i, r in enumerate(self.rewards) if r.reward_model]
+        return own + [
+            (("rewards", i, "reward_model"), r.reward_model, REWARD_MODEL)
+            for i, r in enumerate(self.rewards)
+            if r.reward_model
+        ]
 
 
 class GRPOStage(_RLStage, GRPOConfig):
@@ -219,8 +227,10 @@ class PPOStage(_RLStage, PPOConfig):
     @model_validator(mode="after")
     def _value_source(self):
         if not self.value_model and not any(r.reward_model for r in self.rewards):
-            raise ValueError("PPO needs a value model: set `value_model:` to a reward stage id, "
-                             "or include a `reward_model:` entry in `rewards`")
+            raise ValueError(
+                "PPO needs a value model: set `value_model:` to a reward stage id, "
+                "or include a `reward_model:` entry in `rewards`"
+            )
         return self
 
 
@@ -310,7 +320,9 @@ class JudgeStage(StageBase):
     @model_validator(mode="after")
     def _prompts_source(self):
         if bool(self.prompts) == bool(self.prompts_file):
-            raise ValueError("give exactly one of `prompts` (a format stage id) or `prompts_file` (a file with a prompt column)")
+            raise ValueError(
+                "give exactly one of `prompts` (a format stage id) or `prompts_file` (a file with a prompt column)"
+            )
         return self
 
 
@@ -363,9 +375,19 @@ class PushStage(StageBase):
         return self
 
 
-STAGE_TYPES: tuple[type[StageBase], ...] = (FormatStage, SFTStage, RewardStage, DPOStage, GRPOStage, PPOStage, JudgeStage,
-                                             PushStage)
+STAGE_TYPES: tuple[type[StageBase], ...] = (
+    FormatStage,
+    SFTStage,
+    RewardStage,
+    DPOStage,
+    GRPOStage,
+    PPOStage,
+    JudgeStage,
+    PushStage,
+)
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
-Stage = Annotated[FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | PPOStage | JudgeStage | PushStage,
-                  Field(discriminator="kind")]
+Stage = Annotated[
+    FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | PPOStage | JudgeStage | PushStage,
+    Field(discriminator="kind"),
+]

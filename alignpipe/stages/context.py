@@ -73,8 +73,9 @@ class StageContext(Generic[S]):
         if src.adapter:
             if src.base_path is None:
                 raise ValueError(f"{ref!r} is an adapter whose manifest names no base model")
-            return load_causal_lm(src.base_path, spec.dtype, trust_remote_code=spec.trust_remote_code,
-                                  adapter=src.path, merge=merge)
+            return load_causal_lm(
+                src.base_path, spec.dtype, trust_remote_code=spec.trust_remote_code, adapter=src.path, merge=merge
+            )
         revision = spec.revision if ref == BASE else None
         return load_causal_lm(src.path, spec.dtype, revision=revision, trust_remote_code=spec.trust_remote_code)
 
@@ -96,10 +97,17 @@ class StageContext(Generic[S]):
         """The StageResult of a trainer that produced a causal LM (full or adapter)."""
         key = "eval/loss" if "eval/loss" in result.metrics else "train/loss"
         return StageResult(
-            outputs={"model": str(result.model_dir)}, metrics={**result.metrics, "steps": result.steps, **(metrics or {})},
-            key_metric=key, info={"adapter": result.adapter, "base_model_path": base_path if result.adapter else None,
-                                  "base_model": self.recipe.model.path, "train_seconds": result.seconds,
-                                  "resumed_from": result.resumed_from})
+            outputs={"model": str(result.model_dir)},
+            metrics={**result.metrics, "steps": result.steps, **(metrics or {})},
+            key_metric=key,
+            info={
+                "adapter": result.adapter,
+                "base_model_path": base_path if result.adapter else None,
+                "base_model": self.recipe.model.path,
+                "train_seconds": result.seconds,
+                "resumed_from": result.resumed_from,
+            },
+        )
 
     def log_samples(self, model, tokenizer, rows: list[dict], n: int = 8, max_new_tokens: int = 32) -> None:
         """A table of a few greedy generations on eval prompts (the stage's `samples` artifact)."""
@@ -109,9 +117,16 @@ class StageContext(Generic[S]):
         prompts = [r["prompt"] for r in rows[:n] if "prompt" in r]
         if not prompts:
             return
-        gens = HFEngine(model, tokenizer, n).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-        self.tracker.log_table([{"prompt": p, "completion": g.completion, "finish_reason": g.finish_reason}
-                                for p, g in zip(prompts, gens)], "samples")
+        gens = HFEngine(model, tokenizer, n).generate(
+            prompts, 1, SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+        )
+        self.tracker.log_table(
+            [
+                {"prompt": p, "completion": g.completion, "finish_reason": g.finish_reason}
+                for p, g in zip(prompts, gens)
+            ],
+            "samples",
+        )
 
     def tokenizer(self, ref: str = BASE):
         from alignpipe.modeling import load_tokenizer

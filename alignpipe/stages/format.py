@@ -23,32 +23,68 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
     cols = set(raw.column_names) | set(spec.columns)
     if not any(all(c in cols for c in opt) for opt in REQUIRED_COLUMNS[s.format]):
         need = " or ".join("+".join(o) for o in REQUIRED_COLUMNS[s.format])
-        raise ValueError(f"dataset {s.dataset!r} has columns {sorted(raw.column_names)}; {s.format} needs {need}. "
-                         f"Map them in the recipe: datasets.{s.dataset}.columns")
+        raise ValueError(
+            f"dataset {s.dataset!r} has columns {sorted(raw.column_names)}; {s.format} needs {need}. "
+            f"Map them in the recipe: datasets.{s.dataset}.columns"
+        )
     train, evals, stats = format_rows(
-        raw.to_list(), fmt=s.format, tokenizer=ctx.tokenizer(), columns=spec.columns, chat_template=s.chat_template,
-        system_prompt=s.system_prompt, max_length=s.max_length, eval_fraction=s.eval_fraction, max_rows=s.max_rows,
-        shuffle=s.shuffle, seed=ctx.seed)
+        raw.to_list(),
+        fmt=s.format,
+        tokenizer=ctx.tokenizer(),
+        columns=spec.columns,
+        chat_template=s.chat_template,
+        system_prompt=s.system_prompt,
+        max_length=s.max_length,
+        eval_fraction=s.eval_fraction,
+        max_rows=s.max_rows,
+        shuffle=s.shuffle,
+        seed=ctx.seed,
+    )
     if stats.dropped_too_long:
         log.info("dropped %d rows longer than %d tokens", stats.dropped_too_long, s.max_length)
     if stats.dropped_identical_pair:
         log.info("dropped %d preference rows whose chosen == rejected", stats.dropped_identical_pair)
-    log.info("formatted %s → %s: %d train / %d eval rows (fingerprint %s)", s.dataset, s.format, stats.rows_train,
-             stats.rows_eval, stats.fingerprint)
+    log.info(
+        "formatted %s → %s: %d train / %d eval rows (fingerprint %s)",
+        s.dataset,
+        s.format,
+        stats.rows_train,
+        stats.rows_eval,
+        stats.fingerprint,
+    )
     out = Path(ctx.dir) / "data"
     empty: dict[str, list] = {k: [] for k in (train or evals or [{}])[0]}
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_list(train) if train else datasets.Dataset.from_dict(empty),
-        "eval": datasets.Dataset.from_list(evals) if evals else datasets.Dataset.from_dict(empty),
-    })
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(train) if train else datasets.Dataset.from_dict(empty),
+            "eval": datasets.Dataset.from_list(evals) if evals else datasets.Dataset.from_dict(empty),
+        }
+    )
     dd.save_to_disk(str(out))
-    metrics: dict[str, float] = {"rows_train": stats.rows_train, "rows_eval": stats.rows_eval, "dropped_too_long": stats.dropped_too_long,
-               "dropped_identical_pair": stats.dropped_identical_pair}
-    ctx.tracker.log_params({"format": s.model_dump(mode="json", exclude={"resources"}), "dataset": spec.model_dump(mode="json"),
-                            "fingerprint": stats.fingerprint})
+    metrics: dict[str, float] = {
+        "rows_train": stats.rows_train,
+        "rows_eval": stats.rows_eval,
+        "dropped_too_long": stats.dropped_too_long,
+        "dropped_identical_pair": stats.dropped_identical_pair,
+    }
+    ctx.tracker.log_params(
+        {
+            "format": s.model_dump(mode="json", exclude={"resources"}),
+            "dataset": spec.model_dump(mode="json"),
+            "fingerprint": stats.fingerprint,
+        }
+    )
     ctx.tracker.log_metrics(metrics, 0)
     ctx.tracker.log_table(stats.examples, "examples")
     return StageResult(
-        outputs={"data": str(out)}, metrics=metrics, key_metric="rows_train",
-        info={"fingerprint": stats.fingerprint, "format": s.format, "dataset": s.dataset, "path": spec.path,
-              "hub": source_type(spec.path, spec.type) == "hub"})
+        outputs={"data": str(out)},
+        metrics=metrics,
+        key_metric="rows_train",
+        info={
+            "fingerprint": stats.fingerprint,
+            "format": s.format,
+            "dataset": s.dataset,
+            "path": spec.path,
+            "hub": source_type(spec.path, spec.type) == "hub",
+        },
+    )

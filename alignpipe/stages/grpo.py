@@ -12,7 +12,9 @@ from alignpipe.trainers import grpo
 
 def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
     """Prompt + extra columns (e.g. `answer`); completions are dropped: the policy writes its own."""
-    return [{k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)]
+    return [
+        {k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)
+    ]
 
 
 def run(ctx: StageContext[GRPOStage]) -> StageResult:
@@ -21,8 +23,19 @@ def run(ctx: StageContext[GRPOStage]) -> StageResult:
     model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
     ref = ctx.load_model(s.model, merge=True) if s.beta and not s.lora else None
     engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
-    result = grpo.train(s, model, tokenizer, prompt_rows(ctx, s.data, "train"), rewards, ctx.tracker, ctx.dir, ctx.seed,
-                        ref_model=ref, engine=engine, eval_rows=prompt_rows(ctx, s.data, "eval"))
+    result = grpo.train(
+        s,
+        model,
+        tokenizer,
+        prompt_rows(ctx, s.data, "train"),
+        rewards,
+        ctx.tracker,
+        ctx.dir,
+        ctx.seed,
+        ref_model=ref,
+        engine=engine,
+        eval_rows=prompt_rows(ctx, s.data, "eval"),
+    )
     for keys, name in ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png")):
         fig = curves_figure(ctx.tracker, keys, f"GRPO {s.id}")
         if fig is not None:

@@ -51,7 +51,9 @@ def scorer(ctx: StageContext[JudgeStage]):
     if s.reward_model:
         from alignpipe.judges.reward_model import RewardModelScorer
 
-        return f"reward model {s.reward_model}", RewardModelScorer(ctx.inputs[s.reward_model].outputs["model"], s.batch_size)
+        return f"reward model {s.reward_model}", RewardModelScorer(
+            ctx.inputs[s.reward_model].outputs["model"], s.batch_size
+        )
     return s.reward, load_reward_fn(s.reward)
 
 
@@ -61,7 +63,9 @@ def llm_judge(ctx: StageContext[JudgeStage]):
     if spec.url:
         return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
     model = cast(str, spec.model)
-    return f"LLM judge {model}", LocalJudge(ctx.load_model(model, merge=True), ctx.tokenizer(model), spec.max_new_tokens)
+    return f"LLM judge {model}", LocalJudge(
+        ctx.load_model(model, merge=True), ctx.tokenizer(model), spec.max_new_tokens
+    )
 
 
 def run(ctx: StageContext[JudgeStage]) -> StageResult:
@@ -82,22 +86,55 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
         if s.llm_judge:
             records = judge_pairs(judge_fn, s.llm_judge.template, prompts, outputs[c], outputs[b])
         else:
-            records = [{"candidate_score": cs, "baseline_score": bs,
-                        "verdict": "n/a" if cs is None or bs is None else verdict(cs, bs)}
-                       for cs, bs in zip(scores[c], scores[b])]
+            records = [
+                {
+                    "candidate_score": cs,
+                    "baseline_score": bs,
+                    "verdict": "n/a" if cs is None or bs is None else verdict(cs, bs),
+                }
+                for cs, bs in zip(scores[c], scores[b])
+            ]
         verdicts = [r["verdict"] for r in records if r["verdict"] != "n/a"]
         if not verdicts:
             raise ValueError(f"{judge_name} could not score any prompt for {c} vs {b}")
         results[(c, b)] = from_verdicts(verdicts)
-        table += [{"candidate": c, "baseline": b, "prompt": p, "candidate_completion": outputs[c][i],
-                   "baseline_completion": outputs[b][i], **records[i]} for i, p in enumerate(prompts)]
-    summaries = [{"candidate": c, "baseline": b, "judge": judge_name, "n": wr.n, **wr.as_dict()} for (c, b), wr in results.items()]
+        table += [
+            {
+                "candidate": c,
+                "baseline": b,
+                "prompt": p,
+                "candidate_completion": outputs[c][i],
+                "baseline_completion": outputs[b][i],
+                **records[i],
+            }
+            for i, p in enumerate(prompts)
+        ]
+    summaries = [
+        {"candidate": c, "baseline": b, "judge": judge_name, "n": wr.n, **wr.as_dict()}
+        for (c, b), wr in results.items()
+    ]
     for w in summaries:
-        log.info("%s vs %s: win rate %.3f [%.3f, %.3f] (%d wins, %d ties, %d losses; %s)", w["candidate"], w["baseline"],
-                 w["win_rate"], w["ci_low"], w["ci_high"], w["wins"], w["ties"], w["losses"], judge_name)
+        log.info(
+            "%s vs %s: win rate %.3f [%.3f, %.3f] (%d wins, %d ties, %d losses; %s)",
+            w["candidate"],
+            w["baseline"],
+            w["win_rate"],
+            w["ci_low"],
+            w["ci_high"],
+            w["wins"],
+            w["ties"],
+            w["losses"],
+            judge_name,
+        )
     primary = results[pairs[0]]
-    metrics = {"judge/win_rate": primary.win_rate, "judge/ci_low": primary.ci_low, "judge/ci_high": primary.ci_high,
-               "judge/wins": primary.wins, "judge/ties": primary.ties, "judge/losses": primary.losses}
+    metrics = {
+        "judge/win_rate": primary.win_rate,
+        "judge/ci_low": primary.ci_low,
+        "judge/ci_high": primary.ci_high,
+        "judge/wins": primary.wins,
+        "judge/ties": primary.ties,
+        "judge/losses": primary.losses,
+    }
     if scores:
         for m in models:
             valid = [x for x in scores[m] if x is not None]
@@ -105,30 +142,56 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
         metrics["judge/candidate_score"] = metrics[f"judge/score/{pairs[0][0]}"]
         metrics["judge/baseline_score"] = metrics[f"judge/score/{pairs[0][1]}"]
     for (c, b), wr in results.items():
-        metrics |= {f"judge/{c}_vs_{b}/win_rate": wr.win_rate, f"judge/{c}_vs_{b}/ci_low": wr.ci_low,
-                    f"judge/{c}_vs_{b}/ci_high": wr.ci_high}
+        metrics |= {
+            f"judge/{c}_vs_{b}/win_rate": wr.win_rate,
+            f"judge/{c}_vs_{b}/ci_low": wr.ci_low,
+            f"judge/{c}_vs_{b}/ci_high": wr.ci_high,
+        }
     grid = matrix(models, results) if len(models) > 2 else None
     results_path = Path(ctx.dir) / "results.json"
-    results_path.write_text(json.dumps({"summary": summaries, "models": models, "matrix": grid, "examples": table}, indent=1))
+    results_path.write_text(
+        json.dumps({"summary": summaries, "models": models, "matrix": grid, "examples": table}, indent=1)
+    )
     ctx.tracker.log_params({"judge": s.model_dump(mode="json", exclude={"resources"})})
     ctx.tracker.log_metrics(metrics, 0)
     ctx.tracker.log_table(table, "judged_examples")
-    shown = [w for w in summaries if (w["candidate"], w["baseline"]) in [(c, b) for c in s.candidates for b in s.baselines]]
+    shown = [
+        w for w in summaries if (w["candidate"], w["baseline"]) in [(c, b) for c in s.candidates for b in s.baselines]
+    ]
     ctx.tracker.log_figure(win_rate_figure(shown or summaries, f"judge {s.id} ({judge_name})"), "win_rate.png")
     report = report_markdown(s.id, judge_name, summaries, models, grid)
     (Path(ctx.dir) / "report.md").write_text(report)
     ctx.tracker.log_artifact(Path(ctx.dir) / "report.md")
-    return StageResult(outputs={"results": str(results_path)}, metrics=metrics, key_metric="judge/win_rate",
-                       info={"win_rates": summaries, "models": models, "matrix": grid, "report": report})
+    return StageResult(
+        outputs={"results": str(results_path)},
+        metrics=metrics,
+        key_metric="judge/win_rate",
+        info={"win_rates": summaries, "models": models, "matrix": grid, "report": report},
+    )
 
 
 def report_markdown(stage_id: str, judge_name: str, summaries: list[dict], models: list[str], grid) -> str:
-    lines = [f"# Judge `{stage_id}` ({judge_name})", "", "| candidate | baseline | win rate | 95% interval | wins | ties | losses |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {w['candidate']} | {w['baseline']} | {w['win_rate']:.3f} | [{w['ci_low']:.3f}, {w['ci_high']:.3f}] | "
-              f"{w['wins']} | {w['ties']} | {w['losses']} |" for w in summaries]
+    lines = [
+        f"# Judge `{stage_id}` ({judge_name})",
+        "",
+        "| candidate | baseline | win rate | 95% interval | wins | ties | losses |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {w['candidate']} | {w['baseline']} | {w['win_rate']:.3f} | [{w['ci_low']:.3f}, {w['ci_high']:.3f}] | "
+        f"{w['wins']} | {w['ties']} | {w['losses']} |"
+        for w in summaries
+    ]
     if grid:
-        lines += ["", "Win rate of the row model against the column model:", "", "| | " + " | ".join(models) + " |",
-                  "|---" * (len(models) + 1) + "|"]
-        lines += [f"| {m} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in row) + " |" for m, row in zip(models, grid)]
+        lines += [
+            "",
+            "Win rate of the row model against the column model:",
+            "",
+            "| | " + " | ".join(models) + " |",
+            "|---" * (len(models) + 1) + "|",
+        ]
+        lines += [
+            f"| {m} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in row) + " |"
+            for m, row in zip(models, grid)
+        ]
     return "\n".join(lines) + "\n"

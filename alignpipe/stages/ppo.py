@@ -17,13 +17,28 @@ def run(ctx: StageContext[PPOStage]) -> StageResult:
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
     value_source = s.value_model or next(r.reward_model for r in s.rewards if r.reward_model)
     policy, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
-    value_model = load_sequence_scorer(ctx.inputs[value_source].outputs["model"], ctx.recipe.model.dtype,
-                                       pad_token_id=tokenizer.pad_token_id)
+    value_model = load_sequence_scorer(
+        ctx.inputs[value_source].outputs["model"], ctx.recipe.model.dtype, pad_token_id=tokenizer.pad_token_id
+    )
     ref = ctx.load_model(s.model, merge=True) if not s.lora else None
     engine = make_engine(s.rollout, policy, tokenizer) if s.rollout.backend != "hf" else None
-    result = ppo.train(s, policy, value_model, tokenizer, prompt_rows(ctx, s.data, "train"), rewards, ctx.tracker, ctx.dir,
-                       ctx.seed, ref_model=ref, engine=engine)
-    for keys, name in ((["objective/rlhf_reward", "objective/scores"], "reward_curve.png"), (["objective/kl"], "kl_curve.png")):
+    result = ppo.train(
+        s,
+        policy,
+        value_model,
+        tokenizer,
+        prompt_rows(ctx, s.data, "train"),
+        rewards,
+        ctx.tracker,
+        ctx.dir,
+        ctx.seed,
+        ref_model=ref,
+        engine=engine,
+    )
+    for keys, name in (
+        (["objective/rlhf_reward", "objective/scores"], "reward_curve.png"),
+        (["objective/kl"], "kl_curve.png"),
+    ):
         fig = curves_figure(ctx.tracker, keys, f"PPO {s.id}")
         if fig is not None:
             ctx.tracker.log_figure(fig, name)

@@ -10,21 +10,47 @@ from alignpipe.recipe.stages import FormatStage, JudgeStage, PushStage
 from alignpipe.stages.context import StageContext, StageResult
 
 log = logging.getLogger(__name__)
-CARD_HYPERPARAMETERS = ("learning_rate", "max_steps", "epochs", "batch_size", "gradient_accumulation_steps",
-                        "max_length", "lora", "beta", "loss_type", "num_generations", "kl_coef")
+CARD_HYPERPARAMETERS = (
+    "learning_rate",
+    "max_steps",
+    "epochs",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "max_length",
+    "lora",
+    "beta",
+    "loss_type",
+    "num_generations",
+    "kl_coef",
+)
 
 
 def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     recipe, s = ctx.recipe, ctx.stage
-    info = CardInfo(name=s.repo_id or s.id, base_model=recipe.model.path, pipeline=recipe.name,
-                    recipe_hash=recipe.fingerprint(), mlflow_run_id=ctx.mlflow_parent_run_id, license=s.license,
-                    tags=list(s.tags), adapter=adapter, description=recipe.description)
+    info = CardInfo(
+        name=s.repo_id or s.id,
+        base_model=recipe.model.path,
+        pipeline=recipe.name,
+        recipe_hash=recipe.fingerprint(),
+        mlflow_run_id=ctx.mlflow_parent_run_id,
+        license=s.license,
+        tags=list(s.tags),
+        adapter=adapter,
+        description=recipe.description,
+    )
     for sid, m in ctx.inputs.items():
         stage = recipe.stage(sid)
         if isinstance(stage, FormatStage):
-            info.datasets.append({"name": f"{stage.dataset} ({sid})", "path": m.info.get("path", ""),
-                                  "fingerprint": m.info.get("fingerprint", ""), "hub": m.info.get("hub", False),
-                                  "rows_train": int(m.metrics.get("rows_train", 0)), "rows_eval": int(m.metrics.get("rows_eval", 0))})
+            info.datasets.append(
+                {
+                    "name": f"{stage.dataset} ({sid})",
+                    "path": m.info.get("path", ""),
+                    "fingerprint": m.info.get("fingerprint", ""),
+                    "hub": m.info.get("hub", False),
+                    "rows_train": int(m.metrics.get("rows_train", 0)),
+                    "rows_eval": int(m.metrics.get("rows_eval", 0)),
+                }
+            )
         elif isinstance(stage, JudgeStage):
             info.win_rates += m.info.get("win_rates", [])
         else:
@@ -47,8 +73,12 @@ def register(ctx: StageContext[PushStage], spec, source: str) -> str:
     except MlflowException:
         client.create_registered_model(spec.name, description=f"Published by alignpipe pipeline {ctx.recipe.name}")
     uri = source if "://" in source else Path(source).resolve().as_uri()
-    version = client.create_model_version(spec.name, source=uri, run_id=getattr(ctx.tracker, "run_id", None),
-                                          tags={"alignpipe.pipeline": ctx.recipe.name, "alignpipe.recipe_hash": ctx.recipe.fingerprint()})
+    version = client.create_model_version(
+        spec.name,
+        source=uri,
+        run_id=getattr(ctx.tracker, "run_id", None),
+        tags={"alignpipe.pipeline": ctx.recipe.name, "alignpipe.recipe_hash": ctx.recipe.fingerprint()},
+    )
     client.set_registered_model_alias(spec.name, spec.alias, version.version)
     log.info("registered %s version %s with alias %r", spec.name, version.version, spec.alias)
     return f"models:/{spec.name}@{spec.alias} (version {version.version})"
@@ -80,7 +110,8 @@ def run(ctx: StageContext[PushStage]) -> StageResult:
             import datetime
 
             revision = revision.replace("{run_id}", ctx.pipeline_run_id[:8]).replace(
-                "{date}", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+                "{date}", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+            )
         assert s.repo_id is not None  # validation: target 'hub' needs repo_id
         url = push_to_hub(staged, s.repo_id, private=s.private, revision=revision, commit_message=message)
         outputs["published"] = url

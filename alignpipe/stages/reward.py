@@ -17,12 +17,23 @@ def run(ctx: StageContext[RewardStage]) -> StageResult:
         init = str(ctx.dir / "init")
         ctx.load_model(s.model, merge=True).save_pretrained(init)
     tokenizer = ctx.tokenizer(s.model)
-    model = load_sequence_scorer(init, ctx.recipe.model.dtype, trust_remote_code=ctx.recipe.model.trust_remote_code,
-                                 pad_token_id=tokenizer.pad_token_id, seed=ctx.seed)
-    result = reward.train(s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
+    model = load_sequence_scorer(
+        init,
+        ctx.recipe.model.dtype,
+        trust_remote_code=ctx.recipe.model.trust_remote_code,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=ctx.seed,
+    )
+    result = reward.train(
+        s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed
+    )
     fig = curves_figure(ctx.tracker, ["train/accuracy", "eval/accuracy"], f"reward model {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "accuracy_curve.png")
     key = "eval/accuracy" if "eval/accuracy" in result.metrics else "train/loss"
-    return StageResult(outputs={"model": str(result.model_dir)}, metrics={**result.metrics, "steps": result.steps},
-                       key_metric=key, info={"scorer": True, "base_model": ctx.recipe.model.path})
+    return StageResult(
+        outputs={"model": str(result.model_dir)},
+        metrics={**result.metrics, "steps": result.steps},
+        key_metric=key,
+        info={"scorer": True, "base_model": ctx.recipe.model.path},
+    )

@@ -11,7 +11,9 @@ from alignpipe.trainers import sft
 def run(ctx: StageContext[SFTStage]) -> StageResult:
     s = ctx.stage
     model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
-    result = sft.train(s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed)
+    result = sft.train(
+        s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed
+    )
     fig = curves_figure(ctx.tracker, ["train/loss", "eval/loss"], f"SFT {s.id}")
     if fig is not None:
         ctx.tracker.log_figure(fig, "loss_curve.png")

@@ -84,8 +84,9 @@ def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     params = decay + no_decay
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     try:
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None,
-                                 foreach=None if fused else True)
+        return torch.optim.AdamW(
+            groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None, foreach=None if fused else True
+        )
     except (RuntimeError, ValueError):  # a device/dtype the fused kernel does not take
         return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
 
@@ -180,8 +181,16 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
     from tqdm.auto import tqdm
 
     interactive = sys.stderr.isatty() or os.environ.get("ALIGNPIPE_TTY") == "1"
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.2 if interactive else 10.0, ascii=not interactive)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.2 if interactive else 10.0,
+        ascii=not interactive,
+    )
 
 
 class Throughput:
@@ -216,15 +225,29 @@ class TrainLoop:
     under `eval/`, and checkpoints every `save_every` steps.
     """
 
-    def __init__(self, name: str, cfg: TrainingArgs, model, examples: list[dict], collate, tracker, output_dir,
-                 seed: int, lora_task: str = "CAUSAL_LM", rows_per_batch: int | None = None, repeat: int = 1):
+    def __init__(
+        self,
+        name: str,
+        cfg: TrainingArgs,
+        model,
+        examples: list[dict],
+        collate,
+        tracker,
+        output_dir,
+        seed: int,
+        lora_task: str = "CAUSAL_LM",
+        rows_per_batch: int | None = None,
+        repeat: int = 1,
+    ):
         from accelerate import Accelerator
         from torch.utils.data import DataLoader, Dataset
 
         from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
 
         if not examples:
-            raise ValueError(f"{name}: the training split is empty (check the format stage's max_length and eval_fraction)")
+            raise ValueError(
+                f"{name}: the training split is empty (check the format stage's max_length and eval_fraction)"
+            )
         self.name, self.cfg, self.tracker = name, cfg, tracker
         self.repeat = repeat  # optimizer steps per window of data (GRPO's num_iterations)
         self.output_dir = Path(output_dir)
@@ -238,12 +261,21 @@ class TrainLoop:
             model = lora_model(model, cfg.lora, task_type=lora_task)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
-            tracker.log_params({name: config_params(cfg), "model.trainable_params": trainable, "model.total_params": total})
+            tracker.log_params(
+                {name: config_params(cfg), "model.trainable_params": trainable, "model.total_params": total}
+            )
 
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
             return self.accelerator.prepare_data_loader(
-                DataLoader(cast("Dataset", examples), batch_size=rows_per_batch or cfg.batch_size, shuffle=True, generator=g, collate_fn=collate))
+                DataLoader(
+                    cast("Dataset", examples),
+                    batch_size=rows_per_batch or cfg.batch_size,
+                    shuffle=True,
+                    generator=g,
+                    collate_fn=collate,
+                )
+            )
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))
@@ -299,8 +331,10 @@ class TrainLoop:
             metrics = step_fn(window)
             if "loss" in metrics and not math.isfinite(metrics["loss"]):
                 last = self.checkpoints.complete()
-                raise FloatingPointError(f"{self.name}: loss is {metrics['loss']} at step {self.step + 1}; "
-                                         f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}")
+                raise FloatingPointError(
+                    f"{self.name}: loss is {metrics['loss']} at step {self.step + 1}; "
+                    f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
+                )
             gnorm = clip_and_measure(acc, self.model, cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
@@ -315,17 +349,29 @@ class TrainLoop:
             window_metrics.append({**metrics, "grad_norm": gnorm})
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
-                mean = {k: window_metrics[-1][k] if k in RUNNING_TOTALS else sum(m[k] for m in window_metrics) / len(window_metrics)
-                        for k in window_metrics[0]}
-                mean |= {"lr": self.scheduler.get_last_lr()[0], **meter.read(),
-                         "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch}
+                mean = {
+                    k: window_metrics[-1][k]
+                    if k in RUNNING_TOTALS
+                    else sum(m[k] for m in window_metrics) / len(window_metrics)
+                    for k in window_metrics[0]
+                }
+                mean |= {
+                    "lr": self.scheduler.get_last_lr()[0],
+                    **meter.read(),
+                    "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch,
+                }
                 self.log({f"train/{k}": v for k, v in mean.items()})
                 if "loss" in mean:
                     bar.set_postfix(loss=f"{mean['loss']:.4f}")
                 if acc.is_main_process:  # one line per log point in the stage log (Prefect UI, CI logs)
                     shown = {k: mean[k] for k in ("loss", "reward", "rewards/margins", "accuracy", "lr") if k in mean}
-                    log.info("%s step %d/%d %s", self.name, self.step, self.steps,
-                             " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+                    log.info(
+                        "%s step %d/%d %s",
+                        self.name,
+                        self.step,
+                        self.steps,
+                        " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
+                    )
                 window_metrics = []
             if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
                 self.log({f"eval/{k}": v for k, v in eval_fn().items()})
@@ -340,8 +386,13 @@ class TrainLoop:
             ev = eval_fn()
             self.log({f"eval/{k}": v for k, v in ev.items()})
             final |= {f"eval/{k}": v for k, v in ev.items()}
-        return TrainResult(model_dir=self.output_dir / "model", steps=self.step, metrics=final,
-                           seconds=time.perf_counter() - started, resumed_from=self.state["step"] if self.state else None)
+        return TrainResult(
+            model_dir=self.output_dir / "model",
+            steps=self.step,
+            metrics=final,
+            seconds=time.perf_counter() - started,
+            resumed_from=self.state["step"] if self.state else None,
+        )
 
     def save(self, tokenizer, merge_adapter: bool = False) -> tuple[Path, bool]:
         """Save to `<output_dir>/model`; an adapter is merged first when `merge_adapter`."""

@@ -114,9 +114,13 @@ class DPOConfig(TrainingArgs):
     @model_validator(mode="after")
     def _check(self):
         if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError(f"label_smoothing applies to loss_type 'sigmoid' only (got {self.loss_type!r}); set it to 0")
+            raise ValueError(
+                f"label_smoothing applies to loss_type 'sigmoid' only (got {self.loss_type!r}); set it to 0"
+            )
         if self.reference_free and self.precompute_ref_logps:
-            raise ValueError("reference_free and precompute_ref_logps exclude each other: a reference-free run has no reference")
+            raise ValueError(
+                "reference_free and precompute_ref_logps exclude each other: a reference-free run has no reference"
+            )
         return self
 
 
@@ -260,16 +264,22 @@ class PPOConfig(OnlineRLArgs):
         if isinstance(data, dict) and "kl_estimator" in data:
             old = data["kl_estimator"]
             new = {"k1": "kl", "k3": "k3"}.get(old, "kl")
-            raise ValueError(f"`kl_estimator` was merged into `kl_penalty`: replace `kl_estimator: {old}` with "
-                             f"`kl_penalty: {new}` (k1 is `kl`, k2 is `mse`)")
+            raise ValueError(
+                f"`kl_estimator` was merged into `kl_penalty`: replace `kl_estimator: {old}` with "
+                f"`kl_penalty: {new}` (k1 is `kl`, k2 is `mse`)"
+            )
         return data
 
     @model_validator(mode="after")
     def _check(self):
         if self.early_stopping and self.target_kl is None:
-            raise ValueError("`early_stopping: true` needs `target_kl` (the policy KL above which, ×1.5, a batch's "
-                             "PPO epochs stop; TRL 0.7 used 1): add e.g. `target_kl: 1.0`, or set `early_stopping: false`")
+            raise ValueError(
+                "`early_stopping: true` needs `target_kl` (the policy KL above which, ×1.5, a batch's "
+                "PPO epochs stop; TRL 0.7 used 1): add e.g. `target_kl: 1.0`, or set `early_stopping: false`"
+            )
         if self.use_score_norm and not self.use_score_scaling:
-            raise ValueError("`use_score_norm` applies only with `use_score_scaling: true` (the running mean is subtracted "
-                             "from scaled scores): add `use_score_scaling: true`, or remove `use_score_norm`")
+            raise ValueError(
+                "`use_score_norm` applies only with `use_score_scaling: true` (the running mean is subtracted "
+                "from scaled scores): add `use_score_scaling: true`, or remove `use_score_norm`"
+            )
         return self

@@ -70,7 +70,7 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
     seqs, comp, answers = [], [], []
     for key in ("chosen_ids", "rejected_ids"):
         for e, prompt in zip(examples, prompts):
-            answers.append(e[key][:max_length - len(prompt)])
+            answers.append(e[key][: max_length - len(prompt)])
             seqs.append(prompt + answers[-1])
             comp.append([0] * len(prompt) + [1] * len(answers[-1]))
     input_ids, attention = pad_rows(seqs, pad_id)
@@ -80,8 +80,15 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
     for i, e in enumerate(examples * 2):
         if not e["prompt_ids"]:  # nothing before the answer scores its first token (as in the whole row)
             completion_tokens[i, :1] = 0
-    batch = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion, "prompt_ids": prompt_ids,
-             "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_tokens": completion_tokens}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_tokens": completion_tokens,
+    }
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
@@ -94,15 +101,24 @@ def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, to
     mask = batch["completion_tokens"]
     pairs = batch["prompt_ids"].size(0)
     index = torch.arange(2 * pairs, device=mask.device) % pairs
-    per_token = shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index,
-                                       only=mask.bool())
+    per_token = shared_prompt_logprobs(
+        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, only=mask.bool()
+    )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
 
 
-def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-             chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None):
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+):
     """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected.
     `*_lengths` (completion token counts) are needed for `ipo`."""
     chosen_ratio = chosen_logps - ref_chosen_logps
@@ -127,7 +143,9 @@ class _Reference:
 
     def __init__(self, cfg: DPOConfig, loop: TrainLoop, ref_model):
         self.cfg, self.loop = cfg, loop
-        self.model = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if ref_model is not None else None
+        self.model = (
+            ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if ref_model is not None else None
+        )
 
     def _context(self):
         if self.model is None and hasattr(self.loop.unwrapped, "disable_adapter"):
@@ -147,19 +165,27 @@ class _Reference:
 
     def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:
         """Fill `ref_chosen_logps`/`ref_rejected_logps` into every example, from the cache when it matches."""
-        key = hashlib.sha256(json.dumps({k: [[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in v]
-                                         for k, v in splits.items()}).encode()).hexdigest()
+        key = hashlib.sha256(
+            json.dumps(
+                {k: [[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in v] for k, v in splits.items()}
+            ).encode()
+        ).hexdigest()
         cached = torch.load(path) if path.exists() else None
         if cached is None or cached.get("key") != key:
             if self.loop.step > 0 and self.model is None and not hasattr(self.loop.unwrapped, "disable_adapter"):
-                raise RuntimeError(f"resuming a full-model DPO run whose reference log-probs cache {path} is missing; "
-                                   "re-run the stage from scratch (--force) or pass a reference model")
+                raise RuntimeError(
+                    f"resuming a full-model DPO run whose reference log-probs cache {path} is missing; "
+                    "re-run the stage from scratch (--force) or pass a reference model"
+                )
             cached = {"key": key}
             self.loop.model.eval()
             for name, examples in splits.items():
                 values = []
                 for i in range(0, len(examples), self.cfg.batch_size):
-                    batch = {k: v.to(self.loop.accelerator.device) for k, v in collate_fn(examples[i:i + self.cfg.batch_size]).items()}
+                    batch = {
+                        k: v.to(self.loop.accelerator.device)
+                        for k, v in collate_fn(examples[i : i + self.cfg.batch_size]).items()
+                    }
                     c, r = self.compute(batch)
                     values.append(torch.stack([c, r], 1).cpu())
                 cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
@@ -181,8 +207,9 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = reference_logps(batch)
     lengths = batch["completion_tokens"].sum(1).to(logps.dtype)
-    losses, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing,
-                                *lengths.chunk(2))
+    losses, r_c, r_r = dpo_loss(
+        chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing, *lengths.chunk(2)
+    )
     loss = losses.mean()
     stats = {}
     if cfg.rpo_alpha is not None:
@@ -190,15 +217,30 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
         nll = -per_token.chunk(2)[0][chosen_mask].mean()
         loss = loss + cfg.rpo_alpha * nll
         stats["nll_loss"] = float(nll)
-    stats |= {"loss": float(loss), "rewards/chosen": float(r_c.mean()), "rewards/rejected": float(r_r.mean()),
-              "rewards/accuracies": float((r_c > r_r).float().mean()), "rewards/margins": float((r_c - r_r).mean()),
-              "logps/chosen": float(chosen.detach().mean()), "logps/rejected": float(rejected.detach().mean())}
+    stats |= {
+        "loss": float(loss),
+        "rewards/chosen": float(r_c.mean()),
+        "rewards/rejected": float(r_r.mean()),
+        "rewards/accuracies": float((r_c > r_r).float().mean()),
+        "rewards/margins": float((r_c - r_r).mean()),
+        "logps/chosen": float(chosen.detach().mean()),
+        "logps/rejected": float(rejected.detach().mean()),
+    }
     return loss, stats
 
 
 @under_attention_kernels
-def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
-          seed: int = 0, ref_model=None) -> TrainResult:
+def train(
+    cfg: DPOConfig,
+    model,
+    tokenizer,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+    ref_model=None,
+) -> TrainResult:
     """Align `model` on preference rows. Without LoRA, pass a frozen `ref_model` (a second copy of the
     starting weights) unless `precompute_ref_logps` or `reference_free` makes it unnecessary."""
     seed = resolve_seed(cfg.seed, seed)
@@ -211,14 +253,18 @@ def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: l
         # Rows are tokenized batch by batch as the loader yields them: step 1 starts at once instead of after
         # a pass over the whole dataset, and no tokenized copy of it is held.
         train_ex = train_rows
-        train_collate = lambda b: collate(tokenize(b, tokenizer, cfg.max_length, cfg.max_prompt_length), pad_id,  # noqa: E731
-                                          cfg.max_length)
+
+        def train_collate(b):
+            return collate(tokenize(b, tokenizer, cfg.max_length, cfg.max_prompt_length), pad_id, cfg.max_length)
+
     loop = TrainLoop("dpo", cfg, model, train_ex, train_collate, tracker, output_dir, seed)
     acc = loop.accelerator
     needs_copy = not (cfg.lora or cfg.reference_free or cfg.precompute_ref_logps)
     if needs_copy and ref_model is None:
-        raise ValueError("full-model DPO needs `ref_model` (a frozen copy of the starting model), "
-                         "or set precompute_ref_logps / lora / reference_free")
+        raise ValueError(
+            "full-model DPO needs `ref_model` (a frozen copy of the starting model), "
+            "or set precompute_ref_logps / lora / reference_free"
+        )
     reference = _Reference(cfg, loop, ref_model if not (cfg.lora or cfg.reference_free) else None)
     if cfg.precompute_ref_logps:
         reference.precompute({"train": train_ex, "eval": eval_ex}, collate_fn, Path(output_dir) / "ref_logps.pt")
@@ -236,10 +282,10 @@ def train(cfg: DPOConfig, model, tokenizer, train_rows: list[dict], eval_rows: l
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         loop.model.eval()
-        shard = eval_ex[acc.process_index::acc.num_processes]
+        shard = eval_ex[acc.process_index :: acc.num_processes]
         sums: dict[str, float] = {}
         for i in range(0, len(shard), cfg.batch_size):
-            ex = shard[i:i + cfg.batch_size]
+            ex = shard[i : i + cfg.batch_size]
             batch = {k: v.to(acc.device) for k, v in collate_fn(ex).items()}
             _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
             for k, v in stats.items():

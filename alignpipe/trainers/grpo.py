@@ -39,8 +39,16 @@ from alignpipe.trainers.online import extra_columns, print_samples
 log = logging.getLogger(__name__)
 
 
-def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                   advantages: torch.Tensor, epsilon: float, epsilon_high: float, beta: float, kl_correction: bool = True):
+def per_token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+    kl_correction: bool = True,
+):
     """Clipped surrogate (+ β·k3 KL, times the ratio with `kl_correction`) per token, (B, C); also the
     ratio and the KL term (or None)."""
     old = logps.detach() if old_logps is None else old_logps
@@ -58,8 +66,14 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logp
     return loss, ratio, kl
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
-              step_tokens_per_process: float, accumulation: int) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int,
+    step_tokens_per_process: float,
+    accumulation: int,
+) -> torch.Tensor:
     """One micro-batch's contribution to the step loss (already divided for accumulation)."""
     if loss_type == "grpo":
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
@@ -72,7 +86,9 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_comple
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+def completion_mask(
+    ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor, mask_truncated: bool
+) -> torch.Tensor:
     """1 for completion tokens up to and including the first EOS; rows that never ended are zeroed
     when `mask_truncated`."""
     mask = (torch.arange(ids.size(1)).unsqueeze(0) < lengths.unsqueeze(1)).float()
@@ -81,22 +97,45 @@ def completion_mask(ids: torch.Tensor, lengths: torch.Tensor, ended: torch.Tenso
     return mask
 
 
-def completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature: float, chunk: int,
-                     with_entropy: bool = False, group: int = 1):
+def completion_logps(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool = False,
+    group: int = 1,
+):
     """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
     prompt: each prompt's forward runs once (`shared_prompt_logprobs`)."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
     if B % group or not (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index])):
-        firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)  # not grouped: one prompt per row
-    return shared_prompt_logprobs(model, *firsts, completion_ids, index, temperature=temperature, chunk_tokens=chunk,
-                                  with_entropy=with_entropy)
+        firsts, index = (
+            (prompt_ids, prompt_mask),
+            torch.arange(B, device=prompt_ids.device),
+        )  # not grouped: one prompt per row
+    return shared_prompt_logprobs(
+        model, *firsts, completion_ids, index, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy
+    )
 
 
 @under_attention_kernels
-def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
-          seed: int = 0, ref_model=None, engine=None, eval_rows: list[dict] | None = None) -> TrainResult:
+def train(
+    cfg: GRPOConfig,
+    model,
+    tokenizer,
+    rows: list[dict],
+    rewards: RewardSet,
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+    ref_model=None,
+    engine=None,
+    eval_rows: list[dict] | None = None,
+) -> TrainResult:
     G = cfg.num_generations
     if cfg.batch_size % G:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
@@ -106,8 +145,18 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
     eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))  # a broken reward fails before any rollout
 
-    loop = TrainLoop("grpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed,
-                     rows_per_batch=cfg.batch_size // G, repeat=cfg.num_iterations)
+    loop = TrainLoop(
+        "grpo",
+        cfg,
+        model,
+        rows,
+        lambda b: b,
+        tracker,
+        output_dir,
+        seed,
+        rows_per_batch=cfg.batch_size // G,
+        repeat=cfg.num_iterations,
+    )
     acc = loop.accelerator
     device = acc.device
     if engine is None:
@@ -123,7 +172,7 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
 
     def encode_prompts(rs: list[dict]) -> list[list[int]]:
         ids = tokenizer([r["prompt"] for r in rs])["input_ids"]
-        return [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in ids]
+        return [x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x for x in ids]
 
     buffer: dict = {}
 
@@ -138,16 +187,25 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         completions = [g.completion for g in gens]
         total, per_fn = rewards(prompts_text, completions, extra_columns(rep_rows))
         adv, std = group_advantages(total, G, cfg.scale_rewards)
-        prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id, left=True)
+        prompt_ids, prompt_mask = pad_rows(
+            [p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id, left=True
+        )
         comp_ids, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
         lengths = torch.tensor([len(g.completion_ids) for g in gens])
         ended = torch.tensor([g.finish_reason == "stop" for g in gens])
         mask = completion_mask(comp_ids, lengths, ended, cfg.mask_truncated_completions)
-        buf = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids, "mask": mask,
-               "advantages": adv}
+        buf = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": comp_ids,
+            "mask": mask,
+            "advantages": adv,
+        }
         loop.model.eval()
-        for key, needed, model_ctx in (("old_logps", cfg.num_iterations > 1, (loop.model, contextlib.nullcontext())),
-                                       ("ref_logps", cfg.beta != 0.0, (ref if ref is not None else loop.model, ref_context()))):
+        for key, needed, model_ctx in (
+            ("old_logps", cfg.num_iterations > 1, (loop.model, contextlib.nullcontext())),
+            ("ref_logps", cfg.beta != 0.0, (ref if ref is not None else loop.model, ref_context())),
+        ):
             if not needed:
                 continue
             m, ctx = model_ctx
@@ -155,8 +213,17 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
             with ctx:
                 for s in range(0, len(gens), cfg.batch_size):
                     sl = slice(s, s + cfg.batch_size)
-                    parts.append(completion_logps(m, prompt_ids[sl].to(device), prompt_mask[sl].to(device), comp_ids[sl].to(device),
-                                                  temperature, cfg.logprob_chunk_tokens, group=G).float())
+                    parts.append(
+                        completion_logps(
+                            m,
+                            prompt_ids[sl].to(device),
+                            prompt_mask[sl].to(device),
+                            comp_ids[sl].to(device),
+                            temperature,
+                            cfg.logprob_chunk_tokens,
+                            group=G,
+                        ).float()
+                    )
             buf[key] = torch.cat(parts)
         loop.model.train()
         tokens = float(mask.sum())
@@ -166,17 +233,24 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         buffer.clear()
         buffer.update(buf)
         finite = total[~torch.isnan(total)]
-        stats = {"reward": float(finite.mean()) if len(finite) else 0.0,
-                 "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
-                 "frac_reward_zero_std": frac_zero_std(std),
-                 "completions/mean_length": float(lengths.float().mean()), "completions/min_length": float(lengths.min()),
-                 "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).float().mean())}
+        stats = {
+            "reward": float(finite.mean()) if len(finite) else 0.0,
+            "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
+            "frac_reward_zero_std": frac_zero_std(std),
+            "completions/mean_length": float(lengths.float().mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float((~ended).float().mean()),
+        }
         for k, name in enumerate(rewards.names):
             col = per_fn[:, k][~torch.isnan(per_fn[:, k])]
             stats[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
             stats[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
         if loop.step % cfg.sample_every == 0 and acc.is_main_process:
-            table = [{"prompt": p, "completion": c, "reward": float(t)} for p, c, t in zip(prompts_text[:8], completions[:8], total[:8])]
+            table = [
+                {"prompt": p, "completion": c, "reward": float(t)}
+                for p, c, t in zip(prompts_text[:8], completions[:8], total[:8])
+            ]
             tracker.log_table(table, f"samples/step_{loop.step:06d}")
             print_samples(table, f"grpo samples at step {loop.step}")
         buffer["rollout_stats"] = stats
@@ -188,22 +262,38 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
             rollout(window)
         b = buffer
         n = b["completion_ids"].size(0)
-        sums = {"kl": 0.0, "entropy": 0.0, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0}
+        sums = {
+            "kl": 0.0,
+            "entropy": 0.0,
+            "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": 0.0,
+            "clip_ratio/region_mean": 0.0,
+        }
         loss_total = 0.0
         micro = list(range(0, n, cfg.batch_size))
         for j, s in enumerate(micro):
             sl = slice(s, s + cfg.batch_size)
             mask = b["mask"][sl].to(device)
             with loop.no_sync_unless(j == len(micro) - 1):
-                logps, entropy = completion_logps(loop.model, b["prompt_ids"][sl].to(device), b["prompt_mask"][sl].to(device),
-                                                  b["completion_ids"][sl].to(device), temperature, cfg.logprob_chunk_tokens,
-                                                  with_entropy=True, group=G)
+                logps, entropy = completion_logps(
+                    loop.model,
+                    b["prompt_ids"][sl].to(device),
+                    b["prompt_mask"][sl].to(device),
+                    b["completion_ids"][sl].to(device),
+                    temperature,
+                    cfg.logprob_chunk_tokens,
+                    with_entropy=True,
+                    group=G,
+                )
                 old = b["old_logps"][sl].to(device) if "old_logps" in b else None
                 refl = b["ref_logps"][sl].to(device) if "ref_logps" in b else None
                 adv = b["advantages"][sl].to(device)
-                ptl, ratio, kl = per_token_loss(logps.float(), old, refl, adv, cfg.epsilon, eps_high, cfg.beta,
-                                                cfg.kl_importance_correction)
-                loss = aggregate(ptl, mask, cfg.loss_type, cfg.max_completion_length, b["step_tokens_per_process"], len(micro))
+                ptl, ratio, kl = per_token_loss(
+                    logps.float(), old, refl, adv, cfg.epsilon, eps_high, cfg.beta, cfg.kl_importance_correction
+                )
+                loss = aggregate(
+                    ptl, mask, cfg.loss_type, cfg.max_completion_length, b["step_tokens_per_process"], len(micro)
+                )
                 acc.backward(loss)
             with torch.no_grad():
                 loss_total += float(loss) * (len(micro) if cfg.loss_type != "dapo" else 1.0)
@@ -221,7 +311,10 @@ def train(cfg: GRPOConfig, model, tokenizer, rows: list[dict], rewards: RewardSe
         if cfg.beta == 0.0:
             out.pop("kl")
         tokens = float(b["mask"].sum() + b["prompt_mask"].sum())
-        out["_meter"] = {"num_tokens": tokens if loop.iteration == 0 else 0, "num_samples": b["num_samples"] if loop.iteration == 0 else 0}
+        out["_meter"] = {
+            "num_tokens": tokens if loop.iteration == 0 else 0,
+            "num_samples": b["num_samples"] if loop.iteration == 0 else 0,
+        }
         return out
 
     @torch.no_grad()

@@ -75,6 +75,7 @@ INVALID_LOGPROB = 1.0
 
 # --- the math (pure; parity-tested) ----------------------------------------------------------------
 
+
 def kl_rewards(scores: torch.Tensor, kl: torch.Tensor, last_index: torch.Tensor, kl_coef: float):
     """Per-token rewards (B, R) from the per-token KL penalty `kl` (B, R): −kl_coef·kl everywhere, + the score at
     `last_index` (the last response token). Returns (rewards, non_score_reward)."""
@@ -84,8 +85,14 @@ def kl_rewards(scores: torch.Tensor, kl: torch.Tensor, last_index: torch.Tensor,
     return rewards, non_score
 
 
-def advantages_and_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
-                           lam: float, whiten_rewards: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages_and_returns(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten_rewards: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over a response's own tokens: the step after the last response token (EOS, or the length limit) is
     terminal, so nothing after it (values, rewards) reaches an advantage or a return. Rewards are optionally
     whitened over response tokens (mean kept); advantages are whitened over them and 0 elsewhere. As TRL 0.7's
@@ -118,7 +125,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float) 
     losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(losses1, losses2), mask)
     clipfrac = masked_mean((losses2 > losses1).float(), mask)
-    return PolicyLoss(loss, clipfrac, ratio, 0.5 * masked_mean(diff.detach() ** 2, mask), masked_mean(-diff.detach(), mask))
+    return PolicyLoss(
+        loss, clipfrac, ratio, 0.5 * masked_mean(diff.detach() ** 2, mask), masked_mean(-diff.detach(), mask)
+    )
 
 
 def value_loss(vpred, old_values, returns, mask, cliprange_value: float):
@@ -133,6 +142,7 @@ def value_loss(vpred, old_values, returns, mask, cliprange_value: float):
 
 # --- models ---------------------------------------------------------------------------------------
 
+
 class PolicyAndValue(nn.Module):
     """Both trained modules under one optimizer (as TRL's PolicyAndValueWrapper)."""
 
@@ -146,14 +156,23 @@ def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
     """The value head applied at every position, (B, T)."""
     backbone = getattr(value_model, value_model.base_model_prefix)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     return value_model.score(hidden).squeeze(-1).float()
 
 
 def response_logprobs(policy, query, query_mask, response, temperature: float, chunk: int, with_entropy: bool = False):
     ids, mask = _episode(query, query_mask, response)
-    return token_logprobs(policy, ids, mask, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy,
-                          start=query.size(1) - 1)
+    return token_logprobs(
+        policy,
+        ids,
+        mask,
+        temperature=temperature,
+        chunk_tokens=chunk,
+        with_entropy=with_entropy,
+        start=query.size(1) - 1,
+    )
 
 
 def response_hidden(policy, query, query_mask, response):
@@ -165,7 +184,7 @@ def response_hidden(policy, query, query_mask, response):
 def response_values(value_model, query, query_mask, response) -> torch.Tensor:
     ids, mask = _episode(query, query_mask, response)
     P = query.size(1)
-    return token_values(value_model, ids, mask)[:, P - 1:-1]
+    return token_values(value_model, ids, mask)[:, P - 1 : -1]
 
 
 def _episode(query, query_mask, response):
@@ -173,6 +192,7 @@ def _episode(query, query_mask, response):
 
 
 # --- training -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Rollout:
@@ -204,8 +224,19 @@ class Rollout:
 
 
 @under_attention_kernels
-def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewards: RewardSet, tracker, output_dir: str | Path,
-          seed: int = 0, ref_model=None, engine=None) -> TrainResult:
+def train(
+    cfg: PPOConfig,
+    policy,
+    value_model,
+    tokenizer,
+    rows: list[dict],
+    rewards: RewardSet,
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+    ref_model=None,
+    engine=None,
+) -> TrainResult:
     from accelerate import Accelerator
 
     from alignpipe.modeling import enable_activation_checkpointing, lora_model
@@ -273,14 +304,19 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         return lp, ref_lp, None
 
     def rollout(batch_rows: list[dict]) -> tuple[Rollout, list, torch.Tensor]:
-        prompts = [x[-cfg.max_prompt_length:] if cfg.max_prompt_length else x for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]]
+        prompts = [
+            x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x
+            for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]
+        ]
         engine.update_weights(unwrapped.policy)
         gens = engine.generate(prompts, 1, sampling, seed=seed + update)
         query, query_mask = pad_rows(prompts, tokenizer.pad_token_id, left=True)
         response, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
         lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
         query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
-        total, per_fn = rewards([r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows))
+        total, per_fn = rewards(
+            [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
+        )
         raw_scores = torch.nan_to_num(total, nan=0.0).to(device)
         scores = raw_scores.clone()
         if cfg.missing_eos_penalty is not None:
@@ -301,12 +337,29 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
         ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
         values = torch.cat(value_parts).masked_fill(padding, 0)
-        kl = (torch.cat(kl_parts).float() if kl_parts else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)).masked_fill(padding, 0)
+        kl = (
+            torch.cat(kl_parts).float() if kl_parts else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)
+        ).masked_fill(padding, 0)
         token_rewards, non_score = kl_rewards(scores, kl, last, kl_ctl.value)
-        advantages, returns = advantages_and_returns(token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards)
-        batch = Rollout(query=query, query_mask=query_mask, response=response, response_mask=~padding, logprobs=logprobs,
-                        ref_logprobs=ref_logprobs, values=values, kl=kl, advantages=advantages, returns=returns,
-                        raw_scores=raw_scores, scores=scores, non_score=non_score.masked_fill(padding, 0), kl_coef=kl_ctl.value)
+        advantages, returns = advantages_and_returns(
+            token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards
+        )
+        batch = Rollout(
+            query=query,
+            query_mask=query_mask,
+            response=response,
+            response_mask=~padding,
+            logprobs=logprobs,
+            ref_logprobs=ref_logprobs,
+            values=values,
+            kl=kl,
+            advantages=advantages,
+            returns=returns,
+            raw_scores=raw_scores,
+            scores=scores,
+            non_score=non_score.masked_fill(padding, 0),
+            kl_coef=kl_ctl.value,
+        )
         return batch, gens, per_fn
 
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -320,23 +373,33 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             b, gens, per_fn = rollout(batch_rows)
         # ---- PPO epochs
         unwrapped.train()
-        stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac",
-                                                         "entropy", "ratio")}
+        stats: dict[str, list[float]] = {
+            k: [] for k in ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+        }
         skipped, epochs_run, stopped = 0, 0, False
         for epoch in range(cfg.num_ppo_epochs):
             perm = torch.randperm(rollout_size, device=device)
             for m0 in range(0, rollout_size, mini):
-                mb = perm[m0:m0 + mini]
+                mb = perm[m0 : m0 + mini]
                 skipped_here = 0
                 for j, s in enumerate(range(0, mini, cfg.batch_size)):
-                    ix = mb[s:s + cfg.batch_size]
+                    ix = mb[s : s + cfg.batch_size]
                     mask = b.response_mask[ix]
                     sync = j == cfg.gradient_accumulation_steps - 1
-                    with (contextlib.nullcontext() if sync else acc.no_sync(model)):
-                        new_lp, entropy = response_logprobs(unwrapped.policy, b.query[ix], b.query_mask[ix], b.response[ix],
-                                                            temperature, cfg.logprob_chunk_tokens, with_entropy=True)
+                    with contextlib.nullcontext() if sync else acc.no_sync(model):
+                        new_lp, entropy = response_logprobs(
+                            unwrapped.policy,
+                            b.query[ix],
+                            b.query_mask[ix],
+                            b.response[ix],
+                            temperature,
+                            cfg.logprob_chunk_tokens,
+                            with_entropy=True,
+                        )
                         new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
-                        vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix]).masked_fill(~mask, 0)
+                        vpred = response_values(
+                            unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix]
+                        ).masked_fill(~mask, 0)
                         pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
                         vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
                         loss = pl.loss + cfg.vf_coef * vf
@@ -344,9 +407,16 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
                             loss = loss * 0.0  # backward still runs, so processes stay in step
                             skipped_here += 1
                         acc.backward(loss / cfg.gradient_accumulation_steps)
-                    for k, v in (("approxkl", pl.approxkl), ("policykl", pl.policykl), ("clipfrac", pl.clipfrac),
-                                 ("pg_loss", pl.loss), ("vf_loss", vf), ("vf_clipfrac", vf_clipfrac),
-                                 ("entropy", masked_mean(entropy, mask)), ("ratio", masked_mean(pl.ratio.detach(), mask))):
+                    for k, v in (
+                        ("approxkl", pl.approxkl),
+                        ("policykl", pl.policykl),
+                        ("clipfrac", pl.clipfrac),
+                        ("pg_loss", pl.loss),
+                        ("vf_loss", vf),
+                        ("vf_clipfrac", vf_clipfrac),
+                        ("entropy", masked_mean(entropy, mask)),
+                        ("ratio", masked_mean(pl.ratio.detach(), mask)),
+                    ):
                         stats[k].append(float(v.detach()))
                 skipped += skipped_here
                 if skipped_here < cfg.gradient_accumulation_steps:
@@ -358,8 +428,14 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             epochs_run = epoch + 1
             if cfg.early_stopping and should_stop_early(stats["policykl"][-1], cfg.target_kl):
                 stopped = True
-                log.info("ppo update %d: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)", update + 1,
-                         epochs_run, cfg.num_ppo_epochs, stats["policykl"][-1], cfg.target_kl)
+                log.info(
+                    "ppo update %d: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)",
+                    update + 1,
+                    epochs_run,
+                    cfg.num_ppo_epochs,
+                    stats["policykl"][-1],
+                    cfg.target_kl,
+                )
                 for _ in range((cfg.num_ppo_epochs - epochs_run) * steps_per_epoch):
                     scheduler.step()  # the schedule stays on time with the updates
                 break
@@ -371,37 +447,61 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
         kl_ctl.update(mean_kl, rollout_size * acc.num_processes)
         ratios = torch.tensor(stats["ratio"])
         metrics = {
-            "eps": rollout_size / (time.perf_counter() - t0), "objective/kl": mean_kl, "objective/kl_coef": b.kl_coef,
+            "eps": rollout_size / (time.perf_counter() - t0),
+            "objective/kl": mean_kl,
+            "objective/kl_coef": b.kl_coef,
             "objective/entropy": float((-b.logprobs.masked_fill(~response_mask, 0)).sum(1).mean()),
-            "objective/non_score_reward": mean_non_score, "objective/rlhf_reward": mean_non_score + float(b.scores.mean()),
-            "objective/scores": float(b.scores.mean()), "objective/raw_scores": float(b.raw_scores.mean()),
-            "policy/approxkl_avg": _mean(stats["approxkl"]), "policy/policykl_avg": _mean(stats["policykl"]),
-            "policy/clipfrac_avg": _mean(stats["clipfrac"]), "loss/policy_avg": _mean(stats["pg_loss"]),
-            "loss/value_avg": _mean(stats["vf_loss"]), "val/clipfrac_avg": _mean(stats["vf_clipfrac"]),
-            "policy/entropy_avg": _mean(stats["entropy"]), "val/ratio": float(ratios.mean()),
+            "objective/non_score_reward": mean_non_score,
+            "objective/rlhf_reward": mean_non_score + float(b.scores.mean()),
+            "objective/scores": float(b.scores.mean()),
+            "objective/raw_scores": float(b.raw_scores.mean()),
+            "policy/approxkl_avg": _mean(stats["approxkl"]),
+            "policy/policykl_avg": _mean(stats["policykl"]),
+            "policy/clipfrac_avg": _mean(stats["clipfrac"]),
+            "loss/policy_avg": _mean(stats["pg_loss"]),
+            "loss/value_avg": _mean(stats["vf_loss"]),
+            "val/clipfrac_avg": _mean(stats["vf_clipfrac"]),
+            "policy/entropy_avg": _mean(stats["entropy"]),
+            "val/ratio": float(ratios.mean()),
             "val/ratio_var": float(ratios.var()) if len(ratios) > 1 else 0.0,
-            "val/num_eos_tokens": float((b.response == tokenizer.eos_token_id).sum()), "lr": scheduler.get_last_lr()[0],
-            "episode": update * rollout_size, "policy/ppo_epochs": float(epochs_run), "policy/early_stopped": float(stopped),
+            "val/num_eos_tokens": float((b.response == tokenizer.eos_token_id).sum()),
+            "lr": scheduler.get_last_lr()[0],
+            "episode": update * rollout_size,
+            "policy/ppo_epochs": float(epochs_run),
+            "policy/early_stopped": float(stopped),
             "policy/skipped_batches": float(skipped),
         }
         if moments is not None:
-            metrics.update({"objective/score_running_mean": float(moments.mean), "objective/score_running_std": float(moments.std)})
+            metrics.update(
+                {"objective/score_running_mean": float(moments.mean), "objective/score_running_std": float(moments.std)}
+            )
         for j, fn_name in enumerate(rewards.names):
             col = per_fn[:, j][~torch.isnan(per_fn[:, j])]
             metrics[f"rewards/{fn_name}/mean"] = float(col.mean()) if len(col) else 0.0
         if not all(math.isfinite(v) for v in metrics.values()):
             bad = [k for k, v in metrics.items() if not math.isfinite(v)]
             last_ckpt = checkpoints.complete()
-            raise FloatingPointError(f"ppo: non-finite {bad} at update {update}; last checkpoint kept: "
-                                     f"{last_ckpt[-1] if last_ckpt else 'none (set save_every)'}")
+            raise FloatingPointError(
+                f"ppo: non-finite {bad} at update {update}; last checkpoint kept: "
+                f"{last_ckpt[-1] if last_ckpt else 'none (set save_every)'}"
+            )
         if acc.is_main_process and (update % cfg.logging_every == 0 or update == updates or update == 1):
             tracker.log_metrics(metrics, update)
             bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{mean_kl:.3f}")
-            log.info("ppo update %d/%d score=%.4g kl=%.4g kl_coef=%.4g rlhf_reward=%.4g", update, updates,
-                     metrics["objective/scores"], mean_kl, b.kl_coef, metrics["objective/rlhf_reward"])
+            log.info(
+                "ppo update %d/%d score=%.4g kl=%.4g kl_coef=%.4g rlhf_reward=%.4g",
+                update,
+                updates,
+                metrics["objective/scores"],
+                mean_kl,
+                b.kl_coef,
+                metrics["objective/rlhf_reward"],
+            )
         if acc.is_main_process and (update % cfg.sample_every == 0 or update == 1):
-            table = [{"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
-                     for r, g, sc in zip(batch_rows[:8], gens[:8], b.scores[:8])]
+            table = [
+                {"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
+                for r, g, sc in zip(batch_rows[:8], gens[:8], b.scores[:8])
+            ]
             tracker.log_table(table, f"samples/update_{update:06d}")
             print_samples(table, f"ppo samples at update {update}")
         if cfg.save_every and update % cfg.save_every == 0 and update != updates:
@@ -409,10 +509,19 @@ def train(cfg: PPOConfig, policy, value_model, tokenizer, rows: list[dict], rewa
             checkpoints.save(acc, update, extra)
     bar.close()
     adapter = save_model(acc, unwrapped.policy, tokenizer, output_dir / "model")
-    final = {k: tracker.last(k) for k in ("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef")
-             if tracker.last(k) is not None}
-    return TrainResult(model_dir=output_dir / "model", steps=update, metrics=final, adapter=adapter,
-                       seconds=time.perf_counter() - started, resumed_from=state["step"] if state else None)
+    final = {
+        k: tracker.last(k)
+        for k in ("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef")
+        if tracker.last(k) is not None
+    }
+    return TrainResult(
+        model_dir=output_dir / "model",
+        steps=update,
+        metrics=final,
+        adapter=adapter,
+        seconds=time.perf_counter() - started,
+        resumed_from=state["step"] if state else None,
+    )
 
 
 def _mean(values: list[float]) -> float:

@@ -55,7 +55,7 @@ class RunningMoments:
         xs_mean, xs_var = float(mean_t), float(var_t)
         delta = xs_mean - self.mean
         total = self.count + n
-        old_sum = self.var * self.count + delta ** 2 * self.count * n / total
+        old_sum = self.var * self.count + delta**2 * self.count * n / total
         self.mean += delta * n / total
         self.var = (old_sum + xs_var * n) / total
         self.std = (self.var * total / (total - 1)) ** 0.5
@@ -69,8 +69,9 @@ class RunningMoments:
         self.mean, self.var, self.std, self.count = (float(state[k]) for k in ("mean", "var", "std", "count"))
 
 
-def transform_scores(scores: torch.Tensor, moments: RunningMoments | None, normalize: bool,
-                     clip: float | None) -> torch.Tensor:
+def transform_scores(
+    scores: torch.Tensor, moments: RunningMoments | None, normalize: bool, clip: float | None
+) -> torch.Tensor:
     """Scale scores by the running std (updating `moments` with this batch first; and centre them on the running
     mean with `normalize`), then clip to ±`clip`. `moments` None skips scaling. As TRL 0.7's `PPOTrainer.step`."""
     if moments is not None:

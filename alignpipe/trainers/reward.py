@@ -69,8 +69,14 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         suffixes[1].append(r[k:])
     prefix_ids, prefix_mask = pad_rows(prefixes, pad_id, left=True)
     suffix_ids, suffix_mask = pad_rows(suffixes[0] + suffixes[1], pad_id)
-    batch = {"input_ids": input_ids, "attention_mask": mask, "prefix_ids": prefix_ids, "prefix_mask": prefix_mask,
-             "suffix_ids": suffix_ids, "suffix_mask": suffix_mask}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "prefix_ids": prefix_ids,
+        "prefix_mask": prefix_mask,
+        "suffix_ids": suffix_ids,
+        "suffix_mask": suffix_mask,
+    }
     if "margin" in examples[0]:
         batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float)
     return batch
@@ -84,13 +90,21 @@ def scores(model, batch: dict) -> torch.Tensor:
     shared = _shared_scores(model, batch)
     if shared is not None:
         return shared
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits.squeeze(-1).float()
+    return (
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        .logits.squeeze(-1)
+        .float()
+    )
 
 
 def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     base = unwrapped(model)
-    if (base is None or base.config.pad_token_id is None or not hasattr(base, "score")
-            or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel())):
+    if (
+        base is None
+        or base.config.pad_token_id is None
+        or not hasattr(base, "score")
+        or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel())
+    ):
         return None
     pad = base.config.pad_token_id
     suffix = batch["suffix_ids"]
@@ -100,13 +114,23 @@ def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     rows = torch.arange(suffix.size(0), device=suffix.device)
     last = (torch.arange(suffix.size(1), device=suffix.device) * real).argmax(-1)
     pairs = batch["prefix_ids"].size(0)
-    _, hidden = shared_prefix_hidden(getattr(base, base.base_model_prefix), base.config, batch["prefix_ids"],
-                                     batch["prefix_mask"], suffix, rows % pairs)
+    _, hidden = shared_prefix_hidden(
+        getattr(base, base.base_model_prefix),
+        base.config,
+        batch["prefix_ids"],
+        batch["prefix_mask"],
+        suffix,
+        rows % pairs,
+    )
     return base.score(hidden[rows, last]).squeeze(-1).float()
 
 
-def bradley_terry_loss(rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor, margin: torch.Tensor | None = None,
-                       center_coefficient: float | None = None) -> torch.Tensor:
+def bradley_terry_loss(
+    rewards_chosen: torch.Tensor,
+    rewards_rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_coefficient: float | None = None,
+) -> torch.Tensor:
     """Mean −log σ(r_c − r_r − margin) (+ centring term). Inputs: (B,) rewards, optional (B,) margins."""
     diff = rewards_chosen - rewards_rejected
     if margin is not None:
@@ -121,18 +145,23 @@ def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[s
     rc, rr = scores(model, batch).chunk(2)
     loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
     with torch.no_grad():
-        stats = {"loss": float(loss), "accuracy": float((rc > rr).float().mean()), "margin": float((rc - rr).mean()),
-                 "rewards_chosen": float(rc.mean()), "rewards_rejected": float(rr.mean())}
+        stats = {
+            "loss": float(loss),
+            "accuracy": float((rc > rr).float().mean()),
+            "margin": float((rc - rr).mean()),
+            "rewards_chosen": float(rc.mean()),
+            "rewards_rejected": float(rr.mean()),
+        }
     return loss, stats
 
 
 def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id: int) -> dict[str, float]:
     model.eval()
-    shard = examples[accelerator.process_index::accelerator.num_processes]
+    shard = examples[accelerator.process_index :: accelerator.num_processes]
     sums = torch.zeros(3, device=accelerator.device)  # correct, margin sum, loss sum
     with torch.no_grad():
         for i in range(0, len(shard), cfg.batch_size):
-            ex = shard[i:i + cfg.batch_size]
+            ex = shard[i : i + cfg.batch_size]
             batch = {k: v.to(accelerator.device) for k, v in collate(ex, pad_id).items()}
             _, st = forward(model, batch, cfg)
             n = len(ex)
@@ -145,15 +174,25 @@ def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id
 
 
 @under_attention_kernels
-def train(cfg: RewardConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
-          seed: int = 0) -> TrainResult:
+def train(
+    cfg: RewardConfig,
+    model,
+    tokenizer,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+) -> TrainResult:
     """Train `model` (a 1-label sequence classifier) on preference rows; saves a merged, loadable scorer."""
     seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     model.config.pad_token_id = pad_id
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.use_margin)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.use_margin)
-    loop = TrainLoop("reward", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed, lora_task="SEQ_CLS")
+    loop = TrainLoop(
+        "reward", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed, lora_task="SEQ_CLS"
+    )
     acc = loop.accelerator
 
     def step(window: list[dict]) -> dict[str, float]:

@@ -60,8 +60,10 @@ def pack(examples: list[dict], max_length: int) -> list[dict]:
     for ex in examples:
         ids += ex["input_ids"]
         labels += ex["labels"]
-    return [{"input_ids": ids[i:i + max_length], "labels": labels[i:i + max_length]}
-            for i in range(0, len(ids), max_length)]
+    return [
+        {"input_ids": ids[i : i + max_length], "labels": labels[i : i + max_length]}
+        for i in range(0, len(ids), max_length)
+    ]
 
 
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -91,11 +93,11 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
 def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:
     """Token-averaged eval loss over all processes."""
     model.eval()
-    shard = examples[accelerator.process_index::accelerator.num_processes]
+    shard = examples[accelerator.process_index :: accelerator.num_processes]
     total = torch.zeros(2, device=accelerator.device)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
-            batch = {k: v.to(accelerator.device) for k, v in collate(shard[i:i + batch_size], pad_id).items()}
+            batch = {k: v.to(accelerator.device) for k, v in collate(shard[i : i + batch_size], pad_id).items()}
             loss, n = token_loss_sum(model, batch)
             total += torch.stack([loss.detach().float(), torch.tensor(float(n), device=accelerator.device)])
     if accelerator.num_processes > 1:
@@ -104,8 +106,16 @@ def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: 
 
 
 @under_attention_kernels
-def train(cfg: SFTConfig, model, tokenizer, train_rows: list[dict], eval_rows: list[dict], tracker, output_dir: str | Path,
-          seed: int = 0) -> TrainResult:
+def train(
+    cfg: SFTConfig,
+    model,
+    tokenizer,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+) -> TrainResult:
     seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
