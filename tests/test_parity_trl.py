@@ -19,6 +19,7 @@ import torch
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
+from alignpipe import losses  # noqa: E402
 from alignpipe.modeling import load_causal_lm, load_tokenizer  # noqa: E402
 from alignpipe.trainers import dpo, reward  # noqa: E402
 from alignpipe.trainers.configs import DPOConfig, RewardConfig  # noqa: E402
@@ -107,13 +108,13 @@ def test_label_smoothing_and_reference_free_follow_the_documented_formulas():
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(6, generator=g) * 5 for _ in range(4))
     beta, eps = 0.2, 0.1
-    losses, _, _ = dpo.dpo_loss(pc, pr, rc, rr, beta, "sigmoid", eps)
+    per_pair, _, _ = losses.dpo_loss(pc, pr, rc, rr, beta, "sigmoid", eps)
     rho = (pc - rc) - (pr - rr)
     expected = -(1 - eps) * torch.nn.functional.logsigmoid(beta * rho) - eps * torch.nn.functional.logsigmoid(
         -beta * rho
     )
-    assert torch.allclose(losses, expected, atol=TOL)
-    free, r_c, _ = dpo.dpo_loss(pc, pr, torch.zeros(6), torch.zeros(6), beta)
+    assert torch.allclose(per_pair, expected, atol=TOL)
+    free, r_c, _ = losses.dpo_loss(pc, pr, torch.zeros(6), torch.zeros(6), beta)
     assert torch.allclose(free, -torch.nn.functional.logsigmoid(beta * (pc - pr)), atol=TOL)
     assert torch.allclose(r_c, beta * pc, atol=TOL)
 

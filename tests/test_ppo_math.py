@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import full_kl, kl_estimate, masked_whiten
+from alignpipe import losses, rl_math
+from alignpipe.logprobs import full_kl
+from alignpipe.rl_math import kl_estimate, masked_whiten
 from alignpipe.trainers import ppo
 from alignpipe.trainers.ppo_controls import (
     KLController,
@@ -234,9 +236,9 @@ def episode():
 
 def ours_advantages(e, kind="kl", whiten=False, values=None, kl_coef=0.05, gamma=0.99, lam=0.95):
     kl = kl_estimate(e["logprobs"], e["ref"], kind).masked_fill(~e["mask"], 0)
-    rewards, non_score = ppo.kl_rewards(e["scores"], kl, e["lengths"] - 1, kl_coef)
+    rewards, non_score = rl_math.kl_rewards(e["scores"], kl, e["lengths"] - 1, kl_coef)
     values = e["values"] if values is None else values
-    return (rewards, non_score, kl), ppo.advantages_and_returns(rewards, values, e["mask"], gamma, lam, whiten)
+    return (rewards, non_score, kl), rl_math.advantages_and_returns(rewards, values, e["mask"], gamma, lam, whiten)
 
 
 # --- equal to TRL 0.7.11 --------------------------------------------------------------------------
@@ -318,8 +320,8 @@ def test_policy_and_value_losses_and_ratio_threshold_equal_trl07(episode, thresh
     adv = torch.randn(e["B"], e["R"], generator=g).masked_fill(~m, 0)
     vpred = e["values"] + 0.5 * torch.randn(e["B"], e["R"], generator=g)
     returns = torch.randn(e["B"], e["R"], generator=g)
-    pl = ppo.policy_loss(new, e["logprobs"], adv, m, 0.2)
-    vf, vf_clipfrac = ppo.value_loss(vpred, e["values"], returns, m, 0.2)
+    pl = losses.policy_loss(new, e["logprobs"], adv, m, 0.2)
+    vf, vf_clipfrac = losses.value_loss(vpred, e["values"], returns, m, 0.2)
     skipped = ratio_exceeds(pl.ratio, m, threshold)
     loss = (pl.loss + 0.1 * vf) * (0.0 if skipped else 1.0)
     t = trl07_loss(e["logprobs"], e["values"], vpred, new, m.float(), adv, returns, 0.2, 0.2, 0.1, threshold)
@@ -412,9 +414,10 @@ def test_nothing_after_the_response_reaches_advantages_returns_or_losses(episode
     vpred = e["values"] + 0.3 * torch.randn(e["B"], e["R"], generator=g)
     vpred_noisy = vpred + 50.0 * (~m)
     assert (
-        ppo.policy_loss(new, e["logprobs"], adv, m, 0.2).loss == ppo.policy_loss(new, e["logprobs"], adv2, m, 0.2).loss
+        losses.policy_loss(new, e["logprobs"], adv, m, 0.2).loss
+        == losses.policy_loss(new, e["logprobs"], adv2, m, 0.2).loss
     )
-    assert ppo.value_loss(vpred, e["values"], ret, m, 0.2) == ppo.value_loss(vpred_noisy, noisy, ret2, m, 0.2)
+    assert losses.value_loss(vpred, e["values"], ret, m, 0.2) == losses.value_loss(vpred_noisy, noisy, ret2, m, 0.2)
 
 
 def test_reward_whitening_sees_response_tokens_only(episode):
@@ -433,6 +436,6 @@ def test_policy_statistics_average_over_response_tokens_only(episode):
     e = episode
     m = e["mask"]
     new = (e["logprobs"] + 0.3).masked_fill(~m, ppo.INVALID_LOGPROB)
-    pl = ppo.policy_loss(new, e["logprobs"], torch.zeros_like(new), m, 0.2)
+    pl = losses.policy_loss(new, e["logprobs"], torch.zeros_like(new), m, 0.2)
     assert float(pl.approxkl) == pytest.approx(0.5 * 0.3**2, abs=1e-6)
     assert float(pl.policykl) == pytest.approx(-0.3, abs=1e-6)

@@ -119,11 +119,11 @@ def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeyp
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from alignpipe import rl_math
+    from alignpipe import logprobs
 
-    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
+    monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
     calls = []
-    monkeypatch.setattr(reward, "shared_prefix_hidden", lambda *a: calls.append(1) or rl_math.shared_prefix_hidden(*a))
+    monkeypatch.setattr(reward, "shared_prefix_hidden", lambda *a: calls.append(1) or logprobs.shared_prefix_hidden(*a))
     tok = load_tokenizer(str(tiny / "model"))
     model = AutoModelForSequenceClassification.from_pretrained(str(tiny / "model"), num_labels=1)
     model.config.pad_token_id = tok.pad_token_id

@@ -7,16 +7,9 @@ import tempfile
 import pytest
 import torch
 
-from alignpipe.rl_math import (
-    frac_zero_std,
-    group_advantages,
-    kl_estimate,
-    masked_mean,
-    shared_prefix_hidden,
-    shared_prompt_logprobs,
-    token_logprobs,
-    worth_sharing,
-)
+from alignpipe import losses
+from alignpipe.logprobs import shared_prefix_hidden, shared_prompt_logprobs, token_logprobs, worth_sharing
+from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean
 from alignpipe.trainers import grpo
 
 TOL = 1e-5
@@ -25,10 +18,10 @@ TOL = 1e-5
 @pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
 def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     """Large logits go through checkpointed chunks, small ones in one piece: both equal the plain computation."""
-    from alignpipe import rl_math
+    from alignpipe import logprobs
     from alignpipe.modeling import load_causal_lm
 
-    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 500, (3, 11), generator=g)
@@ -50,10 +43,10 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
 def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monkeypatch, whole_max):
     """`start` (completions after a prompt) and `only` (completion tokens of padded rows) run the LM head on
     fewer positions: values and gradients equal the full computation's on those positions, zeros elsewhere."""
-    from alignpipe import rl_math
+    from alignpipe import logprobs
     from alignpipe.modeling import load_causal_lm
 
-    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", whole_max)
     model = load_causal_lm(str(tiny / "model"))
     ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -76,13 +69,13 @@ def test_logprobs_from_a_start_position_and_on_masked_positions_only(tiny, monke
 def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, whole_max):
     """GRPO's groups: the prompt runs once per group and its KV cache is repeated; log-probs, entropies and
     every parameter's gradient equal running each prompt + completion row whole (left padding included)."""
-    from alignpipe import rl_math
+    from alignpipe import logprobs
     from alignpipe.modeling import load_causal_lm
 
-    monkeypatch.setattr(rl_math, "WHOLE_LOGITS_MAX", whole_max)
-    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", whole_max)
+    monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)  # share even on the tiny model
     calls = []
-    monkeypatch.setattr(rl_math, "shared_prefix_hidden", lambda *a: calls.append(1) or shared_prefix_hidden(*a))
+    monkeypatch.setattr(logprobs, "shared_prefix_hidden", lambda *a: calls.append(1) or shared_prefix_hidden(*a))
     model = load_causal_lm(str(tiny / "model"))
     g = torch.Generator().manual_seed(2)
     G, P, C = 3, 6, 5
@@ -143,17 +136,17 @@ def test_activation_checkpointing_turns_sharing_off_without_a_deprecation_warnin
     """The shared prefix's KV cache does not survive checkpointing's recomputation, so whole rows run then."""
     import warnings
 
-    from alignpipe import rl_math
+    from alignpipe import logprobs
     from alignpipe.modeling import enable_activation_checkpointing, load_causal_lm
 
-    monkeypatch.setattr(rl_math, "SHARE_MIN_SAVED", 0)
+    monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
     model = load_causal_lm(str(tiny / "model"))
     mask = torch.ones(2, 3, dtype=torch.long)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        assert rl_math.can_share_prefix(model, mask, 6)
+        assert logprobs.can_share_prefix(model, mask, 6)
         enable_activation_checkpointing(model)
-        assert not rl_math.can_share_prefix(model, mask, 6)
+        assert not logprobs.can_share_prefix(model, mask, 6)
 
 
 def test_on_a_gpu_sharing_waits_for_long_prompts():
@@ -260,7 +253,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         logps, entropy = grpo.completion_logps(
             model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0, 4096, with_entropy=True
         )
-        ptl, ratio, kl = grpo.per_token_loss(
+        ptl, ratio, kl = losses.per_token_loss(
             logps,
             inputs["old_per_token_logps"],
             inputs["ref_per_token_logps"],
@@ -271,7 +264,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             kl_correction,
         )
         m = mask.float()
-        loss = grpo.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
+        loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
     assert float(masked_mean(kl, m)) == pytest.approx(trl_metrics["kl"], abs=1e-4)
     assert float(masked_mean(entropy, m)) == pytest.approx(trl_metrics["entropy"], abs=1e-4)

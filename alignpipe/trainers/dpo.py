@@ -32,10 +32,10 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from alignpipe.logprobs import shared_prompt_logprobs
+from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import shared_prompt_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
@@ -106,36 +106,6 @@ def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, to
     )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
-
-
-def dpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-):
-    """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected.
-    `*_lengths` (completion token counts) are needed for `ipo`."""
-    chosen_ratio = chosen_logps - ref_chosen_logps
-    rejected_ratio = rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("ipo needs the completion lengths")
-        avg = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
-        losses = (avg - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use sigmoid, ipo or hinge")
-    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
 class _Reference:

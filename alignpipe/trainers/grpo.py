@@ -30,60 +30,15 @@ import torch
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
+from alignpipe.logprobs import shared_prompt_logprobs
+from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean, shared_prompt_logprobs
+from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 
 log = logging.getLogger(__name__)
-
-
-def per_token_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    epsilon: float,
-    epsilon_high: float,
-    beta: float,
-    kl_correction: bool = True,
-):
-    """Clipped surrogate (+ β·k3 KL, times the ratio with `kl_correction`) per token, (B, C); also the
-    ratio and the KL term (or None)."""
-    old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
-    adv = advantages.unsqueeze(1)
-    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
-    kl = None
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("beta > 0 needs the reference log-probs")
-        kl = kl_estimate(logps, ref_logps, "k3")
-        if kl_correction:
-            kl = kl * ratio
-        loss = loss + beta * kl
-    return loss, ratio, kl
-
-
-def aggregate(
-    loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    max_completion_length: int,
-    step_tokens_per_process: float,
-    accumulation: int,
-) -> torch.Tensor:
-    """One micro-batch's contribution to the step loss (already divided for accumulation)."""
-    if loss_type == "grpo":
-        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-    if loss_type == "bnpo":
-        return (loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
-    if loss_type == "dr_grpo":
-        return (loss * mask).sum() / (loss.size(0) * max_completion_length) / accumulation
-    if loss_type == "dapo":
-        return (loss * mask).sum() / max(1.0, step_tokens_per_process)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
 def completion_mask(

@@ -39,14 +39,15 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from alignpipe.judges.reward_set import RewardSet
+from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
+from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import decoder_hidden, full_kl, gae, kl_estimate, masked_mean, masked_whiten, token_logprobs
+from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
 from alignpipe.trainers.common import (
     Checkpointer,
     TrainResult,
@@ -74,70 +75,6 @@ INVALID_LOGPROB = 1.0
 
 
 # --- the math (pure; parity-tested) ----------------------------------------------------------------
-
-
-def kl_rewards(scores: torch.Tensor, kl: torch.Tensor, last_index: torch.Tensor, kl_coef: float):
-    """Per-token rewards (B, R) from the per-token KL penalty `kl` (B, R): −kl_coef·kl everywhere, + the score at
-    `last_index` (the last response token). Returns (rewards, non_score_reward)."""
-    non_score = -kl_coef * kl
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores
-    return rewards, non_score
-
-
-def advantages_and_returns(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    whiten_rewards: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over a response's own tokens: the step after the last response token (EOS, or the length limit) is
-    terminal, so nothing after it (values, rewards) reaches an advantage or a return. Rewards are optionally
-    whitened over response tokens (mean kept); advantages are whitened over them and 0 elsewhere. As TRL 0.7's
-    `compute_advantages` (TRL 1.12 bootstrapped from the value one position past the response)."""
-    mask = response_mask.to(rewards.dtype)
-    rewards = rewards * mask
-    if whiten_rewards:
-        rewards = masked_whiten(rewards, response_mask.bool(), shift_mean=False) * mask
-    advantages, returns = gae(rewards, values, mask, gamma, lam)
-    advantages = masked_whiten(advantages, response_mask.bool()) * mask
-    return advantages, returns * mask
-
-
-class PolicyLoss(NamedTuple):
-    loss: torch.Tensor
-    clipfrac: torch.Tensor
-    ratio: torch.Tensor
-    approxkl: torch.Tensor
-    """½ · mean of (log π − log π_old)² over response tokens."""
-    policykl: torch.Tensor
-    """mean of (log π_old − log π) over response tokens (TRL 0.7's `policy/policykl`, early stopping's measure)."""
-
-
-def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float) -> PolicyLoss:
-    """Clipped surrogate: mean over response tokens of max(−A·ρ, −A·clip(ρ, 1 ± cliprange)), with its statistics
-    over the same tokens."""
-    diff = new_logprobs - old_logprobs
-    ratio = torch.exp(diff)
-    losses1 = -advantages * ratio
-    losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(losses1, losses2), mask)
-    clipfrac = masked_mean((losses2 > losses1).float(), mask)
-    return PolicyLoss(
-        loss, clipfrac, ratio, 0.5 * masked_mean(diff.detach() ** 2, mask), masked_mean(-diff.detach(), mask)
-    )
-
-
-def value_loss(vpred, old_values, returns, mask, cliprange_value: float):
-    """½ · mean over response tokens of max((v − R)², (clip(v, v_old ± c) − R)²). Returns (loss, clipfrac)."""
-    clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
-    losses1 = (vpred - returns) ** 2
-    losses2 = (clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(losses1, losses2), mask)
-    clipfrac = masked_mean((losses2 > losses1).float(), mask)
-    return loss, clipfrac
 
 
 # --- models ---------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
+from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
@@ -123,22 +123,6 @@ def _shared_scores(model, batch: dict) -> torch.Tensor | None:
         rows % pairs,
     )
     return base.score(hidden[rows, last]).squeeze(-1).float()
-
-
-def bradley_terry_loss(
-    rewards_chosen: torch.Tensor,
-    rewards_rejected: torch.Tensor,
-    margin: torch.Tensor | None = None,
-    center_coefficient: float | None = None,
-) -> torch.Tensor:
-    """Mean −log σ(r_c − r_r − margin) (+ centring term). Inputs: (B,) rewards, optional (B,) margins."""
-    diff = rewards_chosen - rewards_rejected
-    if margin is not None:
-        diff = diff - margin
-    loss = -F.logsigmoid(diff).mean()
-    if center_coefficient is not None:
-        loss = loss + center_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
-    return loss
 
 
 def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:

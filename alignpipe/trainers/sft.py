@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from alignpipe.logprobs import token_logprobs
+from alignpipe.losses import nll_sum
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.rl_math import token_logprobs
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
 
@@ -87,7 +88,7 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     targets = batch["labels"][:, 1:]
     valid = targets != IGNORE
     logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
-    return -logps.sum(), int(valid.sum())
+    return nll_sum(logps), int(valid.sum())
 
 
 def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:

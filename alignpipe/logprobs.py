@@ -1,0 +1,330 @@
+"""Log-probabilities of tokens under a model: the model-forward plumbing every trainer shares.
+
+The decoder runs once per call; the LM head and the float32 log-softmax run only where they are needed (from a
+start position, on masked positions) and in chunks when the full-vocabulary logits would be large, under
+activation checkpointing when gradients are on. Prompts shared by several completions (GRPO's groups, DPO's
+chosen/rejected pairs) can run once, their KV cache gathered to each completion. Also the exact KL of two
+models' next-token distributions from their hidden states (PPO's `kl_penalty: full`).
+
+Shapes: B = batch, T = sequence length, V = vocabulary, d = hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from alignpipe.modeling import is_activation_checkpointing
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    head_bias,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+):
+    logp = _scaled_log_softmax(hidden, (head_weight, head_bias), temperature)
+    token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return token, token.new_zeros(())
+    return token, -(logp.exp() * logp).sum(-1)
+
+
+# Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
+# checkpointing only pay off when the float32 logits would be large (256 MB here). It is also the budget of
+# one chunk, so a 150k vocabulary gets chunks of ~440 positions, a 512 one chunks of `chunk_tokens`.
+WHOLE_LOGITS_MAX = 64 * 2**20
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    start: int = 0,
+    only: torch.Tensor | None = None,
+):
+    """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
+
+    The decoder runs once; the LM head + log-softmax run only where they are needed: from position `start`
+    on (a completion after a prompt of `start + 1` tokens), and, with `only` (a (B, T-1-start) mask), only at
+    its true positions (completion tokens of padded rows; elsewhere the result is 0). When the logits would be
+    large (> WHOLE_LOGITS_MAX values) they run over chunks of at most `chunk_tokens` positions and
+    WHOLE_LOGITS_MAX values, each under activation checkpointing when gradients are on, so peak memory holds
+    one chunk of logits; small ones are computed in one piece.
+    Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
+    """
+    # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    labels = input_ids[:, start + 1 :]
+    base = unwrapped(model)
+    if base is None:
+        # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
+        # the float32 log-softmax is still taken chunk by chunk.
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits[:, start:-1]
+        return _select(
+            logits,
+            labels,
+            only,
+            lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
+            with_entropy,
+        )
+    body, head = _decoder_and_head(base)
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    return _select(
+        hidden,
+        labels,
+        only,
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        with_entropy,
+    )
+
+
+def unwrapped(model):
+    """The model whose modules the chunked-head and shared-prefix paths call directly: a peft model's base model,
+    or the model itself; None under DDP, whose own forward must run for gradients to be synchronised."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _decoder_and_head(base):
+    """The decoder stack and the LM head of an `unwrapped` causal LM."""
+    body = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    return body, base.get_output_embeddings()
+
+
+# Sharing a prefix costs one more decoder call: a fixed ~1–3 ms of operator dispatch on CPU that only pays off when
+# the prompt work it saves is larger. Below this many saved token × parameter products (~1 GFLOP of forward), whole
+# rows run faster: DPO on the 1.7M-parameter bench model saves 8 pairs × ~12 prompt tokens, 1.6e8, and ran 1.73×
+# TRL whole against 1.27× shared; the 20M model's 1.9e9 gains 18%.
+SHARE_MIN_SAVED = 2**29
+
+
+# On a GPU the saved prompt tokens cost microseconds of device time while the shared path costs host time: DPO on the
+# Qwen2-0.5B bench shape (8 pairs × ~12 prompt tokens, 4.7e10) ran at 15–16 steady samples/s shared against 31–32
+# whole (H100, ~280 ms more per step than two more decoder calls' launches explain: the cache gather and the
+# prefix + suffix mask take slower attention paths). Only short prompts were measured there, so this floor
+# (2**38 ≈ 2.7e11, prompts of hundreds of tokens, ~0.5 TFLOP of forward + backward saved) is an estimate.
+GPU_SHARE_MIN_SAVED = 2**38
+
+
+def worth_sharing(model, saved_tokens: int) -> bool:
+    """Whether running `saved_tokens` fewer prefix tokens outweighs the extra decoder call (`SHARE_MIN_SAVED`,
+    `GPU_SHARE_MIN_SAVED` for a model on a GPU)."""
+    params = list(model.parameters())
+    floor = GPU_SHARE_MIN_SAVED if params and params[0].device.type == "cuda" else SHARE_MIN_SAVED
+    return saved_tokens * sum(p.numel() for p in params) >= floor
+
+
+def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
+    """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): the saving pays
+    (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token. The
+    checks run cheapest first: the last one reads the mask back from the device."""
+    return (
+        base is not None
+        and prefix_mask.size(1) > 0
+        and worth_sharing(base, saved_tokens)
+        and not is_activation_checkpointing(base)
+        and bool(prefix_mask.bool().any(1).all())
+    )
+
+
+def shared_prompt_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    only: torch.Tensor | None = None,
+):
+    """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
+    prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
+    rejected answers to one prompt. Position t scores completion token t (the prompt's last token scores token 0).
+
+    The decoder runs over each prompt once; its KV cache is gathered to the completion rows (differentiably: a
+    prompt's gradient is the sum over its completions) and only the completions run per row: R·P − N·P fewer
+    tokens in the forward and backward than running every prompt + completion row whole, with the same values
+    and gradients. Completion padding goes at the end of a row (causality keeps it out of real tokens); `only`
+    (R, C) limits the LM head to the real completion tokens (zeros elsewhere). Falls back to whole rows where a
+    cache cannot carry gradients (DDP's forward, activation checkpointing), a prompt is empty, or the model is too
+    small for the saving to outweigh one more decoder call (`worth_sharing`)."""
+    R, C = completion_ids.shape
+    P = prompt_ids.size(1)
+    base = unwrapped(model)
+    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P):
+        ids = torch.cat([prompt_ids[index], completion_ids], 1)
+        mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
+        if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token
+            ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
+        return token_logprobs(
+            model,
+            ids,
+            mask,
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
+            with_entropy=with_entropy,
+            start=max(P, 1) - 1,
+            only=only,
+        )
+    body, head = _decoder_and_head(base)
+    prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
+    hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    return _select(
+        hidden,
+        completion_ids,
+        only,
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        with_entropy,
+    )
+
+
+def shared_prefix_hidden(
+    body, config, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor, suffix_ids: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a decoder stack over N left-padded prefixes (N, P) once, gather their KV cache to R rows (`index`, (R,)),
+    and run the right-padded suffixes (R, C) after them. Returns the last prefix position's hidden state per row
+    (R, 1, d) and the suffixes' hidden states (R, C, d), as running each prefix + suffix row whole would give them.
+    Every prefix must hold at least one token."""
+    from transformers import DynamicCache
+
+    position = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=config)
+    prefix_out = body(
+        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position, past_key_values=cache, use_cache=True
+    ).last_hidden_state
+    cache.batch_select_indices(index)  # differentiable gather: the suffixes' gradients reach the prefix pass
+    s_position = position[index, -1:] + 1 + torch.arange(suffix_ids.size(1), device=position.device)
+    mask = torch.cat([prefix_mask[index], torch.ones_like(suffix_ids)], 1)
+    s_hidden = body(
+        input_ids=suffix_ids, attention_mask=mask, position_ids=s_position, past_key_values=cache, use_cache=True
+    ).last_hidden_state
+    return prefix_out[index, -1:], s_hidden
+
+
+def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):
+    """`fn(rows, labels)` everywhere, or (with the mask `only`) on the masked positions alone, scattered back
+    into zeros of the full shape."""
+    if only is None:
+        return fn(rows, labels)
+    sel = only.bool()
+    out = fn(rows[sel].unsqueeze(0), labels[sel].unsqueeze(0))
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(labels.shape, dtype=values.dtype, device=values.device).masked_scatter(sel, values[0])
+
+    if not with_entropy:
+        return scatter(out)
+    lp, ent = out
+    return scatter(lp), scatter(ent)
+
+
+def _head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+):
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    if B * T * V <= WHOLE_LOGITS_MAX:
+        lp, ent = _chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
+        return (lp, ent.detach()) if with_entropy else lp
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
+    logps, entropies = [], []
+    for s in range(0, T, step):
+        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, with_entropy)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent.detach())
+    logp = torch.cat(logps, 1)
+    return (logp, torch.cat(entropies, 1)) if with_entropy else logp
+
+
+def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // logits.size(-1)) // max(1, logits.size(0)))
+    logps, entropies = [], []
+    for s in range(0, logits.size(1), step):
+        chunk = logits[:, s : s + step].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lp = chunk.log_softmax(-1)
+        logps.append(lp.gather(-1, labels[:, s : s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
+        entropies.append(-(lp.exp() * lp).sum(-1).detach())
+    logp = torch.cat(logps, 1)
+    return (logp, torch.cat(entropies, 1)) if with_entropy else logp
+
+
+def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int = 0):
+    """The decoder's hidden states at positions start … T−2 (those that score tokens start+1 … T−1) and the LM
+    head's (weight, bias), for an unwrapped or peft causal LM (not under DDP). Returns (hidden, weight, bias)."""
+    base = unwrapped(model)
+    if base is None:
+        raise ValueError("decoder_hidden needs the model itself, not its DDP wrapper")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    body, head = _decoder_and_head(base)
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1]
+    return hidden, head.weight, getattr(head, "bias", None)
+
+
+def full_kl(
+    hidden: torch.Tensor,
+    head: tuple,
+    ref_hidden: torch.Tensor,
+    ref_head: tuple,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact per-position KL of the two next-token distributions, Σ_v π(v)(log π(v) − log π_ref(v)) at
+    `temperature` (TRL 0.7's `kl_penalty: full`), with both sides' log-prob of `labels`, from the hidden states and
+    (weight, bias) heads of `decoder_hidden`. Runs over chunks of positions within WHOLE_LOGITS_MAX values, so the
+    two (B, T, V) float32 log-softmaxes are never held whole. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
+    B, T, _ = hidden.shape
+    V = head[0].shape[0]
+    step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
+    parts = []
+    with torch.no_grad():
+        for s in range(0, T, step):
+            sl = slice(s, s + step)
+            logp = _scaled_log_softmax(hidden[:, sl], head, temperature)
+            ref_logp = _scaled_log_softmax(ref_hidden[:, sl], ref_head, temperature)
+            idx = labels[:, sl].clamp(min=0).unsqueeze(-1)
+            parts.append(
+                (
+                    logp.gather(-1, idx).squeeze(-1),
+                    ref_logp.gather(-1, idx).squeeze(-1),
+                    (logp.exp() * (logp - ref_logp)).sum(-1),
+                )
+            )
+    logp, ref_logp, kl = (torch.cat(cols, 1) for cols in zip(*parts))
+    return logp, ref_logp, kl
+
+
+def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, head[0], head[1]).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.log_softmax(-1)

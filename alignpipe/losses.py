@@ -1,0 +1,159 @@
+"""Every trainer's loss, as pure functions of tensors (no model calls): SFT's summed NLL, the Bradley-Terry reward
+loss, the DPO family, GRPO's clipped per-token loss and its aggregations, PPO's clipped policy and value losses.
+The trainers compute log-probs (`alignpipe.logprobs`) and advantages (`alignpipe.rl_math`) and call these; the
+tests pin each against TRL's own functions on identical tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from alignpipe.rl_math import kl_estimate, masked_mean
+
+
+def nll_sum(token_logps: torch.Tensor) -> torch.Tensor:
+    """SFT: the summed negative log-likelihood of the target tokens (`token_logps` is 0 off-target); the caller
+    divides by the target-token count of the whole optimizer step, so accumulation equals one big batch."""
+    return -token_logps.sum()
+
+
+# --- reward model ---------------------------------------------------------------------------------
+
+
+def bradley_terry_loss(
+    rewards_chosen: torch.Tensor,
+    rewards_rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_coefficient: float | None = None,
+) -> torch.Tensor:
+    """Mean −log σ(r_c − r_r − margin) (+ centring term). Inputs: (B,) rewards, optional (B,) margins."""
+    diff = rewards_chosen - rewards_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).mean()
+    if center_coefficient is not None:
+        loss = loss + center_coefficient * torch.mean((rewards_chosen + rewards_rejected) ** 2)
+    return loss
+
+
+# --- DPO family -----------------------------------------------------------------------------------
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+):
+    """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected.
+    `*_lengths` (completion token counts) are needed for `ipo`."""
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("ipo needs the completion lengths")
+        avg = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        losses = (avg - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; use sigmoid, ipo or hinge")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+# --- GRPO -----------------------------------------------------------------------------------------
+
+
+def per_token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+    kl_correction: bool = True,
+):
+    """Clipped surrogate (+ β·k3 KL, times the ratio with `kl_correction`) per token, (B, C); also the
+    ratio and the KL term (or None)."""
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    adv = advantages.unsqueeze(1)
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    kl = None
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference log-probs")
+        kl = kl_estimate(logps, ref_logps, "k3")
+        if kl_correction:
+            kl = kl * ratio
+        loss = loss + beta * kl
+    return loss, ratio, kl
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int,
+    step_tokens_per_process: float,
+    accumulation: int,
+) -> torch.Tensor:
+    """One micro-batch's contribution to the step loss (already divided for accumulation)."""
+    if loss_type == "grpo":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if loss_type == "bnpo":
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+    if loss_type == "dr_grpo":
+        return (loss * mask).sum() / (loss.size(0) * max_completion_length) / accumulation
+    if loss_type == "dapo":
+        return (loss * mask).sum() / max(1.0, step_tokens_per_process)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+# --- PPO ------------------------------------------------------------------------------------------
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    ratio: torch.Tensor
+    approxkl: torch.Tensor
+    """½ · mean of (log π − log π_old)² over response tokens."""
+    policykl: torch.Tensor
+    """mean of (log π_old − log π) over response tokens (TRL 0.7's `policy/policykl`, early stopping's measure)."""
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float) -> PolicyLoss:
+    """Clipped surrogate: mean over response tokens of max(−A·ρ, −A·clip(ρ, 1 ± cliprange)), with its statistics
+    over the same tokens."""
+    diff = new_logprobs - old_logprobs
+    ratio = torch.exp(diff)
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(losses1, losses2), mask)
+    clipfrac = masked_mean((losses2 > losses1).float(), mask)
+    return PolicyLoss(
+        loss, clipfrac, ratio, 0.5 * masked_mean(diff.detach() ** 2, mask), masked_mean(-diff.detach(), mask)
+    )
+
+
+def value_loss(vpred, old_values, returns, mask, cliprange_value: float):
+    """½ · mean over response tokens of max((v − R)², (clip(v, v_old ± c) − R)²). Returns (loss, clipfrac)."""
+    clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    losses1 = (vpred - returns) ** 2
+    losses2 = (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(losses1, losses2), mask)
+    clipfrac = masked_mean((losses2 > losses1).float(), mask)
+    return loss, clipfrac
