@@ -32,7 +32,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from alignpipe.pipeline import plan
+    from alignpipe.plan import plan
     from alignpipe.summary import dag_text
 
     if args.schema:

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
 from alignpipe.manifest import Manifest
-from alignpipe.pipeline import (
+from alignpipe.pipeline_run import (
     STATUS_CACHED,
     STATUS_DONE,
     STATUS_FAILED,
@@ -24,11 +24,10 @@ from alignpipe.pipeline import (
     StageOutcome,
     end_pipeline_run,
     gate,
-    plan,
     start_pipeline_run,
-    write_spec,
     write_summary,
 )
+from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import load_recipe
 from tasks import TASKS
 from tasks.dispatch import deployment_name, dispatch_task

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from alignpipe.pipeline import launch, read_spec
+from alignpipe.launch import launch
+from alignpipe.plan import read_spec
 from tasks.hooks import hooks_for, stage_entry, stage_env
 
 

@@ -10,7 +10,8 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
-from alignpipe.pipeline import StageFailed, read_manifest, read_spec
+from alignpipe.launch import StageFailed
+from alignpipe.plan import read_manifest, read_spec
 
 STAGE_FLOW = "alignpipe-stage"
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from alignpipe.pipeline import launch, read_spec
+from alignpipe.launch import launch
+from alignpipe.plan import read_spec
 from tasks.hooks import hooks_for, stage_env
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from alignpipe.pipeline import launch, plan, start_pipeline_run, write_spec
+from alignpipe.launch import launch
+from alignpipe.pipeline_run import start_pipeline_run
+from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
 
 

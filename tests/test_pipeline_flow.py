@@ -228,7 +228,7 @@ def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness,
 
 def test_a_stage_that_dies_before_logging_reports_its_traceback(tmp_path):
     """A stage process that fails at start-up (here: an unreadable spec) says why in StageFailed."""
-    from alignpipe.pipeline import StageFailed, launch
+    from alignpipe.launch import StageFailed, launch
     from alignpipe.stage import StageSpec
 
     spec = StageSpec(

@@ -10,7 +10,9 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from alignpipe.pipeline import launch, plan, stage_command, start_pipeline_run, write_spec
+from alignpipe.launch import launch, stage_command
+from alignpipe.pipeline_run import start_pipeline_run
+from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
 
 

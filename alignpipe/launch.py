@@ -1,0 +1,200 @@
+"""Launching a stage process (`python -m alignpipe.stage SPEC`, or `accelerate launch` for several ranks):
+streaming its log, enforcing its timeout, dying with its parent, and turning a failure into `StageFailed`
+with the end of its stderr."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from alignpipe.manifest import Manifest
+from alignpipe.plan import read_spec
+from alignpipe.recipe.schema import Recipe
+from alignpipe.stage import StageSpec
+from alignpipe.storage import CheckpointMirror, localize, stage_folder
+
+
+class StageFailed(RuntimeError):
+    def __init__(self, stage_id: str, returncode: int, tail: list[str]):
+        self.stage_id, self.returncode, self.tail = stage_id, returncode, tail
+        last = "\n".join(tail[-25:])
+        super().__init__(f"stage {stage_id!r} failed (exit code {returncode}). Last output:\n{last}")
+
+
+def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
+    """The command that runs a stage: one process, or `processes` data-parallel ranks. On GPU machines
+    `accelerate launch` (with `accelerate_config`, e.g. FSDP or DeepSpeed); on CPU `torch.distributed.run`
+    (gloo), which `Accelerator` picks up as multi-CPU."""
+    stage = ["-m", "alignpipe.stage", str(spec_path)]
+    if processes <= 1 and not accelerate_config:
+        return [sys.executable, *stage]
+    if _has_cuda() or accelerate_config:
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(_free_port()),
+        ]
+        if accelerate_config:
+            cmd += ["--config_file", accelerate_config]
+        elif processes > 1:
+            cmd += ["--multi_gpu"]
+        return cmd + stage
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        *stage,
+    ]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def launch(
+    spec_path: str | Path,
+    on_line: Callable[[str], None] = print,
+    processes: int = 1,
+    timeout_s: float | None = None,
+    extra_env: dict[str, str] | None = None,
+    accelerate_config: str | None = None,
+    storage_options: dict | None = None,
+) -> Manifest:
+    """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
+    `extra_env` (e.g. a token from a secret store) reaches the process through its environment only.
+    `spec_path` may be a URL in the recipe's storage root: the stage then runs on this machine's working
+    copy, fetching its inputs first and uploading its folder as it goes (see `alignpipe.storage`)."""
+    spec = read_spec(str(spec_path), storage_options)
+    if not spec.recipe.get("storage"):
+        return _run_stage_process(Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config)
+    recipe = Recipe.model_validate(spec.recipe)
+    store = recipe.remote_store()
+    folder = stage_folder(spec.stage_id, spec.cache_key)
+    local = recipe.run_root / "stages" / folder
+    local.mkdir(parents=True, exist_ok=True)
+    got = store.download_folder(f"stages/{folder}", local, with_manifest=False)  # an earlier attempt's checkpoints
+    inputs = {}
+    for sid, m in spec.inputs.items():
+        rel = stage_folder(m.stage_id, m.cache_key)
+        got += store.download_folder(f"stages/{rel}", recipe.run_root / "stages" / rel, with_checkpoints=False)
+        inputs[sid] = localize(m, recipe.run_root)
+    on_line(f"storage: {got} file(s) fetched from {store.url_of('stages')} into {recipe.run_root / 'stages'}")
+    local_spec = local / "spec.json"
+    local_spec.write_text(spec.model_copy(update={"stage_dir": str(local), "inputs": inputs}).model_dump_json(indent=1))
+    with CheckpointMirror(store, local, f"stages/{folder}"):
+        manifest = _run_stage_process(
+            local_spec,
+            StageSpec.model_validate_json(local_spec.read_text()),
+            on_line,
+            processes,
+            timeout_s,
+            extra_env,
+            accelerate_config,
+        )
+    sent = store.upload_folder(local, f"stages/{folder}")
+    on_line(f"storage: {sent} file(s) uploaded to {store.url_of(f'stages/{folder}')}")
+    return manifest
+
+
+def _run_stage_process(
+    spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config
+) -> Manifest:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if sys.stderr.isatty():  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
+        env["ALIGNPIPE_TTY"] = "1"
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    err_tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(
+        stage_command(spec_path, processes, accelerate_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        preexec_fn=_die_with_parent(),
+    )
+    # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
+    # last lines are kept for the error message.
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
+    pump.start()
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail.append(line)
+        on_line(line)
+        if deadline and time.monotonic() > deadline:
+            proc.kill()
+            tail.append(f"killed after {timeout_s}s (resources.timeout_s)")
+            break
+    code = proc.wait()
+    pump.join(timeout=5)
+    manifest = Manifest.read(Path(spec.stage_dir))
+    if code != 0 or manifest is None or manifest.cache_key != spec.cache_key:
+        errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
+        raise StageFailed(spec.stage_id, code, list(tail) + (["--- stderr ---", *errors] if errors else []))
+    return manifest
+
+
+def _die_with_parent():
+    """A preexec hook for Linux: the child gets SIGKILL when the launching process dies, so a worker killed
+    mid-stage (OOM killer, preemption) leaves no orphan training that would race the retry for the folder.
+    libc is loaded here, before the fork: only the prctl call runs in the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def _pump_stderr(stream, keep: collections.deque) -> None:
+    """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) and keep
+    its last lines for an error message."""
+    import codecs
+
+    fd = stream.fileno()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a chunk may end inside a character
+    pending = ""
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        text = decoder.decode(chunk)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        pending += text.replace("\r", "\n")
+        *lines, pending = pending.split("\n")
+        keep.extend(line for line in lines if line.strip())
+    if pending.strip():
+        keep.append(pending)
