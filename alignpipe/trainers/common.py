@@ -115,16 +115,19 @@ def total_steps(cfg: TrainingArgs, batches_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.epochs * batches_per_epoch / cfg.gradient_accumulation_steps))
 
 
-def grad_norm(model) -> float:
+def grad_norm(model) -> torch.Tensor:
     grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)), 2)) if grads else 0.0
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)), 2)
 
 
-def clip_and_measure(accelerator, model, max_norm: float | None) -> float:
-    """The global gradient norm before clipping, clipping to `max_norm` when set (one pass over the grads)."""
+def clip_and_measure(accelerator, model, max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm before clipping (a device tensor, read when logged), clipping to `max_norm` when set
+    (one pass over the grads)."""
     if not max_norm:
         return grad_norm(model)
-    return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
 
 class Checkpointer:
@@ -194,18 +197,20 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
 
 
 class Throughput:
-    """Tokens/s and samples/s between two log points."""
+    """Tokens/s and samples/s between two log points. Token counts may be device tensors: they are summed where
+    they are and read once, in `read()`."""
 
     def __init__(self):
-        self.t0, self.tokens, self.samples = time.perf_counter(), 0, 0
+        self.t0, self.samples = time.perf_counter(), 0
+        self.tokens: int | torch.Tensor = 0
 
-    def add(self, tokens: int, samples: int) -> None:
-        self.tokens += tokens
+    def add(self, tokens: int | torch.Tensor, samples: int) -> None:
+        self.tokens = self.tokens + tokens
         self.samples += samples
 
     def read(self) -> dict[str, float]:
         dt = max(1e-9, time.perf_counter() - self.t0)
-        out = {"tokens_per_s": self.tokens / dt, "samples_per_s": self.samples / dt}
+        out = {"tokens_per_s": float(self.tokens) / dt, "samples_per_s": self.samples / dt}
         self.t0, self.tokens, self.samples = time.perf_counter(), 0, 0
         return out
 
@@ -290,6 +295,12 @@ class TrainLoop:
         self.checkpoints = Checkpointer(self.output_dir, cfg.save_total_limit)
         self.state = self.checkpoints.resume(self.accelerator)
         self.step = self.state["step"] if self.state else 0
+        self.meter = Throughput()
+
+    def count(self, tokens: int | torch.Tensor, samples: int) -> None:
+        """Add work done outside the data loader's batches (e.g. a rollout's generated tokens) to tokens_per_s and
+        samples_per_s."""
+        self.meter.add(tokens, samples)
 
     @property
     def iteration(self) -> int:
@@ -320,8 +331,8 @@ class TrainLoop:
         cfg, acc = self.cfg, self.accelerator
         started = time.perf_counter()
         batches = self._micro_batches((self.step // self.repeat) * cfg.gradient_accumulation_steps)
-        meter = Throughput()
-        window_metrics: list[dict[str, float]] = []
+        meter = self.meter = Throughput()
+        window_metrics: list[dict[str, float | torch.Tensor]] = []
         bar = progress(self.steps, self.name, acc.is_main_process, initial=self.step)
         self.model.train()
         window: list = []
@@ -329,10 +340,11 @@ class TrainLoop:
             if self.step % self.repeat == 0 or not window:
                 window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
             metrics = step_fn(window)
-            if "loss" in metrics and not math.isfinite(metrics["loss"]):
+            loss = float(metrics["loss"]) if "loss" in metrics else 0.0  # the one read per step: a NaN stops here
+            if not math.isfinite(loss):
                 last = self.checkpoints.complete()
                 raise FloatingPointError(
-                    f"{self.name}: loss is {metrics['loss']} at step {self.step + 1}; "
+                    f"{self.name}: loss is {loss} at step {self.step + 1}; "
                     f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
                 )
             gnorm = clip_and_measure(acc, self.model, cfg.max_grad_norm)
@@ -342,17 +354,15 @@ class TrainLoop:
             self.step += 1
             for b in window:
                 if isinstance(b, dict) and "attention_mask" in b:
-                    meter.add(int(b["attention_mask"].sum()), len(b["attention_mask"]))
-            if "num_tokens" in metrics.get("_meter", {}):
-                meter.add(int(metrics["_meter"]["num_tokens"]), int(metrics["_meter"]["num_samples"]))
-            metrics = {k: v for k, v in metrics.items() if k != "_meter"}
+                    meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
             window_metrics.append({**metrics, "grad_norm": gnorm})
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
+                # step functions may report device tensors: they are read here, once per log point
                 mean = {
-                    k: window_metrics[-1][k]
+                    k: float(window_metrics[-1][k])
                     if k in RUNNING_TOTALS
-                    else sum(m[k] for m in window_metrics) / len(window_metrics)
+                    else float(sum(m[k] for m in window_metrics) / len(window_metrics))
                     for k in window_metrics[0]
                 }
                 mean |= {

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,6 +79,211 @@ def completion_logps(
     )
 
 
+@dataclass
+class GRPORollout:
+    """One generation batch, B = prompts × num_generations rows in groups of one prompt's samples, in the order it is
+    built: generation, then scoring, then the reference and old-policy log-probs (host tensors; micro-batches move
+    to the device as they train)."""
+
+    # after generation
+    prompt_ids: torch.Tensor
+    """(B, P) left-padded prompt ids, each prompt repeated for its group."""
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    """(B, C) right-padded completion ids."""
+    mask: torch.Tensor
+    """(B, C) 1 on the tokens that train: through the first EOS (none for truncated rows with
+    `mask_truncated_completions`)."""
+    lengths: torch.Tensor
+    ended: torch.Tensor
+    """(B,) whether the completion ended with EOS."""
+    # after scoring
+    rewards: torch.Tensor
+    """(B,) the reward set's weighted total (NaN where no function could score)."""
+    per_fn: torch.Tensor
+    """(B, functions) each reward function's score."""
+    advantages: torch.Tensor
+    group_std: torch.Tensor
+    # after the reference / old-policy passes
+    old_logps: torch.Tensor | None
+    """π_old's log-probs (num_iterations > 1 only; otherwise π_old is π detached)."""
+    ref_logps: torch.Tensor | None
+    """The reference's log-probs (beta > 0 only)."""
+    step_tokens_per_process: float
+    """Completion tokens of the whole step over all processes, per process (the dapo normaliser)."""
+
+    def stats(self, reward_names: list[str]) -> dict[str, float]:
+        """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
+        finite = self.rewards[~torch.isnan(self.rewards)]
+        out = {
+            "reward": float(finite.mean()) if len(finite) else 0.0,
+            "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
+            "frac_reward_zero_std": frac_zero_std(self.group_std),
+            "completions/mean_length": float(self.lengths.float().mean()),
+            "completions/min_length": float(self.lengths.min()),
+            "completions/max_length": float(self.lengths.max()),
+            "completions/clipped_ratio": float((~self.ended).float().mean()),
+        }
+        for k, name in enumerate(reward_names):
+            col = self.per_fn[:, k][~torch.isnan(self.per_fn[:, k])]
+            out[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
+            out[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
+        return out
+
+
+@dataclass
+class GRPORun:
+    """What `rollout` and `update` read: the config, the loop (model, optimizer, accelerator), the engine and the
+    reference (a frozen copy, or the adapter-disabled policy under LoRA, or none when beta is 0)."""
+
+    cfg: GRPOConfig
+    loop: TrainLoop
+    tokenizer: Any
+    rewards: RewardSet
+    engine: Any
+    ref: Any
+    seed: int
+
+    @property
+    def temperature(self) -> float:
+        return self.cfg.sampling.temperature or 1.0
+
+    @property
+    def epsilon_high(self) -> float:
+        return self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
+
+    def reference(self):
+        """The reference model and the context it runs in."""
+        if self.ref is not None:
+            return self.ref, contextlib.nullcontext()
+        return self.loop.model, self.loop.unwrapped.disable_adapter()
+
+    def encode_prompts(self, rows: list[dict]) -> list[list[int]]:
+        ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
+        return [x[-self.cfg.max_prompt_length :] if self.cfg.max_prompt_length else x for x in ids]
+
+    def logps_of(self, model, batch: GRPORollout, context) -> torch.Tensor:
+        """Log-probs of every completion of `batch` under `model` (no grad), micro-batch by micro-batch."""
+        device, cfg = self.loop.accelerator.device, self.cfg
+        parts = []
+        with context:
+            for s in range(0, batch.completion_ids.size(0), cfg.batch_size):
+                sl = slice(s, s + cfg.batch_size)
+                parts.append(
+                    completion_logps(
+                        model,
+                        batch.prompt_ids[sl].to(device),
+                        batch.prompt_mask[sl].to(device),
+                        batch.completion_ids[sl].to(device),
+                        self.temperature,
+                        cfg.logprob_chunk_tokens,
+                        group=cfg.num_generations,
+                    ).float()
+                )
+        return torch.cat(parts)
+
+
+@torch.no_grad()
+def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, list[str], list[str]]:
+    """Generate `num_generations` completions per prompt, score them, turn rewards into group advantages and take
+    the old-policy and reference log-probs the loss needs. Returns the rollout with its prompts and completions."""
+    cfg, loop, G = run.cfg, run.loop, run.cfg.num_generations
+    pad = run.tokenizer.pad_token_id
+    prompt_lists = run.encode_prompts(batch_rows)
+    run.engine.update_weights(loop.unwrapped)
+    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    gens = run.engine.generate(prompt_lists, G, sampling, seed=run.seed + loop.step)
+    rep_rows = [r for r in batch_rows for _ in range(G)]
+    prompts_text, completions = [r["prompt"] for r in rep_rows], [g.completion for g in gens]
+    total, per_fn = run.rewards(prompts_text, completions, extra_columns(rep_rows))
+    advantages, std = group_advantages(total, G, cfg.scale_rewards)
+    prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], pad, left=True)
+    completion_ids, _ = pad_rows([g.completion_ids for g in gens], pad)
+    lengths = torch.tensor([len(g.completion_ids) for g in gens])
+    ended = torch.tensor([g.finish_reason == "stop" for g in gens])
+    mask = completion_mask(completion_ids, lengths, ended, cfg.mask_truncated_completions)
+    acc = loop.accelerator
+    tokens = mask.sum().to(acc.device)
+    if acc.num_processes > 1:
+        tokens = acc.reduce(tokens, "sum")
+    batch = GRPORollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        mask,
+        lengths,
+        ended,
+        total,
+        per_fn,
+        advantages,
+        std,
+        old_logps=None,
+        ref_logps=None,
+        step_tokens_per_process=float(tokens) / acc.num_processes,
+    )
+    loop.model.eval()
+    if cfg.num_iterations > 1:
+        batch.old_logps = run.logps_of(loop.model, batch, contextlib.nullcontext())
+    if cfg.beta != 0.0:
+        ref_model, context = run.reference()
+        batch.ref_logps = run.logps_of(ref_model, batch, context)
+    loop.model.train()
+    loop.count(mask.sum() + prompt_mask.sum(), len(gens))
+    return batch, prompts_text, completions
+
+
+def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
+    """One optimizer step's forward and backward over the rollout, micro-batch by micro-batch (the loop then clips
+    and steps). Returns the loss and TRL's per-token metrics as device tensors, read when logged."""
+    cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
+    device, eps_high = acc.device, run.epsilon_high
+    micro = list(range(0, batch.completion_ids.size(0), cfg.batch_size))
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(key: str, value: torch.Tensor) -> None:
+        sums[key] = sums.get(key, 0) + value.detach() / len(micro)
+
+    for j, s in enumerate(micro):
+        sl = slice(s, s + cfg.batch_size)
+        mask = batch.mask[sl].to(device)
+        adv = batch.advantages[sl].to(device)
+        with loop.no_sync_unless(j == len(micro) - 1):
+            logps, entropy = completion_logps(
+                loop.model,
+                batch.prompt_ids[sl].to(device),
+                batch.prompt_mask[sl].to(device),
+                batch.completion_ids[sl].to(device),
+                run.temperature,
+                cfg.logprob_chunk_tokens,
+                with_entropy=True,
+                group=cfg.num_generations,
+            )
+            old = batch.old_logps[sl].to(device) if batch.old_logps is not None else None
+            ref = batch.ref_logps[sl].to(device) if batch.ref_logps is not None else None
+            ptl, ratio, kl = per_token_loss(
+                logps.float(), old, ref, adv, cfg.epsilon, eps_high, cfg.beta, cfg.kl_importance_correction
+            )
+            loss = aggregate(
+                ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
+            )
+            acc.backward(loss)
+        with torch.no_grad():
+            # dapo's loss is already a share of the step's; the others are means over micro-batches
+            add("loss", loss * (len(micro) if cfg.loss_type != "dapo" else 1.0))
+            a = adv.unsqueeze(1)
+            low = ((ratio < 1 - cfg.epsilon) & (a < 0)).float()
+            high = ((ratio > 1 + eps_high) & (a > 0)).float()
+            add("clip_ratio/low_mean", masked_mean(low, mask))
+            add("clip_ratio/high_mean", masked_mean(high, mask))
+            add("clip_ratio/region_mean", masked_mean(torch.maximum(low, high), mask))
+            add("entropy", masked_mean(entropy, mask))
+            if kl is not None:
+                add("kl", masked_mean(kl, mask))
+    if cfg.loss_type == "dapo":
+        sums["loss"] = sums["loss"] * len(micro)
+    return sums
+
+
 @under_attention_kernels
 def train(
     cfg: GRPOConfig,
@@ -95,11 +302,7 @@ def train(
     if cfg.batch_size % G:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
     seed = resolve_seed(cfg.seed, seed)
-    temperature = cfg.sampling.temperature or 1.0
-    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
-    eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))  # a broken reward fails before any rollout
-
     loop = TrainLoop(
         "grpo",
         cfg,
@@ -112,172 +315,35 @@ def train(
         rows_per_batch=cfg.batch_size // G,
         repeat=cfg.num_iterations,
     )
-    acc = loop.accelerator
-    device = acc.device
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
         engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size)
     if cfg.beta and not cfg.lora and ref_model is None:
         raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
-    ref = ref_model.to(device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None
+    ref = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None
+    run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
+    current: dict[str, Any] = {}
 
-    def ref_context():
-        return loop.unwrapped.disable_adapter() if (cfg.beta and cfg.lora) else contextlib.nullcontext()
-
-    def encode_prompts(rs: list[dict]) -> list[list[int]]:
-        ids = tokenizer([r["prompt"] for r in rs])["input_ids"]
-        return [x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x for x in ids]
-
-    buffer: dict = {}
-
-    @torch.no_grad()
-    def rollout(window: list[list[dict]]) -> dict[str, float]:
-        batch_rows = [r for micro in window for r in micro]
-        prompt_lists = encode_prompts(batch_rows)
-        engine.update_weights(loop.unwrapped)
-        gens = engine.generate(prompt_lists, G, sampling, seed=seed + loop.step)
-        rep_rows = [r for r in batch_rows for _ in range(G)]
-        prompts_text = [r["prompt"] for r in rep_rows]
-        completions = [g.completion for g in gens]
-        total, per_fn = rewards(prompts_text, completions, extra_columns(rep_rows))
-        adv, std = group_advantages(total, G, cfg.scale_rewards)
-        prompt_ids, prompt_mask = pad_rows(
-            [p for p in prompt_lists for _ in range(G)], tokenizer.pad_token_id, left=True
-        )
-        comp_ids, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
-        lengths = torch.tensor([len(g.completion_ids) for g in gens])
-        ended = torch.tensor([g.finish_reason == "stop" for g in gens])
-        mask = completion_mask(comp_ids, lengths, ended, cfg.mask_truncated_completions)
-        buf = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": comp_ids,
-            "mask": mask,
-            "advantages": adv,
-        }
-        loop.model.eval()
-        for key, needed, model_ctx in (
-            ("old_logps", cfg.num_iterations > 1, (loop.model, contextlib.nullcontext())),
-            ("ref_logps", cfg.beta != 0.0, (ref if ref is not None else loop.model, ref_context())),
-        ):
-            if not needed:
-                continue
-            m, ctx = model_ctx
-            parts = []
-            with ctx:
-                for s in range(0, len(gens), cfg.batch_size):
-                    sl = slice(s, s + cfg.batch_size)
-                    parts.append(
-                        completion_logps(
-                            m,
-                            prompt_ids[sl].to(device),
-                            prompt_mask[sl].to(device),
-                            comp_ids[sl].to(device),
-                            temperature,
-                            cfg.logprob_chunk_tokens,
-                            group=G,
-                        ).float()
-                    )
-            buf[key] = torch.cat(parts)
-        loop.model.train()
-        tokens = float(mask.sum())
-        if acc.num_processes > 1:
-            tokens = float(acc.reduce(torch.tensor(tokens, device=device), "sum"))
-        buf["step_tokens_per_process"] = tokens / acc.num_processes
-        buffer.clear()
-        buffer.update(buf)
-        finite = total[~torch.isnan(total)]
-        stats = {
-            "reward": float(finite.mean()) if len(finite) else 0.0,
-            "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
-            "frac_reward_zero_std": frac_zero_std(std),
-            "completions/mean_length": float(lengths.float().mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float((~ended).float().mean()),
-        }
-        for k, name in enumerate(rewards.names):
-            col = per_fn[:, k][~torch.isnan(per_fn[:, k])]
-            stats[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
-            stats[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
-        if loop.step % cfg.sample_every == 0 and acc.is_main_process:
-            table = [
-                {"prompt": p, "completion": c, "reward": float(t)}
-                for p, c, t in zip(prompts_text[:8], completions[:8], total[:8])
-            ]
-            tracker.log_table(table, f"samples/step_{loop.step:06d}")
-            print_samples(table, f"grpo samples at step {loop.step}")
-        buffer["rollout_stats"] = stats
-        buffer["num_samples"] = len(gens)
-        return stats
-
-    def step(window: list[list[dict]]) -> dict[str, float]:
-        if loop.iteration == 0:
-            rollout(window)
-        b = buffer
-        n = b["completion_ids"].size(0)
-        sums = {
-            "kl": 0.0,
-            "entropy": 0.0,
-            "clip_ratio/low_mean": 0.0,
-            "clip_ratio/high_mean": 0.0,
-            "clip_ratio/region_mean": 0.0,
-        }
-        loss_total = 0.0
-        micro = list(range(0, n, cfg.batch_size))
-        for j, s in enumerate(micro):
-            sl = slice(s, s + cfg.batch_size)
-            mask = b["mask"][sl].to(device)
-            with loop.no_sync_unless(j == len(micro) - 1):
-                logps, entropy = completion_logps(
-                    loop.model,
-                    b["prompt_ids"][sl].to(device),
-                    b["prompt_mask"][sl].to(device),
-                    b["completion_ids"][sl].to(device),
-                    temperature,
-                    cfg.logprob_chunk_tokens,
-                    with_entropy=True,
-                    group=G,
-                )
-                old = b["old_logps"][sl].to(device) if "old_logps" in b else None
-                refl = b["ref_logps"][sl].to(device) if "ref_logps" in b else None
-                adv = b["advantages"][sl].to(device)
-                ptl, ratio, kl = per_token_loss(
-                    logps.float(), old, refl, adv, cfg.epsilon, eps_high, cfg.beta, cfg.kl_importance_correction
-                )
-                loss = aggregate(
-                    ptl, mask, cfg.loss_type, cfg.max_completion_length, b["step_tokens_per_process"], len(micro)
-                )
-                acc.backward(loss)
-            with torch.no_grad():
-                loss_total += float(loss) * (len(micro) if cfg.loss_type != "dapo" else 1.0)
-                a = adv.unsqueeze(1)
-                low = ((ratio < 1 - cfg.epsilon) & (a < 0)).float()
-                high = ((ratio > 1 + eps_high) & (a > 0)).float()
-                sums["clip_ratio/low_mean"] += float(masked_mean(low, mask)) / len(micro)
-                sums["clip_ratio/high_mean"] += float(masked_mean(high, mask)) / len(micro)
-                sums["clip_ratio/region_mean"] += float(masked_mean(torch.maximum(low, high), mask)) / len(micro)
-                sums["entropy"] += float(masked_mean(entropy, mask)) / len(micro)
-                if kl is not None:
-                    sums["kl"] += float(masked_mean(kl, mask)) / len(micro)
-        loss_value = loss_total / (len(micro) if cfg.loss_type != "dapo" else 1.0)
-        out = {"loss": loss_value, **sums, **b["rollout_stats"]}
-        if cfg.beta == 0.0:
-            out.pop("kl")
-        tokens = float(b["mask"].sum() + b["prompt_mask"].sum())
-        out["_meter"] = {
-            "num_tokens": tokens if loop.iteration == 0 else 0,
-            "num_samples": b["num_samples"] if loop.iteration == 0 else 0,
-        }
-        return out
+    def step(window: list[list[dict]]) -> dict:
+        if loop.iteration == 0:  # a new generation batch; num_iterations > 1 reuses it
+            batch, prompts, completions = rollout(run, [r for micro in window for r in micro])
+            current.update(batch=batch, stats=batch.stats(rewards.names))
+            if loop.step % cfg.sample_every == 0 and loop.accelerator.is_main_process:
+                table = [
+                    {"prompt": p, "completion": c, "reward": float(t)}
+                    for p, c, t in zip(prompts[:8], completions[:8], batch.rewards[:8])
+                ]
+                tracker.log_table(table, f"samples/step_{loop.step:06d}")
+                print_samples(table, f"grpo samples at step {loop.step}")
+        return {**update(run, current["batch"]), **current["stats"]}
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         sample = (eval_rows or [])[:64]
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
         engine.update_weights(loop.unwrapped)
-        gens = engine.generate(encode_prompts(sample), 1, greedy)
+        gens = engine.generate(run.encode_prompts(sample), 1, greedy)
         total, _ = rewards([r["prompt"] for r in sample], [g.completion for g in gens], extra_columns(sample))
         finite = total[~torch.isnan(total)]
         return {"reward": float(finite.mean()) if len(finite) else 0.0}
