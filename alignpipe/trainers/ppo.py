@@ -39,6 +39,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -160,6 +161,253 @@ class Rollout:
     kl_coef: float
 
 
+@dataclass
+class PPORun:
+    """What `rollout` and `update` read and move: the config, the accelerator, the policy + value module under one
+    optimizer, the reference (a frozen copy, or the adapter-disabled policy under LoRA), the engine, and the KL and
+    score controls."""
+
+    cfg: PPOConfig
+    acc: Any
+    model: Any
+    """The prepared `PolicyAndValue` (DDP-wrapped when several processes)."""
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    rewards: RewardSet
+    engine: Any
+    ref: Any
+    kl_ctl: KLController
+    moments: RunningMoments | None
+    seed: int
+
+    @property
+    def unwrapped(self) -> PolicyAndValue:
+        return self.acc.unwrap_model(self.model)
+
+    @property
+    def temperature(self) -> float:
+        return self.cfg.sampling.temperature or 1.0
+
+    @property
+    def mini_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.gradient_accumulation_steps
+
+    @property
+    def rollout_size(self) -> int:
+        return self.mini_batch * self.cfg.num_mini_batches
+
+    def reference(self):
+        """The reference model and the context it runs in."""
+        if self.ref is not None:
+            return self.ref, contextlib.nullcontext()
+        return self.unwrapped.policy, self.unwrapped.policy.disable_adapter()
+
+    def score_episodes(self, q, qm, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logprobs, ref_logprobs, full-distribution KL or None) of a slice of episodes."""
+        cfg, policy = self.cfg, self.unwrapped.policy
+        ref_model, ref_ctx = self.reference()
+        if cfg.kl_penalty == "full":
+            hidden, *head = response_hidden(policy, q, qm, r)
+            with ref_ctx:
+                ref_hidden, *ref_head = response_hidden(ref_model, q, qm, r)
+            return full_kl(
+                hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, cfg.logprob_chunk_tokens
+            )
+        lp = response_logprobs(policy, q, qm, r, self.temperature, cfg.logprob_chunk_tokens)
+        with ref_ctx:
+            ref_lp = response_logprobs(ref_model, q, qm, r, self.temperature, cfg.logprob_chunk_tokens)
+        return lp, ref_lp, None
+
+
+@torch.no_grad()
+def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rollout, list, torch.Tensor]:
+    """Sample one response per prompt, score it (reward set, EOS penalty, score scaling), take the policy's,
+    reference's and value model's view of every token, and turn it into per-token rewards, advantages and returns.
+    Returns the rollout, the generations and each reward function's scores."""
+    cfg, device, tok = run.cfg, run.acc.device, run.tokenizer
+    unwrapped = run.unwrapped
+    prompts = [
+        x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x
+        for x in tok([r["prompt"] for r in batch_rows])["input_ids"]
+    ]
+    run.engine.update_weights(unwrapped.policy)
+    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    gens = run.engine.generate(prompts, 1, sampling, seed=run.seed + update_index)
+    query, query_mask = pad_rows(prompts, tok.pad_token_id, left=True)
+    response, _ = pad_rows([g.completion_ids for g in gens], tok.pad_token_id)
+    lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
+    query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
+    total, per_fn = run.rewards(
+        [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
+    )
+    raw_scores = torch.nan_to_num(total, nan=0.0).to(device)
+    scores = raw_scores.clone()
+    if cfg.missing_eos_penalty is not None:
+        scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
+    scores = transform_scores(scores, run.moments, cfg.use_score_norm, cfg.score_clip)
+    unwrapped.eval()
+    lp_parts, ref_parts, kl_parts, value_parts = [], [], [], []
+    for s in range(0, len(gens), cfg.batch_size):
+        sl = slice(s, s + cfg.batch_size)
+        lp, ref_lp, full = run.score_episodes(query[sl], query_mask[sl], response[sl])
+        lp_parts.append(lp)
+        ref_parts.append(ref_lp)
+        if full is not None:
+            kl_parts.append(full)
+        value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
+    last = (lengths - 1).to(device)
+    padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
+    logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
+    ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
+    values = torch.cat(value_parts).masked_fill(padding, 0)
+    kl = (torch.cat(kl_parts).float() if kl_parts else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)).masked_fill(
+        padding, 0
+    )
+    token_rewards, non_score = kl_rewards(scores, kl, last, run.kl_ctl.value)
+    advantages, returns = advantages_and_returns(
+        token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards
+    )
+    batch = Rollout(
+        query=query,
+        query_mask=query_mask,
+        response=response,
+        response_mask=~padding,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        kl=kl,
+        advantages=advantages,
+        returns=returns,
+        raw_scores=raw_scores,
+        scores=scores,
+        non_score=non_score.masked_fill(padding, 0),
+        kl_coef=run.kl_ctl.value,
+    )
+    return batch, gens, per_fn
+
+
+EPOCH_STATS = ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
+
+
+def update(run: PPORun, b: Rollout) -> dict[str, float]:
+    """Up to `num_ppo_epochs` passes over shuffled mini-batches of the rollout, one optimizer step per mini-batch;
+    a micro-batch over `ratio_threshold` is skipped, and `early_stopping` ends the passes. The statistics stay on
+    the device and are read once, at the end. Returns the epoch metrics."""
+    cfg, acc, model, unwrapped = run.cfg, run.acc, run.model, run.unwrapped
+    unwrapped.train()
+    stats: dict[str, list[torch.Tensor]] = {k: [] for k in EPOCH_STATS}
+    skipped, epochs_run, stopped = 0, 0, False
+    for epoch in range(cfg.num_ppo_epochs):
+        perm = torch.randperm(run.rollout_size, device=acc.device)
+        for m0 in range(0, run.rollout_size, run.mini_batch):
+            mb = perm[m0 : m0 + run.mini_batch]
+            skipped_here = 0
+            for j, s in enumerate(range(0, run.mini_batch, cfg.batch_size)):
+                ix = mb[s : s + cfg.batch_size]
+                mask = b.response_mask[ix]
+                sync = j == cfg.gradient_accumulation_steps - 1
+                with contextlib.nullcontext() if sync else acc.no_sync(model):
+                    new_lp, entropy = response_logprobs(
+                        unwrapped.policy,
+                        b.query[ix],
+                        b.query_mask[ix],
+                        b.response[ix],
+                        run.temperature,
+                        cfg.logprob_chunk_tokens,
+                        with_entropy=True,
+                    )
+                    new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
+                    vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix])
+                    vpred = vpred.masked_fill(~mask, 0)
+                    pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
+                    vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
+                    loss = pl.loss + cfg.vf_coef * vf
+                    if ratio_exceeds(pl.ratio.detach(), mask, cfg.ratio_threshold):
+                        loss = loss * 0.0  # backward still runs, so processes stay in step
+                        skipped_here += 1
+                    acc.backward(loss / cfg.gradient_accumulation_steps)
+                for k, v in zip(
+                    EPOCH_STATS,
+                    (
+                        pl.approxkl,
+                        pl.policykl,
+                        pl.clipfrac,
+                        pl.loss,
+                        vf,
+                        vf_clipfrac,
+                        masked_mean(entropy, mask),
+                        masked_mean(pl.ratio, mask),
+                    ),
+                ):
+                    stats[k].append(v.detach())
+            skipped += skipped_here
+            if skipped_here < cfg.gradient_accumulation_steps:
+                if cfg.max_grad_norm:
+                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        epochs_run = epoch + 1
+        if cfg.early_stopping and should_stop_early(float(stats["policykl"][-1]), cfg.target_kl):
+            stopped = True
+            log.info(
+                "ppo: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)",
+                epochs_run,
+                cfg.num_ppo_epochs,
+                float(stats["policykl"][-1]),
+                cfg.target_kl,
+            )
+            for _ in range((cfg.num_ppo_epochs - epochs_run) * cfg.num_mini_batches):
+                run.scheduler.step()  # the schedule stays on time with the updates
+            break
+    ratios = torch.stack(stats["ratio"])
+    means = torch.stack(
+        [torch.stack(v).mean() for v in stats.values()]
+        + [ratios.var() if len(ratios) > 1 else torch.zeros((), device=ratios.device)]
+    ).tolist()
+    avg = dict(zip([*EPOCH_STATS, "ratio_var"], means))
+    return {
+        "policy/approxkl_avg": avg["approxkl"],
+        "policy/policykl_avg": avg["policykl"],
+        "policy/clipfrac_avg": avg["clipfrac"],
+        "loss/policy_avg": avg["pg_loss"],
+        "loss/value_avg": avg["vf_loss"],
+        "val/clipfrac_avg": avg["vf_clipfrac"],
+        "policy/entropy_avg": avg["entropy"],
+        "val/ratio": avg["ratio"],
+        "val/ratio_var": avg["ratio_var"],
+        "policy/ppo_epochs": float(epochs_run),
+        "policy/early_stopped": float(stopped),
+        "policy/skipped_batches": float(skipped),
+    }
+
+
+def batch_metrics(run: PPORun, b: Rollout, per_fn: torch.Tensor) -> dict[str, float]:
+    """The rollout's objective metrics (TRL's names): KL and non-score reward summed over a response and averaged,
+    scores, entropy, EOS count, rewards per function, the running score statistics with score scaling."""
+    mean_non_score = float(b.non_score.sum(1).mean())
+    out = {
+        "objective/kl": float(b.kl.sum(1).mean()),
+        "objective/kl_coef": b.kl_coef,
+        "objective/entropy": float((-b.logprobs.masked_fill(~b.response_mask, 0)).sum(1).mean()),
+        "objective/non_score_reward": mean_non_score,
+        "objective/rlhf_reward": mean_non_score + float(b.scores.mean()),
+        "objective/scores": float(b.scores.mean()),
+        "objective/raw_scores": float(b.raw_scores.mean()),
+        "val/num_eos_tokens": float((b.response == run.tokenizer.eos_token_id).sum()),
+    }
+    if run.moments is not None:
+        out |= {
+            "objective/score_running_mean": float(run.moments.mean),
+            "objective/score_running_std": float(run.moments.std),
+        }
+    for j, fn_name in enumerate(run.rewards.names):
+        col = per_fn[:, j][~torch.isnan(per_fn[:, j])]
+        out[f"rewards/{fn_name}/mean"] = float(col.mean()) if len(col) else 0.0
+    return out
+
+
 @under_attention_kernels
 def train(
     cfg: PPOConfig,
@@ -182,23 +430,19 @@ def train(
     output_dir = Path(output_dir)
     seed = resolve_seed(cfg.seed, seed)
     seed_everything(seed)
-    temperature = cfg.sampling.temperature or 1.0
-    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
 
     acc = Accelerator(cpu=not torch.cuda.is_available())
-    device = acc.device
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(policy)
     if cfg.lora:
         policy = lora_model(policy, cfg.lora)
     elif ref_model is None:
         raise ValueError("full-model PPO needs `ref_model` (a frozen copy of the starting policy)")
-    ref = ref_model.to(device).eval().requires_grad_(False) if not cfg.lora else None
+    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     value_model.config.pad_token_id = tokenizer.pad_token_id
     model = PolicyAndValue(policy, value_model)
-    mini = cfg.batch_size * cfg.gradient_accumulation_steps
-    rollout_size = mini * cfg.num_mini_batches
+    rollout_size = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
     updates = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(rows) / rollout_size))
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
@@ -210,242 +454,65 @@ def train(
     moments = RunningMoments() if cfg.use_score_scaling else None
     checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
     state = checkpoints.resume(acc)
-    update = state["step"] if state else 0
+    step = state["step"] if state else 0
     if state:
         kl_ctl.load_state_dict(state.get("kl_ctl", kl_ctl.state_dict()))
         if moments is not None and "score_moments" in state:
             moments.load_state_dict(state["score_moments"])
-    unwrapped = acc.unwrap_model(model)
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
-        engine = HFEngine(unwrapped.policy, tokenizer, cfg.rollout.batch_size)
-
-    def reference():
-        """The reference model and the context it runs in (the adapter-disabled policy under LoRA)."""
-        if ref is not None:
-            return ref, contextlib.nullcontext()
-        return unwrapped.policy, unwrapped.policy.disable_adapter()
-
-    def score_episodes(q, qm, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(logprobs, ref_logprobs, full KL or None) of a slice of episodes."""
-        ref_model_, ref_ctx = reference()
-        if cfg.kl_penalty == "full":
-            hidden, *head = response_hidden(unwrapped.policy, q, qm, r)
-            with ref_ctx:
-                ref_hidden, *ref_head = response_hidden(ref_model_, q, qm, r)
-            return full_kl(hidden, tuple(head), ref_hidden, tuple(ref_head), r, temperature, cfg.logprob_chunk_tokens)
-        lp = response_logprobs(unwrapped.policy, q, qm, r, temperature, cfg.logprob_chunk_tokens)
-        with ref_ctx:
-            ref_lp = response_logprobs(ref_model_, q, qm, r, temperature, cfg.logprob_chunk_tokens)
-        return lp, ref_lp, None
-
-    def rollout(batch_rows: list[dict]) -> tuple[Rollout, list, torch.Tensor]:
-        prompts = [
-            x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x
-            for x in tokenizer([r["prompt"] for r in batch_rows])["input_ids"]
-        ]
-        engine.update_weights(unwrapped.policy)
-        gens = engine.generate(prompts, 1, sampling, seed=seed + update)
-        query, query_mask = pad_rows(prompts, tokenizer.pad_token_id, left=True)
-        response, _ = pad_rows([g.completion_ids for g in gens], tokenizer.pad_token_id)
-        lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
-        query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
-        total, per_fn = rewards(
-            [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
-        )
-        raw_scores = torch.nan_to_num(total, nan=0.0).to(device)
-        scores = raw_scores.clone()
-        if cfg.missing_eos_penalty is not None:
-            scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
-        scores = transform_scores(scores, moments, cfg.use_score_norm, cfg.score_clip)
-        unwrapped.eval()
-        lp_parts, ref_parts, kl_parts, value_parts = [], [], [], []
-        for s in range(0, rollout_size, cfg.batch_size):
-            sl = slice(s, s + cfg.batch_size)
-            lp, ref_lp, full = score_episodes(query[sl], query_mask[sl], response[sl])
-            lp_parts.append(lp)
-            ref_parts.append(ref_lp)
-            if full is not None:
-                kl_parts.append(full)
-            value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
-        last = (lengths - 1).to(device)
-        padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
-        logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
-        ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
-        values = torch.cat(value_parts).masked_fill(padding, 0)
-        kl = (
-            torch.cat(kl_parts).float() if kl_parts else kl_estimate(logprobs, ref_logprobs, cfg.kl_penalty)
-        ).masked_fill(padding, 0)
-        token_rewards, non_score = kl_rewards(scores, kl, last, kl_ctl.value)
-        advantages, returns = advantages_and_returns(
-            token_rewards, values, ~padding, cfg.gamma, cfg.lam, cfg.whiten_rewards
-        )
-        batch = Rollout(
-            query=query,
-            query_mask=query_mask,
-            response=response,
-            response_mask=~padding,
-            logprobs=logprobs,
-            ref_logprobs=ref_logprobs,
-            values=values,
-            kl=kl,
-            advantages=advantages,
-            returns=returns,
-            raw_scores=raw_scores,
-            scores=scores,
-            non_score=non_score.masked_fill(padding, 0),
-            kl_coef=kl_ctl.value,
-        )
-        return batch, gens, per_fn
+        engine = HFEngine(acc.unwrap_model(model).policy, tokenizer, cfg.rollout.batch_size)
+    run = PPORun(cfg, acc, model, optimizer, scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed)
 
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    bar = progress(updates, "ppo", acc.is_main_process, initial=update)
-    steps_per_epoch = cfg.num_mini_batches
-    while update < updates:
+    bar = progress(updates, "ppo", acc.is_main_process, initial=step)
+    while step < updates:
         t0 = time.perf_counter()
-        start = (update * rollout_size) % len(rows)
+        start = (step * rollout_size) % len(rows)
         batch_rows = [rows[order[(start + i) % len(rows)]] for i in range(rollout_size)]
-        with torch.no_grad():
-            b, gens, per_fn = rollout(batch_rows)
-        # ---- PPO epochs
-        unwrapped.train()
-        stats: dict[str, list[float]] = {
-            k: [] for k in ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
-        }
-        skipped, epochs_run, stopped = 0, 0, False
-        for epoch in range(cfg.num_ppo_epochs):
-            perm = torch.randperm(rollout_size, device=device)
-            for m0 in range(0, rollout_size, mini):
-                mb = perm[m0 : m0 + mini]
-                skipped_here = 0
-                for j, s in enumerate(range(0, mini, cfg.batch_size)):
-                    ix = mb[s : s + cfg.batch_size]
-                    mask = b.response_mask[ix]
-                    sync = j == cfg.gradient_accumulation_steps - 1
-                    with contextlib.nullcontext() if sync else acc.no_sync(model):
-                        new_lp, entropy = response_logprobs(
-                            unwrapped.policy,
-                            b.query[ix],
-                            b.query_mask[ix],
-                            b.response[ix],
-                            temperature,
-                            cfg.logprob_chunk_tokens,
-                            with_entropy=True,
-                        )
-                        new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
-                        vpred = response_values(
-                            unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix]
-                        ).masked_fill(~mask, 0)
-                        pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
-                        vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
-                        loss = pl.loss + cfg.vf_coef * vf
-                        if ratio_exceeds(pl.ratio.detach(), mask, cfg.ratio_threshold):
-                            loss = loss * 0.0  # backward still runs, so processes stay in step
-                            skipped_here += 1
-                        acc.backward(loss / cfg.gradient_accumulation_steps)
-                    for k, v in (
-                        ("approxkl", pl.approxkl),
-                        ("policykl", pl.policykl),
-                        ("clipfrac", pl.clipfrac),
-                        ("pg_loss", pl.loss),
-                        ("vf_loss", vf),
-                        ("vf_clipfrac", vf_clipfrac),
-                        ("entropy", masked_mean(entropy, mask)),
-                        ("ratio", masked_mean(pl.ratio.detach(), mask)),
-                    ):
-                        stats[k].append(float(v.detach()))
-                skipped += skipped_here
-                if skipped_here < cfg.gradient_accumulation_steps:
-                    if cfg.max_grad_norm:
-                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            epochs_run = epoch + 1
-            if cfg.early_stopping and should_stop_early(stats["policykl"][-1], cfg.target_kl):
-                stopped = True
-                log.info(
-                    "ppo update %d: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)",
-                    update + 1,
-                    epochs_run,
-                    cfg.num_ppo_epochs,
-                    stats["policykl"][-1],
-                    cfg.target_kl,
-                )
-                for _ in range((cfg.num_ppo_epochs - epochs_run) * steps_per_epoch):
-                    scheduler.step()  # the schedule stays on time with the updates
-                break
-        update += 1
+        b, gens, per_fn = rollout(run, batch_rows, step)
+        epoch_metrics = update(run, b)
+        step += 1
         bar.update(1)
-        response_mask = b.response_mask
-        mean_kl = float(b.kl.sum(1).mean())
-        mean_non_score = float(b.non_score.sum(1).mean())
-        kl_ctl.update(mean_kl, rollout_size * acc.num_processes)
-        ratios = torch.tensor(stats["ratio"])
-        metrics = {
+        metrics = batch_metrics(run, b, per_fn) | epoch_metrics
+        kl_ctl.update(metrics["objective/kl"], rollout_size * acc.num_processes)
+        metrics |= {
             "eps": rollout_size / (time.perf_counter() - t0),
-            "objective/kl": mean_kl,
-            "objective/kl_coef": b.kl_coef,
-            "objective/entropy": float((-b.logprobs.masked_fill(~response_mask, 0)).sum(1).mean()),
-            "objective/non_score_reward": mean_non_score,
-            "objective/rlhf_reward": mean_non_score + float(b.scores.mean()),
-            "objective/scores": float(b.scores.mean()),
-            "objective/raw_scores": float(b.raw_scores.mean()),
-            "policy/approxkl_avg": _mean(stats["approxkl"]),
-            "policy/policykl_avg": _mean(stats["policykl"]),
-            "policy/clipfrac_avg": _mean(stats["clipfrac"]),
-            "loss/policy_avg": _mean(stats["pg_loss"]),
-            "loss/value_avg": _mean(stats["vf_loss"]),
-            "val/clipfrac_avg": _mean(stats["vf_clipfrac"]),
-            "policy/entropy_avg": _mean(stats["entropy"]),
-            "val/ratio": float(ratios.mean()),
-            "val/ratio_var": float(ratios.var()) if len(ratios) > 1 else 0.0,
-            "val/num_eos_tokens": float((b.response == tokenizer.eos_token_id).sum()),
             "lr": scheduler.get_last_lr()[0],
-            "episode": update * rollout_size,
-            "policy/ppo_epochs": float(epochs_run),
-            "policy/early_stopped": float(stopped),
-            "policy/skipped_batches": float(skipped),
+            "episode": step * rollout_size,
         }
-        if moments is not None:
-            metrics.update(
-                {"objective/score_running_mean": float(moments.mean), "objective/score_running_std": float(moments.std)}
-            )
-        for j, fn_name in enumerate(rewards.names):
-            col = per_fn[:, j][~torch.isnan(per_fn[:, j])]
-            metrics[f"rewards/{fn_name}/mean"] = float(col.mean()) if len(col) else 0.0
         if not all(math.isfinite(v) for v in metrics.values()):
             bad = [k for k, v in metrics.items() if not math.isfinite(v)]
             last_ckpt = checkpoints.complete()
             raise FloatingPointError(
-                f"ppo: non-finite {bad} at update {update}; last checkpoint kept: "
+                f"ppo: non-finite {bad} at update {step}; last checkpoint kept: "
                 f"{last_ckpt[-1] if last_ckpt else 'none (set save_every)'}"
             )
-        if acc.is_main_process and (update % cfg.logging_every == 0 or update == updates or update == 1):
-            tracker.log_metrics(metrics, update)
-            bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{mean_kl:.3f}")
+        if acc.is_main_process and (step % cfg.logging_every == 0 or step == updates or step == 1):
+            tracker.log_metrics(metrics, step)
+            bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
             log.info(
                 "ppo update %d/%d score=%.4g kl=%.4g kl_coef=%.4g rlhf_reward=%.4g",
-                update,
+                step,
                 updates,
                 metrics["objective/scores"],
-                mean_kl,
+                metrics["objective/kl"],
                 b.kl_coef,
                 metrics["objective/rlhf_reward"],
             )
-        if acc.is_main_process and (update % cfg.sample_every == 0 or update == 1):
+        if acc.is_main_process and (step % cfg.sample_every == 0 or step == 1):
             table = [
                 {"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
                 for r, g, sc in zip(batch_rows[:8], gens[:8], b.scores[:8])
             ]
-            tracker.log_table(table, f"samples/update_{update:06d}")
-            print_samples(table, f"ppo samples at update {update}")
-        if cfg.save_every and update % cfg.save_every == 0 and update != updates:
+            tracker.log_table(table, f"samples/update_{step:06d}")
+            print_samples(table, f"ppo samples at update {step}")
+        if cfg.save_every and step % cfg.save_every == 0 and step != updates:
             extra = {"kl_ctl": kl_ctl.state_dict(), **({"score_moments": moments.state_dict()} if moments else {})}
-            checkpoints.save(acc, update, extra)
+            checkpoints.save(acc, step, extra)
     bar.close()
-    adapter = save_model(acc, unwrapped.policy, tokenizer, output_dir / "model")
+    adapter = save_model(acc, run.unwrapped.policy, tokenizer, output_dir / "model")
     final = {
         k: tracker.last(k)
         for k in ("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef")
@@ -453,13 +520,9 @@ def train(
     }
     return TrainResult(
         model_dir=output_dir / "model",
-        steps=update,
+        steps=step,
         metrics=final,
         adapter=adapter,
         seconds=time.perf_counter() - started,
         resumed_from=state["step"] if state else None,
     )
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
