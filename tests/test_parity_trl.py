@@ -141,7 +141,7 @@ def test_reward_loss_and_metrics_equal_trl(tiny, rows, margin, center):
     trainer = trl.RewardTrainer(model=model, args=args, processing_class=tok, train_dataset=Dataset.from_list(data))
     trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.model.train()
-    trl_loss = float(trainer.compute_loss(trainer.model, dict(trl_batch)))
+    trl_loss = float(trainer.compute_loss(trainer.model, dict(trl_batch)).detach())
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     ours = reward.collate(reward.tokenize(data[:4], tok, 128), tok.pad_token_id)
     for key in ("input_ids", "attention_mask"):

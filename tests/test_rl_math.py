@@ -247,7 +247,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
     }
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)))
+    trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     with torch.no_grad():
         logps, entropy = grpo.completion_logps(

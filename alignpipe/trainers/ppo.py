@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -346,7 +348,13 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
                 if cfg.max_grad_norm:
                     acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 run.optimizer.step()
-            run.scheduler.step()
+            with (
+                warnings.catch_warnings()
+            ):  # a skipped first step: torch warns that the schedule ran before the optimizer
+                warnings.filterwarnings(
+                    "ignore", re.escape("Detected call of `lr_scheduler.step()` before"), UserWarning
+                )
+                run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
         epochs_run = epoch + 1
         if cfg.early_stopping and should_stop_early(float(stats["policykl"][-1]), cfg.target_kl):
