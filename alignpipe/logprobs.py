@@ -42,12 +42,13 @@ WHOLE_LOGITS_MAX = 64 * 2**20
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
     start: int = 0,
     only: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ):
     """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
 
@@ -57,10 +58,15 @@ def token_logprobs(
     large (> WHOLE_LOGITS_MAX values) they run over chunks of at most `chunk_tokens` positions and
     WHOLE_LOGITS_MAX values, each under activation checkpointing when gradients are on, so peak memory holds
     one chunk of logits; small ones are computed in one piece.
+    Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
+    within each row only.
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
-    # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if position_ids is None:
+        if attention_mask is None:
+            raise ValueError("token_logprobs needs an attention_mask or position_ids")
+        # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
     if base is None:

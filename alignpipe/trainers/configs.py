@@ -74,8 +74,11 @@ class SFTConfig(TrainingArgs):
     completion_only_loss: bool = True
     """For prompt-completion data, compute the loss on completion tokens only."""
     packing: bool = False
-    """Concatenate rows into full `max_length` blocks (no padding waste). Rows keep their own loss
-    masks; attention is not reset at row boundaries."""
+    """Put several rows into each `max_length` block (fewer padding tokens, fewer forward passes)."""
+    packing_strategy: Literal["bfd", "wrapped"] = "bfd"
+    """bfd: whole rows, best-fit decreasing, positions restarting at every row so each row attends to itself only
+    and trains exactly as it would alone; wrapped: the rows concatenated and cut every `max_length` tokens (no
+    padding at all, but attention crosses row boundaries and rows are split)."""
 
 
 class RewardConfig(TrainingArgs):

@@ -6,8 +6,10 @@ appended to every sequence. With `completion_only_loss` the prompt tokens get la
 Departures from TRL, on purpose:
 - The loss is averaged over *all* target tokens of the optimizer step (across gradient-accumulation
   micro-batches and processes), not averaged per micro-batch, so accumulation does not change it.
-- Packing concatenates rows into `max_length` blocks keeping each row's loss mask; attention is not
-  reset at row boundaries (TRL's "wrapped" packing; its "bfd" variant needs flash-attention).
+- Packing (`packing: true`) puts whole rows best-fit-decreasing into `max_length` blocks whose positions restart at
+  every row, so each row attends to itself only and trains exactly as alone, on any attention kernel (TRL's "bfd"
+  needs flash-attention for that). `packing_strategy: wrapped` cuts a concatenation every `max_length` tokens instead,
+  attention crossing row boundaries (TRL's "wrapped").
 
 Metrics: train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/samples_per_s, train/epoch,
 train/num_tokens, eval/loss (every `eval_every` steps and at the end).
@@ -17,6 +19,7 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 
 from __future__ import annotations
 
+import bisect
 import logging
 from pathlib import Path
 
@@ -54,31 +57,64 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool
     return out
 
 
-def pack(examples: list[dict], max_length: int) -> list[dict]:
-    """Concatenate examples into blocks of exactly `max_length` tokens (the last one may be shorter)."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for ex in examples:
-        ids += ex["input_ids"]
-        labels += ex["labels"]
-    return [
-        {"input_ids": ids[i : i + max_length], "labels": labels[i : i + max_length]}
-        for i in range(0, len(ids), max_length)
-    ]
+def pack(examples: list[dict], max_length: int, strategy: str = "bfd") -> list[dict]:
+    """Rows → blocks of at most `max_length` tokens.
+
+    `bfd` (best-fit decreasing): each row goes whole into the fullest block it still fits, longest rows first; a
+    block carries `position_ids` that restart at every row and the first label of each row is ignored, so in
+    training each row sees only itself (transformers builds a block-diagonal causal mask from restarting
+    positions) and its loss and gradient are those of the row alone. `wrapped`: rows concatenated and cut every
+    `max_length` tokens, attending across row boundaries (TRL's "wrapped"; no padding at all)."""
+    if strategy == "wrapped":
+        ids: list[int] = []
+        labels: list[int] = []
+        for ex in examples:
+            ids += ex["input_ids"]
+            labels += ex["labels"]
+        return [
+            {"input_ids": ids[i : i + max_length], "labels": labels[i : i + max_length]}
+            for i in range(0, len(ids), max_length)
+        ]
+    blocks: list[dict] = []
+    space: list[tuple[int, int]] = []  # (room left, block index), sorted: bisect finds the best fit
+    for ex in sorted(examples, key=lambda e: -len(e["input_ids"])):
+        n = len(ex["input_ids"][:max_length])
+        k = bisect.bisect_left(space, (n, -1))
+        if k < len(space):
+            room, b = space.pop(k)
+        else:
+            blocks.append({"input_ids": [], "labels": [], "position_ids": []})
+            room, b = max_length, len(blocks) - 1
+        block = blocks[b]
+        block["input_ids"] += ex["input_ids"][:n]
+        block["labels"] += [IGNORE] + ex["labels"][1:n]
+        block["position_ids"] += list(range(n))
+        if room - n > 0:
+            bisect.insort(space, (room - n, b))
+    return blocks
 
 
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row in the batch."""
+    """Right-pad to the longest row in the batch. Packed blocks also get `position_ids`, the padding after a block
+    counting as one more document of its own (so it attends to nothing real)."""
     n = max(len(b["input_ids"]) for b in batch)
     input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
+    packed = "position_ids" in batch[0]
+    positions = torch.zeros((len(batch), n), dtype=torch.long)
     for i, b in enumerate(batch):
         k = len(b["input_ids"])
         input_ids[i, :k] = torch.tensor(b["input_ids"])
         labels[i, :k] = torch.tensor(b["labels"])
         mask[i, :k] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+        if packed:
+            positions[i, :k] = torch.tensor(b["position_ids"])
+            positions[i, k:] = torch.arange(n - k)
+    out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    if packed:
+        out["position_ids"] = positions
+    return out
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -87,7 +123,10 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     labels are the input ids with prompt and padding set to IGNORE, so scoring the next input id is the CE."""
     targets = batch["labels"][:, 1:]
     valid = targets != IGNORE
-    logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
+    if "position_ids" in batch:  # packed rows: positions restart per row and no 2-D mask, so rows attend to themselves
+        logps = token_logprobs(model, batch["input_ids"], None, only=valid, position_ids=batch["position_ids"])
+    else:
+        logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
     return nll_sum(logps), int(valid.sum())
 
 
@@ -122,7 +161,7 @@ def train(
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     if cfg.packing:
-        train_ex = pack(train_ex, cfg.max_length)
+        train_ex = pack(train_ex, cfg.max_length, cfg.packing_strategy)
     loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
     acc = loop.accelerator
     num_tokens = 0
