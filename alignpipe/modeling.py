@@ -107,6 +107,24 @@ def lora_model(model, spec, task_type: str = "CAUSAL_LM"):
     return get_peft_model(model, cfg)
 
 
+def add_neftune(model, alpha: float):
+    """NEFTune (Jain et al. 2023): while the model is in training mode, add uniform noise of magnitude
+    alpha / sqrt(sequence length × hidden size) to the input embeddings (the definition TRL's SFTTrainer uses through
+    transformers). Evaluation and generation (eval mode) see the embeddings unchanged. Returns the hook's handle:
+    `.remove()` it when training ends."""
+    import math
+
+    import torch
+
+    def hook(module, inputs, output):
+        if module.training:
+            magnitude = alpha / math.sqrt(output.size(1) * output.size(2))
+            output = output + torch.zeros_like(output).uniform_(-magnitude, magnitude)
+        return output
+
+    return model.get_input_embeddings().register_forward_hook(hook)
+
+
 def merged_state_dict(model) -> dict:
     """The weights a peft LoRA model would have after `merge_and_unload()`, under the base model's names, computed
     without touching the model: `merge_and_unload()` on the live policy would strip the adapter being trained (the

@@ -200,3 +200,44 @@ def test_packed_sft_trains_on_fewer_forward_rows(tiny, data, tmp_path):
     losses = tracker.series("train/loss")
     assert losses[-1] < 0.7 * losses[0], losses
     assert tracker.last("train/num_tokens") > 30 * 4 * 20, "each packed row holds several examples' target tokens"
+
+
+def test_neftune_noise_equals_transformers_and_leaves_eval_alone(tiny, data, tmp_path):
+    """Our NEFTune hook gives transformers' `neftune_post_forward_hook` output on the same random stream (the
+    definition TRL's SFTTrainer uses); in eval mode embeddings, logits and greedy generation are unchanged; after
+    training the hook is gone."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    from alignpipe.modeling import add_neftune
+
+    tok, train, _ = data
+    model = load_causal_lm(str(tiny / "model"))
+    emb = model.get_input_embeddings()
+    ids = torch.tensor([tok("The film was great")["input_ids"]])
+    clean = emb(ids)
+    handle = add_neftune(model, 5.0)
+    emb.train()
+    torch.manual_seed(0)
+    ours = emb(ids)
+    handle.remove()
+    emb.neftune_noise_alpha = 5.0
+    torch.manual_seed(0)
+    theirs = neftune_post_forward_hook(emb, (ids,), clean)
+    assert torch.allclose(ours, theirs, atol=1e-7) and not torch.allclose(ours, clean)
+    assert float((ours - clean).abs().max()) <= 5.0 / (ids.size(1) * clean.size(2)) ** 0.5 + 1e-6
+
+    handle = add_neftune(model, 5.0)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(emb(ids), clean)
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), greedy)
+
+    cfg = SFTConfig(learning_rate=1e-3, max_steps=4, batch_size=8, logging_every=2, neftune_noise_alpha=5.0)
+    trained = load_causal_lm(str(tiny / "model"))
+    sft.train(cfg, trained, tok, train, [], Tracker(), tmp_path)
+    trained.train()
+    emb = trained.get_input_embeddings()
+    assert torch.equal(emb(ids), emb(ids)), "the hook is removed once training ends"

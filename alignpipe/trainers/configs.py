@@ -73,6 +73,9 @@ class SFTConfig(TrainingArgs):
 
     completion_only_loss: bool = True
     """For prompt-completion data, compute the loss on completion tokens only."""
+    neftune_noise_alpha: float | None = Field(None, gt=0)
+    """NEFTune: uniform noise of magnitude alpha / sqrt(length × hidden) on the input embeddings in training only
+    (Jain et al. 2023 use 5); null disables."""
     packing: bool = False
     """Put several rows into each `max_length` block (fewer padding tokens, fewer forward passes)."""
     packing_strategy: Literal["bfd", "wrapped"] = "bfd"

@@ -11,6 +11,8 @@ Departures from TRL, on purpose:
   needs flash-attention for that). `packing_strategy: wrapped` cuts a concatenation every `max_length` tokens instead,
   attention crossing row boundaries (TRL's "wrapped").
 
+NEFTune (`neftune_noise_alpha`) adds noise to the input embeddings in training mode only.
+
 Metrics: train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/samples_per_s, train/epoch,
 train/num_tokens, eval/loss (every `eval_every` steps and at the end).
 
@@ -27,7 +29,7 @@ import torch
 
 from alignpipe.logprobs import token_logprobs
 from alignpipe.losses import nll_sum
-from alignpipe.modeling import under_attention_kernels
+from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
 
@@ -163,6 +165,7 @@ def train(
     if cfg.packing:
         train_ex = pack(train_ex, cfg.max_length, cfg.packing_strategy)
     loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
+    neftune = add_neftune(loop.unwrapped, cfg.neftune_noise_alpha) if cfg.neftune_noise_alpha else None
     acc = loop.accelerator
     num_tokens = 0
 
@@ -183,6 +186,10 @@ def train(
         return {"loss": loss_total / max(1, n_local), "num_tokens": num_tokens}
 
     eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id)}) if eval_ex else None
-    result = loop.run(step, eval_fn)
+    try:
+        result = loop.run(step, eval_fn)
+    finally:
+        if neftune is not None:
+            neftune.remove()  # the saved and returned model is the plain one
     result.model_dir, result.adapter = loop.save(tokenizer)
     return result
