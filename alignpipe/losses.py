@@ -122,6 +122,20 @@ def aggregate(
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+# --- RLOO -----------------------------------------------------------------------------------------
+
+
+def rloo_loss(
+    seq_logps: torch.Tensor, old_seq_logps: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO's clipped surrogate on whole sequences: ρ = exp(log π(y) − log π_old(y)) with log π(y) the summed token
+    log-probs of a completion, loss = mean over completions of −min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A). Returns
+    (loss, ρ). As TRL 1.16's RLOOTrainer."""
+    ratio = torch.exp(seq_logps - old_seq_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages).mean(), ratio
+
+
 # --- PPO ------------------------------------------------------------------------------------------
 
 

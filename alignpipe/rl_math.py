@@ -93,6 +93,29 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv, nan=0.0), std
 
 
+def kl_penalized_rewards(
+    rewards: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO's reward: rewards (N,) − beta × Σ_t (log π − log π_ref) over each completion's tokens (first-order KL, as
+    the RLOO paper and TRL 1.16). Returns (penalised rewards, per-token KL masked to the completions)."""
+    per_token_kl = (logps - ref_logps) * mask
+    return rewards - beta * per_token_kl.sum(-1), per_token_kl
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int, normalize: bool = False) -> torch.Tensor:
+    """RLOO advantages for rewards (N,) laid out as groups of `group_size` consecutive completions of one prompt:
+    r − mean of the other scorable rewards of its group. NaN rewards (unscorable) are left out of the baselines; a
+    completion without a scorable sibling, or unscorable itself, gets 0. With `normalize`, whitened over the
+    scorable ones (std + 1e-4). As TRL 1.16's RLOOTrainer."""
+    grouped = rewards.view(-1, group_size)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    advantages = rewards - ((total - grouped) / (scorable - 1)).view(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,6 +64,13 @@ def test_tiny_grpo_raises_held_out_accuracy_by_40_points(prefect_harness, tiny, 
     assert judge["judge/candidate_score"] - judge["judge/baseline_score"] >= 0.40
 
 
+def test_tiny_rloo_raises_held_out_accuracy_by_40_points(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-rloo.yaml", tiny, tmp_path)
+    judge = child_metrics(recipe, summary)["judge"]
+    print("held-out exact match: SFT", judge["judge/baseline_score"], "RLOO", judge["judge/candidate_score"])
+    assert judge["judge/candidate_score"] - judge["judge/baseline_score"] >= 0.40
+
+
 def test_tiny_ppo_raises_rlhf_reward_and_beats_sft(prefect_harness, tiny, tmp_path):
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path)
     metrics = child_metrics(recipe, summary)

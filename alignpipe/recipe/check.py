@@ -17,6 +17,7 @@ from alignpipe.recipe.stages import (
     JudgeStage,
     PPOStage,
     RewardStage,
+    RLOOStage,
     SFTStage,
 )
 
@@ -34,6 +35,7 @@ ACCEPTED_FORMATS = {
     (RewardStage, "data"): ("preference",),
     (DPOStage, "data"): ("preference",),
     (GRPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
+    (RLOOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
     (PPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
 }
 PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset", REWARD_MODEL: "a reward model"}
@@ -156,7 +158,8 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
 
 
 def _check_generation_groups(s, i: int) -> list[Problem]:
-    """GRPO's completions per step must split into whole groups of `num_generations`; PPO runs in one process."""
+    """GRPO's and RLOO's completions per step must split into whole groups of `num_generations`; PPO runs in one
+    process."""
     if isinstance(s, PPOStage) and s.resources.processes > 1:
         return [
             Problem(
@@ -166,7 +169,7 @@ def _check_generation_groups(s, i: int) -> list[Problem]:
                 "set resources.processes: 1 (use grpo or dpo for multi-process training)",
             )
         ]
-    if not isinstance(s, GRPOStage):
+    if not isinstance(s, GRPOStage | RLOOStage):
         return []
     per_step = s.batch_size * s.resources.processes
     if per_step % s.num_generations == 0 and s.batch_size % s.num_generations == 0:

@@ -20,7 +20,7 @@ from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
-from alignpipe.trainers.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig, SFTConfig
+from alignpipe.trainers.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 # What a stage produces; a reference field accepts only stages producing what it asks for.
 CAUSAL_LM = "causal_lm"
@@ -213,6 +213,12 @@ class GRPOStage(_RLStage, GRPOConfig):
     kind: Literal["grpo"] = "grpo"
 
 
+class RLOOStage(_RLStage, RLOOConfig):
+    """Online RL with REINFORCE leave-one-out baselines: k completions per prompt, no value model."""
+
+    kind: Literal["rloo"] = "rloo"
+
+
 class PPOStage(_RLStage, PPOConfig):
     """Online RL with PPO: policy, reference, value model and reward model(s)."""
 
@@ -381,6 +387,7 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (
     RewardStage,
     DPOStage,
     GRPOStage,
+    RLOOStage,
     PPOStage,
     JudgeStage,
     PushStage,
@@ -388,6 +395,6 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
 Stage = Annotated[
-    FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | PPOStage | JudgeStage | PushStage,
+    FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | RLOOStage | PPOStage | JudgeStage | PushStage,
     Field(discriminator="kind"),
 ]

@@ -201,6 +201,41 @@ class GRPOConfig(OnlineRLArgs):
     """Exclude completions that hit max_completion_length without EOS from the loss."""
 
 
+class RLOOConfig(OnlineRLArgs):
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024; the design of TRL 1.16's RLOOTrainer): k completions per prompt,
+    each one's baseline the mean reward of its k − 1 siblings, no value model."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW (TRL's default)."""
+    batch_size: int = Field(8, gt=0)
+    """Completions per forward pass on each process (= prompts × num_generations)."""
+    num_generations: int = Field(4, ge=2)
+    """k, the completions sampled per prompt; the leave-one-out baseline needs at least 2."""
+    beta: float = Field(0.05, ge=0)
+    """Coefficient of the KL penalty subtracted from each completion's reward: beta × Σ_t (log π_old − log π_ref)
+    over its tokens (first-order, as the RLOO paper and TRL); 0 loads no reference model."""
+    epsilon: float = Field(0.2, gt=0)
+    """Lower clipping range of the sequence-level importance ratio."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """Upper clipping range; null uses `epsilon`."""
+    normalize_advantages: bool = False
+    """Whiten the advantages over the batch (mean 0, std 1)."""
+    reward_clip_range: tuple[float, float] | None = None
+    """Clip rewards to [low, high] before the KL penalty and the baseline; null disables."""
+    num_iterations: int = Field(1, gt=0)
+    """Optimizer steps per generation batch; > 1 reuses rollouts with importance ratios."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_completion_length without EOS from the loss."""
+
+    @model_validator(mode="after")
+    def _check_rloo(self):
+        if self.reward_clip_range is not None and self.reward_clip_range[0] >= self.reward_clip_range[1]:
+            raise ValueError(
+                f"reward_clip_range must be [low, high] with low < high (got {list(self.reward_clip_range)})"
+            )
+        return self
+
+
 class PPOConfig(OnlineRLArgs):
     """PPO for RLHF with the "N+ implementation details" (the design of TRL ≤ 1.12's PPOTrainer), with the
     controls of TRL 0.7's `PPOConfig` under their names there: adaptive KL control (`adap_kl_ctrl`, `target`,

@@ -37,7 +37,7 @@ from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
-from alignpipe.trainers.configs import GRPOConfig
+from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class GRPORun:
     """What `rollout` and `update` read: the config, the loop (model, optimizer, accelerator), the engine and the
     reference (a frozen copy, or the adapter-disabled policy under LoRA, or none when beta is 0)."""
 
-    cfg: GRPOConfig
+    cfg: GRPOConfig | RLOOConfig
     loop: TrainLoop
     tokenizer: Any
     rewards: RewardSet
@@ -183,43 +183,76 @@ class GRPORun:
         return torch.cat(parts)
 
 
+@dataclass
+class Samples:
+    """`num_generations` completions of each prompt, grouped (what generation yields; GRPO and RLOO score them)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    ended: torch.Tensor
+    rows: list[dict]
+    """The dataset row of each completion (its prompt and extra columns such as `answer`)."""
+    completions: list[str]
+
+    @property
+    def prompts(self) -> list[str]:
+        return [r["prompt"] for r in self.rows]
+
+
 @torch.no_grad()
-def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, list[str], list[str]]:
-    """Generate `num_generations` completions per prompt, score them, turn rewards into group advantages and take
-    the old-policy and reference log-probs the loss needs. Returns the rollout with its prompts and completions."""
+def sample(run: GRPORun, batch_rows: list[dict]) -> Samples:
+    """Generate `num_generations` completions per prompt through the engine (weights synced first)."""
     cfg, loop, G = run.cfg, run.loop, run.cfg.num_generations
     pad = run.tokenizer.pad_token_id
     prompt_lists = run.encode_prompts(batch_rows)
     run.engine.update_weights(loop.unwrapped)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     gens = run.engine.generate(prompt_lists, G, sampling, seed=run.seed + loop.step)
-    rep_rows = [r for r in batch_rows for _ in range(G)]
-    prompts_text, completions = [r["prompt"] for r in rep_rows], [g.completion for g in gens]
-    total, per_fn = run.rewards(prompts_text, completions, extra_columns(rep_rows))
-    advantages, std = group_advantages(total, G, cfg.scale_rewards)
     prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], pad, left=True)
     completion_ids, _ = pad_rows([g.completion_ids for g in gens], pad)
     lengths = torch.tensor([len(g.completion_ids) for g in gens])
     ended = torch.tensor([g.finish_reason == "stop" for g in gens])
     mask = completion_mask(completion_ids, lengths, ended, cfg.mask_truncated_completions)
+    rows = [r for r in batch_rows for _ in range(G)]
+    loop.count(mask.sum() + prompt_mask.sum(), len(gens))
+    return Samples(prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, [g.completion for g in gens])
+
+
+def step_tokens_per_process(loop: TrainLoop, mask: torch.Tensor) -> float:
+    """Completion tokens of the whole step over all processes, per process (the dapo normaliser)."""
     acc = loop.accelerator
     tokens = mask.sum().to(acc.device)
     if acc.num_processes > 1:
         tokens = acc.reduce(tokens, "sum")
+    return float(tokens) / acc.num_processes
+
+
+@torch.no_grad()
+def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]:
+    """Generate `num_generations` completions per prompt, score them, turn rewards into group advantages and take
+    the old-policy and reference log-probs the loss needs."""
+    cfg, loop = run.cfg, run.loop
+    assert isinstance(cfg, GRPOConfig)
+    sm = sample(run, batch_rows)
+    total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows))
+    advantages, std = group_advantages(total, cfg.num_generations, cfg.scale_rewards)
     batch = GRPORollout(
-        prompt_ids,
-        prompt_mask,
-        completion_ids,
-        mask,
-        lengths,
-        ended,
+        sm.prompt_ids,
+        sm.prompt_mask,
+        sm.completion_ids,
+        sm.mask,
+        sm.lengths,
+        sm.ended,
         total,
         per_fn,
         advantages,
         std,
         old_logps=None,
         ref_logps=None,
-        step_tokens_per_process=float(tokens) / acc.num_processes,
+        step_tokens_per_process=step_tokens_per_process(loop, sm.mask),
     )
     loop.model.eval()
     if cfg.num_iterations > 1:
@@ -228,14 +261,14 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, list[str
         ref_model, context = run.reference()
         batch.ref_logps = run.logps_of(ref_model, batch, context)
     loop.model.train()
-    loop.count(mask.sum() + prompt_mask.sum(), len(gens))
-    return batch, prompts_text, completions
+    return batch, sm
 
 
 def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
     """One optimizer step's forward and backward over the rollout, micro-batch by micro-batch (the loop then clips
     and steps). Returns the loss and TRL's per-token metrics as device tensors, read when logged."""
     cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
+    assert isinstance(cfg, GRPOConfig)
     device, eps_high = acc.device, run.epsilon_high
     micro = list(range(0, batch.completion_ids.size(0), cfg.batch_size))
     sums: dict[str, torch.Tensor] = {}
@@ -284,6 +317,18 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
     return sums
 
 
+def log_samples(run: GRPORun, sm: Samples, rewards: torch.Tensor, name: str) -> None:
+    """Every `sample_every` steps, a table of (prompt, completion, reward) in the tracker and the log."""
+    loop = run.loop
+    if loop.step % run.cfg.sample_every == 0 and loop.accelerator.is_main_process:
+        table = [
+            {"prompt": p, "completion": c, "reward": float(t)}
+            for p, c, t in zip(sm.prompts[:8], sm.completions[:8], rewards[:8])
+        ]
+        loop.tracker.log_table(table, f"samples/step_{loop.step:06d}")
+        print_samples(table, f"{name} samples at step {loop.step}")
+
+
 @under_attention_kernels
 def train(
     cfg: GRPOConfig,
@@ -327,15 +372,9 @@ def train(
 
     def step(window: list[list[dict]]) -> dict:
         if loop.iteration == 0:  # a new generation batch; num_iterations > 1 reuses it
-            batch, prompts, completions = rollout(run, [r for micro in window for r in micro])
+            batch, sm = rollout(run, [r for micro in window for r in micro])
             current.update(batch=batch, stats=batch.stats(rewards.names))
-            if loop.step % cfg.sample_every == 0 and loop.accelerator.is_main_process:
-                table = [
-                    {"prompt": p, "completion": c, "reward": float(t)}
-                    for p, c, t in zip(prompts[:8], completions[:8], batch.rewards[:8])
-                ]
-                tracker.log_table(table, f"samples/step_{loop.step:06d}")
-                print_samples(table, f"grpo samples at step {loop.step}")
+            log_samples(run, sm, batch.rewards, "grpo")
         return {**update(run, current["batch"]), **current["stats"]}
 
     @torch.no_grad()
