@@ -96,8 +96,13 @@ def test_completion_only_loss_masks_prompt_tokens(data):
     n_prompt = len(tok(train[0]["prompt"])["input_ids"])
     assert ex["labels"][:n_prompt] == [sft.IGNORE] * n_prompt
     assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:] and ex["input_ids"][-1] == tok.eos_token_id
-    packed = sft.pack(sft.tokenize(train[:50], tok, 64, True), 64)
-    assert all(len(b["input_ids"]) == 64 for b in packed[:-1])
+    rows = sft.tokenize(train[:50], tok, 64, True)
+    wrapped = sft.pack(rows, 64, "wrapped")
+    assert all(len(b["input_ids"]) == 64 for b in wrapped[:-1])
+    packed = sft.pack(rows, 64)  # bfd: whole rows, none split, no block over max_length
+    assert all(len(b["input_ids"]) <= 64 for b in packed) and sum(len(b["labels"]) for b in packed) == sum(
+        len(r["labels"]) for r in rows
+    )
 
 
 def test_gradient_accumulation_matches_one_big_batch(tiny, data, tmp_path):
