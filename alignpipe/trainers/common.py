@@ -11,6 +11,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -108,11 +109,13 @@ def build_scheduler(optimizer, cfg: TrainingArgs, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def total_steps(cfg: TrainingArgs, batches_per_epoch: int) -> int:
-    """Optimizer steps the run will take."""
+def total_steps(cfg: TrainingArgs, batches_per_epoch: int, batches_per_step: int | None = None) -> int:
+    """Steps the run will take (`max_steps`, else `epochs` over batches of `batches_per_step`, by default
+    `gradient_accumulation_steps`)."""
     if cfg.max_steps:
         return cfg.max_steps
-    return max(1, math.ceil(cfg.epochs * batches_per_epoch / cfg.gradient_accumulation_steps))
+    per_step = batches_per_step or cfg.gradient_accumulation_steps
+    return max(1, math.ceil(cfg.epochs * batches_per_epoch / per_step))
 
 
 def grad_norm(model) -> torch.Tensor:
@@ -216,18 +219,24 @@ class Throughput:
 
 
 # Metrics a step function reports as running totals: logged as the window's last value, not its mean.
-RUNNING_TOTALS = frozenset({"num_tokens"})
+RUNNING_TOTALS = frozenset({"num_tokens", "episode"})
+# Metrics shown in the stage log's line at each log point, when a trainer reports them.
+SHOWN = ("loss", "reward", "rewards/margins", "accuracy", "objective/scores", "objective/kl", "lr")
 
 
 class TrainLoop:
     """The optimisation loop every offline trainer shares.
 
     Set-up: Accelerator, optional LoRA, optimizer + schedule, resume from the newest checkpoint.
-    `run(step_fn)`: each optimizer step takes `gradient_accumulation_steps` micro-batches (epochs are
-    re-shuffled with `seed + epoch`, so a resumed run sees the same batches), calls
-    `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of the
-    step metrics every `logging_every` steps under `train/`, evaluates with `eval_fn() -> metrics`
-    under `eval/`, and checkpoints every `save_every` steps.
+    `run(step_fn)`: each step takes a window of `batches_per_step` micro-batches (default
+    `gradient_accumulation_steps`; epochs are re-shuffled with `seed + epoch`, so a resumed run sees the same
+    batches), calls `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of
+    the step metrics every `logging_every` steps under `metric_prefix`, evaluates with `eval_fn() -> metrics`
+    under `eval/`, and checkpoints every `save_every` steps (with `checkpoint_state()` beside the step).
+
+    A trainer that takes several optimizer steps per step itself (PPO: epochs × mini-batches over one rollout)
+    passes `updates_per_step`: the schedule is sized for that many and the loop leaves the optimizer alone.
+    `adapt_model=False` hands over a model that already has its LoRA adapters and activation checkpointing.
     """
 
     def __init__(
@@ -243,6 +252,12 @@ class TrainLoop:
         lora_task: str = "CAUSAL_LM",
         rows_per_batch: int | None = None,
         repeat: int = 1,
+        batches_per_step: int | None = None,
+        updates_per_step: int | None = None,
+        adapt_model: bool = True,
+        drop_last: bool = False,
+        metric_prefix: str = "train/",
+        summary_keys: tuple[str, ...] = ("loss",),
     ):
         from accelerate import Accelerator
         from torch.utils.data import DataLoader, Dataset
@@ -255,14 +270,18 @@ class TrainLoop:
             )
         self.name, self.cfg, self.tracker = name, cfg, tracker
         self.repeat = repeat  # optimizer steps per window of data (GRPO's num_iterations)
+        self.batches_per_step = batches_per_step or cfg.gradient_accumulation_steps
+        self.updates_per_step = updates_per_step
+        self.prefix, self.summary_keys = metric_prefix, summary_keys
+        self.checkpoint_state: Callable[[], dict] | None = None
         self.output_dir = Path(output_dir)
         self.seed = seed
         seed_everything(seed)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        if cfg.gradient_checkpointing:
+        if adapt_model and cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
             model.config.use_cache = False
-        if cfg.lora:
+        if adapt_model and cfg.lora:
             model = lora_model(model, cfg.lora, task_type=lora_task)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
@@ -279,14 +298,17 @@ class TrainLoop:
                     shuffle=True,
                     generator=g,
                     collate_fn=collate,
+                    drop_last=drop_last,
                 )
             )
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))
-        self.steps = total_steps(cfg, self.micro_per_epoch) * (1 if cfg.max_steps else repeat)
+        if not self.micro_per_epoch:
+            raise ValueError(f"{name}: the training split has fewer rows than one step takes")
+        self.steps = total_steps(cfg, self.micro_per_epoch, self.batches_per_step) * (1 if cfg.max_steps else repeat)
         optimizer = build_optimizer(model, cfg)
-        scheduler = build_scheduler(optimizer, cfg, self.steps)
+        scheduler = build_scheduler(optimizer, cfg, self.steps * (updates_per_step or 1))
         # The scheduler stays out of `prepare`: accelerate's wrapper steps it once per process per call,
         # which would decay the learning rate `num_processes` times too fast. It is still checkpointed.
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -327,10 +349,29 @@ class TrainLoop:
         if self.accelerator.is_main_process:
             self.tracker.log_metrics(metrics, self.step)
 
+    def _check_finite(self, metrics: dict) -> None:
+        """Stop on a NaN/inf loss (the one device read per step) or any non-finite metric already on the host."""
+        read = {k: float(v) for k, v in metrics.items() if k == "loss" or isinstance(v, float)}
+        bad = sorted(k for k, v in read.items() if not math.isfinite(v))
+        if bad:
+            last = self.checkpoints.complete()
+            shown = ", ".join(f"{k} is {read[k]}" for k in bad)
+            raise FloatingPointError(
+                f"{self.name}: {shown} at step {self.step + 1}; "
+                f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
+            )
+
+    def _optimizer_step(self) -> torch.Tensor:
+        gnorm = clip_and_measure(self.accelerator, self.model, self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return gnorm
+
     def run(self, step_fn, eval_fn=None) -> TrainResult:
         cfg, acc = self.cfg, self.accelerator
         started = time.perf_counter()
-        batches = self._micro_batches((self.step // self.repeat) * cfg.gradient_accumulation_steps)
+        batches = self._micro_batches((self.step // self.repeat) * self.batches_per_step)
         meter = self.meter = Throughput()
         window_metrics: list[dict[str, float | torch.Tensor]] = []
         bar = progress(self.steps, self.name, acc.is_main_process, initial=self.step)
@@ -338,24 +379,16 @@ class TrainLoop:
         window: list = []
         while self.step < self.steps:
             if self.step % self.repeat == 0 or not window:
-                window = [next(batches) for _ in range(cfg.gradient_accumulation_steps)]
-            metrics = step_fn(window)
-            loss = float(metrics["loss"]) if "loss" in metrics else 0.0  # the one read per step: a NaN stops here
-            if not math.isfinite(loss):
-                last = self.checkpoints.complete()
-                raise FloatingPointError(
-                    f"{self.name}: loss is {loss} at step {self.step + 1}; "
-                    f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
-                )
-            gnorm = clip_and_measure(acc, self.model, cfg.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                window = [next(batches) for _ in range(self.batches_per_step)]
+            metrics = dict(step_fn(window))
+            self._check_finite(metrics)
+            if self.updates_per_step is None:
+                metrics["grad_norm"] = self._optimizer_step()
             self.step += 1
             for b in window:
                 if isinstance(b, dict) and "attention_mask" in b:
                     meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
-            window_metrics.append({**metrics, "grad_norm": gnorm})
+            window_metrics.append(metrics)
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
                 # step functions may report device tensors: they are read here, once per log point
@@ -370,11 +403,10 @@ class TrainLoop:
                     **meter.read(),
                     "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch,
                 }
-                self.log({f"train/{k}": v for k, v in mean.items()})
-                if "loss" in mean:
-                    bar.set_postfix(loss=f"{mean['loss']:.4f}")
+                self.log({f"{self.prefix}{k}": v for k, v in mean.items()})
+                shown = {k: mean[k] for k in SHOWN if k in mean}
+                bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in shown.items() if k != "lr"})
                 if acc.is_main_process:  # one line per log point in the stage log (Prefect UI, CI logs)
-                    shown = {k: mean[k] for k in ("loss", "reward", "rewards/margins", "accuracy", "lr") if k in mean}
                     log.info(
                         "%s step %d/%d %s",
                         self.name,
@@ -387,11 +419,12 @@ class TrainLoop:
                 self.log({f"eval/{k}": v for k, v in eval_fn().items()})
                 self.model.train()
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
-                self.checkpoints.save(acc, self.step)
+                self.checkpoints.save(acc, self.step, self.checkpoint_state() if self.checkpoint_state else None)
         bar.close()
         final: dict[str, float] = {}
-        if self.tracker.last("train/loss") is not None:
-            final["train/loss"] = self.tracker.last("train/loss")
+        for key in (self.prefix + k for k in self.summary_keys):
+            if self.tracker.last(key) is not None:
+                final[key] = self.tracker.last(key)
         if eval_fn:
             ev = eval_fn()
             self.log({f"eval/{k}": v for k, v in ev.items()})

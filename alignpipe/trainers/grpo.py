@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ class GRPORollout:
     """The reference's log-probs (beta > 0 only)."""
     step_tokens_per_process: float
     """Completion tokens of the whole step over all processes, per process (the dapo normaliser)."""
+    kl: float | None = None
+    """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
     def stats(self, reward_names: list[str]) -> dict[str, float]:
         """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
@@ -128,6 +131,8 @@ class GRPORollout:
             col = self.per_fn[:, k][~torch.isnan(self.per_fn[:, k])]
             out[f"rewards/{name}/mean"] = float(col.mean()) if len(col) else 0.0
             out[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
+        if self.kl is not None:
+            out["kl"] = self.kl
         return out
 
 
@@ -181,6 +186,39 @@ class GRPORun:
                     ).float()
                 )
         return torch.cat(parts)
+
+    def micro_logps(self, batch: GRPORollout, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trained policy's log-probs and entropies of one micro-batch of `batch`, with grad, on the device."""
+        device = self.loop.accelerator.device
+        return completion_logps(
+            self.loop.model,
+            batch.prompt_ids[sl].to(device),
+            batch.prompt_mask[sl].to(device),
+            batch.completion_ids[sl].to(device),
+            self.temperature,
+            self.cfg.logprob_chunk_tokens,
+            with_entropy=True,
+            group=self.cfg.num_generations,
+        )
+
+
+def clip_fractions(
+    ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float, mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """TRL's clip_ratio/{low,high,region}_mean: how often the ratio sits below 1 − ε with A < 0, above 1 + ε_high
+    with A > 0, or either (per token under `mask`, else per sequence)."""
+    a = advantages.unsqueeze(1) if mask is not None else advantages
+    low = ((ratio < 1 - epsilon) & (a < 0)).float()
+    high = ((ratio > 1 + epsilon_high) & (a > 0)).float()
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return masked_mean(x, mask) if mask is not None else x.mean()
+
+    return {
+        "clip_ratio/low_mean": mean(low),
+        "clip_ratio/high_mean": mean(high),
+        "clip_ratio/region_mean": mean(torch.maximum(low, high)),
+    }
 
 
 @dataclass
@@ -281,16 +319,7 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
         mask = batch.mask[sl].to(device)
         adv = batch.advantages[sl].to(device)
         with loop.no_sync_unless(j == len(micro) - 1):
-            logps, entropy = completion_logps(
-                loop.model,
-                batch.prompt_ids[sl].to(device),
-                batch.prompt_mask[sl].to(device),
-                batch.completion_ids[sl].to(device),
-                run.temperature,
-                cfg.logprob_chunk_tokens,
-                with_entropy=True,
-                group=cfg.num_generations,
-            )
+            logps, entropy = run.micro_logps(batch, sl)
             old = batch.old_logps[sl].to(device) if batch.old_logps is not None else None
             ref = batch.ref_logps[sl].to(device) if batch.ref_logps is not None else None
             ptl, ratio, kl = per_token_loss(
@@ -303,12 +332,8 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             # dapo's loss is already a share of the step's; the others are means over micro-batches
             add("loss", loss * (len(micro) if cfg.loss_type != "dapo" else 1.0))
-            a = adv.unsqueeze(1)
-            low = ((ratio < 1 - cfg.epsilon) & (a < 0)).float()
-            high = ((ratio > 1 + eps_high) & (a > 0)).float()
-            add("clip_ratio/low_mean", masked_mean(low, mask))
-            add("clip_ratio/high_mean", masked_mean(high, mask))
-            add("clip_ratio/region_mean", masked_mean(torch.maximum(low, high), mask))
+            for key, value in clip_fractions(ratio, adv, cfg.epsilon, eps_high, mask).items():
+                add(key, value)
             add("entropy", masked_mean(entropy, mask))
             if kl is not None:
                 add("kl", masked_mean(kl, mask))
@@ -343,13 +368,41 @@ def train(
     engine=None,
     eval_rows: list[dict] | None = None,
 ) -> TrainResult:
+    return train_on_samples(
+        "grpo", rollout, update, cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ref_model, engine,
+        eval_rows,
+    )  # fmt: skip
+
+
+RolloutFn = Callable[[GRPORun, list[dict]], tuple[GRPORollout, Samples]]
+UpdateFn = Callable[[GRPORun, GRPORollout], dict[str, torch.Tensor]]
+
+
+def train_on_samples(
+    name: str,
+    rollout_fn: RolloutFn,
+    update_fn: UpdateFn,
+    cfg: GRPOConfig | RLOOConfig,
+    model,
+    tokenizer,
+    rows: list[dict],
+    rewards: RewardSet,
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+    ref_model=None,
+    engine=None,
+    eval_rows: list[dict] | None = None,
+) -> TrainResult:
+    """The loop GRPO and RLOO share: `num_generations` samples per prompt each new window (`rollout_fn`), one
+    optimizer step per `update_fn` (`num_iterations` of them per rollout), greedy held-out reward as eval/reward."""
     G = cfg.num_generations
     if cfg.batch_size % G:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
     seed = resolve_seed(cfg.seed, seed)
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))  # a broken reward fails before any rollout
     loop = TrainLoop(
-        "grpo",
+        name,
         cfg,
         model,
         rows,
@@ -372,18 +425,18 @@ def train(
 
     def step(window: list[list[dict]]) -> dict:
         if loop.iteration == 0:  # a new generation batch; num_iterations > 1 reuses it
-            batch, sm = rollout(run, [r for micro in window for r in micro])
+            batch, sm = rollout_fn(run, [r for micro in window for r in micro])
             current.update(batch=batch, stats=batch.stats(rewards.names))
-            log_samples(run, sm, batch.rewards, "grpo")
-        return {**update(run, current["batch"]), **current["stats"]}
+            log_samples(run, sm, batch.rewards, name)
+        return {**update_fn(run, current["batch"]), **current["stats"]}
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
-        sample = (eval_rows or [])[:64]
+        sample_rows = (eval_rows or [])[:64]
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
         engine.update_weights(loop.unwrapped)
-        gens = engine.generate(run.encode_prompts(sample), 1, greedy)
-        total, _ = rewards([r["prompt"] for r in sample], [g.completion for g in gens], extra_columns(sample))
+        gens = engine.generate(run.encode_prompts(sample_rows), 1, greedy)
+        total, _ = rewards([r["prompt"] for r in sample_rows], [g.completion for g in gens], extra_columns(sample_rows))
         finite = total[~torch.isnan(total)]
         return {"reward": float(finite.mean()) if len(finite) else 0.0}
 

@@ -51,18 +51,7 @@ from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
-from alignpipe.trainers.common import (
-    Checkpointer,
-    TrainResult,
-    build_optimizer,
-    build_scheduler,
-    config_params,
-    pad_rows,
-    progress,
-    resolve_seed,
-    save_model,
-    seed_everything,
-)
+from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed, save_model, seed_everything
 from alignpipe.trainers.configs import PPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 from alignpipe.trainers.ppo_controls import (
@@ -75,9 +64,6 @@ from alignpipe.trainers.ppo_controls import (
 
 log = logging.getLogger(__name__)
 INVALID_LOGPROB = 1.0
-
-
-# --- the math (pure; parity-tested) ----------------------------------------------------------------
 
 
 # --- models ---------------------------------------------------------------------------------------
@@ -430,107 +416,77 @@ def train(
     ref_model=None,
     engine=None,
 ) -> TrainResult:
-    from accelerate import Accelerator
-
     from alignpipe.modeling import enable_activation_checkpointing, lora_model
 
-    started = time.perf_counter()
-    output_dir = Path(output_dir)
     seed = resolve_seed(cfg.seed, seed)
-    seed_everything(seed)
+    seed_everything(seed)  # before the adapters' initialisation
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
-
-    acc = Accelerator(cpu=not torch.cuda.is_available())
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(policy)
     if cfg.lora:
         policy = lora_model(policy, cfg.lora)
     elif ref_model is None:
         raise ValueError("full-model PPO needs `ref_model` (a frozen copy of the starting policy)")
-    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    model = PolicyAndValue(policy, value_model)
     rollout_size = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
-    updates = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(rows) / rollout_size))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
-    model, optimizer = acc.prepare(model, optimizer)  # scheduler unwrapped: see TrainLoop
-    acc.register_for_checkpointing(scheduler)
-    if acc.is_main_process:
-        tracker.log_params({"ppo": config_params(cfg)})
+    # Every update takes a whole rollout batch; a split smaller than one is cycled to fill it.
+    examples = rows * math.ceil(rollout_size / len(rows)) if rows and len(rows) < rollout_size else rows
+    loop = TrainLoop(
+        "ppo",
+        cfg,
+        PolicyAndValue(policy, value_model),
+        examples,
+        lambda b: b,
+        tracker,
+        output_dir,
+        seed,
+        rows_per_batch=rollout_size,
+        batches_per_step=1,
+        updates_per_step=cfg.num_ppo_epochs * cfg.num_mini_batches,
+        adapt_model=False,
+        drop_last=True,
+        metric_prefix="",
+        summary_keys=("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef"),
+    )
+    acc = loop.accelerator
     kl_ctl = KLController(cfg.kl_coef, cfg.adap_kl_ctrl, cfg.target, cfg.horizon)
     moments = RunningMoments() if cfg.use_score_scaling else None
-    checkpoints = Checkpointer(output_dir, cfg.save_total_limit)
-    state = checkpoints.resume(acc)
-    step = state["step"] if state else 0
-    if state:
-        kl_ctl.load_state_dict(state.get("kl_ctl", kl_ctl.state_dict()))
-        if moments is not None and "score_moments" in state:
-            moments.load_state_dict(state["score_moments"])
+    if loop.state:
+        kl_ctl.load_state_dict(loop.state.get("kl_ctl", kl_ctl.state_dict()))
+        if moments is not None and "score_moments" in loop.state:
+            moments.load_state_dict(loop.state["score_moments"])
+    loop.checkpoint_state = lambda: {
+        "kl_ctl": kl_ctl.state_dict(),
+        **({"score_moments": moments.state_dict()} if moments else {}),
+    }
+    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
-        engine = HFEngine(acc.unwrap_model(model).policy, tokenizer, cfg.rollout.batch_size)
-    run = PPORun(cfg, acc, model, optimizer, scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed)
+        engine = HFEngine(acc.unwrap_model(loop.model).policy, tokenizer, cfg.rollout.batch_size)
+    run = PPORun(
+        cfg, acc, loop.model, loop.optimizer, loop.scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed
+    )
 
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    bar = progress(updates, "ppo", acc.is_main_process, initial=step)
-    while step < updates:
+    def step(window: list[list[dict]]) -> dict[str, float]:
         t0 = time.perf_counter()
-        start = (step * rollout_size) % len(rows)
-        batch_rows = [rows[order[(start + i) % len(rows)]] for i in range(rollout_size)]
-        b, gens, per_fn = rollout(run, batch_rows, step)
-        epoch_metrics = update(run, b)
-        step += 1
-        bar.update(1)
-        metrics = batch_metrics(run, b, per_fn) | epoch_metrics
+        batch_rows = window[0]
+        update_index = loop.step + 1
+        b, gens, per_fn = rollout(run, batch_rows, loop.step)
+        loop.count(b.response_mask.sum() + b.query_mask.sum(), len(batch_rows))
+        metrics = batch_metrics(run, b, per_fn) | update(run, b)
         kl_ctl.update(metrics["objective/kl"], rollout_size * acc.num_processes)
-        metrics |= {
-            "eps": rollout_size / (time.perf_counter() - t0),
-            "lr": scheduler.get_last_lr()[0],
-            "episode": step * rollout_size,
-        }
-        if not all(math.isfinite(v) for v in metrics.values()):
-            bad = [k for k, v in metrics.items() if not math.isfinite(v)]
-            last_ckpt = checkpoints.complete()
-            raise FloatingPointError(
-                f"ppo: non-finite {bad} at update {step}; last checkpoint kept: "
-                f"{last_ckpt[-1] if last_ckpt else 'none (set save_every)'}"
-            )
-        if acc.is_main_process and (step % cfg.logging_every == 0 or step == updates or step == 1):
-            tracker.log_metrics(metrics, step)
-            bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-            log.info(
-                "ppo update %d/%d score=%.4g kl=%.4g kl_coef=%.4g rlhf_reward=%.4g",
-                step,
-                updates,
-                metrics["objective/scores"],
-                metrics["objective/kl"],
-                b.kl_coef,
-                metrics["objective/rlhf_reward"],
-            )
-        if acc.is_main_process and (step % cfg.sample_every == 0 or step == 1):
+        metrics |= {"eps": rollout_size / (time.perf_counter() - t0), "episode": float(update_index * rollout_size)}
+        if acc.is_main_process and update_index % cfg.sample_every == 0:
             table = [
                 {"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}
                 for r, g, sc in zip(batch_rows[:8], gens[:8], b.scores[:8])
             ]
-            tracker.log_table(table, f"samples/update_{step:06d}")
-            print_samples(table, f"ppo samples at update {step}")
-        if cfg.save_every and step % cfg.save_every == 0 and step != updates:
-            extra = {"kl_ctl": kl_ctl.state_dict(), **({"score_moments": moments.state_dict()} if moments else {})}
-            checkpoints.save(acc, step, extra)
-    bar.close()
-    adapter = save_model(acc, run.unwrapped.policy, tokenizer, output_dir / "model")
-    final = {
-        k: tracker.last(k)
-        for k in ("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef")
-        if tracker.last(k) is not None
-    }
-    return TrainResult(
-        model_dir=output_dir / "model",
-        steps=step,
-        metrics=final,
-        adapter=adapter,
-        seconds=time.perf_counter() - started,
-        resumed_from=state["step"] if state else None,
-    )
+            tracker.log_table(table, f"samples/update_{update_index:06d}")
+            print_samples(table, f"ppo samples at update {update_index}")
+        return metrics
+
+    result = loop.run(step)
+    out = Path(output_dir) / "model"
+    result.adapter = save_model(acc, run.unwrapped.policy, tokenizer, out)
+    return result
