@@ -1,5 +1,5 @@
 """Every trainer's loss, as pure functions of tensors (no model calls): SFT's summed NLL, the Bradley-Terry reward
-loss, the DPO family, GRPO's clipped per-token loss and its aggregations, PPO's clipped policy and value losses.
+loss, the DPO family and KTO, GRPO's clipped per-token loss and its aggregations, PPO's clipped policy and value losses.
 The trainers compute log-probs (`alignpipe.logprobs`) and advantages (`alignpipe.rl_math`) and call these; the
 tests pin each against TRL's own functions on identical tensors.
 """
@@ -70,6 +70,35 @@ def dpo_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; use sigmoid, ipo or hinge")
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    labels: torch.Tensor,
+    kl: torch.Tensor,
+    beta: float,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KTO (Ethayarajh et al. 2024, eqn 7) on unpaired completions: with r = log π(y) − log π_ref(y) and the reference
+    point z = `kl` (a detached batch estimate of KL(π ‖ π_ref), ≥ 0), a desirable completion (label true) costs
+    w_d · (1 − σ(β(r − z))) and an undesirable one w_u · (1 − σ(β(z − r))). `apo_zero_unpaired` (APO, D'Oosterlinck
+    et al. 2024) drops z: 1 − σ(βr) and σ(βr). Returns (the mean over the batch's completions, β·r of the desirable
+    ones, β·r of the undesirable ones). As TRL 1.16's KTOTrainer."""
+    logratios = logps - ref_logps
+    chosen, rejected = logratios[labels], logratios[~labels]
+    if loss_type == "kto":
+        chosen_losses = 1 - torch.sigmoid(beta * (chosen - kl))
+        rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected))
+    elif loss_type == "apo_zero_unpaired":
+        chosen_losses = 1 - torch.sigmoid(beta * chosen)
+        rejected_losses = torch.sigmoid(beta * rejected)
+    else:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}")
+    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
+    return losses.nanmean(), beta * chosen.detach(), beta * rejected.detach()
 
 
 # --- GRPO -----------------------------------------------------------------------------------------

@@ -57,6 +57,16 @@ def test_tiny_dpo_beats_sft_and_reward_model_is_accurate(prefect_harness, tiny, 
     assert metrics["judge"]["judge/win_rate"] >= 0.65
 
 
+def test_tiny_kto_beats_sft_on_unpaired_thumbs(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-kto.yaml", tiny, tmp_path)
+    metrics = child_metrics(recipe, summary)
+    print(
+        "KTO win rate vs SFT", metrics["judge"]["judge/win_rate"], "eval margin", metrics["kto"]["eval/rewards/margins"]
+    )
+    assert metrics["judge"]["judge/win_rate"] >= 0.65
+    assert metrics["kto"]["eval/rewards/margins"] > 0
+
+
 def test_tiny_grpo_raises_held_out_accuracy_by_40_points(prefect_harness, tiny, tmp_path):
     recipe, summary = run_recipe("tiny-grpo.yaml", tiny, tmp_path)
     judge = child_metrics(recipe, summary)["judge"]

@@ -6,6 +6,10 @@
 | prompt_completion | prompt, completion           |
 | prompt_only       | prompt                       |
 | preference        | prompt, chosen, rejected     |
+| unpaired          | prompt, completion, label    |
+
+`unpaired` is KTO's thumbs-up/down data: `label` is true for a desirable completion, false for an undesirable one.
+A preference source (prompt, chosen, rejected) becomes two unpaired rows, chosen → true and rejected → false.
 
 With `chat_template`, rows are rendered with the tokenizer's chat template: a plain prompt becomes a
 user turn (after an optional system turn), completions become the assistant turn, and the rendered
@@ -20,7 +24,35 @@ import json
 import random
 from dataclasses import dataclass, field
 
-COMPLETION_COLUMNS = {"prompt_completion": ("completion",), "preference": ("chosen", "rejected")}
+COMPLETION_COLUMNS = {
+    "prompt_completion": ("completion",),
+    "preference": ("chosen", "rejected"),
+    "unpaired": ("completion",),
+}
+
+
+class LabelError(ValueError):
+    """An `unpaired` row whose `label` is not a boolean."""
+
+
+def unpair(rows: list[dict]) -> list[dict]:
+    """Rows for the `unpaired` format: (prompt, completion, label) rows as they are, with `label` checked to be a
+    boolean; preference rows split into (prompt, chosen, true) and (prompt, rejected, false)."""
+    out = []
+    for i, row in enumerate(rows):
+        if "completion" not in row and "chosen" in row and "rejected" in row:
+            rest = {k: v for k, v in row.items() if k not in ("chosen", "rejected", "label")}
+            out.append({**rest, "completion": row["chosen"], "label": True})
+            out.append({**rest, "completion": row["rejected"], "label": False})
+            continue
+        if not isinstance(row.get("label"), bool):
+            raise LabelError(
+                f"row {i} has label {row.get('label')!r} ({type(row.get('label')).__name__}), not true/false"
+            )
+        out.append(row)
+    return out
+
+
 CANONICAL = ("text", "messages", "prompt", "completion", "chosen", "rejected", "answer")
 
 
@@ -118,6 +150,14 @@ def to_format(row: dict, fmt: str, r: Renderer) -> dict:
             "completion": r.completion(row["prompt"], row["completion"]),
             **extra,
         }
+    if fmt == "unpaired":
+        extra.pop("label", None)
+        return {
+            "prompt": r.prompt(row.get("prompt", "")),
+            "completion": r.completion(row.get("prompt", ""), row["completion"]),
+            "label": row["label"],
+            **extra,
+        }
     if fmt == "preference":
         return {
             "prompt": r.prompt(row.get("prompt", "")),
@@ -157,6 +197,8 @@ def format_rows(
         random.Random(seed).shuffle(rows)
     if max_rows:
         rows = rows[:max_rows]
+    if fmt == "unpaired":
+        rows = unpair(rows)
     renderer = Renderer(tokenizer, chat_template, system_prompt)
     out = [to_format(r, fmt, renderer) for r in rows]
     if fmt == "preference":

@@ -15,6 +15,7 @@ from alignpipe.recipe.stages import (
     FormatStage,
     GRPOStage,
     JudgeStage,
+    KTOStage,
     PPOStage,
     RewardStage,
     RLOOStage,
@@ -27,6 +28,7 @@ REQUIRED_COLUMNS: dict[str, list[tuple[str, ...]]] = {
     "prompt_completion": [("prompt", "completion"), ("messages",)],
     "prompt_only": [("prompt",), ("messages",)],
     "preference": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
+    "unpaired": [("prompt", "completion", "label"), ("prompt", "chosen", "rejected"), ("chosen", "rejected")],
 }
 # Formats a consuming stage accepts from its `data`/`prompts` format stage.
 ACCEPTED_FORMATS = {
@@ -34,6 +36,7 @@ ACCEPTED_FORMATS = {
     (JudgeStage, "prompts"): ("prompt_completion", "prompt_only", "preference"),
     (RewardStage, "data"): ("preference",),
     (DPOStage, "data"): ("preference",),
+    (KTOStage, "data"): ("unpaired",),
     (GRPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
     (RLOOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
     (PPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),

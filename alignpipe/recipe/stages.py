@@ -20,7 +20,15 @@ from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
-from alignpipe.trainers.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig, RLOOConfig, SFTConfig
+from alignpipe.trainers.configs import (
+    DPOConfig,
+    GRPOConfig,
+    KTOConfig,
+    PPOConfig,
+    RewardConfig,
+    RLOOConfig,
+    SFTConfig,
+)
 
 # What a stage produces; a reference field accepts only stages producing what it asks for.
 CAUSAL_LM = "causal_lm"
@@ -39,7 +47,7 @@ class StageBase(Strict):
     id: str = Field(pattern=STAGE_ID_PATTERN)
     """Unique name of the stage; other stages refer to its outputs by this id."""
     kind: str
-    """What the stage does: format, sft, reward, dpo, grpo, ppo, judge or push (each kind's model fixes it)."""
+    """What the stage does: format, sft, reward, dpo, kto, grpo, rloo, ppo, judge or push (each kind's model fixes it)."""
     needs: list[str] = Field(default_factory=list)
     """Extra stages that must finish first (stages named in reference fields are implied)."""
     resources: Resources = Field(default_factory=Resources)
@@ -101,9 +109,10 @@ class FormatStage(StageBase):
     kind: Literal["format"] = "format"
     dataset: str
     """Name of an entry in the recipe's `datasets`."""
-    format: Literal["language_modeling", "prompt_completion", "prompt_only", "preference"]
+    format: Literal["language_modeling", "prompt_completion", "prompt_only", "preference", "unpaired"]
     """Canonical format to produce. language_modeling: `text`; prompt_completion: `prompt`,
-    `completion`; prompt_only: `prompt`; preference: `prompt`, `chosen`, `rejected`."""
+    `completion`; prompt_only: `prompt`; preference: `prompt`, `chosen`, `rejected`; unpaired: `prompt`,
+    `completion`, `label` (true/false; preference rows split into chosen → true, rejected → false)."""
     chat_template: bool = False
     """Render rows as conversations with the tokenizer's chat template (plain strings become a
     user turn and an assistant turn; `messages` columns are used as they are)."""
@@ -155,6 +164,19 @@ class DPOStage(StageBase, DPOConfig):
     """Policy to start from (and reference): `base` or a stage producing a causal LM (usually `sft`)."""
     data: str
     """Id of a `format` stage with preference data."""
+
+    produces: ClassVar[str] = CAUSAL_LM
+    refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
+
+
+class KTOStage(StageBase, KTOConfig):
+    """Align a causal LM on unpaired good/bad completions with KTO (or APO-zero)."""
+
+    kind: Literal["kto"] = "kto"
+    model: str = BASE
+    """Policy to start from (and reference): `base` or a stage producing a causal LM (usually `sft`)."""
+    data: str
+    """Id of a `format` stage with unpaired data (`format: unpaired`)."""
 
     produces: ClassVar[str] = CAUSAL_LM
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
@@ -386,6 +408,7 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (
     SFTStage,
     RewardStage,
     DPOStage,
+    KTOStage,
     GRPOStage,
     RLOOStage,
     PPOStage,
@@ -395,6 +418,15 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (
 STAGE_KINDS: dict[str, type[StageBase]] = {t.model_fields["kind"].default: t for t in STAGE_TYPES}
 
 Stage = Annotated[
-    FormatStage | SFTStage | RewardStage | DPOStage | GRPOStage | RLOOStage | PPOStage | JudgeStage | PushStage,
+    FormatStage
+    | SFTStage
+    | RewardStage
+    | DPOStage
+    | KTOStage
+    | GRPOStage
+    | RLOOStage
+    | PPOStage
+    | JudgeStage
+    | PushStage,
     Field(discriminator="kind"),
 ]

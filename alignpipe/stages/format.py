@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from alignpipe.data.formats import format_rows
+from alignpipe.data.formats import LabelError, format_rows
 from alignpipe.data.sources import load_raw, source_type
 from alignpipe.recipe.check import REQUIRED_COLUMNS
 from alignpipe.recipe.stages import FormatStage
@@ -27,19 +27,28 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             f"dataset {s.dataset!r} has columns {sorted(raw.column_names)}; {s.format} needs {need}. "
             f"Map them in the recipe: datasets.{s.dataset}.columns"
         )
-    train, evals, stats = format_rows(
-        raw.to_list(),
-        fmt=s.format,
-        tokenizer=ctx.tokenizer(),
-        columns=spec.columns,
-        chat_template=s.chat_template,
-        system_prompt=s.system_prompt,
-        max_length=s.max_length,
-        eval_fraction=s.eval_fraction,
-        max_rows=s.max_rows,
-        shuffle=s.shuffle,
-        seed=ctx.seed,
-    )
+    try:
+        train, evals, stats = format_rows(
+            raw.to_list(),
+            fmt=s.format,
+            tokenizer=ctx.tokenizer(),
+            columns=spec.columns,
+            chat_template=s.chat_template,
+            system_prompt=s.system_prompt,
+            max_length=s.max_length,
+            eval_fraction=s.eval_fraction,
+            max_rows=s.max_rows,
+            shuffle=s.shuffle,
+            seed=ctx.seed,
+        )
+    except LabelError as e:
+        raise ValueError(
+            f"stage {s.id!r} formats dataset {s.dataset!r} as unpaired, which needs a boolean `label` (true = a "
+            f"desirable completion, false = an undesirable one), but {e}. Columns found: "
+            f"{', '.join(raw.column_names)}. Map a true/false column in the recipe: "
+            f"datasets.{s.dataset}.columns: {{label: <your column>}}; or give preference rows (prompt, chosen, "
+            "rejected), which split into chosen → true and rejected → false"
+        ) from None
     if stats.dropped_too_long:
         log.info("dropped %d rows longer than %d tokens", stats.dropped_too_long, s.max_length)
     if stats.dropped_identical_pair:

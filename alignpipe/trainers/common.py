@@ -392,12 +392,13 @@ class TrainLoop:
             bar.update(1)
             if self.step % cfg.logging_every == 0 or self.step == self.steps:
                 # step functions may report device tensors: they are read here, once per log point
-                mean = {
-                    k: float(window_metrics[-1][k])
-                    if k in RUNNING_TOTALS
-                    else float(sum(m[k] for m in window_metrics) / len(window_metrics))
-                    for k in window_metrics[0]
-                }
+                # a metric a step did not report (e.g. KTO's rewards/chosen in a step without desirable rows) is
+                # averaged over the steps that did
+                keys = dict.fromkeys(k for m in window_metrics for k in m)
+                mean = {}
+                for k in keys:
+                    values = [m[k] for m in window_metrics if k in m]
+                    mean[k] = float(values[-1] if k in RUNNING_TOTALS else sum(values) / len(values))
                 mean |= {
                     "lr": self.scheduler.get_last_lr()[0],
                     **meter.read(),

@@ -130,6 +130,37 @@ class DPOConfig(TrainingArgs):
         return self
 
 
+class KTOConfig(TrainingArgs):
+    """Kahneman-Tversky Optimization on unpaired thumbs-up/down data (the design of TRL's KTOTrainer)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW (TRL's default; LoRA usually wants ~10× more)."""
+    batch_size: int = Field(8, gt=0)
+    """Completions per micro-batch; at least 2 with loss_type kto, whose KL reference point is estimated from the
+    batch's completions paired with the other prompts of the same batch."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL constraint to the reference."""
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto: KTO (Ethayarajh et al. 2024) against a KL reference point; apo_zero_unpaired: APO-zero (D'Oosterlinck
+    et al. 2024) without one, for desirable data believed better than the model's own outputs."""
+    desirable_weight: float = Field(1.0, gt=0)
+    """Weight of the desirable (label true) completions' losses; raise it when they are the minority (the KTO paper
+    keeps desirable_weight × desirable rows / (undesirable_weight × undesirable rows) within [1, 4/3])."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """Weight of the undesirable (label false) completions' losses."""
+    max_prompt_length: int | None = Field(None, gt=0)
+    """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
+
+    @model_validator(mode="after")
+    def _check_kto(self):
+        if self.loss_type == "kto" and self.batch_size < 2:
+            raise ValueError(
+                f"loss_type 'kto' needs batch_size >= 2 (got {self.batch_size}): its KL reference point pairs each "
+                "completion with another prompt of the same batch; raise batch_size or use apo_zero_unpaired"
+            )
+        return self
+
+
 class RolloutSpec(Strict):
     """Which generation engine produces rollouts."""
 

@@ -59,16 +59,19 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
     return out
 
 
-def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+def collate(
+    examples: list[dict], pad_id: int, max_length: int, keys: tuple[str, ...] = ("chosen_ids", "rejected_ids")
+) -> dict[str, torch.Tensor]:
     """A batch of B pairs, each prompt + answer cut to `max_length` tokens, in two layouts:
     - what the policy runs (`completion_logps`): `prompt_ids`/`prompt_mask` (B, P), left-padded, once per pair,
       and `completion_ids`/`completion_tokens` (2B, C), every chosen answer then every rejected one, right-padded;
       `completion_tokens` marks the scored tokens;
     - whole rows as TRL builds them (what the TRL parity test compares, and the token count): `input_ids`,
-      `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded."""
+      `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded.
+    `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with)."""
     prompts = [e["prompt_ids"][:max_length] for e in examples]
     seqs, comp, answers = [], [], []
-    for key in ("chosen_ids", "rejected_ids"):
+    for key in keys:
         for e, prompt in zip(examples, prompts):
             answers.append(e[key][: max_length - len(prompt)])
             seqs.append(prompt + answers[-1])
@@ -77,7 +80,7 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
     completion, _ = pad_rows(comp, 0)
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     completion_ids, completion_tokens = pad_rows(answers, pad_id)
-    for i, e in enumerate(examples * 2):
+    for i, e in enumerate(examples * len(keys)):
         if not e["prompt_ids"]:  # nothing before the answer scores its first token (as in the whole row)
             completion_tokens[i, :1] = 0
     batch = {
@@ -96,11 +99,12 @@ def collate(examples: list[dict], pad_id: int, max_length: int) -> dict[str, tor
 
 
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed completion log-probs (2B,), per-token log-probs (2B, C), completion token mask (2B, C)). Each prompt
-    runs once for its chosen and rejected answers (`shared_prompt_logprobs`); the LM head runs on answer tokens only."""
+    """(summed completion log-probs (kB,), per-token log-probs (kB, C), completion token mask (kB, C)) for the k
+    answers of each of B prompts. Each prompt runs once for all its answers (`shared_prompt_logprobs`); the LM head
+    runs on answer tokens only."""
     mask = batch["completion_tokens"]
     pairs = batch["prompt_ids"].size(0)
-    index = torch.arange(2 * pairs, device=mask.device) % pairs
+    index = torch.arange(mask.size(0), device=mask.device) % pairs
     per_token = shared_prompt_logprobs(
         model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, only=mask.bool()
     )

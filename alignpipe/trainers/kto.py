@@ -1,0 +1,202 @@
+"""Kahneman-Tversky Optimization (Ethayarajh et al. 2024), following the design of TRL's KTOTrainer.
+
+Data: `unpaired` rows (prompt, completion, label): a completion someone marked good (true) or bad (false), with no
+pairing. Prompt tokens (left-truncated to `max_prompt_length`) + completion tokens + EOS, the whole cut to
+`max_length`.
+
+Per micro-batch of B rows, r = log π(y|x) − log π_ref(y|x) (summed over completion tokens). KTO compares each r with a
+reference point z: the batch's KL(π ‖ π_ref), estimated on mismatched pairs (x_i, y_{i−1}), the completions rotated
+by one within the batch, as TRL builds its `KL_completion_ids`; z is detached, averaged over processes and clamped
+at 0. Desirable rows cost w_d (1 − σ(β(r − z))), undesirable ones w_u (1 − σ(β(z − r))); the loss is the mean over
+the batch (`losses.kto_loss`). `apo_zero_unpaired` drops z and the mismatched pass.
+
+The policy runs the batch's completions with grad and the mismatched ones without; the reference (a frozen copy, or
+the adapter-disabled policy under LoRA) runs both in one pass, each prompt once for its two answers.
+
+Metrics (TRL's names, under train/ and eval/): loss, kl, rewards/chosen, rewards/rejected, rewards/margins,
+logps/chosen, logps/rejected (chosen = desirable; averaged over the step's desirable / undesirable rows, absent
+from a step that has none).
+
+Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, output_dir, seed, ref_model=None)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignpipe.losses import kto_loss
+from alignpipe.modeling import under_attention_kernels
+from alignpipe.trainers import dpo
+from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
+from alignpipe.trainers.configs import KTOConfig
+
+
+def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) -> list[dict]:
+    """Rows → prompt ids, completion ids ending in EOS, and the boolean label."""
+    if not rows:
+        return []
+    for i, r in enumerate(rows):
+        if not isinstance(r.get("label"), bool):
+            raise ValueError(
+                f"KTO row {i} has label {r.get('label')!r}; unpaired data needs a true/false `label` per row "
+                "(produce it with a `format: unpaired` stage)"
+            )
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([r.get("prompt", "") for r in rows])["input_ids"]
+    completions = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
+    out = []
+    for p, c, r in zip(prompts, completions, rows):
+        if max_prompt_length:
+            p = p[-max_prompt_length:]
+        out.append({"prompt_ids": p, "completion_ids": c if c and c[-1] == eos else c + [eos], "label": r["label"]})
+    return out
+
+
+def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -> dict[str, torch.Tensor]:
+    """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then the completion of the row
+    before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool."""
+    keys: tuple[str, ...] = ("completion_ids",)
+    if with_kl:
+        shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
+        examples = [{**e, "kl_ids": k} for e, k in zip(examples, shifted)]
+        keys = ("completion_ids", "kl_ids")
+    batch = dpo.collate(examples, pad_id, max_length, keys=keys)
+    batch["label"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
+    return batch
+
+
+def answers(batch: dict, part: slice) -> dict[str, torch.Tensor]:
+    """The batch with only the answers in `part` (rows of `completion_ids`), for `dpo.completion_logps`."""
+    return {
+        "prompt_ids": batch["prompt_ids"],
+        "prompt_mask": batch["prompt_mask"],
+        "completion_ids": batch["completion_ids"][part],
+        "completion_tokens": batch["completion_tokens"][part],
+    }
+
+
+class Losses:
+    """One micro-batch's KTO loss, and the step's metric sums kept on the device (read when logged). `reference()`
+    gives the reference model and the context it runs in."""
+
+    def __init__(self, cfg: KTOConfig, accelerator, reference: Callable[[], tuple[Any, Any]]):
+        self.cfg, self.acc, self.reference = cfg, accelerator, reference
+        self.with_kl = cfg.loss_type == "kto"
+
+    def __call__(self, model, batch: dict, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg, acc = self.cfg, self.acc
+        labels = batch["label"]
+        B = labels.size(0)
+        main = slice(0, B)
+        logps, _, _ = dpo.completion_logps(model, answers(batch, main))
+        ref_model, context = self.reference()
+        with torch.inference_mode(), context:
+            ref_logps, _, _ = dpo.completion_logps(ref_model, batch)
+            kl = torch.zeros((), device=logps.device)
+            if self.with_kl:
+                kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)))
+                kl = (kl_logps - ref_logps[B:]).mean()
+                if acc.num_processes > 1 and model.training:  # eval shards may differ in batch count
+                    kl = acc.reduce(kl, "mean")
+                kl = kl.clamp(min=0)
+        kl, ref_logps = kl.clone(), ref_logps.clone()  # plain tensors outside inference mode, for autograd
+        loss, chosen_rewards, rejected_rewards = kto_loss(
+            logps,
+            ref_logps[main],
+            labels,
+            kl,
+            cfg.beta,
+            cfg.loss_type,
+            cfg.desirable_weight,
+            cfg.undesirable_weight,
+        )
+        detached = logps.detach()
+        for key, value in (
+            ("loss", loss.detach()),
+            ("kl", kl),
+            ("rewards/chosen", chosen_rewards.sum()),
+            ("rewards/rejected", rejected_rewards.sum()),
+            ("logps/chosen", detached[labels].sum()),
+            ("logps/rejected", detached[~labels].sum()),
+            ("num_chosen", labels.sum()),
+            ("num_rejected", (~labels).sum()),
+            ("batches", torch.ones((), device=logps.device)),
+        ):
+            sums[key] = sums.get(key, 0) + value
+        return loss
+
+
+def metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-row means of the summed rewards and log-probs (TRL's), per-batch means of the loss and KL; rewards of a
+    side with no rows are left out, and the margin needs both."""
+    out = {"loss": sums["loss"] / sums["batches"], "kl": sums["kl"] / sums["batches"]}
+    for side in ("chosen", "rejected"):
+        n = float(sums[f"num_{side}"])  # one read per step: whether the side is there at all
+        if n:
+            out[f"rewards/{side}"] = sums[f"rewards/{side}"] / n
+            out[f"logps/{side}"] = sums[f"logps/{side}"] / n
+    if "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
+
+
+@under_attention_kernels
+def train(
+    cfg: KTOConfig,
+    model,
+    tokenizer,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    tracker,
+    output_dir: str | Path,
+    seed: int = 0,
+    ref_model=None,
+) -> TrainResult:
+    """Align `model` on unpaired rows. Without LoRA, pass a frozen `ref_model` (a copy of the starting weights)."""
+    seed = resolve_seed(cfg.seed, seed)
+    if not cfg.lora and ref_model is None:
+        raise ValueError("full-model KTO needs `ref_model` (a frozen copy of the starting model), or set lora")
+    pad_id, with_kl = tokenizer.pad_token_id, cfg.loss_type == "kto"
+    tokenize(train_rows[:1], tokenizer)  # a bad label fails here, not at the first batch that holds it
+
+    def collate_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate(tokenize(rows, tokenizer, cfg.max_prompt_length), pad_id, cfg.max_length, with_kl)
+
+    loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
+    acc = loop.accelerator
+    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
+
+    def reference():
+        if ref is not None:
+            return ref, contextlib.nullcontext()
+        return loop.model, loop.unwrapped.disable_adapter()
+
+    losses = Losses(cfg, acc, reference)
+
+    def step(window: list[dict]) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        for i, batch in enumerate(window):
+            with loop.no_sync_unless(i == len(window) - 1):
+                acc.backward(losses(loop.model, batch, sums) / len(window))
+        return metrics(sums)
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        loop.model.eval()
+        shard = eval_rows[acc.process_index :: acc.num_processes]
+        sums: dict[str, torch.Tensor] = {}
+        for i in range(0, len(shard), cfg.batch_size):
+            batch = {k: v.to(acc.device) for k, v in collate_rows(shard[i : i + cfg.batch_size]).items()}
+            losses(loop.model, batch, sums)
+        if acc.num_processes > 1:
+            sums = {k: acc.reduce(v.float(), "sum") for k, v in sums.items()}
+        return {k: float(v) for k, v in metrics(sums).items()}
+
+    result = loop.run(step, evaluate if eval_rows else None)
+    result.model_dir, result.adapter = loop.save(tokenizer)
+    return result
