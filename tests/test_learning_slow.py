@@ -67,6 +67,14 @@ def test_tiny_kto_beats_sft_on_unpaired_thumbs(prefect_harness, tiny, tmp_path):
     assert metrics["kto"]["eval/rewards/margins"] > 0
 
 
+def test_tiny_online_dpo_beats_sft(prefect_harness, tiny, tmp_path):
+    recipe, summary = run_recipe("tiny-online-dpo.yaml", tiny, tmp_path)
+    metrics = child_metrics(recipe, summary)
+    print("online DPO win rate vs SFT", metrics["judge"]["judge/win_rate"])
+    assert metrics["judge"]["judge/win_rate"] >= 0.65
+    assert metrics["online-dpo"]["train/objective/scores"] > 1.5, "the reward model's scores rose from ~1.0"
+
+
 def test_tiny_grpo_raises_held_out_accuracy_by_40_points(prefect_harness, tiny, tmp_path):
     recipe, summary = run_recipe("tiny-grpo.yaml", tiny, tmp_path)
     judge = child_metrics(recipe, summary)["judge"]

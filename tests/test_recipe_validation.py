@@ -46,7 +46,10 @@ def test_wrong_type_is_reported_with_the_value(demo_text):
 
 def test_unknown_stage_kind_lists_kinds(demo_text):
     msg = problems_of(demo_text.replace("kind: sft\n", "kind: sftt\n"))
-    assert "unknown stage kind 'sftt'" in msg and "format, sft, reward, dpo, kto, grpo, rloo, ppo, judge, push" in msg
+    assert (
+        "unknown stage kind 'sftt'" in msg
+        and "format, sft, reward, dpo, kto, grpo, rloo, ppo, online_dpo, judge, push" in msg
+    )
 
 
 def test_duplicate_stage_ids(demo_text):

@@ -16,6 +16,7 @@ from alignpipe.recipe.stages import (
     GRPOStage,
     JudgeStage,
     KTOStage,
+    OnlineDPOStage,
     PPOStage,
     RewardStage,
     RLOOStage,
@@ -40,6 +41,7 @@ ACCEPTED_FORMATS = {
     (GRPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
     (RLOOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
     (PPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
+    (OnlineDPOStage, "data"): ("prompt_only", "prompt_completion", "preference"),
 }
 PRODUCT_NAMES = {CAUSAL_LM: "a causal LM", DATASET: "a dataset", REWARD_MODEL: "a reward model"}
 

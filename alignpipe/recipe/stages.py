@@ -24,6 +24,7 @@ from alignpipe.trainers.configs import (
     DPOConfig,
     GRPOConfig,
     KTOConfig,
+    OnlineDPOConfig,
     PPOConfig,
     RewardConfig,
     RLOOConfig,
@@ -47,7 +48,7 @@ class StageBase(Strict):
     id: str = Field(pattern=STAGE_ID_PATTERN)
     """Unique name of the stage; other stages refer to its outputs by this id."""
     kind: str
-    """What the stage does: format, sft, reward, dpo, kto, grpo, rloo, ppo, judge or push (each kind's model fixes it)."""
+    """What the stage does: format, sft, reward, dpo, kto, grpo, rloo, ppo, online_dpo, judge or push (each kind's model fixes it)."""
     needs: list[str] = Field(default_factory=list)
     """Extra stages that must finish first (stages named in reference fields are implied)."""
     resources: Resources = Field(default_factory=Resources)
@@ -284,6 +285,44 @@ class LLMJudgeSpec(Strict):
         return self
 
 
+class OnlineDPOStage(StageBase, OnlineDPOConfig):
+    """Online DPO: two fresh completions per prompt each step, ranked by `rewards` or a pairwise `llm_judge`."""
+
+    kind: Literal["online_dpo"] = "online_dpo"
+    model: str = BASE
+    """Policy to start from (and reference): `base` or a stage producing a causal LM (usually `sft`)."""
+    data: str
+    """Id of a `format` stage whose prompts are used (prompt_only, or any format with a prompt)."""
+    rewards: list[RewardFunctionSpec] = Field(default_factory=list)
+    """Rank the two completions by these reward functions' weighted sum (a reward model, a function, a URL)."""
+    llm_judge: LLMJudgeSpec | None = None
+    """Rank them with a pairwise LLM judge instead (both orders; a disagreement is a tie, which does not train)."""
+
+    produces: ClassVar[str] = CAUSAL_LM
+    refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
+
+    @model_validator(mode="after")
+    def _one_ranker(self):
+        if bool(self.rewards) == bool(self.llm_judge):
+            raise ValueError(
+                "online_dpo needs exactly one ranker for its two completions per prompt: `rewards` (e.g. "
+                "[{reward_model: rm}] or [{function: my_pkg.rewards:score}]) or `llm_judge` ({model: ...} or {url: ...})"
+                + (", not both" if self.rewards else "")
+            )
+        return self
+
+    def reference_fields(self) -> list[tuple[tuple, str, str]]:
+        own = super().reference_fields()
+        own += [
+            (("rewards", i, "reward_model"), r.reward_model, REWARD_MODEL)
+            for i, r in enumerate(self.rewards)
+            if r.reward_model
+        ]
+        if self.llm_judge and self.llm_judge.model and not is_model_path(self.llm_judge.model):
+            own.append((("llm_judge", "model"), self.llm_judge.model, CAUSAL_LM))
+        return own
+
+
 def _as_list(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
@@ -412,6 +451,7 @@ STAGE_TYPES: tuple[type[StageBase], ...] = (
     GRPOStage,
     RLOOStage,
     PPOStage,
+    OnlineDPOStage,
     JudgeStage,
     PushStage,
 )
@@ -426,6 +466,7 @@ Stage = Annotated[
     | GRPOStage
     | RLOOStage
     | PPOStage
+    | OnlineDPOStage
     | JudgeStage
     | PushStage,
     Field(discriminator="kind"),

@@ -6,7 +6,7 @@ hub). They run inside the stage process (`python -m alignpipe.stage`), never in 
 
 import importlib
 
-KINDS = ("format", "sft", "reward", "dpo", "kto", "grpo", "rloo", "ppo", "judge", "push")
+KINDS = ("format", "sft", "reward", "dpo", "kto", "grpo", "rloo", "ppo", "online_dpo", "judge", "push")
 
 
 def runner(kind: str):

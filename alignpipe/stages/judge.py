@@ -16,7 +16,7 @@ from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
-from alignpipe.recipe.stages import JudgeStage
+from alignpipe.recipe.stages import JudgeStage, LLMJudgeSpec
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers.online import extra_columns
 
@@ -58,8 +58,13 @@ def scorer(ctx: StageContext[JudgeStage]):
 
 
 def llm_judge(ctx: StageContext[JudgeStage]):
-    spec = ctx.stage.llm_judge
-    assert spec is not None and (spec.url or spec.model)  # validation: exactly one of model, url
+    assert ctx.stage.llm_judge is not None
+    return local_or_endpoint_judge(ctx, ctx.stage.llm_judge)
+
+
+def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
+    """(name, judge) for a pairwise LLM judge spec: a local model (stage id, path or Hub id) or an endpoint."""
+    assert spec.url or spec.model  # validation: exactly one of model, url
     if spec.url:
         return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
     model = cast(str, spec.model)

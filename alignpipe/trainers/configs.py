@@ -355,3 +355,19 @@ class PPOConfig(OnlineRLArgs):
                 "from scaled scores): add `use_score_scaling: true`, or remove `use_score_norm`"
             )
         return self
+
+
+class OnlineDPOConfig(OnlineRLArgs):
+    """Online DPO (Guo et al. 2024; the design of TRL's OnlineDPOTrainer): each step samples two completions per
+    prompt from the current policy, a ranker picks the better one, and the DPO loss trains on that fresh pair."""
+
+    learning_rate: float = Field(5e-7, gt=0)
+    """Peak learning rate of AdamW (TRL's default)."""
+    batch_size: int = Field(8, gt=0)
+    """Prompts per micro-batch (each sampled twice, as TRL's `per_device_train_batch_size`)."""
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL constraint to the reference (IPO: the regularisation τ)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO on the summed log-ratios (as TRL's OnlineDPOTrainer)."""
+    missing_eos_penalty: float | None = Field(None, ge=0)
+    """Subtracted from the score of a completion that hit `max_completion_length` without EOS (reward ranking)."""

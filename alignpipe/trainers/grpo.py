@@ -374,6 +374,19 @@ def train(
     )  # fmt: skip
 
 
+@torch.no_grad()
+def greedy_reward(
+    engine, loop: TrainLoop, rewards: RewardSet, encode, rows: list[dict], greedy, limit: int = 64
+) -> float:
+    """The mean reward of greedy completions of the first `limit` held-out prompts (unscorable ones left out)."""
+    sample_rows = rows[:limit]
+    engine.update_weights(loop.unwrapped)
+    gens = engine.generate(encode(sample_rows), 1, greedy)
+    total, _ = rewards([r["prompt"] for r in sample_rows], [g.completion for g in gens], extra_columns(sample_rows))
+    finite = total[~torch.isnan(total)]
+    return float(finite.mean()) if len(finite) else 0.0
+
+
 RolloutFn = Callable[[GRPORun, list[dict]], tuple[GRPORollout, Samples]]
 UpdateFn = Callable[[GRPORun, GRPORollout], dict[str, torch.Tensor]]
 
@@ -430,15 +443,9 @@ def train_on_samples(
             log_samples(run, sm, batch.rewards, name)
         return {**update_fn(run, current["batch"]), **current["stats"]}
 
-    @torch.no_grad()
     def evaluate() -> dict[str, float]:
-        sample_rows = (eval_rows or [])[:64]
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
-        engine.update_weights(loop.unwrapped)
-        gens = engine.generate(run.encode_prompts(sample_rows), 1, greedy)
-        total, _ = rewards([r["prompt"] for r in sample_rows], [g.completion for g in gens], extra_columns(sample_rows))
-        finite = total[~torch.isnan(total)]
-        return {"reward": float(finite.mean()) if len(finite) else 0.0}
+        return {"reward": greedy_reward(engine, loop, rewards, run.encode_prompts, eval_rows or [], greedy)}
 
     result = loop.run(step, evaluate if eval_rows else None)
     result.model_dir, result.adapter = loop.save(tokenizer)
