@@ -42,17 +42,17 @@ def mean_tokens(assets: Path, task: str, model: str) -> float | None:
     from alignpipe.modeling import load_tokenizer
     from bench.run_one import rows, shape_for
 
-    if task in ("grpo", "ppo"):
+    if task in ("grpo", "rloo", "ppo", "online_dpo"):
         return None
     shape = shape_for(model)
     tok = load_tokenizer(str(assets / "model"))
     data = rows(str(assets), task, shape)[:500]
-    if task == "sft":
+    if task in ("sft", "kto"):
         texts = [r["prompt"] + r["completion"] for r in data]
     else:
         texts = [r["prompt"] + r["chosen"] for r in data] + [r["prompt"] + r["rejected"] for r in data]
     mean = sum(min(len(x) + 1, shape.max_len) for x in tok(texts)["input_ids"]) / len(texts)
-    return 2 * mean if task != "sft" else mean
+    return 2 * mean if task in ("dpo", "reward") else mean
 
 
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16 FLOP/s, SXM parts
@@ -223,7 +223,7 @@ def _fmt(x) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("--trainers", default="sft,reward,dpo,grpo,ppo")
+    parser.add_argument("--trainers", default="sft,reward,dpo,kto,grpo,rloo,online_dpo,ppo")
     parser.add_argument("--models", default="tiny")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

@@ -156,7 +156,8 @@ def reward_model_dir(assets: str, kind: str) -> str:
 
 def rows(assets: str, task: str, shape: Shape = CPU) -> list[dict]:
     """The synthetic sentiment data; on GPU each row is `join` rows' text run together (~500 tokens)."""
-    name = {"sft": "sentiment_sft", "grpo": "sentiment_prompts", "ppo": "sentiment_prompts"}.get(
+    prompts_only = ("grpo", "rloo", "ppo", "online_dpo")
+    name = {"sft": "sentiment_sft", **dict.fromkeys(prompts_only, "sentiment_prompts")}.get(
         task, "sentiment_preferences"
     )
     data = [json.loads(line) for line in Path(f"{assets}/data/{name}.jsonl").read_text().splitlines()]
@@ -172,6 +173,12 @@ def rows(assets: str, task: str, shape: Shape = CPU) -> list[dict]:
             {"prompt": r["prompt"], "chosen": r["chosen"] + tail(i), "rejected": r["rejected"] + tail(i)}
             for i, r in enumerate(data[:2000])
         ]
+    if task == "kto":  # each pair as two thumbs: chosen → true, rejected → false
+        return [
+            {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+            for r in data[:1000]
+            for side in ("chosen", "rejected")
+        ]
     return data[:2000]
 
 
@@ -179,8 +186,16 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.judges.rewards import sentiment_lexicon
     from alignpipe.tracking import Tracker
-    from alignpipe.trainers import dpo, grpo, reward, sft
-    from alignpipe.trainers.configs import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
+    from alignpipe.trainers import dpo, grpo, kto, online_dpo, reward, rloo, sft
+    from alignpipe.trainers.configs import (
+        DPOConfig,
+        GRPOConfig,
+        KTOConfig,
+        OnlineDPOConfig,
+        RewardConfig,
+        RLOOConfig,
+        SFTConfig,
+    )
 
     class ClockedTracker(Tracker):
         def log_metrics(self, metrics: dict, step: int) -> None:
@@ -206,14 +221,34 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
         import copy
 
         dpo.train(DPOConfig(**common), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
-    elif task == "grpo":
-        cfg = GRPOConfig(
+    elif task == "kto":
+        import copy
+
+        kto.train(KTOConfig(**common), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
+    elif task in ("grpo", "rloo"):
+        import copy
+
+        config, trainer = (GRPOConfig, grpo) if task == "grpo" else (RLOOConfig, rloo)
+        cfg = config(
             **{**common, "batch_size": 2 * shape.generations},
             num_generations=shape.generations,
             max_completion_length=shape.completion,
             sample_every=10**9,
         )
-        grpo.train(cfg, model, tok, data, RewardSet([LoadedReward("lexicon", sentiment_lexicon)]), tracker, out)
+        lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
+        ref = copy.deepcopy(model) if cfg.beta else None
+        trainer.train(cfg, model, tok, data, lexicon, tracker, out, ref_model=ref)
+    elif task == "online_dpo":
+        import copy
+
+        lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
+        cfg = OnlineDPOConfig(
+            **{k: v for k, v in common.items() if k != "max_length"},
+            max_completion_length=shape.completion,
+            sample_every=10**9,
+        )
+        ranker = online_dpo.RewardRanker(lexicon, None)
+        online_dpo.train(cfg, model, tok, data, ranker, tracker, out, ref_model=copy.deepcopy(model))
     elif task == "ppo":
         import copy
 
@@ -331,21 +366,51 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         seconds = time.perf_counter() - t0
         losses = [h.get("loss/policy_avg") for h in trainer.state.log_history if "loss/policy_avg" in h]
         return seconds, losses[-1] if losses else None
-    elif task == "grpo":
+    elif task == "kto":
+        import copy
+
+        trainer = trl.KTOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=trl.KTOConfig(**common),
+            processing_class=tok,
+            train_dataset=ds,
+        )
+    elif task in ("grpo", "rloo", "online_dpo"):
         from alignpipe.judges.rewards import sentiment_lexicon
 
         def lexicon(completions, **_):
             return sentiment_lexicon(None, completions)
 
         common.pop("max_length")
-        args = trl.GRPOConfig(
-            **{**common, "per_device_train_batch_size": 2 * shape.generations},
-            num_generations=shape.generations,
-            max_completion_length=shape.completion,
-        )
-        trainer = trl.GRPOTrainer(
-            model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds
-        )
+        if task == "online_dpo":
+            import copy
+            import os
+
+            os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+            from trl.experimental.online_dpo import OnlineDPOConfig as TRLOnlineDPOConfig
+            from trl.experimental.online_dpo import OnlineDPOTrainer
+
+            trainer = OnlineDPOTrainer(
+                model=model,
+                ref_model=copy.deepcopy(model),
+                reward_funcs=[lexicon],
+                args=TRLOnlineDPOConfig(**common, max_new_tokens=shape.completion, temperature=1.0),
+                processing_class=tok,
+                train_dataset=ds,
+            )
+        else:
+            config, trainer_class = (
+                (trl.GRPOConfig, trl.GRPOTrainer) if task == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+            )
+            args = config(
+                **{**common, "per_device_train_batch_size": 2 * shape.generations},
+                num_generations=shape.generations,
+                max_completion_length=shape.completion,
+            )
+            trainer = trainer_class(
+                model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds
+            )
     trainer.add_callback(Clock())
     result = trainer.train()
     trainer.save_model(tempfile.mkdtemp())
@@ -381,7 +446,8 @@ def case(impl: str, task: str, kind: str, steps: int, assets: str, around=contex
     clock = StepClock()
     with around():
         seconds, loss = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps, shape, kind, clock)
-    per_step = 2 * shape.generations if task == "grpo" else shape.batch  # PPO: episodes
+    # GRPO/RLOO: completions; PPO: episodes; online DPO: prompts (two completions each)
+    per_step = 2 * shape.generations if task in ("grpo", "rloo") else shape.batch
     return {
         "impl": impl,
         "task": task,
