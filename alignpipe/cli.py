@@ -219,12 +219,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # The ephemeral Prefect server and MLflow send usage telemetry by default; off unless the user turns it on, so
+    # a machine without internet access shows no "Failed to send telemetry" error on every run.
+    for key, value in (
+        ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+        ("MLFLOW_ENABLE_TELEMETRY", "false"),
+        ("DO_NOT_TRACK", "1"),
+    ):
+        os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return RecipeError.exit_code
+    except BrokenPipeError:  # `alignpipe show --schema | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

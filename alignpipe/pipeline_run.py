@@ -33,7 +33,12 @@ def start_pipeline_run(recipe: Recipe, pipeline_run_id: str) -> tuple[str, str, 
         uri,
         exp,
         f"{recipe.name}",
-        tags={"alignpipe.pipeline": recipe.name, "alignpipe.pipeline_run_id": pipeline_run_id},
+        tags={
+            "alignpipe.pipeline": recipe.name,
+            "alignpipe.pipeline_run_id": pipeline_run_id,
+            # the run page's description (MLflow renders this tag as the run's note)
+            **({"mlflow.note.content": recipe.description} if recipe.description else {}),
+        },
     )
     run.log_params(
         {
@@ -82,6 +87,18 @@ def gate(stage, manifests: dict[str, Manifest]) -> tuple[bool, str]:
     return evaluate(parse(stage.when), {sid: m.metrics for sid, m in manifests.items()})
 
 
+def parent_metrics(outcomes: list[StageOutcome]) -> dict[str, float]:
+    """Each finished or cached stage's key metric under its stage id (`judge/win_rate`, `sft/eval_loss`), so pipeline
+    runs compare side by side in MLflow without opening their stage runs."""
+    out = {}
+    for o in outcomes:
+        if o.key_metric is None or o.value is None or o.status not in (STATUS_DONE, STATUS_CACHED):
+            continue
+        name = o.key_metric[len(o.kind) + 1 :] if o.key_metric.startswith(o.kind + "/") else o.key_metric
+        out[f"{o.stage_id}/{name.replace('/', '_')}"] = float(o.value)
+    return out
+
+
 def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome]) -> None:
     from alignpipe.tracking import MlflowTracker
 
@@ -89,6 +106,9 @@ def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome
     run = MlflowTracker(uri, run_id)
     failed = any(o.status == STATUS_FAILED for o in outcomes)
     run.log_text(json.dumps([asdict(o) for o in outcomes], indent=1), "summary.json")
+    rolled = parent_metrics(outcomes)
+    if rolled:
+        run.log_metrics(rolled, 0)
     run.set_tags({f"alignpipe.status.{o.stage_id}": o.status for o in outcomes})
     run.set_tags(
         {f"alignpipe.skip_reason.{o.stage_id}": o.message[:5000] for o in outcomes if o.status == STATUS_SKIPPED}

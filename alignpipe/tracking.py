@@ -15,15 +15,24 @@ from pathlib import Path
 from typing import Any
 
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-_SECRET_KEY = re.compile(r"(token|password|secret|api[_-]?key)", re.I)
+# A key is secret when its last component *is* or *ends in* a secret word (hf_token, api_key, password,
+# token_secret), not when it merely contains one: max_new_tokens, logprob_chunk_tokens and tokenizer are
+# hyperparameters, and a tokenizer's special tokens (pad_token, ...) are not credentials.
+_SECRET_KEY = re.compile(r"(^|[_-])(token|password|passwd|secret|api[_-]?key|access[_-]?key|credentials?)$", re.I)
+_SPECIAL_TOKEN = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask)_token$", re.I)
+
+
+def is_secret_key(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1]
+    return bool(_SECRET_KEY.search(last)) and not _SPECIAL_TOKEN.match(last)
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:
-    """Drop values whose key looks secret and any value equal to a secret in the environment."""
+    """Drop values whose key names a secret and any value equal to a secret in the environment."""
     secrets = {os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
     out = {}
     for k, v in params.items():
-        if _SECRET_KEY.search(k) or str(v) in secrets:
+        if is_secret_key(k) or str(v) in secrets:
             out[k] = "***"
         else:
             out[k] = v

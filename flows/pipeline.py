@@ -7,6 +7,7 @@ failure resumes at the failed stage. A failed stage marks its dependents "not ru
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,19 @@ def check_pools(recipe) -> None:
         raise RecipeError(problems, "recipe")
 
 
-@flow(name="alignpipe-pipeline", flow_run_name="{recipe_path}", log_prints=True)
+def run_name() -> str:
+    """`<pipeline name>-<first 8 characters of the flow run id>`: runs of one recipe told apart in the Prefect UI."""
+    import yaml
+    from prefect.runtime import flow_run
+
+    path = Path(flow_run.parameters.get("recipe_path", "pipeline"))
+    name = path.stem
+    with contextlib.suppress(Exception):  # unreadable here (e.g. a storage URL): the file name will do
+        name = str(yaml.safe_load(path.read_text()).get("name") or name)
+    return f"{name}-{str(flow_run.id)[:8]}"
+
+
+@flow(name="alignpipe-pipeline", flow_run_name=run_name, log_prints=True)
 def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
     """Run a recipe. `overrides` are `key=value` edits (`--set`), `force` stage ids to re-run."""
     logger = get_run_logger()

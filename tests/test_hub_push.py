@@ -100,3 +100,32 @@ datasets: {{d: {{path: {tiny / "data" / "sentiment_sft.jsonl"}}}}}
     assert (published / "model.safetensors").exists() and not (published / "adapter_config.json").exists()
     assert out.info["adapter"] is False and "library_name: transformers" in (published / "README.md").read_text()
     assert load_causal_lm(str(published)) is not None
+
+
+def test_redaction_masks_credentials_not_hyperparameters_that_mention_tokens(monkeypatch):
+    from alignpipe.tracking import redact
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefgh123")
+    params = {
+        "push.hf_token": "x",
+        "judge.api_key": "k",
+        "db.password": "p",
+        "push.token_secret": "hub-token-block",
+        "auth.token": "t",
+        "extra.header": "hf_abcdefgh123",
+        "judge.sampling.max_new_tokens": 32,
+        "ppo.logprob_chunk_tokens": 4096,
+        "model.tokenizer": "assets/tiny/model",
+        "tokenizer.pad_token": "<pad>",
+    }
+    out = redact(params)
+    masked = {k for k, v in out.items() if v == "***"}
+    assert masked == {
+        "push.hf_token",
+        "judge.api_key",
+        "db.password",
+        "push.token_secret",
+        "auth.token",
+        "extra.header",
+    }
+    assert out["judge.sampling.max_new_tokens"] == 32 and out["tokenizer.pad_token"] == "<pad>"

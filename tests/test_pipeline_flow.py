@@ -68,6 +68,37 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     assert {"win_rate.png", "judged_examples.json"} <= {a.path for a in client.list_artifacts(judge_run.info.run_id)}
 
 
+def test_parent_run_rolls_up_stage_metrics_with_description_and_readable_params(demo_run):
+    """What a user compares pipeline runs on, read through MlflowClient: each stage's key metric on the parent run
+    under its stage id, the recipe's description as the run's note, and hyperparameters whose names merely contain
+    "token" shown, not masked."""
+    path, state = demo_run
+    summary = summary_of(path, state, FAST)
+    recipe = load_recipe(path, FAST)
+    client = MlflowClient(recipe.tracking_uri)
+    parent = client.get_run(summary["mlflow_run_id"])
+    children = {
+        c.data.tags["alignpipe.stage_id"]: c
+        for c in client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    }
+    metrics = parent.data.metrics
+    assert metrics["judge/win_rate"] == children["judge"].data.metrics["judge/win_rate"]
+    assert metrics["sft/eval_loss"] == pytest.approx(children["sft"].data.metrics["eval/loss"])
+    assert metrics["sft-data/rows_train"] == children["sft-data"].data.metrics["rows_train"]
+    assert parent.data.tags["mlflow.note.content"] == "Tiny end-to-end demo on synthetic sentiment data."
+    judge_params = children["judge"].data.params
+    assert judge_params["judge.sampling.max_new_tokens"] == "32"
+
+
+def test_flow_run_is_named_after_the_pipeline_and_its_id(demo_run):
+    from prefect.client.orchestration import get_client
+
+    _, state = demo_run
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(state.state_details.flow_run_id)
+    assert run.name == f"tiny-demo-{str(run.id)[:8]}"
+
+
 def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
