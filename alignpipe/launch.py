@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +20,23 @@ from alignpipe.storage import CheckpointMirror, localize, stage_folder
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, stage_id: str, returncode: int, tail: list[str]):
+    def __init__(self, stage_id: str, returncode: int, tail: list[str], headline: str | None = None):
         self.stage_id, self.returncode, self.tail = stage_id, returncode, tail
         last = "\n".join(tail[-25:])
-        super().__init__(f"stage {stage_id!r} failed (exit code {returncode}). Last output:\n{last}")
+        super().__init__(f"{headline or f'stage {stage_id!r} failed (exit code {returncode})'}. Last output:\n{last}")
+
+
+class StageTimedOut(StageFailed):
+    """The stage ran past `resources.timeout_s` and was killed."""
+
+    def __init__(self, stage_id: str, returncode: int, timeout_s: float, tail: list[str]):
+        self.timeout_s = timeout_s
+        headline = (
+            f"stage {stage_id!r} timed out: killed after {timeout_s:g} s (resources.timeout_s: {timeout_s:g}), "
+            "printing or not. Raise `resources.timeout_s` if it needs longer, or find what hangs (a stuck "
+            "collective, a scorer that never answers)"
+        )
+        super().__init__(stage_id, returncode, tail, headline)
 
 
 def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | None = None) -> list[str]:
@@ -146,18 +158,30 @@ def _run_stage_process(
     # last lines are kept for the error message.
     pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
     pump.start()
-    deadline = time.monotonic() + timeout_s if timeout_s else None
+    # A timer, not a check per output line: a stage that hangs silently (a stuck collective, a scorer that never
+    # answers) is killed on time too.
+    timed_out = threading.Event()
+
+    def expire() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, expire) if timeout_s else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
         tail.append(line)
         on_line(line)
-        if deadline and time.monotonic() > deadline:
-            proc.kill()
-            tail.append(f"killed after {timeout_s}s (resources.timeout_s)")
-            break
     code = proc.wait()
+    if timer is not None:
+        timer.cancel()
     pump.join(timeout=5)
+    if timed_out.is_set():
+        errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
+        raise StageTimedOut(spec.stage_id, code, float(timeout_s), list(tail) + errors[-10:])
     manifest = Manifest.read(Path(spec.stage_dir))
     if code != 0 or manifest is None or manifest.cache_key != spec.cache_key:
         errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]

@@ -110,4 +110,5 @@ class Resources(Strict):
     retries: int = Field(0, ge=0)
     """Prefect task retries for this stage (a retry resumes from the last checkpoint)."""
     timeout_s: int | None = Field(None, gt=0)
-    """Kill the stage after this many seconds."""
+    """Kill the stage after this many seconds of wall time, whether or not it is printing (a silent hang too); the
+    stage fails with an error naming the timeout, and `retries` then resumes it from its last checkpoint."""
