@@ -5,6 +5,7 @@ with the end of its stderr."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import subprocess
 import sys
@@ -107,7 +108,12 @@ def launch(
     copy, fetching its inputs first and uploading its folder as it goes (see `alignpipe.storage`)."""
     spec = read_spec(str(spec_path), storage_options)
     if not spec.recipe.get("storage"):
-        return _run_stage_process(Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config)
+        with one_writer(Path(spec.stage_dir), spec, on_line) as done:
+            if done is not None:
+                return done
+            return _run_stage_process(
+                Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config
+            )
     recipe = Recipe.model_validate(spec.recipe)
     store = recipe.remote_store()
     folder = stage_folder(spec.stage_id, spec.cache_key)
@@ -122,7 +128,9 @@ def launch(
     on_line(f"storage: {got} file(s) fetched from {store.url_of('stages')} into {recipe.run_root / 'stages'}")
     local_spec = local / "spec.json"
     local_spec.write_text(spec.model_copy(update={"stage_dir": str(local), "inputs": inputs}).model_dump_json(indent=1))
-    with CheckpointMirror(store, local, f"stages/{folder}"):
+    with one_writer(local, spec, on_line) as done, CheckpointMirror(store, local, f"stages/{folder}"):
+        if done is not None:
+            return done
         manifest = _run_stage_process(
             local_spec,
             StageSpec.model_validate_json(local_spec.read_text()),
@@ -135,6 +143,26 @@ def launch(
     sent = store.upload_folder(local, f"stages/{folder}")
     on_line(f"storage: {sent} file(s) uploaded to {store.url_of(f'stages/{folder}')}")
     return manifest
+
+
+@contextlib.contextmanager
+def one_writer(stage_dir: Path, spec: StageSpec, on_line):
+    """Hold the stage folder's lock while the stage runs, so two overlapping runs (or two pool workers on one
+    machine) never train into one folder at once. A run that had to wait gets the other's manifest when that one
+    finished the same stage (same cache key) and reuses it; otherwise (the other failed) it runs the stage itself,
+    resuming from the other's last checkpoint."""
+    from alignpipe.locks import file_lock
+
+    def waiting() -> None:
+        on_line(f"stage {spec.stage_id}: another run is training it into {stage_dir}; waiting for that run")
+
+    with file_lock(stage_dir.with_name(stage_dir.name + ".lock"), on_wait=waiting):
+        done = Manifest.read(stage_dir)
+        if done is not None and done.cache_key == spec.cache_key:
+            on_line(f"stage {spec.stage_id}: finished by another run; reusing {stage_dir}")
+            yield done
+        else:
+            yield None
 
 
 def _run_stage_process(

@@ -6,6 +6,7 @@ Only rank 0 logs: other ranks get a `Tracker` that keeps history but sends nothi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -171,9 +172,16 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: Path | None =
     """The id of experiment `name`, created (with artifacts under `artifact_root` for local stores)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = artifact_root.resolve().as_uri() if artifact_root and not tracking_uri.startswith("http") else None
-    return client.create_experiment(name, artifact_location=location)
+    from alignpipe.locks import file_lock
+
+    # Two runs starting together on a fresh SQLite store would both create its tables (and race on the schema
+    # migration: "duplicate column name"), then both create the experiment: one at a time.
+    local_db = tracking_uri[len("sqlite:///") :] if tracking_uri.startswith("sqlite:///") else None
+    with file_lock(local_db + ".lock") if local_db else contextlib.nullcontext():
+        client = MlflowClient(tracking_uri)
+        client.search_experiments(max_results=1)  # creates and migrates the store now, under the lock
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = artifact_root.resolve().as_uri() if artifact_root and not tracking_uri.startswith("http") else None
+        return client.create_experiment(name, artifact_location=location)

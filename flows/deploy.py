@@ -19,11 +19,15 @@ def deploy_stage_flow(pool: str) -> None:
 
 
 def deploy_pipeline(recipe_path: str, name: str, work_pool: str, overrides: list[str], cron: str | None = None) -> None:
-    """Deploy `alignpipe-pipeline/<name>` for a recipe, run by `work_pool`'s workers, on `cron` if given."""
+    """Deploy `alignpipe-pipeline/<name>` for a recipe, run by `work_pool`'s workers, on `cron` if given. One run
+    at a time: a scheduled run that fires while the previous one still runs is queued, not started beside it."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
     flow = cast(Any, pipeline.from_source(source=ROOT, entrypoint="flows/pipeline.py:pipeline"))
     flow.deploy(
         name=name,
         work_pool_name=work_pool,
         cron=cron,
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         parameters={"recipe_path": str(Path(recipe_path).resolve()), "overrides": overrides, "force": []},
     )

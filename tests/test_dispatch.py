@@ -272,6 +272,10 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
     dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
     assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
     assert dep["parameters"]["recipe_path"] == str(recipe)
+    limit = (dep.get("global_concurrency_limit") or {}).get("limit", dep.get("concurrency_limit"))
+    assert limit == 1 and dep["concurrency_options"]["collision_strategy"] == "ENQUEUE", (
+        "cron runs queue, one at a time"
+    )
     props = dep["parameter_openapi_schema"]["properties"]
     assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
 
