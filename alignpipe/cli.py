@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
         ("MLFLOW_ENABLE_TELEMETRY", "false"),
         ("DO_NOT_TRACK", "1"),
+        # Prefect's temporary server gets 20 s to start by default; a busy machine (another run training) needs more
+        ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"),
     ):
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
@@ -239,6 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as e:
+        if "ephemeral Prefect API server" not in str(e):
+            raise
+        print(
+            "error: Prefect's temporary server did not start in time "
+            f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS')}).\n"
+            "  fix: give it longer, e.g. PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=300 alignpipe run ...,\n"
+            "       or run a server once and point every run at it:\n"
+            "       prefect server start  (in another terminal), then export PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,21 @@ class CardInfo:
     description: str = ""
 
 
+def without_front_matter(card: str) -> str:
+    """The card for viewers that do not read Hub metadata (MLflow's artifact view shows a YAML header as raw text):
+    the header becomes a small table under the title."""
+    if not card.startswith("---\n"):
+        return card
+    header, body = card[4:].split("\n---\n", 1)
+    meta = yaml.safe_load(header) or {}
+    rows = ["| metadata | |", "|---|---|"] + [
+        f"| {k} | {', '.join(map(str, v)) if isinstance(v, list) else v} |" for k, v in meta.items()
+    ]
+    lines = body.lstrip("\n").split("\n")
+    title, rest = (lines[0], lines[1:]) if lines and lines[0].startswith("# ") else ("", lines)
+    return "\n".join([title, "", *rows, *rest]).lstrip("\n")
+
+
 def model_card(info: CardInfo) -> str:
     """Markdown with Hub model-card metadata (YAML header: license, base_model, tags, datasets)."""
     meta = {

@@ -168,6 +168,10 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id, status=status)
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; these are training runs.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: Path | None = None) -> str:
     """The id of experiment `name`, created (with artifacts under `artifact_root` for local stores)."""
     from mlflow.tracking import MlflowClient
@@ -182,6 +186,8 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: Path | None =
         client.search_experiments(max_results=1)  # creates and migrates the store now, under the lock
         exp = client.get_experiment_by_name(name)
         if exp is not None:
+            if EXPERIMENT_KIND not in exp.tags:
+                client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
             return exp.experiment_id
         location = artifact_root.resolve().as_uri() if artifact_root and not tracking_uri.startswith("http") else None
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND: MODEL_TRAINING})

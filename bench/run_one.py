@@ -234,6 +234,9 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
             num_generations=shape.generations,
             max_completion_length=shape.completion,
             sample_every=10**9,
+            # RLOO without its KL term on both sides: TRL builds RLOO's reference from the model's path, which the
+            # bench's random-initialised models do not have
+            **({"beta": 0.0} if task == "rloo" else {}),
         )
         lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
         ref = copy.deepcopy(model) if cfg.beta else None
@@ -407,6 +410,7 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
                 **{**common, "per_device_train_batch_size": 2 * shape.generations},
                 num_generations=shape.generations,
                 max_completion_length=shape.completion,
+                **({"beta": 0.0} if task == "rloo" else {}),
             )
             trainer = trainer_class(
                 model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds

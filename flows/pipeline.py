@@ -36,6 +36,24 @@ from tasks.hooks import hooks_for
 from tasks.skip import skip_task
 
 
+def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
+    """A link artifact from this flow run to its MLflow parent run (for a local store, the address `mlflow ui` serves
+    it at, with the command in the description)."""
+    from prefect.artifacts import create_link_artifact
+
+    from tasks.hooks import artifact_key
+
+    uri, experiment_id, run_id = tracking
+    base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
+    how = "" if uri.startswith("http") else f" (start it with: mlflow ui --backend-store-uri {uri})"
+    create_link_artifact(
+        link=f"{base}/#/experiments/{experiment_id}/runs/{run_id}",
+        link_text=f"MLflow run {run_id[:8]} of {recipe.name}",
+        key=artifact_key(recipe.name, "mlflow-run"),
+        description=f"the pipeline's MLflow parent run{how}",
+    )
+
+
 class PipelineFailed(RuntimeError):
     pass
 
@@ -110,6 +128,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     plans = plan(recipe, force or [])
     run_id = _flow_run_id()
     tracking = start_pipeline_run(recipe, run_id)
+    link_mlflow_run(recipe, tracking)
     outcomes: dict[str, StageOutcome] = {}
     manifests: dict[str, Manifest] = {}
     running: dict[str, tuple] = {}

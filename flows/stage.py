@@ -35,5 +35,5 @@ def stage(
     )
     on_done = hooks_for(stage_entry(spec)["kind"]).on_done
     if on_done is not None:
-        on_done(manifest)
+        on_done(manifest, spec)
     return manifest.model_dump(mode="json")

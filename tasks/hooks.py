@@ -20,7 +20,7 @@ class KindHooks:
     retry_delay_seconds: list[float] | float = 0
     env: Callable[[StageSpec], dict[str, str]] | None = None
     """Extra environment variables for the stage process (e.g. a token from a Prefect Secret block)."""
-    on_done: Callable[[Manifest], None] | None = None
+    on_done: Callable[[Manifest, StageSpec], None] | None = None
     """Runs in the Prefect run after the stage succeeded (e.g. publishing artifacts)."""
 
 
@@ -40,13 +40,23 @@ def hub_token_env(spec: StageSpec) -> dict[str, str]:
     return {"HF_TOKEN": block.get()}
 
 
-def publish_judge_artifacts(manifest: Manifest) -> None:
-    """The win rates as a Prefect table artifact and the judge's report as a markdown artifact."""
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) from e.g. the pipeline and stage names."""
+    return "-".join("".join(ch if ch.isalnum() else "-" for ch in p.lower()) for p in parts)
+
+
+def publish_judge_artifacts(manifest: Manifest, spec: StageSpec) -> None:
+    """The win rates as a Prefect table artifact and the judge's report as a markdown artifact, keyed by pipeline and
+    stage (so each pipeline's judge has its own history)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    key = "".join(ch if ch.isalnum() else "-" for ch in manifest.stage_id.lower())
+    key = artifact_key(spec.recipe.get("name", "pipeline"), manifest.stage_id)
     rows = [
-        {k: w[k] for k in ("candidate", "baseline", "win_rate", "ci_low", "ci_high", "wins", "ties", "losses")}
+        {
+            **{k: w[k] for k in ("candidate", "baseline")},
+            **{k: round(float(w[k]), 3) for k in ("win_rate", "ci_low", "ci_high")},
+            **{k: w[k] for k in ("wins", "ties", "losses")},
+        }
         for w in manifest.info.get("win_rates", [])
     ]
     create_table_artifact(

@@ -42,7 +42,7 @@ def stage_task(kind: str):
             storage_options=storage_options,
         )
         if hooks.on_done is not None:
-            hooks.on_done(manifest)
+            hooks.on_done(manifest, read_spec(spec_path, storage_options))
         return manifest.model_dump(mode="json")
 
     return run_stage

@@ -206,7 +206,9 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
         assert secret not in spec.read_text()
     judge_run = manifests["judge"].info["prefect_flow_run_id"]
     assert judge_run, "the judge ran on the pool"
-    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["judge-win-rates"]}}}).json()
+    artifacts = httpx.post(
+        f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["tiny-demo-judge-win-rates"]}}}
+    ).json()
     assert any(a["flow_run_id"] == judge_run and a["type"] == "table" for a in artifacts), artifacts
 
 

@@ -86,8 +86,12 @@ def test_parent_run_rolls_up_stage_metrics_with_description_and_readable_params(
     assert metrics["sft/eval_loss"] == pytest.approx(children["sft"].data.metrics["eval/loss"])
     assert metrics["sft-data/rows_train"] == children["sft-data"].data.metrics["rows_train"]
     assert parent.data.tags["mlflow.note.content"] == "Tiny end-to-end demo on synthetic sentiment data."
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "opens as model training, not GenAI"
     judge_params = children["judge"].data.params
     assert judge_params["judge.sampling.max_new_tokens"] == "32"
+    judge_metrics = children["judge"].data.metrics
+    assert not [k for k in judge_metrics if "_vs_" in k], "one pair: its rates are judge/*, not logged twice"
 
 
 def test_flow_run_is_named_after_the_pipeline_and_its_id(demo_run):
@@ -103,11 +107,21 @@ def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    with get_client(sync_client=True) as client:
-        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["judge-win-rates"])))
-        report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["judge-report"])))
+    _, state = demo_run
+
+    def artifacts(key: str):
+        with get_client(sync_client=True) as client:
+            return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    table, report = artifacts("tiny-demo-judge-win-rates"), artifacts("tiny-demo-judge-report")
     assert table and table[0].type == "table" and "win_rate" in str(table[0].data)
+    rows = json.loads(table[0].data) if isinstance(table[0].data, str) else table[0].data
+    rates = [row["win_rate"] for row in rows]
+    assert rates and all(round(r, 3) == r for r in rates), "rates shown to 3 decimals"
     assert report and report[0].type == "markdown" and "| sft | base |" in report[0].data
+    link = artifacts("tiny-demo-mlflow-run")
+    summary = summary_of(demo_run[0], state, FAST)
+    assert link and summary["mlflow_run_id"] in str(link[0].data) and "http://" in str(link[0].data)
 
 
 def test_local_push_writes_model_and_card_with_lineage(demo_run):
@@ -119,6 +133,13 @@ def test_local_push_writes_model_and_card_with_lineage(demo_run):
     manifests = {m.stage_id: m for m in map(Manifest.read, (recipe.run_root / "stages").iterdir()) if m}
     fmt, sft = manifests["sft-data"], manifests["sft"]
     assert card.startswith("---\nlicense: apache-2.0\nbase_model: " + recipe.model.path)
+    assert "\n# tiny-demo-sft\n" in card, "titled with the model's registry name, not the stage id"
+    client = MlflowClient(recipe.tracking_uri)
+    push_run = client.search_runs(
+        [client.get_experiment_by_name("tiny-demo").experiment_id], "tags.`alignpipe.stage_id` = 'publish'"
+    )[0]
+    shown = Path(client.download_artifacts(push_run.info.run_id, "model_card/README.md")).read_text()
+    assert shown.startswith("# tiny-demo-sft\n") and "| license | apache-2.0 |" in shown, "no raw YAML header in MLflow"
     assert fmt.info["fingerprint"] in card
     assert "eval/loss" in card and f"{sft.metrics['eval/loss']:.4g}" in card
     assert "Judged win rates" in card and recipe.fingerprint() in card

@@ -146,30 +146,32 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
             metrics[f"judge/score/{m}"] = sum(valid) / len(valid) if valid else 0.0
         metrics["judge/candidate_score"] = metrics[f"judge/score/{pairs[0][0]}"]
         metrics["judge/baseline_score"] = metrics[f"judge/score/{pairs[0][1]}"]
-    for (c, b), wr in results.items():
-        metrics |= {
-            f"judge/{c}_vs_{b}/win_rate": wr.win_rate,
-            f"judge/{c}_vs_{b}/ci_low": wr.ci_low,
-            f"judge/{c}_vs_{b}/ci_high": wr.ci_high,
-        }
+    per_pair = {
+        f"judge/{c}_vs_{b}/{name}": value
+        for (c, b), wr in results.items()
+        for name, value in (("win_rate", wr.win_rate), ("ci_low", wr.ci_low), ("ci_high", wr.ci_high))
+    }
     grid = matrix(models, results) if len(models) > 2 else None
     results_path = Path(ctx.dir) / "results.json"
     results_path.write_text(
         json.dumps({"summary": summaries, "models": models, "matrix": grid, "examples": table}, indent=1)
     )
     ctx.tracker.log_params({"judge": s.model_dump(mode="json", exclude={"resources"})})
-    ctx.tracker.log_metrics(metrics, 0)
+    # MLflow gets the per-pair rates only when there are several pairs: with one, they repeat judge/* (the manifest
+    # keeps them either way, for gates such as `judge.sft_vs_base/win_rate`)
+    ctx.tracker.log_metrics(metrics | (per_pair if len(results) > 1 else {}), 0)
     ctx.tracker.log_table(table, "judged_examples")
     shown = [
         w for w in summaries if (w["candidate"], w["baseline"]) in [(c, b) for c in s.candidates for b in s.baselines]
     ]
-    ctx.tracker.log_figure(win_rate_figure(shown or summaries, f"judge {s.id} ({judge_name})"), "win_rate.png")
+    title = f"Win rate, stage {s.id!r} ({judge_name})"
+    ctx.tracker.log_figure(win_rate_figure(shown or summaries, title), "win_rate.png")
     report = report_markdown(s.id, judge_name, summaries, models, grid)
     (Path(ctx.dir) / "report.md").write_text(report)
     ctx.tracker.log_artifact(Path(ctx.dir) / "report.md")
     return StageResult(
         outputs={"results": str(results_path)},
-        metrics=metrics,
+        metrics=metrics | per_pair,
         key_metric="judge/win_rate",
         info={"win_rates": summaries, "models": models, "matrix": grid, "report": report},
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder
+from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder, without_front_matter
 from alignpipe.recipe.stages import FormatStage, JudgeStage, PushStage
 from alignpipe.stages.context import StageContext, StageResult
 
@@ -28,7 +28,8 @@ CARD_HYPERPARAMETERS = (
 def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     recipe, s = ctx.recipe, ctx.stage
     info = CardInfo(
-        name=s.repo_id or s.id,
+        # the model's name: its Hub repo, else its registry name, else pipeline and model stage (never "publish")
+        name=s.repo_id or (s.registry.name if s.registry else f"{recipe.name}-{s.model}"),
         base_model=recipe.model.path,
         pipeline=recipe.name,
         recipe_hash=recipe.fingerprint(),
@@ -119,6 +120,8 @@ def run(ctx: StageContext[PushStage]) -> StageResult:
     (Path(ctx.dir) / "README.md").write_text(card)
     if s.registry is not None:
         outputs["registered"] = register(ctx, s.registry, outputs["published"])
-    ctx.tracker.log_artifact(Path(ctx.dir) / "README.md", "model_card")
+    (Path(ctx.dir) / "model_card").mkdir(exist_ok=True)
+    (Path(ctx.dir) / "model_card" / "README.md").write_text(without_front_matter(card))
+    ctx.tracker.log_artifact(Path(ctx.dir) / "model_card" / "README.md", "model_card")
     ctx.tracker.log_params({"push.target": s.target, "push.repo_id": s.repo_id or "", "push.adapter": adapter})
     return StageResult(outputs=outputs, metrics={}, info={"adapter": adapter, "card": str(Path(ctx.dir) / "README.md")})
