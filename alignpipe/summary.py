@@ -48,25 +48,26 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
 
 
 def dag_text(recipe, plans: dict | None = None) -> str:
-    """Stages by dependency level, with what each reads."""
+    """Stages in run order, indented by dependency level, each with the stages it waits for (`after:`; a stage may
+    wait for several, so this is a list with levels, not a tree) and what it reads."""
     order = recipe.topological_order()
     level: dict[str, int] = {}
     for s in order:
         level[s.id] = 1 + max((level[d] for d in s.dependencies()), default=0)
-    width = max(len(s.id) for s in order)
-    lines = [f"{recipe.name}: {len(order)} stages, model {recipe.model.path}"]
+    depth = max(level.values())
+    width = max(len(s.id) for s in order) + 2 * (depth - 1)
+    kinds = max(len(s.kind) for s in order)
+    lines = [f"{recipe.name}: {len(order)} stages in {depth} levels, model {recipe.model.path}"]
     for s in order:
         reads = [f"{f}={v}" for f, v in s.references().items()]
         if getattr(s, "dataset", None):
             reads.append(f"dataset={s.dataset}")
-        extra = [d for d in s.needs if d not in s.references().values()]
-        if extra:
-            reads.append("needs=" + ",".join(extra))
+        after = s.dependencies()
         state = ""
         if plans:
             state = "  [cached]" if plans[s.id].cached else "  [will run]"
         pool = f"  pool={s.resources.pool}" if s.resources.pool else ""
-        indent = "  " * (level[s.id] - 1)
-        pad = width + 2 * (max(level.values()) - level[s.id])
-        lines.append(f"  {indent}└─ {s.id:<{pad}}  {s.kind:<7} {' '.join(reads)}{pool}{state}")
+        name = "  " * (level[s.id] - 1) + s.id
+        waits = f"after: {', '.join(after)}" if after else "first"
+        lines.append(f"  {name:<{width}}  {s.kind:<{kinds}}  {waits:<24} {' '.join(reads)}{pool}{state}".rstrip())
     return "\n".join(lines)

@@ -41,7 +41,16 @@ def test_unknown_stage_key_names_stage_path_and_line(demo_text):
 
 def test_wrong_type_is_reported_with_the_value(demo_text):
     msg = problems_of(demo_text.replace("max_steps: 150", "max_steps: many"))
-    assert "stages[2].max_steps" in msg and "'many'" in msg and "integer" in msg
+    assert "stages[2].max_steps" in msg and "must be a whole number (got 'many')" in msg
+    assert "fix: write `max_steps:` as a whole number" in msg, "says what to write, not only what the field is"
+    msg = problems_of(demo_text.replace("eval_fraction: 0.1", "eval_fraction: lots"))
+    assert "write `eval_fraction:` as a number, e.g. `eval_fraction: 0.1` (the default)" in msg
+
+
+def test_a_bad_set_override_is_attributed_to_the_override_not_a_line(demo_text):
+    msg = problems_of(demo_text, ["stages.sft.lr_scheduler=cosin"])
+    assert "from --set stages.sft.lr_scheduler=cosin" in msg and ", line " not in msg.split("\n")[1], msg
+    assert "one of 'cosine', 'linear' or 'constant'" in msg
 
 
 def test_unknown_stage_kind_lists_kinds(demo_text):
@@ -160,6 +169,9 @@ def test_cli_validate_ok_and_show(demo_text, tmp_path):
     assert out.returncode == 0 and "is valid" in out.stdout
     out = _cli(["show", str(recipe)], tmp_path)
     assert out.returncode == 0 and "[will run]" in out.stdout and "judge" in out.stdout
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert "└─" not in out.stdout and "first" in lines["sft-data"], out.stdout
+    assert "after: sft, eval-prompts" in lines["judge"] or "after: eval-prompts, sft" in lines["judge"], out.stdout
     assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists()
 
 

@@ -25,12 +25,16 @@ class Problem:
     hint: str = ""
     line: int | None = None
     label: str = field(default="", compare=False)  # e.g. "stage 'sft'", shown next to the path
+    override: str = ""
+    """The `--set KEY=VALUE` that put the bad value there (then it is named instead of a line of the file)."""
 
     def render(self) -> str:
         where = format_path(self.path)
         if self.label:
             where += f" ({self.label})"
-        if self.line is not None:
+        if self.override:
+            where += f", from --set {self.override}"
+        elif self.line is not None:
             where += f", line {self.line}"
         text = f"  - {where}: {self.message}"
         if self.hint:

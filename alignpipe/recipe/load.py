@@ -7,6 +7,7 @@ all of them are raised together as one `RecipeError`. Nothing is written while l
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import types
 import typing
@@ -33,18 +34,29 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), c
 def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: bool = True) -> Recipe:
     """Like `load_recipe`, from YAML text."""
     data, lines = _read_yaml(text, source)
-    data = apply_overrides(data, overrides, source)
+    overridden: dict[tuple, str] = {}
+    data = apply_overrides(data, overrides, source, overridden)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError([_problem_from_pydantic(dict(err), data, lines) for err in e.errors()], source) from None
+        problems = [_problem_from_pydantic(dict(err), data, lines) for err in e.errors()]
+        raise RecipeError(_name_overrides(problems, overridden), source) from None
     problems = check_recipe(recipe, check_files=check_files)
     for p in problems:
         p.line = p.line or _line_for(p.path, lines)
         p.label = p.label or _label_for(p.path, data)
     if problems:
-        raise RecipeError(problems, source)
+        raise RecipeError(_name_overrides(problems, overridden), source)
     return recipe
+
+
+def _name_overrides(problems: list[Problem], overridden: dict[tuple, str]) -> list[Problem]:
+    """A problem at (or inside) a value a `--set` wrote names that override, not a line of the file."""
+    for p in problems:
+        for path, item in overridden.items():
+            if tuple(p.path[: len(path)]) == path:
+                p.override = item
+    return problems
 
 
 def _read_yaml(text: str, source: str) -> tuple[dict, dict[tuple, int]]:
@@ -128,9 +140,10 @@ def _label_for(path: tuple, data: dict) -> str:
 # --- `--set` overrides -------------------------------------------------------------------------
 
 
-def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
+def apply_overrides(data: dict, overrides, source: str = "recipe", applied: dict | None = None) -> dict:
     """Apply `a.b.c=value` overrides. In `stages.X.field`, X is a stage id or an index. Values are
-    parsed as YAML (`3e-4` → float, `[a, b]` → list, `null` → None)."""
+    parsed as YAML (`3e-4` → float, `[a, b]` → list, `null` → None). `applied` collects each override's resolved
+    path (`("stages", 2, "max_steps")`) → the override."""
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -144,6 +157,8 @@ def apply_overrides(data: dict, overrides, source: str = "recipe") -> dict:
         except yaml.YAMLError:
             value = raw
         err = _set_path(data, key.split("."), value)
+        if not err and applied is not None:
+            applied[_resolved(data, key.split("."))] = item
         if err:
             problems.append(
                 Problem(
@@ -178,6 +193,21 @@ def _set_path(data: Any, parts: list[str], value: Any) -> str | None:
         else:
             return f"{'.'.join(parts[:i])} is not a mapping"
     return None
+
+
+def _resolved(data: Any, parts: list[str]) -> tuple:
+    """The override path with list items (stages by id) as their indices, as validation errors locate them."""
+    node: Any = data
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(node, list):
+            idx = _list_index(node, part)
+            out.append(idx)
+            node = node[idx] if idx is not None else None
+        else:
+            out.append(part)
+            node = node.get(part) if isinstance(node, dict) else None
+    return tuple(out)
 
 
 def _list_index(items: list, part: str) -> int | None:
@@ -227,6 +257,15 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
         hint += f" (default {default})" if default is not None else ""
         desc = _describe(model, field)
         hint += f"; the field is: {desc}" if desc else ""
+    elif _expected(kind, err) and loc:
+        field = loc[-1]
+        got = err.get("input")
+        msg = f"{field} must be {_expected(kind, err)} (got {got!r})"
+        default = _default(model, field)
+        hint = f"write `{field}:` as {_expected(kind, err)}"
+        hint += f", e.g. `{field}: {json.dumps(default)}` (the default)" if default not in (None, [], {}) else ""
+        desc = _describe(model, field)
+        hint += f"; the field is: {desc}" if desc else ""
     else:
         if kind == "value_error":
             msg = msg.removeprefix("Value error, ")
@@ -237,6 +276,28 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
         if desc:
             hint = f"this field is: {desc}"
     return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data))
+
+
+_TYPES = {
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "text (quote it if YAML reads it as something else)",
+    "list_type": "a list, e.g. [a, b]",
+    "dict_type": "a mapping, e.g. {key: value}",
+    "model_type": "a mapping, e.g. {key: value}",
+}
+
+
+def _expected(kind: str, err: dict) -> str:
+    """What a wrong-type value should have been, in recipe words."""
+    if kind == "literal_error":
+        return "one of " + str(err.get("ctx", {}).get("expected", "the listed values"))
+    return _TYPES.get(kind, "")
 
 
 _BOUNDS = {
