@@ -63,6 +63,8 @@ class StageOutcome:
     value: float | None = None
     output: str = ""
     message: str = ""
+    mlflow_run_id: str | None = None
+    """The MLflow run that trained the stage (for a cached stage, the earlier run's)."""
 
     @classmethod
     def from_manifest(cls, m: Manifest, status: str, duration: float | None = None) -> StageOutcome:
@@ -75,6 +77,7 @@ class StageOutcome:
             m.key_metric,
             m.metrics.get(m.key_metric) if m.key_metric else None,
             output,
+            mlflow_run_id=m.mlflow_run_id,
         )
 
 
@@ -110,6 +113,8 @@ def end_pipeline_run(tracking: tuple[str, str, str], outcomes: list[StageOutcome
     if rolled:
         run.log_metrics(rolled, 0)
     run.set_tags({f"alignpipe.status.{o.stage_id}": o.status for o in outcomes})
+    # a cached stage's run belongs to an earlier pipeline run: the tag leads there from this one
+    run.set_tags({f"alignpipe.stage_run.{o.stage_id}": o.mlflow_run_id for o in outcomes if o.mlflow_run_id})
     run.set_tags(
         {f"alignpipe.skip_reason.{o.stage_id}": o.message[:5000] for o in outcomes if o.status == STATUS_SKIPPED}
     )

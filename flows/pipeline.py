@@ -33,7 +33,12 @@ from alignpipe.recipe import load_recipe
 from tasks import TASKS
 from tasks.dispatch import deployment_name, dispatch_task
 from tasks.hooks import hooks_for
-from tasks.skip import skip_task
+from tasks.skip import cached_task, skip_task
+
+
+def upstream(futures: dict[str, Any], deps: list[str]) -> list:
+    """The task runs of a stage's dependencies (for Prefect's run graph)."""
+    return [futures[d] for d in deps if d in futures]
 
 
 def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
@@ -132,6 +137,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     outcomes: dict[str, StageOutcome] = {}
     manifests: dict[str, Manifest] = {}
     running: dict[str, tuple] = {}
+    # Every stage's task run, passed as `wait_for` to its dependents: the upstream stages are finished by then, so
+    # nothing waits, but Prefect records the edges and draws the run graph.
+    futures: dict[str, Any] = {}
     pending = [s for s in recipe.topological_order()]
 
     while pending or running:
@@ -145,7 +153,10 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 outcomes[s.id] = StageOutcome(
                     s.id, s.kind, STATUS_SKIPPED, message=f"upstream stage {skipped[0]!r} was skipped"
                 )
-                skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
+                futures[s.id] = skip_task.submit(
+                    stage_id=s.id, reason=outcomes[s.id].message, wait_for=upstream(futures, deps), return_state=False
+                )
+                futures[s.id].wait()
                 pending.remove(s)
             elif all(d in manifests for d in deps):
                 pending.remove(s)
@@ -161,12 +172,22 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                         s.id, s.kind, STATUS_SKIPPED, message=f"gate `{s.when}` is false: {why}"
                     )
                     logger.warning("stage %s skipped: %s", s.id, outcomes[s.id].message)
-                    skip_task.submit(stage_id=s.id, reason=outcomes[s.id].message).wait()
+                    futures[s.id] = skip_task.submit(
+                        stage_id=s.id,
+                        reason=outcomes[s.id].message,
+                        wait_for=upstream(futures, deps),
+                        return_state=False,
+                    )
+                    futures[s.id].wait()
                     continue
                 if p.cached and p.manifest is not None:
                     manifests[s.id] = p.manifest
                     outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)
                     logger.info("stage %s: cached (%s)", s.id, p.folder)
+                    futures[s.id] = cached_task.submit(
+                        stage_id=s.id, folder=str(p.dir), wait_for=upstream(futures, deps), return_state=False
+                    )
+                    futures[s.id].wait()
                     continue
                 inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
                 spec = write_spec(recipe, p, inputs, tracking, run_id)
@@ -182,6 +203,8 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                 if recipe.storage:
                     where["storage_options"] = recipe.storage.options
                 future = task.submit(
+                    wait_for=upstream(futures, deps),
+                    return_state=False,
                     spec_path=spec,
                     stage_id=s.id,
                     processes=s.resources.processes,
@@ -190,6 +213,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
                     **where,
                 )
                 running[s.id] = (s, future)
+                futures[s.id] = future
         if not running:
             continue
         done, _ = concurrent.futures.wait(

@@ -147,10 +147,51 @@ def test_local_push_writes_model_and_card_with_lineage(demo_run):
 
 
 def test_rerun_reuses_every_finished_stage(demo_run):
-    path, _ = demo_run
+    """Nothing re-runs; the Prefect run still shows every stage, as a Cached task run, and the new MLflow parent run
+    carries the stages' key metrics and links to the runs that trained them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    path, first = demo_run
     state = run_flow(path, FAST)
     assert state.is_completed()
-    assert [s["status"] for s in summary_of(path, state, FAST)["stages"]] == ["cached"] * 5
+    summary = summary_of(path, state, FAST)
+    assert [s["status"] for s in summary["stages"]] == ["cached"] * 5
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    assert sorted(r.name for r in runs) == sorted(s["stage_id"] for s in summary["stages"])
+    assert all(r.state.is_completed() and r.state.name == "Cached" for r in runs)
+    recipe = load_recipe(path, FAST)
+    mlflow = MlflowClient(recipe.tracking_uri)
+    parent = mlflow.get_run(summary["mlflow_run_id"])
+    before = mlflow.get_run(summary_of(path, first, FAST)["mlflow_run_id"])
+    assert parent.data.metrics["judge/win_rate"] == before.data.metrics["judge/win_rate"]
+    assert parent.data.tags["alignpipe.stage_run.sft"] == before.data.tags["alignpipe.stage_run.sft"]
+    sft_run = mlflow.get_run(parent.data.tags["alignpipe.stage_run.sft"])
+    assert sft_run.data.tags["alignpipe.stage_id"] == "sft"
+
+
+def test_task_runs_record_their_upstream_stages(demo_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    _, state = demo_run
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    by_name = {r.name: r for r in runs}
+    ids = {name: str(r.id) for name, r in by_name.items()}
+
+    def parents(name: str) -> set[str]:
+        inputs = by_name[name].task_inputs
+        return {str(ref.id) for refs in inputs.values() for ref in refs if getattr(ref, "id", None)}
+
+    assert parents("sft") >= {ids["sft-data"]}
+    assert parents("judge") >= {ids["sft"], ids["eval-prompts"]}
+    assert parents("publish") >= {ids["sft"], ids["judge"]}
 
 
 def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
