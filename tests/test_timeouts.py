@@ -41,3 +41,50 @@ def test_a_silent_hang_is_killed_at_timeout_s_and_the_error_names_it(tiny, tmp_p
     elapsed = time.monotonic() - started
     assert 20 <= elapsed < 90, elapsed
     assert "stage 'judge' timed out: killed after 20 s (resources.timeout_s: 20)" in str(err.value)
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server that accepts connections and never answers."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join(timeout=2)
+    for conn in held:
+        conn.close()
+    sock.close()
+
+
+def test_remote_scorer_and_judge_that_never_answer_fail_after_bounded_retries(silent_server):
+    from alignpipe.judges.pairwise import EndpointJudge
+    from alignpipe.judges.rewards import HTTPScorer, RewardFunctionError
+
+    started = time.monotonic()
+    with pytest.raises(
+        RewardFunctionError, match=r"remote reward http://127\.0\.0\.1:\d+/score: ReadTimeout.*after 2 attempt"
+    ):
+        HTTPScorer(silent_server + "/score", timeout_s=0.5, retries=2)(["p"], ["c"])
+    assert time.monotonic() - started < 10, "0.5 s per attempt, 2 attempts, 1 s back-off"
+
+    started = time.monotonic()
+    judge = EndpointJudge(silent_server, model="judge", timeout_s=0.5, retries=2)
+    with pytest.raises(RuntimeError, match=r"LLM judge .*/v1/chat/completions: .*Timeout.*after 2 attempt"):
+        judge(["which is better?"])
+    assert time.monotonic() - started < 10

@@ -51,13 +51,38 @@ class LocalJudge:
 class EndpointJudge:
     """An OpenAI-compatible `/v1/chat/completions` endpoint as judge (temperature 0)."""
 
-    def __init__(self, base_url: str, model: str | None = None, max_new_tokens: int = 8, timeout_s: float = 120.0):
-        self.base, self.model, self.max_new_tokens, self.timeout_s = (
-            base_url.rstrip("/"),
-            model,
-            max_new_tokens,
-            timeout_s,
-        )
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        max_new_tokens: int = 8,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+    ):
+        self.base, self.model, self.max_new_tokens = base_url.rstrip("/"), model, max_new_tokens
+        self.timeout_s, self.retries = timeout_s, retries
+
+    def _request(self, client, method: str, path: str, **kwargs):
+        """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors and
+        5xx answers (backing off 1, 2, 4 s); then an error naming the endpoint."""
+        import time
+
+        import httpx
+
+        for attempt in range(self.retries):
+            try:
+                response = client.request(method, f"{self.base}{path}", **kwargs)
+                response.raise_for_status()
+                return response.json()
+            except (httpx.TransportError, httpx.HTTPStatusError) as e:
+                final = attempt == self.retries - 1
+                if final or (isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500):
+                    raise RuntimeError(
+                        f"LLM judge {self.base}{path}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), "
+                        f"{self.timeout_s:g} s timeout each)"
+                    ) from e
+                time.sleep(2**attempt)
+        raise AssertionError("unreachable")
 
     def __call__(self, prompts: list[str]) -> list[str]:
         import httpx
@@ -65,21 +90,16 @@ class EndpointJudge:
         out = []
         with httpx.Client(timeout=self.timeout_s) as client:
             if self.model is None:
-                response = client.get(f"{self.base}/v1/models")
-                response.raise_for_status()
-                self.model = response.json()["data"][0]["id"]
+                self.model = self._request(client, "GET", "/v1/models")["data"][0]["id"]
             for p in prompts:
-                response = client.post(
-                    f"{self.base}/v1/chat/completions",
-                    json={
-                        "model": self.model,
-                        "messages": [{"role": "user", "content": p}],
-                        "temperature": 0,
-                        "max_tokens": self.max_new_tokens,
-                    },
-                )
-                response.raise_for_status()
-                out.append(response.json()["choices"][0]["message"]["content"])
+                body = {
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": p}],
+                    "temperature": 0,
+                    "max_tokens": self.max_new_tokens,
+                }
+                answer = self._request(client, "POST", "/v1/chat/completions", json=body)
+                out.append(answer["choices"][0]["message"]["content"])
         return out
 
 

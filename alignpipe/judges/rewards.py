@@ -110,7 +110,10 @@ class HTTPScorer:
                 if attempt == self.retries - 1 or (
                     isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500
                 ):
-                    raise RewardFunctionError(f"remote reward {self.url}: {e}") from e
+                    raise RewardFunctionError(
+                        f"remote reward {self.url}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), "
+                        f"{self.timeout_s:g} s timeout each)"
+                    ) from e
                 time.sleep(2**attempt)
         raise AssertionError("unreachable")
 
