@@ -15,21 +15,18 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
-from alignpipe.manifest import Manifest
 from alignpipe.pipeline_run import (
     STATUS_CACHED,
-    STATUS_DONE,
     STATUS_FAILED,
-    STATUS_NOT_RUN,
     STATUS_SKIPPED,
     StageOutcome,
     end_pipeline_run,
-    gate,
     start_pipeline_run,
     write_summary,
 )
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import load_recipe
+from alignpipe.schedule import Schedule
 from tasks import TASKS
 from tasks.dispatch import deployment_name, dispatch_task
 from tasks.hooks import hooks_for
@@ -57,6 +54,52 @@ def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
         key=artifact_key(recipe.name, "mlflow-run"),
         description=f"the pipeline's MLflow parent run{how}",
     )
+
+
+def submit_stage(recipe, s, spec: str, wait_for: list):
+    """Start a stage's task run: the kind's local task, or its dispatch to the stage's work pool."""
+    task = TASKS[s.kind]
+    if s.resources.pool:  # the kind's default retries apply to its dispatch as to its local task
+        hooks = hooks_for(s.kind)
+        task = dispatch_task.with_options(retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds)
+    if s.resources.retries:
+        task = task.with_options(retries=s.resources.retries)
+    where: dict[str, Any] = {"pool": s.resources.pool} if s.resources.pool else {}
+    if recipe.storage:
+        where["storage_options"] = recipe.storage.options
+    return task.submit(
+        wait_for=wait_for,
+        return_state=False,
+        spec_path=spec,
+        stage_id=s.id,
+        processes=s.resources.processes,
+        timeout_s=s.resources.timeout_s,
+        accelerate_config=s.resources.accelerate_config,
+        **where,
+    )
+
+
+def marker_task(outcome: StageOutcome, folder: str, wait_for: list):
+    """A skipped or cached stage as a finished task run in the run graph (stages that were not run get none)."""
+    if outcome.status == STATUS_SKIPPED:
+        future = skip_task.submit(
+            stage_id=outcome.stage_id, reason=outcome.message, wait_for=wait_for, return_state=False
+        )
+    elif outcome.status == STATUS_CACHED:
+        future = cached_task.submit(stage_id=outcome.stage_id, folder=folder, wait_for=wait_for, return_state=False)
+    else:
+        return None
+    future.wait()
+    return future
+
+
+def log_outcome(logger, outcome: StageOutcome, folder: str) -> None:
+    if outcome.status == STATUS_CACHED:
+        logger.info("stage %s: cached (%s)", outcome.stage_id, folder)
+    elif outcome.status == STATUS_SKIPPED:
+        logger.warning("stage %s skipped: %s", outcome.stage_id, outcome.message)
+    elif outcome.status == STATUS_FAILED:
+        logger.error("stage %s: %s", outcome.stage_id, outcome.message)
 
 
 class PipelineFailed(RuntimeError):
@@ -134,104 +177,32 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     run_id = _flow_run_id()
     tracking = start_pipeline_run(recipe, run_id)
     link_mlflow_run(recipe, tracking)
-    outcomes: dict[str, StageOutcome] = {}
-    manifests: dict[str, Manifest] = {}
-    running: dict[str, tuple] = {}
+    schedule = Schedule(recipe, plans)
     # Every stage's task run, passed as `wait_for` to its dependents: the upstream stages are finished by then, so
     # nothing waits, but Prefect records the edges and draws the run graph.
     futures: dict[str, Any] = {}
-    pending = [s for s in recipe.topological_order()]
-
-    while pending or running:
-        for s in list(pending):
-            deps = plans[s.id].deps
-            if any(outcomes.get(d) and outcomes[d].status in (STATUS_FAILED, STATUS_NOT_RUN) for d in deps):
-                outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_NOT_RUN, message="an upstream stage failed")
-                pending.remove(s)
-            elif any(outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED for d in deps):
-                skipped = [d for d in deps if outcomes.get(d) and outcomes[d].status == STATUS_SKIPPED]
-                outcomes[s.id] = StageOutcome(
-                    s.id, s.kind, STATUS_SKIPPED, message=f"upstream stage {skipped[0]!r} was skipped"
-                )
-                futures[s.id] = skip_task.submit(
-                    stage_id=s.id, reason=outcomes[s.id].message, wait_for=upstream(futures, deps), return_state=False
-                )
-                futures[s.id].wait()
-                pending.remove(s)
-            elif all(d in manifests for d in deps):
-                pending.remove(s)
-                p = plans[s.id]
-                try:
-                    open_gate, why = gate(s, manifests)
-                except ValueError as e:
-                    outcomes[s.id] = StageOutcome(s.id, s.kind, STATUS_FAILED, message=f"gate `when: {s.when}`: {e}")
-                    logger.error("stage %s: %s", s.id, outcomes[s.id].message)
-                    continue
-                if not open_gate:
-                    outcomes[s.id] = StageOutcome(
-                        s.id, s.kind, STATUS_SKIPPED, message=f"gate `{s.when}` is false: {why}"
-                    )
-                    logger.warning("stage %s skipped: %s", s.id, outcomes[s.id].message)
-                    futures[s.id] = skip_task.submit(
-                        stage_id=s.id,
-                        reason=outcomes[s.id].message,
-                        wait_for=upstream(futures, deps),
-                        return_state=False,
-                    )
-                    futures[s.id].wait()
-                    continue
-                if p.cached and p.manifest is not None:
-                    manifests[s.id] = p.manifest
-                    outcomes[s.id] = StageOutcome.from_manifest(manifests[s.id], STATUS_CACHED, 0.0)
-                    logger.info("stage %s: cached (%s)", s.id, p.folder)
-                    futures[s.id] = cached_task.submit(
-                        stage_id=s.id, folder=str(p.dir), wait_for=upstream(futures, deps), return_state=False
-                    )
-                    futures[s.id].wait()
-                    continue
-                inputs = {a: manifests[a] for a in recipe.ancestors(s.id)}
-                spec = write_spec(recipe, p, inputs, tracking, run_id)
-                task = TASKS[s.kind]
-                if s.resources.pool:  # the kind's default retries apply to its dispatch as to its local task
-                    hooks = hooks_for(s.kind)
-                    task = dispatch_task.with_options(
-                        retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds
-                    )
-                if s.resources.retries:
-                    task = task.with_options(retries=s.resources.retries)
-                where: dict[str, Any] = {"pool": s.resources.pool} if s.resources.pool else {}
-                if recipe.storage:
-                    where["storage_options"] = recipe.storage.options
-                future = task.submit(
-                    wait_for=upstream(futures, deps),
-                    return_state=False,
-                    spec_path=spec,
-                    stage_id=s.id,
-                    processes=s.resources.processes,
-                    timeout_s=s.resources.timeout_s,
-                    accelerate_config=s.resources.accelerate_config,
-                    **where,
-                )
-                running[s.id] = (s, future)
-                futures[s.id] = future
-        if not running:
-            continue
-        done, _ = concurrent.futures.wait(
-            [f.wrapped_future for _, f in running.values()], return_when=concurrent.futures.FIRST_COMPLETED
-        )
-        for sid, (s, future) in list(running.items()):
-            if future.wrapped_future not in done:
-                continue
-            del running[sid]
-            result = future.result(raise_on_failure=False)
-            if isinstance(result, dict):
-                manifests[sid] = Manifest.model_validate(result)
-                outcomes[sid] = StageOutcome.from_manifest(manifests[sid], STATUS_DONE)
+    running: dict[str, Any] = {}
+    while not schedule.settled:
+        for s, outcome in schedule.ready():
+            wait_for = upstream(futures, plans[s.id].deps)
+            if outcome is None:
+                spec = write_spec(recipe, plans[s.id], schedule.inputs(s.id), tracking, run_id)
+                futures[s.id] = running[s.id] = submit_stage(recipe, s, spec, wait_for)
             else:
-                outcomes[sid] = StageOutcome(sid, s.kind, STATUS_FAILED, message=str(result).split("\n")[0])
-                logger.error("stage %s failed: %s", sid, result)
+                log_outcome(logger, outcome, plans[s.id].folder)
+                marker = marker_task(outcome, str(plans[s.id].dir), wait_for)
+                if marker is not None:
+                    futures[s.id] = marker
+        if running:
+            done, _ = concurrent.futures.wait(
+                [f.wrapped_future for f in running.values()], return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for sid in [sid for sid, f in running.items() if f.wrapped_future in done]:
+                outcome = schedule.finish(sid, recipe.stage(sid).kind, running.pop(sid).result(raise_on_failure=False))
+                if outcome.status == STATUS_FAILED:
+                    logger.error("stage %s failed: %s", sid, outcome.message)
 
-    ordered = [outcomes[s.id] for s in recipe.topological_order()]
+    ordered = schedule.ordered()
     end_pipeline_run(tracking, ordered)
     # The recipe's text too: `alignpipe resume` on a machine without the file (storage runs) rebuilds it.
     request = {
