@@ -24,7 +24,12 @@ class StageFailed(RuntimeError):
     def __init__(self, stage_id: str, returncode: int, tail: list[str], headline: str | None = None):
         self.stage_id, self.returncode, self.tail = stage_id, returncode, tail
         last = "\n".join(tail[-25:])
-        super().__init__(f"{headline or f'stage {stage_id!r} failed (exit code {returncode})'}. Last output:\n{last}")
+        if headline is None:
+            # the stage process logs "stage <id> failed: <error>" before it exits: that is the cause to lead with
+            said = f"stage {stage_id} failed: "
+            cause = next((line[len(said) :] for line in reversed(tail) if line.startswith(said)), None)
+            headline = f"stage {stage_id!r} failed (exit code {returncode})" + (f": {cause}" if cause else "")
+        super().__init__(f"{headline}. Last output:\n{last}")
 
 
 class StageTimedOut(StageFailed):

@@ -70,7 +70,7 @@ def token_logprobs(
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
     if base is None:
-        # DDP only synchronises gradients through its own forward, so the LM head runs there (full logits);
+        # DDP and FSDP only synchronise (and gather) through their own forward, so the LM head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -98,8 +98,11 @@ def token_logprobs(
 
 def unwrapped(model):
     """The model whose modules the chunked-head and shared-prefix paths call directly: a peft model's base model,
-    or the model itself; None under DDP, whose own forward must run for gradients to be synchronised."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    or the model itself; None under DDP, whose own forward must run for gradients to be synchronised, and under
+    FSDP, whose root forward gathers the embedding, final norm and LM head."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel | FSDPModule):
         return None
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
     _quiet_libraries()
 
+    from alignpipe.distributed import select_strategy
     from alignpipe.recipe.schema import Recipe
     from alignpipe.stages import runner
     from alignpipe.stages.context import StageContext
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe = Recipe.model_validate(spec.recipe)
     stage = recipe.stage(spec.stage_id)
+    select_strategy(stage.resources.strategy)
     rank = int(os.environ.get("RANK", "0"))
     stage_dir = Path(spec.stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)

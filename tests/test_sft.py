@@ -246,3 +246,38 @@ def test_neftune_noise_equals_transformers_and_leaves_eval_alone(tiny, data, tmp
     trained.train()
     emb = trained.get_input_embeddings()
     assert torch.equal(emb(ids), emb(ids)), "the hook is removed once training ends"
+
+
+def test_a_failed_checkpoint_save_keeps_the_previous_one_and_names_the_cause(tiny, data, tmp_path, monkeypatch):
+    """The disk fills up while step 4's checkpoint is written (after its weights, at the optimizer state): the
+    stage fails naming the cause and the intact step-2 checkpoint, the partial folder is gone, and a re-run resumes
+    from step 2."""
+    import errno
+    from pathlib import Path
+
+    from alignpipe.trainers.common import CheckpointSaveError
+
+    tok, train, _ = data
+    cfg = SFTConfig(learning_rate=1e-3, max_steps=6, batch_size=8, save_every=2, logging_every=1)
+    real_save = torch.save
+
+    def disk_full_at_step_4(obj, f, *args, **kwargs):
+        if "step-4" in str(f):
+            Path(f).write_bytes(b"\0" * 64)  # the start of the file made it to disk
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_step_4)
+    with pytest.raises(CheckpointSaveError) as failed:
+        sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], Tracker(), tmp_path)
+    message = str(failed.value)
+    assert "step-4 failed: [Errno 28] No space left on device" in message, message
+    assert f"previous checkpoint {tmp_path / 'checkpoints' / 'step-2'} is intact" in message, message
+    assert not (tmp_path / "checkpoints" / "step-4").exists()
+    assert (tmp_path / "checkpoints" / "step-2" / "state.json").exists()
+    monkeypatch.undo()
+
+    tracker = Tracker()
+    again = sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path)
+    assert again.resumed_from == 2 and again.steps == 6
+    assert [s for s, m in tracker.history if "train/loss" in m] == [3, 4, 5, 6]

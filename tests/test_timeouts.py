@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from alignpipe.launch import StageTimedOut, launch
+from alignpipe.launch import StageFailed, StageTimedOut, launch
 from alignpipe.pipeline_run import start_pipeline_run
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
@@ -88,3 +88,18 @@ def test_remote_scorer_and_judge_that_never_answer_fail_after_bounded_retries(si
     with pytest.raises(RuntimeError, match=r"LLM judge .*/v1/chat/completions: .*Timeout.*after 2 attempt"):
         judge(["which is better?"])
     assert time.monotonic() - started < 10
+
+
+def test_a_failed_stage_leads_with_the_cause_its_process_logged():
+    tail = [
+        "sft step 2/6 loss=5.2",
+        "stage sft failed: saving checkpoint /w/step-4 failed: [Errno 28] No space left on device",
+        "Traceback (most recent call last):",
+        "OSError: [Errno 28] No space left on device",
+    ]
+    first_line = str(StageFailed("sft", 1, tail)).split("\n")[0]
+    assert first_line == (
+        "stage 'sft' failed (exit code 1): saving checkpoint /w/step-4 failed: [Errno 28] No space left on device. "
+        "Last output:"
+    )
+    assert str(StageFailed("sft", -9, ["sft step 2/6"])).startswith("stage 'sft' failed (exit code -9). Last output:")

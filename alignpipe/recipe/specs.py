@@ -102,6 +102,11 @@ class Resources(Strict):
     """Prefect work pool to dispatch this stage to; null runs it in a child process beside the flow."""
     processes: int = Field(1, gt=0)
     """Processes (`accelerate launch`) for data-parallel training."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How `processes` > 1 share the model: `ddp` (each a full copy, gradients all-reduced) or `fsdp` (FSDP2:
+    parameters, gradients and optimizer state sharded across processes, for models that do not fit one device;
+    checkpoints are sharded, the saved model is a normal transformers folder). An `accelerate_config` with its own
+    FSDP settings takes precedence over the defaults this sets."""
     accelerate_config: str | None = None
     """An accelerate config file (FSDP, DeepSpeed) for `accelerate launch --config_file`."""
     gpus: int = Field(0, ge=0)

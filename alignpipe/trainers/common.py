@@ -128,9 +128,16 @@ def grad_norm(model) -> torch.Tensor:
 def clip_and_measure(accelerator, model, max_norm: float | None) -> torch.Tensor:
     """The global gradient norm before clipping (a device tensor, read when logged), clipping to `max_norm` when set
     (one pass over the grads)."""
-    if not max_norm:
+    from alignpipe.distributed import is_fsdp
+
+    if not max_norm and not is_fsdp(accelerator):
         return grad_norm(model)
-    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    # sharded gradients: torch's clipping knows how to reduce their norm across ranks (inf: measure, scale by 1)
+    return accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the earlier ones are untouched."""
 
 
 class Checkpointer:
@@ -143,10 +150,23 @@ class Checkpointer:
         self.keep = keep
 
     def save(self, accelerator, step: int, extra: dict | None = None) -> Path:
+        """Save step `step`; older checkpoints beyond `keep` are removed only once it is complete. A failed save
+        (a full disk, a read-only folder) removes its partial folder and raises CheckpointSaveError naming the
+        cause and the checkpoint a re-run resumes from."""
         path = self.root / f"step-{step}"
-        accelerator.save_state(str(path))
+        try:
+            accelerator.save_state(str(path))
+            if accelerator.is_main_process:
+                (path / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            kept = self.complete()
+            raise CheckpointSaveError(
+                f"saving checkpoint {path} failed: {e}. "
+                + (f"The previous checkpoint {kept[-1]} is intact; " if kept else "No earlier checkpoint; ")
+                + f"free space or fix permissions under {self.root} and re-run to resume"
+            ) from e
         if accelerator.is_main_process:
-            (path / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
             for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
@@ -172,12 +192,22 @@ class Checkpointer:
 def save_model(accelerator, model, tokenizer, out: Path) -> bool:
     """Save the (unwrapped) model and tokenizer to `out`. A peft model saves only its adapter.
     Returns True when an adapter was saved."""
+    from alignpipe.distributed import is_fsdp
+
     unwrapped = accelerator.unwrap_model(model)
     adapter = hasattr(unwrapped, "peft_config")
+    # sharded parameters are gathered into one full state dict (a collective: every rank takes part)
+    state_dict = accelerator.get_state_dict(model) if is_fsdp(accelerator) else None
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        unwrapped.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            unwrapped.save_pretrained(out, state_dict=state_dict)
+            tokenizer.save_pretrained(out)
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"saving the trained model to {out} failed: {e}. The stage's checkpoints are kept: free space or "
+                "fix permissions and re-run to resume from the last one"
+            ) from e
     accelerator.wait_for_everyone()
     return adapter
 
@@ -224,6 +254,31 @@ RUNNING_TOTALS = frozenset({"num_tokens", "episode"})
 SHOWN = ("loss", "reward", "rewards/margins", "accuracy", "objective/scores", "objective/kl", "lr")
 
 
+# Metrics that add up over processes (each rank's throughput is its share of the step's).
+SUMMED = frozenset({"tokens_per_s", "samples_per_s"})
+
+
+def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """One log point's metrics over all processes: the mean of each rank's (a step's global mean where every rank
+    holds an equal share of the batch), throughputs summed, running totals (already global) as rank 0 has them.
+    A metric some ranks did not report in this window is averaged over those that did."""
+    if accelerator.num_processes == 1:
+        return metrics
+    from accelerate.utils import gather_object
+
+    ranks: list[dict[str, float]] = gather_object([metrics])
+    out = {}
+    for k in dict.fromkeys(k for r in ranks for k in r):
+        values = [r[k] for r in ranks if k in r]
+        if k in RUNNING_TOTALS:
+            out[k] = metrics.get(k, values[0])
+        elif k in SUMMED:
+            out[k] = float(sum(values))
+        else:
+            out[k] = float(sum(values) / len(values))
+    return out
+
+
 class TrainLoop:
     """The optimisation loop every offline trainer shares.
 
@@ -259,9 +314,9 @@ class TrainLoop:
         metric_prefix: str = "train/",
         summary_keys: tuple[str, ...] = ("loss",),
     ):
-        from accelerate import Accelerator
         from torch.utils.data import DataLoader, Dataset
 
+        from alignpipe.distributed import make_accelerator
         from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
 
         if not examples:
@@ -277,7 +332,7 @@ class TrainLoop:
         self.output_dir = Path(output_dir)
         self.seed = seed
         seed_everything(seed)
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.accelerator = make_accelerator()
         if adapt_model and cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
             model.config.use_cache = False
@@ -399,9 +454,10 @@ class TrainLoop:
                 for k in keys:
                     values = [m[k] for m in window_metrics if k in m]
                     mean[k] = float(values[-1] if k in RUNNING_TOTALS else sum(values) / len(values))
+                mean |= meter.read()
+                mean = across_processes(acc, mean)
                 mean |= {
                     "lr": self.scheduler.get_last_lr()[0],
-                    **meter.read(),
                     "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch,
                 }
                 self.log({f"{self.prefix}{k}": v for k, v in mean.items()})

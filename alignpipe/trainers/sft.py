@@ -176,14 +176,15 @@ def train(
         if acc.num_processes > 1:
             n_global = int(acc.reduce(torch.tensor(n_local, device=acc.device), "sum"))
         scale = acc.num_processes / max(1, n_global)  # DDP averages gradients over processes
-        loss_total = 0.0
+        loss_total = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
                 loss_sum, _ = token_loss_sum(loop.model, batch)
                 acc.backward(loss_sum * scale)
-            loss_total += float(loss_sum.detach())
+            loss_total += loss_sum.detach().float()
         num_tokens += n_global
-        return {"loss": loss_total / max(1, n_local), "num_tokens": num_tokens}
+        # this rank's share of the step's token-averaged loss, scaled so the mean over ranks is that loss
+        return {"loss": loss_total * scale, "num_tokens": num_tokens}
 
     eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id)}) if eval_ex else None
     try:
