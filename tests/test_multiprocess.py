@@ -80,3 +80,53 @@ def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_
     alone = AutoModelForCausalLM.from_pretrained(one.outputs["model"])
     for (name, a), b in zip(alone.state_dict().items(), sharded.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-4), name
+
+
+def test_fsdp_stage_killed_mid_run_resumes_from_its_sharded_checkpoint(tiny, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from support import demo_recipe
+
+    from alignpipe.launch import stage_command
+
+    recipe = parse_recipe(
+        demo_recipe(tiny, tmp_path / "runs"),
+        [
+            "stages.sft.max_steps=40",
+            "stages.sft.save_every=10",
+            "stages.sft.logging_every=5",
+            "stages.sft.eval_every=null",
+            "stages.sft.batch_size=8",
+            "stages.sft.resources.processes=2",
+            "stages.sft.resources.strategy=fsdp",
+        ],
+    )
+    plans = plan(recipe)
+    tracking = start_pipeline_run(recipe, "run-1")
+    fmt = launch(write_spec(recipe, plans["sft-data"], {}, tracking, "run-1"), on_line=lambda line: None)
+    spec = write_spec(recipe, plans["sft"], {"sft-data": fmt}, tracking, "run-1")
+    proc = subprocess.Popen(
+        stage_command(spec, processes=2),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # the launcher and both ranks in one process group, killed together
+    )
+    ckpt = plans["sft"].dir / "checkpoints" / "step-10"
+    deadline = time.monotonic() + 240
+    while not (ckpt / "state.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (ckpt / "state.json").exists(), "no checkpoint before the deadline"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (plans["sft"].dir / "manifest.json").exists()
+    shards = sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").iterdir())
+    assert len([s for s in shards if s.endswith(".distcp")]) == 2, shards  # one shard per rank
+
+    manifest = launch(spec, on_line=lambda line: None, processes=2)
+    assert manifest.info["resumed_from"] >= 10 and manifest.metrics["steps"] == 40
+    client = MlflowClient(recipe.tracking_uri)
+    steps = [m.step for m in client.get_metric_history(manifest.mlflow_run_id, "train/loss")]
+    assert min(steps) == 5 and max(steps) == 40, steps  # one MLflow run across the kill
