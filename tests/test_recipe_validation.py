@@ -379,3 +379,27 @@ def test_cli_run_force_of_an_unknown_stage_exits_2_naming_the_stages(demo_text, 
     assert "(1 problem)" in err.getvalue() and "--force: no stage 'sftt' in this recipe" in err.getvalue()
     assert "fix: use one of: sft-data, eval-prompts, sft, judge, publish" in err.getvalue()
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["stages.sft.resources.strategy=fsdp"], "strategy: fsdp shards the model across processes, but"),
+        (
+            ["stages.sft.resources.strategy=fsdp", "stages.sft.resources.processes=2", "stages.sft.lora.r=8"],
+            "strategy: fsdp with a LoRA adapter is not supported",
+        ),
+        (
+            ["stages.judge.resources.strategy=fsdp", "stages.judge.resources.processes=2"],
+            "strategy: fsdp is supported for sft, reward, dpo and kto stages, not judge",
+        ),
+        (["stages.sft.resources.strategy=zero3"], "stages.sft.resources.strategy"),
+    ],
+)
+def test_fsdp_strategy_is_checked(demo_text, overrides, says):
+    assert says in problems_of(demo_text, overrides)
+
+
+def test_fsdp_strategy_on_two_processes_is_valid(demo_text):
+    recipe = parse_recipe(demo_text, ["stages.sft.resources.strategy=fsdp", "stages.sft.resources.processes=2"])
+    assert recipe.stage("sft").resources.strategy == "fsdp"

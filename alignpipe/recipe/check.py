@@ -143,6 +143,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                     )
                 )
         problems += _check_generation_groups(s, i)
+        problems += _check_strategy(s, i)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
             problems.append(
                 Problem(
@@ -160,6 +161,43 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                 )
             )
     return problems
+
+
+# Stages whose training is tested sharded: the offline trainers (the online ones generate with the policy).
+FSDP_KINDS = (SFTStage, RewardStage, DPOStage, KTOStage)
+
+
+def _check_strategy(s, i: int) -> list[Problem]:
+    """`strategy: fsdp` shards over processes: it needs two or more, an offline trainer, and no LoRA adapter."""
+    if s.resources.strategy != "fsdp":
+        return []
+    where = ("stages", i, "resources", "strategy")
+    if not isinstance(s, FSDP_KINDS):
+        return [
+            Problem(
+                where,
+                f"strategy: fsdp is supported for sft, reward, dpo and kto stages, not {s.kind} (its policy also "
+                "generates, which is not tested sharded)",
+                "remove `strategy` (DDP), or use a vLLM engine for generation-heavy stages on big models",
+            )
+        ]
+    if s.resources.processes < 2 and not s.resources.accelerate_config:
+        return [
+            Problem(
+                where,
+                "strategy: fsdp shards the model across processes, but resources.processes is 1",
+                "set resources.processes to the number of devices (e.g. 8), or remove `strategy`",
+            )
+        ]
+    if getattr(s, "lora", None):
+        return [
+            Problem(
+                where,
+                "strategy: fsdp with a LoRA adapter is not supported (the adapter is small: DDP is the right choice)",
+                "remove `strategy` (DDP), or train without `lora`",
+            )
+        ]
+    return []
 
 
 def _check_generation_groups(s, i: int) -> list[Problem]:
