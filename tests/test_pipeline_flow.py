@@ -233,8 +233,35 @@ def test_gate_opened_so_publish_registered_the_model_as_champion(demo_run):
     recipe = load_recipe(path, FAST)
     client = MlflowClient(recipe.tracking_uri)
     champion = client.get_model_version_by_alias("tiny-demo-sft", "champion")
-    assert champion.source == (recipe.run_root / "published" / "publish").as_uri()
+    assert champion.tags["alignpipe.published"] == str(recipe.run_root / "published" / "publish")
     assert champion.tags["alignpipe.pipeline"] == "tiny-demo" and len(champion.tags["alignpipe.recipe_hash"]) == 16
+
+
+def test_the_registered_model_loads_with_mlflow_pyfunc_and_generates(demo_run, monkeypatch):
+    """What an MLflow user does with a registered model: load it by alias and predict (greedy: equal to the
+    published model's own greedy completions)."""
+    import mlflow
+    import pandas as pd
+
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.engine.sampling import SamplingParams
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    path, _state = demo_run
+    recipe = load_recipe(path, FAST)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", recipe.tracking_uri)
+    mlflow.set_tracking_uri(recipe.tracking_uri)
+    model = mlflow.pyfunc.load_model("models:/tiny-demo-sft@champion")
+    assert [c.type.name for c in model.metadata.signature.inputs.inputs] == ["string"]
+    prompts = ["The film was", "I watched this movie and"]
+    got = model.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 12})
+    published = str(recipe.run_root / "published" / "publish")
+    engine = HFEngine(load_causal_lm(published), load_tokenizer(published))
+    expected = [
+        g.completion for g in engine.generate(prompts, sampling=SamplingParams(max_new_tokens=12, temperature=0))
+    ]
+    assert list(got) == expected and all(expected)
+    assert model.predict(prompts[:1], params={"max_new_tokens": 12}) == expected[:1]
 
 
 def test_force_publish_moves_the_champion_alias(demo_run):

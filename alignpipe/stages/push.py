@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder, without_front_matter
@@ -61,24 +62,33 @@ def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     return info
 
 
-def register(ctx: StageContext[PushStage], spec, source: str) -> str:
-    """Create a model version from the published location and move the alias to it."""
+def register(ctx: StageContext[PushStage], spec, published: str, full_model: Path) -> str:
+    """Log the model as an MLflow pyfunc model (`alignpipe.registry`) in the stage's run, create a registry version
+    from it and move the alias there; the version's `alignpipe.published` tag says where it was published."""
     client = getattr(ctx.tracker, "client", None)
     if client is None:
         log.warning("no MLflow tracker: model not registered")
         return ""
     from mlflow.exceptions import MlflowException
 
+    from alignpipe.registry import save_pyfunc
+
+    pyfunc = save_pyfunc(full_model, Path(ctx.dir) / "mlflow_model")
+    ctx.tracker.log_artifact(pyfunc, "model")
+    run_id = ctx.tracker.run_id  # type: ignore[attr-defined]  # an MlflowTracker: it has a client
     try:
         client.get_registered_model(spec.name)
     except MlflowException:
         client.create_registered_model(spec.name, description=f"Published by alignpipe pipeline {ctx.recipe.name}")
-    uri = source if "://" in source else Path(source).resolve().as_uri()
     version = client.create_model_version(
         spec.name,
-        source=uri,
-        run_id=getattr(ctx.tracker, "run_id", None),
-        tags={"alignpipe.pipeline": ctx.recipe.name, "alignpipe.recipe_hash": ctx.recipe.fingerprint()},
+        source=f"{client.get_run(run_id).info.artifact_uri}/model",
+        run_id=run_id,
+        tags={
+            "alignpipe.pipeline": ctx.recipe.name,
+            "alignpipe.recipe_hash": ctx.recipe.fingerprint(),
+            "alignpipe.published": published,
+        },
     )
     client.set_registered_model_alias(spec.name, spec.alias, version.version)
     log.info("registered %s version %s with alias %r", spec.name, version.version, spec.alias)
@@ -119,7 +129,14 @@ def run(ctx: StageContext[PushStage]) -> StageResult:
         log.info("pushed %s to %s", s.model, url)
     (Path(ctx.dir) / "README.md").write_text(card)
     if s.registry is not None:
-        outputs["registered"] = register(ctx, s.registry, outputs["published"])
+        full = folder
+        if adapter:  # the registered version stands alone: the adapter merged into its base
+            full = Path(ctx.dir) / "merged"
+            ctx.load_model(s.model, merge=True).save_pretrained(full)
+            ctx.tokenizer(s.model).save_pretrained(full)
+        outputs["registered"] = register(ctx, s.registry, outputs["published"], full)
+        if full != folder:
+            shutil.rmtree(full)
     (Path(ctx.dir) / "model_card").mkdir(exist_ok=True)
     (Path(ctx.dir) / "model_card" / "README.md").write_text(without_front_matter(card))
     ctx.tracker.log_artifact(Path(ctx.dir) / "model_card" / "README.md", "model_card")
