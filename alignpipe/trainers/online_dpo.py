@@ -113,12 +113,15 @@ def pair_metrics(parts: dict[str, list[torch.Tensor]], ranking: Ranking, eos: to
     }
     if ranking.scores is not None:
         B = len(ranking.prefer_first)
-        first, second = ranking.scores.split(B)
-        chosen_s = torch.where(ranking.prefer_first, first, second)
-        rejected_s = torch.where(ranking.prefer_first, second, first)
+        # the scores (computed on the host) go to the log-probs' device, not the other way: no device read here
+        scores = ranking.scores.to(kl.device)
+        first, second = scores.split(B)
+        prefer_first = ranking.prefer_first.to(kl.device)
+        chosen_s = torch.where(prefer_first, first, second)
+        rejected_s = torch.where(prefer_first, second, first)
         # TRL's rlhf_reward pairs each completion's score with its own non-score reward, in chosen/rejected order
-        non_score = -beta * kl.cpu()
-        out["objective/scores"] = ranking.scores.mean()
+        non_score = -beta * kl
+        out["objective/scores"] = scores.mean()
         out["objective/scores_margin"] = (chosen_s - rejected_s).mean()
         out["objective/rlhf_reward"] = (torch.cat([chosen_s, rejected_s]) + non_score).mean()
     return out
