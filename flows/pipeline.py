@@ -49,7 +49,7 @@ def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
     base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
     how = "" if uri.startswith("http") else f" (start it with: mlflow ui --backend-store-uri {uri})"
     create_link_artifact(
-        link=f"{base}/#/experiments/{experiment_id}/runs/{run_id}",
+        link=f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning",  # not GenAI
         link_text=f"MLflow run {run_id[:8]} of {recipe.name}",
         key=artifact_key(recipe.name, "mlflow-run"),
         description=f"the pipeline's MLflow parent run{how}",

@@ -122,6 +122,7 @@ def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     link = artifacts("tiny-demo-mlflow-run")
     summary = summary_of(demo_run[0], state, FAST)
     assert link and summary["mlflow_run_id"] in str(link[0].data) and "http://" in str(link[0].data)
+    assert "?workflowType=machine_learning" in str(link[0].data), "opens MLflow's model-training view, not GenAI"
 
 
 def test_local_push_writes_model_and_card_with_lineage(demo_run):
