@@ -10,11 +10,11 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 $BIN/alignpipe run pipelines/tiny-demo.yaml --set "workdir=$WORK/runs" | tee "$WORK/run.log"
 FLOW_RUN=$(grep -o 'alignpipe · tiny-demo · run [0-9a-f-]*' "$WORK/run.log" | awk '{print $NF}')
 PARENT=$(grep -o 'parent run [0-9a-f]*' "$WORK/run.log" | awk '{print $NF}')
-$BIN/mlflow ui --backend-store-uri "sqlite:///$WORK/runs/mlflow.db" --port 5055 >"$WORK/mlflow.log" 2>&1 &
+setsid $BIN/mlflow ui --backend-store-uri "sqlite:///$WORK/runs/mlflow.db" --port 5055 >"$WORK/mlflow.log" 2>&1 &
 MLFLOW_PID=$!
-$BIN/prefect server start --port 4200 >"$WORK/prefect.log" 2>&1 &
+setsid $BIN/prefect server start --port 4200 >"$WORK/prefect.log" 2>&1 &
 PREFECT_PID=$!
-trap 'kill $MLFLOW_PID $PREFECT_PID 2>/dev/null || true' EXIT
+trap 'kill -- -$MLFLOW_PID -$PREFECT_PID 2>/dev/null || true' EXIT  # each server with the workers it started
 for url in http://127.0.0.1:5055/ http://127.0.0.1:4200/api/health; do
   for _ in $(seq 90); do curl -sf -o /dev/null "$url" && break; sleep 1; done
 done
