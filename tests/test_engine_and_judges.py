@@ -217,3 +217,37 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert hasattr(policy, "peft_config")
     assert {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad} == lora_before and lora_before
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """A briefly SFT-trained tiny model: it ends completions with EOS, so rows stop at different steps."""
+    from support import tiny_split
+
+    from alignpipe.tracking import Tracker
+    from alignpipe.trainers import sft
+    from alignpipe.trainers.configs import SFTConfig
+
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
+    model = load_causal_lm(str(tiny / "model"))
+    cfg = SFTConfig(learning_rate=3e-3, max_steps=40, batch_size=16)
+    sft.train(cfg, model, tok, train, [], Tracker(), tmp_path_factory.mktemp("static"))
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_static_cache_decoding_gives_the_same_tokens(trained, n, temperature):
+    """The fixed-shape static-cache loop against the dynamic one (itself equal to `model.generate` when greedy):
+    the same tokens and lengths, greedy and sampled with one seed, one sample or several per prompt, with rows that
+    stop early and rows that run to the limit."""
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
+    reasons = []
+    for limit in (24, 3):
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=limit)
+        dynamic = HFEngine(model, tok, 8).generate(prompts, n, sampling, seed=3)
+        static = HFEngine(model, tok, 8, static_cache=True).generate(prompts, n, sampling, seed=3)
+        assert [g.completion_ids for g in static] == [g.completion_ids for g in dynamic], limit
+        reasons += [g.finish_reason for g in dynamic]
+    assert "stop" in reasons and "length" in reasons, reasons

@@ -175,6 +175,32 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     assert len(kls) == 4 and kls[0] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(k) for k in kls)
 
 
+def test_grpo_with_static_cache_rollouts_trains_identically(reversal_sft, tmp_path):
+    """`rollout: {static_cache: true}` samples the same tokens, so GRPO takes the same steps: identical metrics."""
+    from alignpipe.trainers.configs import RolloutSpec
+
+    tok, start, train, _ = reversal_sft
+    rewards = RewardSet([LoadedReward("exact_match", exact_match)])
+    series = {}
+    for static in (False, True):
+        tracker = Tracker()
+        cfg = GRPOConfig(
+            learning_rate=3e-4,
+            max_steps=3,
+            batch_size=16,
+            num_generations=4,
+            max_completion_length=10,
+            logging_every=1,
+            sample_every=100,
+            rollout=RolloutSpec(static_cache=static),
+        )
+        grpo.train(cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, tmp_path / str(static))
+        series[static] = {k: tracker.series(f"train/{k}") for k in ("reward", "completions/mean_length", "loss")}
+    assert series[True]["reward"] == series[False]["reward"]
+    assert series[True]["completions/mean_length"] == series[False]["completions/mean_length"]
+    assert series[True]["loss"] == pytest.approx(series[False]["loss"], abs=1e-6)
+
+
 def test_grpo_refuses_a_batch_that_does_not_split_into_groups(reversal_sft, tmp_path):
     tok, start, train, _ = reversal_sft
     with pytest.raises(ValueError, match=r"batch_size \(10\) must be a multiple of num_generations \(4\)"):

@@ -17,10 +17,11 @@ class HFEngine:
     criteria, kwargs bookkeeping) costs more than the forward itself. Greedy output equals
     `model.generate`'s token for token (tested)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32):
+    def __init__(self, model, tokenizer, batch_size: int = 32, static_cache: bool = False):
         self.model = model
         self.tok = tokenizer
         self.batch_size = batch_size
+        self.static_cache = static_cache
 
     @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
     @under_attention_kernels
@@ -53,6 +54,7 @@ class HFEngine:
                     self.tok.pad_token_id,
                     generator,
                     n=n,
+                    static=self.static_cache,
                 ).tolist()
                 for k, row in enumerate(new):
                     out.append(self._finish(start + k // n, row, eos))
@@ -103,11 +105,15 @@ def decode(
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
+    static: bool = False,
 ) -> torch.Tensor:
     """Sample up to `max_new_tokens`, `n` times for each left-padded prompt row; (rows × n, steps) new tokens
     (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
-    times. Stops as soon as every row has ended."""
+    times. Stops as soon as every row has ended. `static`: `decode_static` instead."""
     from transformers import DynamicCache
+
+    if static:
+        return decode_static(model, ids, mask, sampling, eos, pad, generator, n)
 
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
@@ -147,6 +153,73 @@ def decode(
             use_cache=True,
         ).logits[:, -1]
         pos = pos + 1
+    return new
+
+
+# How often the static loop reads "have all rows ended?" back from the device (the only read inside the loop).
+STATIC_CHECK_EVERY = 8
+
+
+def decode_static(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    sampling: SamplingParams,
+    eos: int | None,
+    pad: int,
+    generator: torch.Generator | None = None,
+    n: int = 1,
+) -> torch.Tensor:
+    """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
+    every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
+    written) and the cache position as a tensor. Nothing is re-allocated per token, and the device is read only
+    every `STATIC_CHECK_EVERY` steps to stop early, so a GPU is not held up by the host between steps. Same tokens
+    as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
+    repeated after prefill)."""
+    from transformers import StaticCache
+
+    if n > 1:
+        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+    rows, width = ids.shape
+    steps = sampling.max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=width + steps)
+    full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
+    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=ids,
+        attention_mask=full_mask,
+        position_ids=position,
+        past_key_values=cache,
+        cache_position=torch.arange(width, device=ids.device),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    ended = torch.full((rows,), steps - 1, dtype=torch.long, device=ids.device)  # the step each row ended at
+    pos = position[:, -1:] + 1
+    cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
+    for t in range(steps):
+        token = next_token(logits, sampling, generator).masked_fill(done, pad)
+        new[:, t] = token
+        if eos is not None:
+            now = token == eos
+            ended = torch.where(now & ~done, t, ended)
+            done |= now
+        if t + 1 == steps or ((t + 1) % STATIC_CHECK_EVERY == 0 and bool(done.all())):
+            # as many columns as `decode` returns: up to the step the last row ended at
+            return new[:, : int(ended.max()) + 1 if bool(done.all()) else t + 1]
+        full_mask[:, width + t] = 1
+        logits = model(
+            input_ids=token[:, None],
+            attention_mask=full_mask,
+            position_ids=pos,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        ).logits[:, -1]
+        pos = pos + 1
+        cache_position = cache_position + 1
     return new
 
 

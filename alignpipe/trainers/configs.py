@@ -177,6 +177,10 @@ class RolloutSpec(Strict):
     """vllm colocate: put vLLM to sleep during training steps to free its memory (vLLM ≥ 0.7)."""
     batch_size: int = Field(64, gt=0)
     """hf: prompts per `generate` call."""
+    static_cache: bool = False
+    """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache), reading
+    the device every 8 steps instead of every step; the same tokens as the default loop (tested). It prefills each of
+    a prompt's `num_generations` samples separately. Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
 
     @model_validator(mode="after")
     def _check(self):

@@ -429,7 +429,7 @@ def train_on_samples(
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
-        engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size)
+        engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size, cfg.rollout.static_cache)
     if cfg.beta and not cfg.lora and ref_model is None:
         raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
     ref = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None

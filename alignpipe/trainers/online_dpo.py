@@ -156,7 +156,7 @@ def train(
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
-        engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size)
+        engine = HFEngine(loop.unwrapped, tokenizer, cfg.rollout.batch_size, cfg.rollout.static_cache)
     ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
 

@@ -463,7 +463,9 @@ def train(
     if engine is None:
         from alignpipe.engine.hf import HFEngine
 
-        engine = HFEngine(acc.unwrap_model(loop.model).policy, tokenizer, cfg.rollout.batch_size)
+        engine = HFEngine(
+            acc.unwrap_model(loop.model).policy, tokenizer, cfg.rollout.batch_size, cfg.rollout.static_cache
+        )
     run = PPORun(
         cfg, acc, loop.model, loop.optimizer, loop.scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed
     )
