@@ -185,7 +185,7 @@ def _run_stage_process(
         text=True,
         bufsize=1,
         env=env,
-        preexec_fn=_die_with_parent(),
+        preexec_fn=die_with_parent(),
     )
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
@@ -222,7 +222,7 @@ def _run_stage_process(
     return manifest
 
 
-def _die_with_parent():
+def die_with_parent():
     """A preexec hook for Linux: the child gets SIGKILL when the launching process dies, so a worker killed
     mid-stage (OOM killer, preemption) leaves no orphan training that would race the retry for the folder.
     libc is loaded here, before the fork: only the prctl call runs in the child."""

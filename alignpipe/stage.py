@@ -70,6 +70,20 @@ def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
     return tracker
 
 
+def _die_with_launcher() -> None:
+    """A rank of a multi-process stage dies when its launcher (torchrun, accelerate launch) does: a launcher killed
+    by a worker's cancellation or the OOM killer must not leave ranks training on, racing the retry that resumes
+    the stage in the same folder."""
+    from alignpipe.launch import die_with_parent
+
+    hook = die_with_parent()
+    if hook is not None:
+        parent = os.getppid()
+        hook()
+        if os.getppid() != parent:  # the launcher was already gone before the hook was set
+            os._exit(1)
+
+
 def require_gpus(stage_id: str, gpus: int) -> None:
     """Fail at once, naming the stage, where fewer CUDA devices are visible than `resources.gpus` asks for."""
     if not gpus:
@@ -87,6 +101,8 @@ def require_gpus(stage_id: str, gpus: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _die_with_launcher()
     spec = StageSpec.model_validate_json(Path(argv[0]).read_text())
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
     _quiet_libraries()

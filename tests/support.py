@@ -24,3 +24,38 @@ def demo_recipe(tiny: Path, workdir: Path, **extra) -> str:
     text = (Path(__file__).parents[1] / "pipelines" / "tiny-demo.yaml").read_text()
     text = text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
     return text
+
+
+def sft_spec_after_format(recipe, run_id: str = "run-1"):
+    """Run the recipe's `sft-data` format stage and write the `sft` stage's spec: (plans, spec path, tracking)."""
+    from alignpipe.launch import launch
+    from alignpipe.pipeline_run import start_pipeline_run
+    from alignpipe.plan import plan, write_spec
+
+    plans = plan(recipe)
+    tracking = start_pipeline_run(recipe, run_id)
+    fmt = launch(write_spec(recipe, plans["sft-data"], {}, tracking, run_id), on_line=lambda line: None)
+    return plans, write_spec(recipe, plans["sft"], {"sft-data": fmt}, tracking, run_id), tracking
+
+
+def kill_at_checkpoint(command: list[str], checkpoint: Path, timeout_s: float = 240) -> None:
+    """Start a stage command (with all the processes it starts in one group), wait until `checkpoint` is complete
+    (its state.json written), then SIGKILL the whole group, as a crash or an OOM killer would."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not (checkpoint / "state.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (checkpoint / "state.json").exists(), f"no checkpoint {checkpoint} before the deadline"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

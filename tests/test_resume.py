@@ -3,21 +3,17 @@ counter continues, and its MLflow child run is continued, not duplicated."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 
 from mlflow.tracking import MlflowClient
 
 from alignpipe.launch import launch, stage_command
-from alignpipe.pipeline_run import start_pipeline_run
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
 
 
 def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
-    from support import demo_recipe
+    from support import demo_recipe, kill_at_checkpoint, sft_spec_after_format
 
     recipe = parse_recipe(
         demo_recipe(tiny, tmp_path / "runs"),
@@ -28,23 +24,8 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
             "stages.sft.eval_every=null",
         ],
     )
-    plans = plan(recipe)
-    tracking = start_pipeline_run(recipe, "run-1")
-    fmt = launch(write_spec(recipe, plans["sft-data"], {}, tracking, "run-1"), on_line=lambda line: None)
-    spec = write_spec(recipe, plans["sft"], {"sft-data": fmt}, tracking, "run-1")
-    proc = subprocess.Popen(
-        stage_command(spec),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    ckpt = plans["sft"].dir / "checkpoints" / "step-20" / "state.json"
-    deadline = time.monotonic() + 180
-    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ckpt.exists(), "no checkpoint before the deadline"
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    plans, spec, tracking = sft_spec_after_format(recipe)
+    kill_at_checkpoint(stage_command(spec), plans["sft"].dir / "checkpoints" / "step-20", timeout_s=180)
     assert not (plans["sft"].dir / "manifest.json").exists()
 
     manifest = launch(spec, on_line=lambda line: None)
