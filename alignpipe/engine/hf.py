@@ -45,7 +45,7 @@ class HFEngine:
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start : start + self.batch_size]
                 enc = self._encode(chunk)
-                new = decode(
+                new = (decode_static if self.static_cache else decode)(
                     self.model,
                     enc["input_ids"].to(device),
                     enc["attention_mask"].to(device),
@@ -54,7 +54,6 @@ class HFEngine:
                     self.tok.pad_token_id,
                     generator,
                     n=n,
-                    static=self.static_cache,
                 ).tolist()
                 for k, row in enumerate(new):
                     out.append(self._finish(start + k // n, row, eos))
@@ -105,15 +104,11 @@ def decode(
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
-    static: bool = False,
 ) -> torch.Tensor:
     """Sample up to `max_new_tokens`, `n` times for each left-padded prompt row; (rows × n, steps) new tokens
     (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
-    times. Stops as soon as every row has ended. `static`: `decode_static` instead."""
+    times. Stops as soon as every row has ended."""
     from transformers import DynamicCache
-
-    if static:
-        return decode_static(model, ids, mask, sampling, eos, pad, generator, n)
 
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
@@ -207,8 +202,8 @@ def decode_static(
             ended = torch.where(now & ~done, t, ended)
             done |= now
         if t + 1 == steps or ((t + 1) % STATIC_CHECK_EVERY == 0 and bool(done.all())):
-            # as many columns as `decode` returns: up to the step the last row ended at
-            return new[:, : int(ended.max()) + 1 if bool(done.all()) else t + 1]
+            # as many columns as `decode` returns: up to the step the last row ended at (rows still going: this one)
+            return new[:, : int(ended.max()) + 1]
         full_mask[:, width + t] = 1
         logits = model(
             input_ids=token[:, None],

@@ -95,15 +95,21 @@ def register(ctx: StageContext[PushStage], spec, published: str, full_model: Pat
     return f"models:/{spec.name}@{spec.alias} (version {version.version})"
 
 
+def save_merged(ctx: StageContext[PushStage], model: str) -> Path:
+    """The adapter of stage `model` merged into its base, with the tokenizer, in `<stage dir>/merged`."""
+    folder = Path(ctx.dir) / "merged"
+    ctx.load_model(model, merge=True).save_pretrained(folder)
+    ctx.tokenizer(model).save_pretrained(folder)
+    return folder
+
+
 def run(ctx: StageContext[PushStage]) -> StageResult:
     s = ctx.stage
     src = ctx.model_source(s.model)
     folder = Path(src.path)
     adapter = src.adapter
     if src.adapter and s.merge_adapter:
-        folder = Path(ctx.dir) / "merged"
-        ctx.load_model(s.model, merge=True).save_pretrained(folder)
-        ctx.tokenizer(s.model).save_pretrained(folder)
+        folder = save_merged(ctx, s.model)
         adapter = False
     card = model_card(card_info(ctx, adapter))
     outputs = {}
@@ -129,11 +135,7 @@ def run(ctx: StageContext[PushStage]) -> StageResult:
         log.info("pushed %s to %s", s.model, url)
     (Path(ctx.dir) / "README.md").write_text(card)
     if s.registry is not None:
-        full = folder
-        if adapter:  # the registered version stands alone: the adapter merged into its base
-            full = Path(ctx.dir) / "merged"
-            ctx.load_model(s.model, merge=True).save_pretrained(full)
-            ctx.tokenizer(s.model).save_pretrained(full)
+        full = save_merged(ctx, s.model) if adapter else folder  # the registered version stands alone
         outputs["registered"] = register(ctx, s.registry, outputs["published"], full)
         if full != folder:
             shutil.rmtree(full)
