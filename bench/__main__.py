@@ -1,22 +1,43 @@
-"""`python -m bench` (or `make bench`): our trainers and TRL's on the same model, tokenizer, data and
-hyperparameters, alternating in fresh processes, median of N repeats, written to docs/benchmarks.md.
+"""`python -m bench` (or `make bench`): our trainers against TRL's, and on a GPU against TRL with Liger's kernels
+(`trl+liger`), on the same model, tokenizer, data and hyperparameters, each run in a fresh process, who runs first
+rotating, median of N repeats, written to docs/benchmarks.md as one table per suite (a row per case and contender,
+the ratio ours / contender).
 
-Reported: samples/s, tokens/s (samples/s × mean tokens per row of the identical data), peak RSS of the
-process (imports included, as a user pays them), final loss, and ours/TRL ratios. PPO runs against TRL 1.12
-(the last release with PPO; 1.16 has none), installed into bench/.trl-1.12.0 on first use.
+On a GPU the default is the `user` suite (the batch sizes people train with: `bench.cases`), with MFU against the
+data-sheet peak and a measured 8192³ matmul, and rollouts' generated tokens/s against the memory-bandwidth bound of a
+decode step; `--suite latency` keeps the small steps. On CPU the default is the latency suite against plain TRL.
+PPO runs against TRL 1.12 (the last release with PPO; 1.16 has none), installed into bench/.trl-1.12.0 on first use.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from bench.cases import (
+    GPU_TRAINERS,
+    ONLINE,
+    SUITES,
+    TRAINERS,
+    Case,
+    attention_span,
+    cases,
+    decode_bound,
+    is_gpu_model,
+    row_lengths,
+    tokens_per_sample,
+    train_flops_per_token,
+)
+from bench.run_one import IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,49 +55,6 @@ def cpu() -> str:
     except (OSError, StopIteration):
         model = platform.processor()
     return f"{os.cpu_count()} cores, {model}"
-
-
-def mean_tokens(assets: Path, task: str, model: str) -> float | None:
-    """Mean tokens per sample of the identical data both sides train on (rows cut at the shape's max length;
-    DPO and reward forward chosen and rejected, so both count). None for the online trainers."""
-    from alignpipe.modeling import load_tokenizer
-    from bench.run_one import rows, shape_for
-
-    if task in ("grpo", "rloo", "ppo", "online_dpo"):
-        return None
-    shape = shape_for(model)
-    tok = load_tokenizer(str(assets / "model"))
-    data = rows(str(assets), task, shape)[:500]
-    if task in ("sft", "kto"):
-        texts = [r["prompt"] + r["completion"] for r in data]
-    else:
-        texts = [r["prompt"] + r["chosen"] for r in data] + [r["prompt"] + r["rejected"] for r in data]
-    mean = sum(min(len(x) + 1, shape.max_len) for x in tok(texts)["input_ids"]) / len(texts)
-    return 2 * mean if task in ("dpo", "reward") else mean
-
-
-BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}  # dense bf16 FLOP/s, SXM parts
-
-
-def sft_flops_per_token(model: str, seq_len: float) -> float | None:
-    """Training FLOPs per token, 6·N + 12·L·d·s (PaLM's appendix B: N = matmul parameters including the LM head,
-    attention counted over the whole row). Only for the GPU model, where MFU is reported."""
-    from bench.run_one import QWEN_05B as c
-
-    if not model.startswith("qwen"):
-        return None
-    d, L, kv = c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"]
-    head_dim = d // c["num_attention_heads"]
-    per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * c["intermediate_size"]  # q,o + k,v + gate,up,down
-    n = L * per_layer + c["vocab_size"] * d
-    return 6 * n + 12 * L * d * seq_len
-
-
-def gpu_peak() -> tuple[str, float | None]:
-    import torch
-
-    name = torch.cuda.get_device_name()
-    return name, next((v for k, v in BF16_PEAK.items() if k in name), None)
 
 
 TRL_PPO = "1.12.0"  # the last TRL release with PPO (trl.experimental.ppo); 1.16 has none
@@ -104,12 +82,13 @@ def trl_with_ppo() -> Path:
     return TRL_PPO_DIR
 
 
-def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
+def measure(impl: str, key: str, model: str, steps: int, assets: Path) -> dict:
+    """One run of `bench.run_one` in a fresh process: its JSON figures."""
     env = dict(os.environ)
-    if impl == "trl" and task == "ppo":
+    if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
-        [sys.executable, "-m", "bench.run_one", impl, task, model, str(steps), str(assets)],
+        [sys.executable, "-m", "bench.run_one", impl, key, model, str(steps), str(assets)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -118,77 +97,130 @@ def measure(impl: str, task: str, model: str, steps: int, assets: Path) -> dict:
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{impl} {task} {model} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{impl} {key} {model} failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 
-def table(results: dict, tokens: dict, gpu: bool, runs_label: str = "") -> list[str]:
-    """The markdown table of `results` {(trainer, model): {"ours": [run, ...], "trl": [...]}}; `runs_label` fills the
-    `runs × steps` column (so rows from separate invocations can share one table, `merge_rows`)."""
+def gpu_peaks() -> dict:
+    """This GPU's measured matmul and copy rates beside its data sheet's (`bench.peaks`, in a fresh process)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.peaks"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@dataclass(frozen=True)
+class Physics:
+    """What one case's figures are read against."""
+
+    tokens_per_sample: float | None  # offline trainers: real tokens in a row, pair or packed block
+    flops_per_token: float | None  # model FLOPs per trained token (GPU model, offline trainers)
+    decode_bound: float | None  # generated tokens/s a memory-bound decode could reach at the measured copy rate
+
+
+def physics(case: Case, model: str, assets: Path, peaks: dict | None) -> Physics:
+    if case.trainer in ONLINE:
+        bound = decode_bound(case, model, peaks["copy_tb_s"] * 1e12) if peaks else None
+        return Physics(None, None, bound)
+    from alignpipe.modeling import load_tokenizer
+
+    lengths = row_lengths(str(assets), case, load_tokenizer(str(assets / "model")))
+    return Physics(
+        tokens_per_sample(case, lengths), train_flops_per_token(case.trainer, model, attention_span(lengths)), None
+    )
+
+
+# What a sample is, per trainer (rows/s is shown only where tokens per sample are unknown)
+UNIT = {
+    "sft": "rows/s",
+    "kto": "rows/s",
+    "reward": "pairs/s",
+    "dpo": "pairs/s",
+    "grpo": "completions/s",
+    "rloo": "completions/s",
+    "ppo": "episodes/s",
+    "online_dpo": "prompts/s",
+}
+
+
+def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: str = "") -> list[str]:
+    """The markdown table of `results` {(case, model): {impl: [run, ...]}}: a row per case and contender, ours /
+    contender as the ratio. On a GPU the headline rate is the steady one (steps after the warm-up ones), with MFU
+    against the data-sheet peak and the measured matmul, and rollouts' generated tokens/s against the decode bound;
+    on the CPU it is end to end. `runs_label` fills `runs × steps` (rows of separate invocations share one table,
+    `merge_rows`)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
-    cols = [
-        "trainer",
-        "model",
-        "runs × steps",
-        "ours samples/s",
-        "TRL samples/s",
-        "ratio",
-        "ours tokens/s",
-        "TRL tokens/s",
-        "tokens/s ratio",
-        f"ours {mem}",
-        f"TRL {mem}",
-        "memory ratio",
-        "ours loss",
-        "TRL loss",
-    ]
+    cols = ["trainer", "model", "shape", "contender", "runs × steps", "measure", "ours", "contender", "ratio"]
     if gpu:
-        cols += ["ours steady samples/s", "TRL steady samples/s", "steady ratio", "ours SFT MFU", "TRL SFT MFU"]
+        cols += ["end-to-end ratio", "ours MFU (peak · matmul)", "contender MFU (peak · matmul)"]
+        cols += ["ours generated tokens/s (of bound)", "contender generated tokens/s (of bound)"]
+    cols += [f"ours {mem}", f"contender {mem}", "memory ratio", "ours loss", "contender loss"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    peak = gpu_peak()[1] if gpu else None
-    for (task, model), runs in results.items():
-        keys = ("samples_per_s", "peak_mb") + (("steady_samples_per_s",) if gpu else ())
-        med = {impl: {k: _median([r.get(k) for r in runs[impl]]) for k in keys} for impl in runs}
-        loss = {impl: runs[impl][-1]["loss"] for impl in runs}
-        o, t = med["ours"], med["trl"]
-        tk = tokens.get((task, model))
-        tok_o, tok_t = (o["samples_per_s"] * tk, t["samples_per_s"] * tk) if tk else (None, None)
-        row = [
-            task,
-            model,
-            runs_label,
-            f"{o['samples_per_s']:.1f}",
-            f"{t['samples_per_s']:.1f}",
-            f"**{o['samples_per_s'] / t['samples_per_s']:.2f}×**",
-            f"{tok_o:,.0f}" if tk else "–",
-            f"{tok_t:,.0f}" if tk else "–",
-            f"**{tok_o / tok_t:.2f}×**" if tk else "–",
-            f"{o['peak_mb']:,.0f}",
-            f"{t['peak_mb']:,.0f}",
-            f"{o['peak_mb'] / t['peak_mb']:.2f}",
-            _fmt(loss["ours"]),
-            _fmt(loss["trl"]),
-        ]
-        if gpu:
-            so, st = o["steady_samples_per_s"], t["steady_samples_per_s"]
-            row += [f"{so:.1f}" if so else "–", f"{st:.1f}" if st else "–", f"**{so / st:.2f}×**" if so and st else "–"]
-            per_token = sft_flops_per_token(model, tk) if (task == "sft" and tk) else None
-            mfu = (
-                [f"{x * tk * per_token / peak:.1%}" if x else "–" for x in (so, st)]
-                if (per_token and peak)
-                else ["–", "–"]
-            )
-            row += mfu
-        lines.append("| " + " | ".join(row) + " |")
+    for (case, model), runs in results.items():
+        ph: Physics = phys[(case, model)]
+        med = {
+            impl: {
+                k: _median([r.get(k) for r in rs])
+                for k in ("samples_per_s", "steady_samples_per_s", "peak_mb", "mean_completion_length")
+            }
+            for impl, rs in runs.items()
+        }
+        rate = {impl: (m["steady_samples_per_s"] if gpu else None) or m["samples_per_s"] for impl, m in med.items()}
+        scale = ph.tokens_per_sample or 1.0
+        for contender in [impl for impl in runs if impl != "ours"]:
+            o, c = med["ours"], med[contender]
+            row = [
+                case.trainer,
+                model,
+                case.shape.label,
+                contender,
+                runs_label,
+                "tokens/s" if ph.tokens_per_sample else UNIT[case.trainer],
+                f"{rate['ours'] * scale:,.1f}",
+                f"{rate[contender] * scale:,.1f}",
+                f"**{rate['ours'] / rate[contender]:.2f}×**",
+            ]
+            if gpu:
+                row.append(f"{o['samples_per_s'] / c['samples_per_s']:.2f}×")
+                row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks) for impl in ("ours", contender)]
+                row += [
+                    _generated(case, rate[impl], med[impl]["mean_completion_length"], ph)
+                    for impl in ("ours", contender)
+                ]
+            row += [
+                f"{o['peak_mb']:,.0f}",
+                f"{c['peak_mb']:,.0f}",
+                f"{o['peak_mb'] / c['peak_mb']:.2f}",
+                _fmt(runs["ours"][-1]["loss"]),
+                _fmt(runs[contender][-1]["loss"]),
+            ]
+            lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
+def _mfu(tokens_per_s: float, flops_per_token: float | None, peaks: dict | None) -> str:
+    if not (flops_per_token and peaks):
+        return "–"
+    achieved = tokens_per_s * flops_per_token / 1e12
+    of_peak = f"{achieved / peaks['spec_tflops']:.1%}" if peaks.get("spec_tflops") else "–"
+    return f"{of_peak} · {achieved / peaks['matmul_tflops']:.1%}"
+
+
+def _generated(case: Case, rate: float, mean_length: float | None, ph: Physics) -> str:
+    """Generated tokens/s of an online trainer: samples/s × completions per sample × their mean length (the logged
+    one; the shape's maximum where a trainer does not log it: TRL 1.12's PPO)."""
+    if case.trainer not in ONLINE:
+        return "–"
+    tokens = rate * (2 if case.trainer == "online_dpo" else 1) * (mean_length or case.shape.completion)
+    return f"{tokens:,.0f}" + (f" ({tokens / ph.decode_bound:.1%})" if ph.decode_bound else "")
+
+
 def merge_rows(old: list[str], new: list[str]) -> list[str]:
-    """Table `new` with the rows of table `old` (same columns) whose trainer and model it does not measure kept:
+    """Table `new` with the rows of table `old` (same columns) whose case and contender it does not measure kept:
     a GPU session that can afford only some trainers per invocation still ends with one table."""
 
-    def key(line: str) -> tuple[str, ...]:
-        return tuple(c.strip() for c in line.strip("|").split("|")[:2])
+    def key(line: str) -> tuple[str, ...]:  # trainer, model, shape, contender
+        return tuple(c.strip() for c in line.strip("|").split("|")[:4])
 
     if not old or old[0] != new[0]:
         return new
@@ -223,8 +255,14 @@ def _fmt(x) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("--trainers", default="sft,reward,dpo,kto,grpo,rloo,online_dpo,ppo")
-    parser.add_argument("--models", default="tiny")
+    parser.add_argument("--models", default="tiny", help="tiny,small (CPU) or qwen0.5b (GPU)")
+    parser.add_argument(
+        "--suite",
+        choices=SUITES,
+        help="user: the batch sizes people train with (default on a GPU); latency: small steps (default on CPU)",
+    )
+    parser.add_argument("--trainers", help=f"default: {','.join(GPU_TRAINERS)} for the GPU user suite, else all")
+    parser.add_argument("--contenders", help="trl, trl+liger (default: both on a GPU, trl on CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
@@ -232,93 +270,148 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--merge",
         action="store_true",
-        help="keep the report's rows for trainers/models this invocation does not run (split GPU sessions)",
+        help="keep the report's rows for cases this invocation does not run (split GPU sessions)",
     )
     parser.add_argument(
         "--warmup",
         type=int,
         default=None,
-        help="discarded runs per side before each trainer's timed ones (default: 1 on a GPU, 0 on CPU)",
+        help="discarded runs per side before each case's timed ones (default: 1 on a GPU, 0 on CPU)",
     )
     args = parser.parse_args(argv)
-    from alignpipe.tiny import make_tiny
-
-    assets = make_tiny(args.assets)
-    from bench.run_one import shape_for
-
-    models, trainers = args.models.split(","), args.trainers.split(",")
-    gpu = shape_for(models[0]).gpu
-    if any(shape_for(m).gpu != gpu for m in models):
+    models = args.models.split(",")
+    gpu = is_gpu_model(models[0])
+    if any(is_gpu_model(m) != gpu for m in models):
         parser.error(
             "--models mixes CPU models (tiny, small) with GPU ones (qwen0.5b): run them in separate invocations"
         )
+    suite = args.suite or ("user" if gpu else "latency")
+    trainers = (
+        args.trainers.split(",") if args.trainers else list(GPU_TRAINERS if gpu and suite == "user" else TRAINERS)
+    )
+    if unknown := [t for t in trainers if t not in TRAINERS]:
+        parser.error(f"unknown trainer(s) {', '.join(unknown)}; choose from {', '.join(TRAINERS)}")
+    contenders = (args.contenders or ("trl,trl+liger" if gpu else "trl")).split(",")
+    if unknown := [c for c in contenders if c not in IMPLS[1:]]:
+        parser.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(IMPLS[1:])}")
+    if "trl+liger" in contenders:
+        if not gpu:
+            parser.error("trl+liger runs Liger's Triton kernels, which need a GPU: use --contenders trl on CPU models")
+        if importlib.util.find_spec("liger_kernel") is None:
+            parser.error(
+                "--contenders trl+liger needs liger-kernel: pip install -e '.[bench-gpu]' (on the device tool's "
+                "machine, the wheels of `bench/device_wheels.sh`; docs/benchmarks.md, 'Running on a GPU')"
+            )
+    from alignpipe.tiny import make_tiny
+
+    assets = make_tiny(args.assets)
+    peaks = gpu_peaks() if gpu else None
+    if peaks:
+        print(f"peaks: {json.dumps(peaks)}", flush=True)
     # On a freshly started GPU machine the first process of each case ran at half speed (kernels compiled and
     # cached, clocks rising): a discarded run per side keeps that out of the medians.
     warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
     results: dict = {}
-    tokens = {(task, model): mean_tokens(assets, task, model) for task in trainers for model in models}
+    phys: dict = {}
     for model in models:
-        for task in trainers:
-            runs = {"ours": [], "trl": []}
+        for case in cases(model, suite, trainers):
+            # TRL 1.12's PPOTrainer (the last with PPO) has no Liger path: plain TRL only
+            impls = ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
+            runs: dict[str, list] = {impl: [] for impl in impls}
             for _ in range(warmup):
-                for impl in ("ours", "trl"):
-                    r = measure(impl, task, model, args.steps, assets)
+                for impl in impls:
+                    r = measure(impl, case.key, model, args.steps, assets)
                     print(
-                        f"{task:6} {model:8} {impl:4} warm-up (discarded): {r['samples_per_s']:.1f} samples/s",
-                        flush=True,
+                        f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
-                for impl in ("ours", "trl") if rep % 2 == 0 else ("trl", "ours"):  # alternate who goes first
-                    r = measure(impl, task, model, args.steps, assets)
+                for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
+                    r = measure(impl, case.key, model, args.steps, assets)
                     runs[impl].append(r)
                     print(
-                        f"{task:6} {model:8} {impl:4} rep {rep}: {r['samples_per_s']:.1f} samples/s, "
-                        f"{r['peak_mb']:.0f} MB, loss {r['loss']}",
+                        f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "
+                        f"steady {r.get('steady_samples_per_s')}, {r['peak_mb']:.0f} MB, loss {r['loss']}",
                         flush=True,
                     )
-            results[(task, model)] = runs
-    section = "gpu" if gpu else "cpu"
-    rows = table(results, tokens, gpu, f"{args.repeats} × {args.steps}")
+            results[(case, model)] = runs
+            phys[(case, model)] = physics(case, model, assets, peaks)
+    default_suite = "user" if gpu else "latency"
+    section = ("gpu" if gpu else "cpu") + ("" if suite == default_suite else f"-{suite}")
+    rows = table(results, phys, peaks, gpu, f"{args.repeats} × {args.steps}")
     if args.merge:
         rows = merge_rows(read_table(Path(args.out), section), rows)
-    s = shape_for(models[0])
-    where = f"{gpu_peak()[0]}, bf16 weights and optimizer state" if gpu else f"{cpu()}, CPU fp32"
-    lines = [
-        "## GPU: Qwen2-0.5B-shaped model (random init, bf16)"
+    write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
+    print("\n".join(rows))
+
+
+def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | None, merged: bool) -> list[str]:
+    """The generated section: a heading, how it was measured, the table, how to reproduce it."""
+    if gpu:
+        where = f"{peaks['gpu']}, bf16 weights and optimizer state" if peaks else "a GPU"
+        title = f"## GPU, {'users’ shapes' if suite == 'user' else 'latency shapes'}: Qwen2-0.5B-shaped model (random init, bf16)"
+    else:
+        where = f"{cpu()}, CPU fp32"
+        title = (
+            f"## CPU{', users’ shapes' if suite == 'user' else ''}: tiny (~1.7M) and small (~20M) Llama-shaped models"
+        )
+    limits = ""
+    if peaks:
+        spec_flops = f" (data sheet {peaks['spec_tflops']:.0f})" if peaks.get("spec_tflops") else ""
+        spec_bw = f" (data sheet {peaks['spec_tb_s']:.2f} TB/s read)" if peaks.get("spec_tb_s") else ""
+        limits = (
+            f"This GPU's limits, measured in the same invocation (`python -m bench.peaks`): an 8192³ bf16 matrix "
+            f"product at {peaks['matmul_tflops']:.0f} TFLOP/s{spec_flops}; a device-to-device copy at "
+            f"{peaks['copy_tb_s']:.2f} TB/s read + written{spec_bw}. "
+        )
+    shapes = (
+        "Shapes: SFT rows × max length, packed best-fit (rows of a 128-token prompt and a log-normal completion of "
+        "median 384 tokens); reward, DPO and KTO pairs × max length (prompts ~256, completions ~720 tokens); GRPO and "
+        "RLOO prompts × completions × new tokens, PPO episodes × new tokens, online DPO prompts × 2 × new tokens "
+        "(prompts ~96 tokens; micro-batches of 16 with 4 accumulated per step on both sides). "
+        if suite == "user"
+        else "Shapes: rows × max length (GPU: each row 24 synthetic rows run together, ~260 tokens); GRPO and RLOO "
+        "2 prompts × 8 completions × new tokens; PPO episodes × new tokens (4 PPO epochs); online DPO prompts × 2 × "
+        "new tokens. "
+    )
+    method = (
+        "Median of the runs per side in the `runs × steps` column, who runs first rotating, each in a fresh process"
+        + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "")
+        + "; checkpointing off; identical data, model and hyperparameters on every side. "
+        + (
+            "Ratio: ours / contender at steady state (from the end of step 5 to the last step: data preparation, "
+            "warm-up and saving left out); end-to-end ratio: data preparation + training + saving. tokens/s = "
+            "samples/s × real tokens per sample of the identical data (a packed block: as our best-fit packer fills "
+            "it, which TRL's `bfd` matches). MFU: tokens/s × model FLOPs per token (6·N + 12·L·d·s, s the span a "
+            "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "
+            "the measured matmul. Generated tokens/s: samples/s × completions × their logged mean length (TRL 1.12's "
+            "PPO logs none: its maximum), beside the bound a decode step reading every weight and the KV cache at the "
+            "measured copy rate allows. Memory: `torch.cuda.max_memory_allocated`. "
+            if gpu
+            else "Ratio: ours / contender, end to end (data preparation + training + saving; model loading "
+            "excluded); tokens/s = samples/s × mean real tokens per sample of the identical data. Memory: peak RSS "
+            "of the process, imports included. "
+        )
+        + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if merged else "")
+        + "Absolute numbers swing between runs on shared machines; ratios from one run are what count."
+    )
+    reproduce = (
+        "Reproduce on a GPU: `python -m bench --models qwen0.5b` (users' shapes against TRL and TRL + Liger; "
+        "`--suite latency` for the small steps; a few trainers per invocation with `--trainers grpo,ppo --merge`); "
+        "profile one case with `python -m bench.profile ours sft/8x2048 qwen0.5b --steps 10`."
         if gpu
-        else "## CPU: tiny (~1.7M) and small (~20M) Llama-shaped models",
+        else "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."
+    )
+    return [
+        title,
         "",
         f"Measured {datetime.date.today()} on {where}; {versions()}.",
-        "Median of the runs per side in the `runs × steps` column, alternating who runs first, each in a fresh process"
-        + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "")
-        + "; "
-        f"batch {s.batch} (GRPO: {2 * s.generations} completions = 2 prompts × {s.generations}, "
-        f"{s.completion} new tokens; PPO: {s.batch} episodes, 4 PPO epochs, {s.completion} new tokens), max length {s.max_len}, "
-        "checkpointing off. Timed: data preparation + training + saving the model (model loading excluded). "
-        + (
-            "Steady: samples/s from the end of step 5 to the last step (data preparation, warm-up and saving left out). "
-            "Memory: `torch.cuda.max_memory_allocated`. MFU: steady tokens/s × (6·N + 12·L·d·s) / the GPU's dense bf16 "
-            "peak. "
-            if gpu
-            else "Memory: peak RSS of the process, imports included. "
-        )
-        + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if args.merge else "")
-        + "tokens/s = samples/s × mean tokens per row of the (identical) data. Ratios are ours / TRL; absolute "
-        "numbers swing between runs on shared machines, ratios from one run are what count.",
+        limits + shapes + method,
         "",
         *rows,
         "",
-        (
-            "Reproduce on a GPU: `python -m bench --models qwen0.5b --repeats 3` (or a few trainers per invocation, "
-            "`--trainers grpo,ppo --merge`, keeping the other rows); profile one case with `python -m bench.profile "
-            "ours sft qwen0.5b --steps 10` (device time per operator, Perfetto trace)."
-            if gpu
-            else "Reproduce: `make bench` (or `python -m bench --models tiny,small --repeats 3`)."
-        ),
+        reproduce,
         "",
     ]
-    write_section(Path(args.out), section, lines)
-    print("\n".join(lines))
 
 
 def write_section(path: Path, name: str, lines: list[str]) -> None:

@@ -1,11 +1,12 @@
 """Profile one benchmark case with the torch profiler:
 
-    python -m bench.profile IMPL TRAINER MODEL [--steps N] [--out DIR]
+    python -m bench.profile IMPL CASE MODEL [--steps N] [--out DIR]
 
-IMPL is `ours` or `trl`, TRAINER one of sft/reward/dpo/grpo/ppo, MODEL tiny/small (CPU) or qwen0.5b (GPU).
+IMPL is `ours`, `trl` or `trl+liger`; CASE a case key of `bench.cases` (`sft/8x2048`) or a trainer alone (`sft`: its
+first shape in the model's default suite, users' shapes on the GPU); MODEL tiny/small (CPU) or qwen0.5b (GPU).
 It runs exactly what `python -m bench` times for that case (same model, data and hyperparameters,
 `bench.run_one.case`) with the profiler around the timed part, and writes to DIR (default
-`<tmp>/alignpipe-profile/IMPL-TRAINER-MODEL/`):
+`<tmp>/alignpipe-profile/IMPL-CASE-MODEL/`):
 
 - `ops.txt`: operators by self time (device time on a GPU, CPU time otherwise), the top 60;
 - `trace.json`: a Chrome / Perfetto trace of the run (open it in https://ui.perfetto.dev);
@@ -23,6 +24,9 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.cases import cases, is_gpu_model
+from bench.run_one import IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMM_OPS = (
@@ -62,18 +66,22 @@ def summarize(events, device: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("impl", choices=["ours", "trl"])
-    parser.add_argument("trainer", choices=["sft", "reward", "dpo", "grpo", "ppo"])
+    parser.add_argument("impl", choices=list(IMPLS))
+    parser.add_argument("case", help="a case key (sft/8x2048) or a trainer (sft)")
     parser.add_argument("model", choices=["tiny", "small", "qwen0.5b"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", help="output folder (default <tmp>/alignpipe-profile/IMPL-TRAINER-MODEL)")
     args = parser.parse_args(argv)
+    key = args.case
+    if "/" not in key:
+        key = cases(args.model, "user" if is_gpu_model(args.model) else "latency", [key])[0].key
     out = Path(
-        args.out or Path(tempfile.gettempdir()) / "alignpipe-profile" / f"{args.impl}-{args.trainer}-{args.model}"
+        args.out
+        or Path(tempfile.gettempdir()) / "alignpipe-profile" / f"{args.impl}-{key.replace('/', '-')}-{args.model}"
     )
     out.mkdir(parents=True, exist_ok=True)
-    if args.impl == "trl" and args.trainer == "ppo":  # TRL 1.12, the last release with PPO, from its own folder
+    if args.impl == "trl" and key.startswith("ppo/"):  # TRL 1.12, the last release with PPO, from its own folder
         from bench.__main__ import trl_with_ppo
 
         sys.path.insert(0, str(trl_with_ppo()))
@@ -93,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             yield
         holder["prof"] = prof
 
-    figures = case(args.impl, args.trainer, args.model, args.steps, args.assets, around=around)
+    figures = case(args.impl, key, args.model, args.steps, args.assets, around=around)
     prof = holder["prof"]
     events = prof.key_averages()
     sort = "self_device_time_total" if device else "self_cpu_time_total"
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     p = summary["profile"]
     print(
-        f"{args.impl} {args.trainer} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
+        f"{args.impl} {key} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
         f"{p['total_ms']:.0f} ms of {p['clock']} self time, {100 * p['gemm_share']:.0f}% in matrix multiplies"
     )
     for row in p["top"]:

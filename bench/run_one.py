@@ -1,10 +1,11 @@
-"""One measurement in a fresh process: `python -m bench.run_one IMPL TRAINER MODEL STEPS ASSETS` prints one
-JSON line {samples_per_s, peak_mb, loss, ...}. Same model, tokenizer, data and hyperparameters for both
-implementations. Timed for both: data preparation + training + saving the model (what a user waits for;
-model loading excluded); checkpointing off.
+"""One measurement in a fresh process: `python -m bench.run_one IMPL CASE MODEL STEPS ASSETS` prints one
+JSON line {samples_per_s, steady_samples_per_s, peak_mb, loss, ...}. IMPL is `ours`, `trl` or `trl+liger` (TRL with
+`use_liger_kernel=True`); CASE a case key of `bench.cases` (`sft/8x2048`, `grpo/8x8x256`, `dpo/8x64`, ...). Same
+model, tokenizer, data and hyperparameters for every implementation. Timed for all: data preparation + training +
+saving the model (what a user waits for; model loading excluded); checkpointing off.
 
 Models: `tiny` (the project's 1.7M Llama) and `small` (a 20M Llama, random init) run on CPU in fp32;
-`qwen0.5b` (Qwen2-0.5B's shape, random init) runs on a GPU in bf16 with longer rows (see `SHAPES`).
+`qwen0.5b` (Qwen2-0.5B's shape, random init) runs on a GPU in bf16.
 """
 
 from __future__ import annotations
@@ -13,30 +14,18 @@ import contextlib
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
+
+from bench.cases import QWEN_05B, Case, find_case, is_gpu_model, rows
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 LR = 1e-4
 ASSETS = ""  # set by main
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What one benchmark step is made of, per machine class."""
-
-    batch: int  # rows per optimizer step (PPO: episodes)
-    max_len: int  # tokens per row, prompt included
-    generations: int  # GRPO: completions per prompt (2 prompts per step)
-    completion: int  # GRPO/PPO: new tokens per completion
-    join: int  # synthetic rows concatenated into one training row (longer sequences on GPU)
-    gpu: bool
-    log_every: int = 0  # log each N steps (0: once, at the end); GPU logs every step for the steady-state clock
 
 
 WARMUP_STEPS = 5  # steps left out of the steady-state rate (CUDA/cuBLAS warm-up, allocator growth)
@@ -55,25 +44,6 @@ class StepClock:
     def steady(self, per_step: int) -> float | None:
         n = len(self.times) - 1 - WARMUP_STEPS
         return per_step * n / (self.times[-1] - self.times[WARMUP_STEPS]) if n > 0 else None
-
-
-CPU = Shape(batch=8, max_len=64, generations=8, completion=32, join=1, gpu=False)
-GPU = Shape(batch=8, max_len=512, generations=8, completion=64, join=24, gpu=True, log_every=1)
-QWEN_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-)
-
-
-def shape_for(kind: str) -> Shape:
-    return GPU if kind.startswith("qwen") else CPU
 
 
 def model_for(kind: str, assets: str, task: str):
@@ -139,7 +109,7 @@ def reward_model_dir(assets: str, kind: str) -> str:
 
     from alignpipe.modeling import load_tokenizer
 
-    gpu = shape_for(kind).gpu
+    gpu = is_gpu_model(kind)
     path = f"{tempfile.gettempdir()}/alignpipe-bench-rm" + ("-qwen0.5b" if gpu else "")
     if not os.path.exists(f"{path}/config.json"):
         tok = load_tokenizer(f"{assets}/model")
@@ -154,35 +124,7 @@ def reward_model_dir(assets: str, kind: str) -> str:
     return path
 
 
-def rows(assets: str, task: str, shape: Shape = CPU) -> list[dict]:
-    """The synthetic sentiment data; on GPU each row is `join` rows' text run together (~500 tokens)."""
-    prompts_only = ("grpo", "rloo", "ppo", "online_dpo")
-    name = {"sft": "sentiment_sft", **dict.fromkeys(prompts_only, "sentiment_prompts")}.get(
-        task, "sentiment_preferences"
-    )
-    data = [json.loads(line) for line in Path(f"{assets}/data/{name}.jsonl").read_text().splitlines()]
-    k, n = shape.join, len(data)
-    if task == "sft":
-        return [
-            {"prompt": r["prompt"], "completion": "".join(data[(i + j) % n]["completion"] for j in range(k))}
-            for i, r in enumerate(data[:2000])
-        ]
-    if task in ("dpo", "reward") and k > 1:
-        tail = lambda i: "".join(data[(i + j) % n]["chosen"] for j in range(1, k))  # noqa: E731
-        return [
-            {"prompt": r["prompt"], "chosen": r["chosen"] + tail(i), "rejected": r["rejected"] + tail(i)}
-            for i, r in enumerate(data[:2000])
-        ]
-    if task == "kto":  # each pair as two thumbs: chosen → true, rejected → false
-        return [
-            {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
-            for r in data[:1000]
-            for side in ("chosen", "rejected")
-        ]
-    return data[:2000]
-
-
-def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock: StepClock):
+def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) -> dict:
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.judges.rewards import sentiment_lexicon
     from alignpipe.tracking import Tracker
@@ -203,10 +145,12 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
                 clock.tick()
             super().log_metrics(metrics, step)
 
+    task, shape = case.trainer, case.shape
     common = dict(
         learning_rate=LR,
         max_steps=steps,
         batch_size=shape.batch,
+        gradient_accumulation_steps=shape.accumulation,
         max_length=shape.max_len,
         logging_every=shape.log_every or steps,
         lr_scheduler="linear",
@@ -214,7 +158,7 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
     tracker, out = ClockedTracker(), tempfile.mkdtemp()
     t0 = time.perf_counter()
     if task == "sft":
-        sft.train(SFTConfig(**common), model, tok, data, [], tracker, out)
+        sft.train(SFTConfig(**common, packing=shape.packed), model, tok, data, [], tracker, out)
     elif task == "reward":
         reward.train(RewardConfig(**common), model, tok, data, [], tracker, out)
     elif task == "dpo":
@@ -230,7 +174,7 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
 
         config, trainer = (GRPOConfig, grpo) if task == "grpo" else (RLOOConfig, rloo)
         cfg = config(
-            **{**common, "batch_size": 2 * shape.generations},
+            **common,
             num_generations=shape.generations,
             max_completion_length=shape.completion,
             sample_every=10**9,
@@ -261,7 +205,7 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
         from alignpipe.trainers import ppo
         from alignpipe.trainers.configs import PPOConfig
 
-        rm, dtype = reward_model_dir(ASSETS, kind), ("bfloat16" if shape.gpu else "float32")
+        rm, dtype = reward_model_dir(ASSETS, kind), ("bfloat16" if is_gpu_model(kind) else "float32")
         cfg = PPOConfig(
             **common,
             max_completion_length=shape.completion,
@@ -283,10 +227,23 @@ def ours(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock
             ref_model=copy.deepcopy(model),
         )
     seconds = time.perf_counter() - t0
-    return seconds, tracker.last("loss/policy_avg" if task == "ppo" else "train/loss")
+    return {
+        "seconds": seconds,
+        "loss": tracker.last("loss/policy_avg" if task == "ppo" else "train/loss"),
+        "mean_completion_length": _mean_length(tracker, "completions/mean_length", "train/completions/mean_length"),
+    }
 
 
-def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, clock: StepClock):
+def _mean_length(tracker, *names: str) -> float | None:
+    for name in names:
+        if tracker.last(name) is not None:
+            return float(tracker.last(name))
+    return None
+
+
+def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock, liger: bool = False) -> dict:
+    """TRL's trainer for the case, as a user would configure it for the same step (`liger`: with
+    `use_liger_kernel=True`, TRL's fused kernels and losses)."""
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -295,26 +252,32 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         def on_step_end(self, *_, **__):
             clock.tick()
 
+    task, shape, gpu = case.trainer, case.shape, is_gpu_model(kind)
     common = dict(
         output_dir=tempfile.mkdtemp(),
         max_steps=steps,
         per_device_train_batch_size=shape.batch,
+        gradient_accumulation_steps=shape.accumulation,
         learning_rate=LR,
         report_to="none",
-        use_cpu=not shape.gpu,
-        bf16=shape.gpu,
+        use_cpu=not gpu,
+        bf16=gpu,
         gradient_checkpointing=False,
         save_strategy="no",
         logging_steps=shape.log_every or steps,
         lr_scheduler_type="linear",
         max_length=shape.max_len,
         disable_tqdm=True,
+        **({"use_liger_kernel": True} if liger else {}),
     )
     ds = Dataset.from_list(data)
     t0 = time.perf_counter()  # construction (tokenization) + train + save, as `ours` is timed
     if task == "sft":
         trainer = trl.SFTTrainer(
-            model=model, args=trl.SFTConfig(**common, completion_only_loss=True), processing_class=tok, train_dataset=ds
+            model=model,
+            args=trl.SFTConfig(**common, completion_only_loss=True, packing=shape.packed),
+            processing_class=tok,
+            train_dataset=ds,
         )
     elif task == "reward":
         trainer = trl.RewardTrainer(
@@ -342,7 +305,7 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         prompts = Dataset.from_dict({"input_ids": [tok(r["prompt"])["input_ids"] for r in data]})
         args = PPOConfig(
             **common,
-            total_episodes=steps * shape.batch,
+            total_episodes=steps * shape.per_step,
             num_ppo_epochs=4,
             num_mini_batches=1,
             response_length=shape.completion,
@@ -351,7 +314,7 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
             missing_eos_penalty=1.0,
             kl_coef=0.05,
             num_sample_generations=0,
-            local_rollout_forward_batch_size=shape.batch,
+            local_rollout_forward_batch_size=shape.per_step,
         )
         load = lambda: AutoModelForSequenceClassification.from_pretrained(rm, num_labels=1, dtype=model.dtype)  # noqa: E731
         trainer = PPOTrainer(
@@ -368,7 +331,7 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
         trainer.save_model(tempfile.mkdtemp())
         seconds = time.perf_counter() - t0
         losses = [h.get("loss/policy_avg") for h in trainer.state.log_history if "loss/policy_avg" in h]
-        return seconds, losses[-1] if losses else None
+        return {"seconds": seconds, "loss": losses[-1] if losses else None, "mean_completion_length": None}
     elif task == "kto":
         import copy
 
@@ -407,7 +370,7 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
                 (trl.GRPOConfig, trl.GRPOTrainer) if task == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
             )
             args = config(
-                **{**common, "per_device_train_batch_size": 2 * shape.generations},
+                **common,
                 num_generations=shape.generations,
                 max_completion_length=shape.completion,
                 **({"beta": 0.0} if task == "rloo" else {}),
@@ -421,8 +384,14 @@ def trl_run(task: str, model, tok, data, steps: int, shape: Shape, kind: str, cl
     seconds = time.perf_counter() - t0
     # The last logged loss, as ours reports: with a log every step it is the last step's, where
     # `training_loss` would be the mean over the whole run.
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return seconds, losses[-1] if losses else result.training_loss
+    logs = trainer.state.log_history
+    losses = [h["loss"] for h in logs if "loss" in h]
+    lengths = [h["completions/mean_length"] for h in logs if "completions/mean_length" in h]
+    return {
+        "seconds": seconds,
+        "loss": losses[-1] if losses else result.training_loss,
+        "mean_completion_length": statistics.fmean(lengths) if lengths else None,
+    }
 
 
 def peak_mb(gpu: bool) -> float:
@@ -434,38 +403,45 @@ def peak_mb(gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def case(impl: str, task: str, kind: str, steps: int, assets: str, around=contextlib.nullcontext) -> dict:
-    """Build the model and data, then run and time one side; `around` wraps the timed part only (the
-    profiler in `bench.profile`)."""
+IMPLS = ("ours", "trl", "trl+liger")
+
+
+def case(impl: str, key: str, kind: str, steps: int, assets: str, around=contextlib.nullcontext) -> dict:
+    """Build the model and data of case `key`, then run and time one implementation; `around` wraps the timed part
+    only (the profiler in `bench.profile`)."""
     import torch
 
+    if impl not in IMPLS:
+        raise SystemExit(f"unknown implementation {impl!r}; one of {', '.join(IMPLS)}")
     global ASSETS
     ASSETS = assets
-    shape = shape_for(kind)
+    c = find_case(kind, key)
+    gpu = is_gpu_model(kind)
     torch.manual_seed(0)
-    model, tok = model_for(kind, assets, task)
-    data = rows(assets, task, shape)
-    if shape.gpu:
+    model, tok = model_for(kind, assets, c.trainer)
+    data = rows(assets, c, steps, tok)
+    if gpu:
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock()
     with around():
-        seconds, loss = (ours if impl == "ours" else trl_run)(task, model, tok, data, steps, shape, kind, clock)
-    # GRPO/RLOO: completions; PPO: episodes; online DPO: prompts (two completions each)
-    per_step = 2 * shape.generations if task in ("grpo", "rloo") else shape.batch
+        if impl == "ours":
+            out = ours(c, model, tok, data, steps, kind, clock)
+        else:
+            out = trl_run(c, model, tok, data, steps, kind, clock, liger=impl == "trl+liger")
+    per_step = c.shape.per_step
     return {
         "impl": impl,
-        "task": task,
+        "case": c.key,
         "model": kind,
-        "seconds": seconds,
-        "samples_per_s": steps * per_step / seconds,
-        "steady_samples_per_s": clock.steady(per_step) if shape.log_every else None,
-        "peak_mb": peak_mb(shape.gpu),
-        "loss": loss,
+        **out,
+        "samples_per_s": steps * per_step / out["seconds"],
+        "steady_samples_per_s": clock.steady(per_step) if c.shape.log_every else None,
+        "peak_mb": peak_mb(gpu),
     }
 
 
-def main(impl: str, task: str, kind: str, steps: int, assets: str) -> None:
-    print(json.dumps(case(impl, task, kind, steps, assets)))
+def main(impl: str, key: str, kind: str, steps: int, assets: str) -> None:
+    print(json.dumps(case(impl, key, kind, steps, assets)))
 
 
 if __name__ == "__main__":

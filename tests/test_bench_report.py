@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.__main__ import sft_flops_per_token, write_section
+import pytest
+
+from bench.__main__ import Physics, write_section
+from bench.cases import cases, decode_bound, find_case, rows, tokens_per_sample, train_flops_per_token
 from bench.orchestration import critical_path
 from bench.run_one import WARMUP_STEPS, StepClock
 
@@ -32,20 +35,20 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, task, model, steps, assets):
+    def fake(impl, key, model, steps, assets):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
 
     monkeypatch.setattr(bench_main, "measure", fake)
-    monkeypatch.setattr(bench_main, "mean_tokens", lambda *a: 20.0)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(20.0, None, None))
     out = tmp_path / "report.md"
     bench_main.main(["--trainers", "sft", "--repeats", "3", "--warmup", "1", "--assets", str(tiny), "--out", str(out)])
     assert calls == ["ours", "trl", "ours", "trl", "trl", "ours", "ours", "trl"]
     text = out.read_text()
     assert "after 1 discarded warm-up run per side" in text
     row = next(line for line in text.splitlines() if line.startswith("| sft"))
-    assert "| 10.0 | 10.0 |" in row and "**1.00×**" in row
+    assert row.startswith("| sft | tiny | 8×64 | trl | 3 × 20 | tokens/s | 200.0 | 200.0 | **1.00×** |"), row
 
 
 def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
@@ -56,7 +59,7 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(
         bench_main, "measure", lambda *a: {"samples_per_s": speed["value"], "peak_mb": 1.0, "loss": 0.1}
     )
-    monkeypatch.setattr(bench_main, "mean_tokens", lambda *a: None)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
     out = tmp_path / "report.md"
     common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0"]
     bench_main.main(["--trainers", "sft,dpo", "--steps", "20", *common])
@@ -64,7 +67,8 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     bench_main.main(["--trainers", "dpo,grpo", "--steps", "10", "--merge", *common])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line]
     assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
-    assert "| 1 × 20 | 10.0 |" in rows[0] and "| 1 × 10 | 20.0 |" in rows[1] and "| 1 × 10 | 20.0 |" in rows[2]
+    assert "| 1 × 20 | rows/s | 10.0 |" in rows[0]
+    assert "| 1 × 10 | pairs/s | 20.0 |" in rows[1] and "| 1 × 10 | completions/s | 20.0 |" in rows[2]
     bench_main.main(["--trainers", "grpo", *common])  # without --merge the table is this invocation's alone
     assert next(
         line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line
@@ -96,9 +100,12 @@ def test_critical_path_follows_the_longest_chain_not_the_sum():
 
 
 def test_mfu_flops_count_the_qwen_shape():
-    per_token = sft_flops_per_token("qwen0.5b", 0)
+    per_token = train_flops_per_token("sft", "qwen0.5b", 0)
     assert 6 * 480e6 < per_token < 6 * 500e6  # 494M matmul parameters, LM head included
-    assert sft_flops_per_token("tiny", 100) is None
+    assert train_flops_per_token("sft", "qwen0.5b", 2048) - per_token == 12 * 24 * 896 * 2048
+    assert train_flops_per_token("reward", "qwen0.5b", 0) < per_token - 6 * 130e6  # no LM head (136M)
+    assert train_flops_per_token("dpo", "qwen0.5b", 0) == pytest.approx(per_token * 8 / 6)  # + the reference forward
+    assert train_flops_per_token("sft", "tiny", 100) is None and train_flops_per_token("grpo", "qwen0.5b", 9) is None
 
 
 def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny, tmp_path):
@@ -153,3 +160,104 @@ def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
     s = summarize(events, device=False)
     assert s["total_ms"] == 1.2 and abs(s["gemm_share"] - 800 / 1200) < 1e-12
     assert [r["op"] for r in s["top"]][:2] == ["aten::mm", "aten::add"] and s["top"][-1]["op"] == "aten::linear"
+
+
+def test_the_user_suite_runs_the_shapes_people_train_with():
+    """Issue 18's shapes: SFT packed 8×2048 and 4×4096, reward and DPO 8 pairs of ~1024 tokens, GRPO 8 prompts × 8
+    completions × 256 new tokens, PPO 64 episodes × 256 new tokens; the GPU default, the latency suite beside it."""
+    user = {c.key: c.shape for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
+    assert list(user) == ["sft/8x2048", "sft/4x4096", "reward/8x1024", "dpo/8x1024", "grpo/8x8x256", "ppo/64x256"]
+    assert user["sft/8x2048"].packed and user["sft/8x2048"].per_step * user["sft/8x2048"].max_len == 16384
+    assert user["sft/4x4096"].per_step * user["sft/4x4096"].max_len == 16384
+    assert user["dpo/8x1024"].per_step == 8 and user["dpo/8x1024"].max_len == 1024
+    grpo, ppo = user["grpo/8x8x256"], user["ppo/64x256"]
+    assert grpo.per_step == 64 and grpo.generations == 8 and grpo.completion == 256
+    assert ppo.per_step == 64 and ppo.completion == 256
+    assert all(s.log_every == 1 for s in user.values()), "a log per step: the steady-state clock"
+    assert find_case("tiny", "sft/8x64").shape.max_len == 64  # the CPU latency shape
+    assert find_case("qwen0.5b", "grpo/2x8x64").shape.per_step == 16
+    with pytest.raises(SystemExit, match="unknown case"):
+        find_case("tiny", "sft/9x9")
+
+
+def test_user_shape_data_has_the_lengths_the_shapes_name(tiny):
+    from alignpipe.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny / "model"))
+    n_tokens = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    sft = find_case("qwen0.5b", "sft/8x2048")
+    data = rows(str(tiny), sft, steps=4, tokenizer=tok)
+    lengths = [n_tokens(r["completion"]) for r in data]
+    assert sum(n_tokens(r["prompt"]) + n for r, n in zip(data, lengths)) >= 4 * 16384, "enough for the steps"
+    assert min(lengths) < 250 < 384 < 600 < max(lengths) < 2048, "completions spread around the median"
+    packed = tokens_per_sample(sft, [n + 129 for n in lengths])
+    assert 0.95 * 2048 < packed <= 2048, "best-fit packing fills the blocks"
+    dpo = rows(str(tiny), find_case("qwen0.5b", "dpo/8x1024"), steps=2, tokenizer=tok)
+    assert len(dpo) >= 16
+    for r in dpo[:8]:
+        # joined texts tokenize a little differently at the seams than their parts
+        assert 230 <= n_tokens(r["prompt"]) < 290 and 680 <= n_tokens(r["chosen"]) < 780
+        assert 680 <= n_tokens(r["rejected"]) < 780
+    grpo = rows(str(tiny), find_case("qwen0.5b", "grpo/8x8x256"), steps=2, tokenizer=tok)
+    assert len(grpo) >= 16 and all(85 <= n_tokens(r["prompt"]) < 120 for r in grpo)
+
+
+def test_decode_bound_counts_weights_and_kv_cache_read_per_step():
+    grpo = find_case("qwen0.5b", "grpo/8x8x256")
+    bound = decode_bound(grpo, "qwen0.5b", 3.0e12)
+    # 494M bf16 weights (~0.99 GB) + 64 sequences × ~224 tokens of KV cache (12 KiB a token) per step
+    per_step = 2 * 494e6 + 64 * 224 * 24 * 2 * 2 * 64 * 2
+    assert bound == pytest.approx(64 * 3.0e12 / per_step, rel=0.02)
+    assert 150_000 < bound < 200_000
+    assert decode_bound(find_case("tiny", "grpo/2x8x32"), "tiny", 3.0e12) is None
+
+
+def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
+    """On a GPU a case has a row per contender (TRL, TRL + Liger): the steady ratio, MFU against the data sheet and
+    the measured matmul, generated tokens/s against the decode bound."""
+    from bench.__main__ import table
+
+    sft, grpo = find_case("qwen0.5b", "sft/8x2048"), find_case("qwen0.5b", "grpo/8x8x256")
+
+    def run(e2e, steady, mb, length=None):
+        return {
+            "samples_per_s": e2e,
+            "steady_samples_per_s": steady,
+            "peak_mb": mb,
+            "loss": 1.0,
+            "mean_completion_length": length,
+        }
+
+    results = {
+        (sft, "qwen0.5b"): {"ours": [run(5, 6, 20000)], "trl": [run(3, 4, 27000)], "trl+liger": [run(4, 5, 21000)]},
+        (grpo, "qwen0.5b"): {"ours": [run(30, 40, 9000, 200.0)], "trl": [run(10, 10, 9000, 256.0)]},
+    }
+    peaks = {"gpu": "NVIDIA H100", "matmul_tflops": 800.0, "copy_tb_s": 3.0, "spec_tflops": 989.4, "spec_tb_s": 3.35}
+    flops = train_flops_per_token("sft", "qwen0.5b", 500)
+    phys = {
+        (sft, "qwen0.5b"): Physics(2000.0, flops, None),
+        (grpo, "qwen0.5b"): Physics(None, None, decode_bound(grpo, "qwen0.5b", 3.0e12)),
+    }
+    lines = table(results, phys, peaks, gpu=True, runs_label="1 × 20")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[3] for c in cells] == ["trl", "trl+liger", "trl"]
+    sft_trl, sft_liger, grpo_trl = cells
+    assert sft_trl[5:9] == ["tokens/s", "12,000.0", "8,000.0", "**1.50×**"] and sft_trl[9] == "1.67×"
+    assert sft_liger[8] == "**1.20×**"
+    mfu = 12_000 * flops / 1e12
+    assert sft_trl[10] == f"{mfu / 989.4:.1%} · {mfu / 800:.1%}"
+    assert sft_trl[12] == "–" and sft_trl[-3] == "0.74"
+    assert grpo_trl[5:9] == ["completions/s", "40.0", "10.0", "**4.00×**"] and grpo_trl[10] == "–"
+    bound = phys[(grpo, "qwen0.5b")].decode_bound
+    assert grpo_trl[12] == f"8,000 ({8000 / bound:.1%})" and grpo_trl[13] == f"2,560 ({2560 / bound:.1%})"
+
+
+def test_liger_is_a_gpu_contender(tiny, tmp_path, capsys):
+    import bench.__main__ as bench_main
+
+    with pytest.raises(SystemExit):
+        bench_main.main(["--contenders", "trl+liger", "--assets", str(tiny), "--out", str(tmp_path / "r.md")])
+    assert "need a GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main.main(["--contenders", "trl,vllm", "--assets", str(tiny), "--out", str(tmp_path / "r.md")])
+    assert "unknown contender(s) vllm" in capsys.readouterr().err
