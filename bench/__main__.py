@@ -43,9 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def versions() -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "accelerate", "peft", "trl"))
+    out = []
+    for p in ("torch", "transformers", "accelerate", "peft", "trl", "liger-kernel"):
+        try:
+            out.append(f"{p} {version(p)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(out)
 
 
 def cpu() -> str:
@@ -63,20 +69,13 @@ TRL_PPO_DIR = ROOT / "bench" / f".trl-{TRL_PPO}"
 
 def trl_with_ppo() -> Path:
     """TRL 1.12 installed into its own folder (no dependencies: it runs on this environment's transformers),
-    put first on PYTHONPATH for the TRL side of the PPO case only."""
+    put first on PYTHONPATH for the TRL side of the PPO case only. From the index, or on a machine that reaches none
+    (the device tool's) from the wheel `bench/device_wheels.sh` put in `.whl/ppo/`."""
     if not (TRL_PPO_DIR / "trl" / "experimental" / "ppo").exists():
+        local = sorted((ROOT / ".whl" / "ppo").glob(f"trl-{TRL_PPO}-*.whl"))
+        source = [str(local[0]), "--no-index"] if local else [f"trl=={TRL_PPO}"]
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--target",
-                str(TRL_PPO_DIR),
-                f"trl=={TRL_PPO}",
-            ],
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_PPO_DIR), *source],
             check=True,
         )
     return TRL_PPO_DIR
@@ -262,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         help="user: the batch sizes people train with (default on a GPU); latency: small steps (default on CPU)",
     )
     parser.add_argument("--trainers", help=f"default: {','.join(GPU_TRAINERS)} for the GPU user suite, else all")
+    parser.add_argument(
+        "--cases",
+        help="only these cases of the suite, by key (sft/8x2048,dpo/8x1024): a GPU session's device time, spent where "
+        "it counts",
+    )
     parser.add_argument("--contenders", help="trl, trl+liger (default: both on a GPU, trl on CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
@@ -313,8 +317,17 @@ def main(argv: list[str] | None = None) -> None:
     warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
     results: dict = {}
     phys: dict = {}
+    rows: list[str] = []
+    default_suite = "user" if gpu else "latency"
+    section = ("gpu" if gpu else "cpu") + ("" if suite == default_suite else f"-{suite}")
+    old = read_table(Path(args.out), section) if args.merge else []
+    wanted = args.cases.split(",") if args.cases else None
     for model in models:
-        for case in cases(model, suite, trainers):
+        chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
+        if wanted and (missing := set(wanted) - {c.key for c in chosen}):
+            known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
+            parser.error(f"no case {', '.join(sorted(missing))} in the {suite} suite of {model}; known: {known}")
+        for case in chosen:
             # TRL 1.12's PPOTrainer (the last with PPO) has no Liger path: plain TRL only
             impls = ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
             runs: dict[str, list] = {impl: [] for impl in impls}
@@ -335,12 +348,9 @@ def main(argv: list[str] | None = None) -> None:
                     )
             results[(case, model)] = runs
             phys[(case, model)] = physics(case, model, assets, peaks)
-    default_suite = "user" if gpu else "latency"
-    section = ("gpu" if gpu else "cpu") + ("" if suite == default_suite else f"-{suite}")
-    rows = table(results, phys, peaks, gpu, f"{args.repeats} × {args.steps}")
-    if args.merge:
-        rows = merge_rows(read_table(Path(args.out), section), rows)
-    write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
+            # written after every case: a run cut short (a device call's time limit) keeps the cases it finished
+            rows = merge_rows(old, table(results, phys, peaks, gpu, f"{args.repeats} × {args.steps}"))
+            write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
     print("\n".join(rows))
 
 

@@ -261,3 +261,25 @@ def test_liger_is_a_gpu_contender(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["--contenders", "trl,vllm", "--assets", str(tiny), "--out", str(tmp_path / "r.md")])
     assert "unknown contender(s) vllm" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch):
+    """A device call ends at its time limit: the report is written after every case, so the finished ones stay.
+    `--cases` picks cases by key."""
+    import bench.__main__ as bench_main
+
+    def fake(impl, key, model, steps, assets):
+        if key.startswith("dpo/"):
+            raise RuntimeError("cut short")
+        return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
+
+    monkeypatch.setattr(bench_main, "measure", fake)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    out = tmp_path / "report.md"
+    common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1"]
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_main.main(["--cases", "sft/8x64,reward/8x64,dpo/8x64", *common])
+    rows = [line.split("|")[1].strip() for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows == ["trainer", "sft", "reward"]
+    with pytest.raises(SystemExit):
+        bench_main.main(["--cases", "sft/8x2048", *common])  # a users' shape, not in the CPU's latency suite
