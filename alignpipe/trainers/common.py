@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from alignpipe.compiled import compile_layers
 from alignpipe.trainers.configs import TrainingArgs
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ class TrainLoop:
             model.config.use_cache = False
         if adapt_model and cfg.lora:
             model = lora_model(model, cfg.lora, task_type=lora_task)
+        if adapt_model and cfg.compile:
+            compile_layers(model)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(

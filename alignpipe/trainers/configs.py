@@ -62,6 +62,10 @@ class TrainingArgs(Strict):
     """Checkpoints kept on disk (oldest deleted first)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    compile: bool = False
+    """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
+    by compilation in the first steps (offline trainers: SFT, reward, DPO, KTO). docs/benchmarks.md has what it costs
+    and buys."""
     lora: LoraSpec | None = None
     """Train a LoRA adapter instead of the full model; the stage then saves only the adapter."""
     seed: int | None = None
@@ -191,6 +195,16 @@ class RolloutSpec(Strict):
 
 class OnlineRLArgs(TrainingArgs):
     """Knobs GRPO and PPO share."""
+
+    @model_validator(mode="after")
+    def _no_compile(self):
+        if self.compile:
+            raise ValueError(
+                "compile: true is for offline stages (sft, reward, dpo, kto): rollouts run the same layers with a "
+                "KV cache that grows every token, which would recompile them; for faster rollouts set "
+                "`rollout: {static_cache: true}` or `rollout: {backend: vllm}`"
+            )
+        return self
 
     max_prompt_length: int | None = Field(256, gt=0)
     """Keep only the last N prompt tokens."""

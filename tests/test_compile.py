@@ -1,0 +1,52 @@
+"""`compile: true`: each decoder layer compiled in place, the same training as eager (inductor on CPU here; the
+speed it buys is a GPU figure, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_split
+
+from alignpipe.compiled import compile_layers, decoder_layers
+from alignpipe.modeling import load_causal_lm
+from alignpipe.tracking import Tracker
+from alignpipe.trainers import sft
+from alignpipe.trainers.configs import GRPOConfig, SFTConfig
+
+
+def test_a_compiled_sft_run_trains_as_the_eager_one(tiny, tmp_path):
+    """Packed rows (positions restarting per row) through compiled layers: the same losses and gradient norms."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
+    series = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = load_causal_lm(str(tiny / "model"))
+        tracker = Tracker()
+        cfg = SFTConfig(
+            learning_rate=1e-3,
+            max_steps=3,
+            batch_size=4,
+            logging_every=1,
+            packing=True,
+            max_length=128,
+            compile=compiled,
+        )
+        sft.train(cfg, model, tok, train, [], tracker, tmp_path / str(compiled))
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in decoder_layers(model))
+        series[compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
+    (eager_loss, eager_norm), (loss, norm) = series[False], series[True]
+    assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
+
+
+def test_the_decoder_stack_is_found_and_compiled_in_place(tiny):
+    model = load_causal_lm(str(tiny / "model"))
+    keys = list(model.state_dict())
+    assert compile_layers(model) == model.config.num_hidden_layers
+    assert list(model.state_dict()) == keys, "checkpoints and saved models keep their names"
+    with pytest.raises(ValueError, match="no stack of decoder layers"):
+        compile_layers(torch.nn.Linear(2, 2))
+
+
+def test_online_stages_refuse_compile():
+    with pytest.raises(ValueError, match="compile: true is for offline stages"):
+        GRPOConfig(compile=True)
