@@ -85,7 +85,7 @@ def test_dpo_loss_and_metrics_equal_trl(tiny, rows, loss_type, beta):
         "logps/chosen",
         "logps/rejected",
     ):
-        assert stats[key] == pytest.approx(trl_metrics[key], abs=TOL), key
+        assert float(stats[key]) == pytest.approx(trl_metrics[key], abs=TOL), key
 
 
 def test_rpo_equals_trl_sigmoid_plus_sft_mix(tiny, rows):
@@ -149,8 +149,8 @@ def test_reward_loss_and_metrics_equal_trl(tiny, rows, margin, center):
     with torch.no_grad():
         loss, stats = reward.forward(model, ours, RewardConfig(center_rewards_coefficient=center))
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
-    assert stats["accuracy"] == pytest.approx(trl_metrics["accuracy"], abs=TOL)
-    assert stats["margin"] == pytest.approx(trl_metrics["margin"], abs=TOL)
+    assert float(stats["accuracy"]) == pytest.approx(trl_metrics["accuracy"], abs=TOL)
+    assert float(stats["margin"]) == pytest.approx(trl_metrics["margin"], abs=TOL)
 
 
 def _trajectories(tiny, task: str, steps: int = 6):

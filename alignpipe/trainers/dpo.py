@@ -175,8 +175,8 @@ class _Reference:
         self.model = None  # the reference is no longer needed in memory
 
 
-def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss and metrics of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`."""
+def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and metrics (device tensors) of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`."""
     logps, per_token, mask = completion_logps(model, batch)
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = reference_logps(batch)
@@ -185,21 +185,23 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
         chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing, *lengths.chunk(2)
     )
     loss = losses.mean()
-    stats = {}
+    stats: dict[str, torch.Tensor] = {}
     if cfg.rpo_alpha is not None:
         chosen_mask = mask.chunk(2)[0].bool()
         nll = -per_token.chunk(2)[0][chosen_mask].mean()
         loss = loss + cfg.rpo_alpha * nll
-        stats["nll_loss"] = float(nll)
-    stats |= {
-        "loss": float(loss),
-        "rewards/chosen": float(r_c.mean()),
-        "rewards/rejected": float(r_r.mean()),
-        "rewards/accuracies": float((r_c > r_r).float().mean()),
-        "rewards/margins": float((r_c - r_r).mean()),
-        "logps/chosen": float(chosen.detach().mean()),
-        "logps/rejected": float(rejected.detach().mean()),
-    }
+        stats["nll_loss"] = nll.detach()
+    # device tensors, read once per log point: a read here would stall the device every micro-batch
+    with torch.no_grad():
+        stats |= {
+            "loss": loss.detach(),
+            "rewards/chosen": r_c.mean(),
+            "rewards/rejected": r_r.mean(),
+            "rewards/accuracies": (r_c > r_r).float().mean(),
+            "rewards/margins": (r_c - r_r).mean(),
+            "logps/chosen": chosen.detach().mean(),
+            "logps/rejected": rejected.detach().mean(),
+        }
     return loss, stats
 
 
@@ -243,29 +245,30 @@ def train(
     if cfg.precompute_ref_logps:
         reference.precompute({"train": train_ex, "eval": eval_ex}, collate_fn, Path(output_dir) / "ref_logps.pt")
 
-    def step(window: list[dict]) -> dict[str, float]:
-        totals: dict[str, float] = {}
+    def step(window: list[dict]) -> dict[str, torch.Tensor]:
+        totals: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
                 loss, stats = batch_loss(loop.model, batch, reference.compute, cfg)
                 acc.backward(loss / len(window))
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / len(window)
+                totals[k] = totals[k] + v / len(window) if k in totals else v / len(window)
         return totals
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         loop.model.eval()
         shard = eval_ex[acc.process_index :: acc.num_processes]
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         for i in range(0, len(shard), cfg.batch_size):
             ex = shard[i : i + cfg.batch_size]
             batch = {k: v.to(acc.device) for k, v in collate_fn(ex).items()}
             _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * len(ex)
+                sums[k] = sums[k] + v.float() * len(ex) if k in sums else v.float() * len(ex)
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys] + [float(len(shard))], device=acc.device)
+        count = torch.tensor(float(len(shard)), device=acc.device)
+        totals = torch.stack([*(sums[k] for k in keys), count]) if keys else count[None]
         if acc.num_processes > 1:
             totals = acc.reduce(totals, "sum")
         return {k: float(totals[i] / totals[-1].clamp(min=1)) for i, k in enumerate(keys)}

@@ -125,16 +125,17 @@ def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     return base.score(hidden[rows, last]).squeeze(-1).float()
 
 
-def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss, and the micro-batch's metrics as device tensors (read once per log point, not here)."""
     rc, rr = scores(model, batch).chunk(2)
     loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
     with torch.no_grad():
         stats = {
-            "loss": float(loss),
-            "accuracy": float((rc > rr).float().mean()),
-            "margin": float((rc - rr).mean()),
-            "rewards_chosen": float(rc.mean()),
-            "rewards_rejected": float(rr.mean()),
+            "loss": loss.detach(),
+            "accuracy": (rc > rr).float().mean(),
+            "margin": (rc - rr).mean(),
+            "rewards_chosen": rc.mean(),
+            "rewards_rejected": rr.mean(),
         }
     return loss, stats
 
@@ -149,7 +150,7 @@ def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id
             batch = {k: v.to(accelerator.device) for k, v in collate(ex, pad_id).items()}
             _, st = forward(model, batch, cfg)
             n = len(ex)
-            sums += torch.tensor([st["accuracy"] * n, st["margin"] * n, st["loss"] * n], device=accelerator.device)
+            sums += torch.stack([st["accuracy"], st["margin"], st["loss"]]) * n
     count = torch.tensor(float(len(shard)), device=accelerator.device)
     if accelerator.num_processes > 1:
         sums, count = accelerator.reduce(sums, "sum"), accelerator.reduce(count, "sum")
@@ -179,14 +180,14 @@ def train(
     )
     acc = loop.accelerator
 
-    def step(window: list[dict]) -> dict[str, float]:
-        totals: dict[str, float] = {}
+    def step(window: list[dict]) -> dict[str, torch.Tensor]:
+        totals: dict[str, torch.Tensor] = {}
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
                 loss, stats = forward(loop.model, batch, cfg)
                 acc.backward(loss / len(window))
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / len(window)
+                totals[k] = totals[k] + v / len(window) if k in totals else v / len(window)
         return totals
 
     eval_fn = (lambda: evaluate(loop.model, acc, eval_ex, cfg, pad_id)) if eval_ex else None

@@ -24,8 +24,10 @@ from __future__ import annotations
 import bisect
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.logprobs import token_logprobs
 from alignpipe.losses import nll_sum
@@ -96,9 +98,10 @@ def pack(examples: list[dict], max_length: int, strategy: str = "bfd") -> list[d
     return blocks
 
 
-def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(batch: list[dict], pad_id: int) -> dict[str, Any]:
     """Right-pad to the longest row in the batch. Packed blocks also get `position_ids`, the padding after a block
-    counting as one more document of its own (so it attends to nothing real)."""
+    counting as one more document of its own (so it attends to nothing real). `num_targets` (an int, counted here on
+    the host) is how many tokens the loss is taken over: the step normalises by it without reading the device."""
     n = max(len(b["input_ids"]) for b in batch)
     input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
@@ -113,13 +116,14 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         if packed:
             positions[i, :k] = torch.tensor(b["position_ids"])
             positions[i, k:] = torch.arange(n - k)
-    out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    out: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     if packed:
         out["position_ids"] = positions
+    out["num_targets"] = int((labels[:, 1:] != IGNORE).sum())
     return out
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+def token_loss_sum(model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
     target positions only (no logits for prompt or padding tokens) and in chunks when the vocabulary is large;
     labels are the input ids with prompt and padding set to IGNORE, so scoring the next input id is the CE."""
@@ -129,7 +133,7 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         logps = token_logprobs(model, batch["input_ids"], None, only=valid, position_ids=batch["position_ids"])
     else:
         logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
-    return nll_sum(logps), int(valid.sum())
+    return nll_sum(logps), valid.sum()
 
 
 def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:
@@ -139,9 +143,9 @@ def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: 
     total = torch.zeros(2, device=accelerator.device)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
-            batch = {k: v.to(accelerator.device) for k, v in collate(shard[i : i + batch_size], pad_id).items()}
+            batch = send_to_device(collate(shard[i : i + batch_size], pad_id), accelerator.device)
             loss, n = token_loss_sum(model, batch)
-            total += torch.stack([loss.detach().float(), torch.tensor(float(n), device=accelerator.device)])
+            total += torch.stack([loss.detach().float(), n.float()])
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, "sum")
     return float(total[0] / total[1].clamp(min=1))
@@ -171,9 +175,9 @@ def train(
 
     def step(window: list[dict]) -> dict[str, float]:
         nonlocal num_tokens
-        n_local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in window)
+        n_local = sum(b["num_targets"] for b in window)  # counted on the host by `collate`
         n_global = n_local
-        if acc.num_processes > 1:
+        if acc.num_processes > 1:  # the one device read of a multi-process step: the global token count
             n_global = int(acc.reduce(torch.tensor(n_local, device=acc.device), "sum"))
         scale = acc.num_processes / max(1, n_global)  # DDP averages gradients over processes
         loss_total = torch.zeros((), device=acc.device)
