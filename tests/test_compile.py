@@ -11,7 +11,7 @@ from alignpipe.compiled import compile_layers, decoder_layers
 from alignpipe.modeling import load_causal_lm
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import sft
-from alignpipe.trainers.configs import GRPOConfig, SFTConfig
+from alignpipe.trainers.configs import GRPOConfig, RolloutSpec, SFTConfig
 
 
 def test_a_compiled_sft_run_trains_as_the_eager_one(tiny, tmp_path):
@@ -50,3 +50,9 @@ def test_the_decoder_stack_is_found_and_compiled_in_place(tiny):
 def test_online_stages_refuse_compile():
     with pytest.raises(ValueError, match="compile: true is for offline stages"):
         GRPOConfig(compile=True)
+
+
+def test_compiled_rollouts_are_an_hf_engine_option():
+    assert RolloutSpec(compile=True).compile
+    with pytest.raises(ValueError, match="options of the hf engine"):
+        RolloutSpec(backend="vllm", compile=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from alignpipe.engine.hf import HFEngine
 from alignpipe.engine.sampling import SamplingParams
@@ -251,3 +252,30 @@ def test_static_cache_decoding_gives_the_same_tokens(trained, n, temperature):
         assert [g.completion_ids for g in static] == [g.completion_ids for g in dynamic], limit
         reasons += [g.finish_reason for g in dynamic]
     assert "stop" in reasons and "length" in reasons, reasons
+
+
+def test_compiled_decode_steps_give_the_same_tokens(trained):
+    """`rollout: {compile: true}`: the decode step compiled (on a GPU a CUDA graph; here inductor's CPU code), prompts
+    left-padded to a multiple of 64. The same tokens as the eager loop, greedy and sampled, one sample or three; a
+    second rollout of another width reuses the compiled step, and training the weights in place reaches it."""
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
+    engine = HFEngine(model, tok, 8, compile=True)
+    for n, temperature in ((1, 0), (3, 1.0)):
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=12)
+        eager = HFEngine(model, tok, 8).generate(prompts, n, sampling, seed=3)
+        compiled = engine.generate(prompts, n, sampling, seed=3)
+        assert [g.completion_ids for g in compiled] == [g.completion_ids for g in eager], (n, temperature)
+    assert engine.step is not None and len(engine.step.caches) == 2, "one static cache per rows × length, reused"
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    with torch.no_grad():
+        for p in model.parameters():  # an optimizer step, in place
+            p.mul_(1.01)
+    try:
+        assert [g.completion_ids for g in engine.generate(prompts[:3], 1, greedy)] == [
+            g.completion_ids for g in HFEngine(model, tok, 8).generate(prompts[:3], 1, greedy)
+        ]
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(1.01)

@@ -8,7 +8,7 @@ def make_engine(spec, model, tokenizer):
     if spec.backend == "hf":
         from alignpipe.engine.hf import HFEngine
 
-        return HFEngine(model, tokenizer, spec.batch_size, static_cache=spec.static_cache)
+        return HFEngine(model, tokenizer, spec.batch_size, static_cache=spec.static_cache, compile=spec.compile)
     if spec.mode == "server":
         from alignpipe.engine.vllm import VLLMServerEngine
 

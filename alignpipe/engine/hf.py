@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from alignpipe.engine.base import FinishReason, Generation
@@ -17,11 +19,12 @@ class HFEngine:
     criteria, kwargs bookkeeping) costs more than the forward itself. Greedy output equals
     `model.generate`'s token for token (tested)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, static_cache: bool = False):
+    def __init__(self, model, tokenizer, batch_size: int = 32, static_cache: bool = False, compile: bool = False):
         self.model = model
         self.tok = tokenizer
         self.batch_size = batch_size
-        self.static_cache = static_cache
+        self.static_cache = static_cache or compile
+        self.step = CompiledDecodeStep() if compile else None
 
     @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
     @under_attention_kernels
@@ -45,7 +48,7 @@ class HFEngine:
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start : start + self.batch_size]
                 enc = self._encode(chunk)
-                new = (decode_static if self.static_cache else decode)(
+                args = (
                     self.model,
                     enc["input_ids"].to(device),
                     enc["attention_mask"].to(device),
@@ -53,8 +56,11 @@ class HFEngine:
                     eos,
                     self.tok.pad_token_id,
                     generator,
-                    n=n,
-                ).tolist()
+                )
+                if self.static_cache:
+                    new = decode_static(*args, n=n, step=self.step).tolist()
+                else:
+                    new = decode(*args, n=n).tolist()
                 for k, row in enumerate(new):
                     out.append(self._finish(start + k // n, row, eos))
         finally:
@@ -164,20 +170,29 @@ def decode_static(
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
+    step: CompiledDecodeStep | None = None,
 ) -> torch.Tensor:
     """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
     written) and the cache position as a tensor. Nothing is re-allocated per token, and the device is read only
     every `STATIC_CHECK_EVERY` steps to stop early, so a GPU is not held up by the host between steps. Same tokens
     as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
-    repeated after prefill)."""
+    repeated after prefill). With `step` (a `CompiledDecodeStep`) each decode step runs compiled, prompts left-padded
+    to a multiple of `WIDTH_BUCKET` so that a few shapes serve every rollout."""
     from transformers import StaticCache
 
     if n > 1:
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+    if step is not None and ids.size(1) % WIDTH_BUCKET:
+        extra = WIDTH_BUCKET - ids.size(1) % WIDTH_BUCKET  # left padding: masked, positions unchanged
+        ids = torch.cat([ids.new_full((ids.size(0), extra), pad), ids], dim=1)
+        mask = torch.cat([mask.new_zeros((mask.size(0), extra)), mask], dim=1)
     rows, width = ids.shape
     steps = sampling.max_new_tokens
-    cache = StaticCache(config=model.config, max_cache_len=width + steps)
+    if step is not None:
+        cache = step.cache(model, rows, width + steps)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=width + steps)
     full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(
@@ -205,17 +220,55 @@ def decode_static(
             # as many columns as `decode` returns: up to the step the last row ended at (rows still going: this one)
             return new[:, : int(ended.max()) + 1]
         full_mask[:, width + t] = 1
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=full_mask,
-            position_ids=pos,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
-        ).logits[:, -1]
+        logits = (step or _decode_step)(model, token[:, None], full_mask, pos, cache, cache_position)
         pos = pos + 1
         cache_position = cache_position + 1
     return new
+
+
+def _decode_step(model, token, full_mask, pos, cache, cache_position) -> torch.Tensor:
+    """One token per row through the model with a static cache: the next-token logits, (rows, V)."""
+    return model(
+        input_ids=token,
+        attention_mask=full_mask,
+        position_ids=pos,
+        past_key_values=cache,
+        cache_position=cache_position,
+        use_cache=True,
+    ).logits[:, -1]
+
+
+# Prompt widths of a compiled decode are rounded up to a multiple of this, so a few shapes serve every rollout.
+WIDTH_BUCKET = 64
+
+
+class CompiledDecodeStep:
+    """`rollout: {compile: true}`: the decode step compiled with `torch.compile(mode="reduce-overhead")`, which on a
+    GPU captures it as a CUDA graph and replays it for every token (one launch instead of a few hundred kernel
+    launches per token); on CPU it is inductor's compiled code. The model is an input of the graph, not a constant:
+    optimizer steps update its weights in place and the next rollout replays the same graph on them. The static
+    caches are kept per (model, rows, length) and reset between rollouts, since a new cache object would be a new
+    graph."""
+
+    def __init__(self):
+        self.fn = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
+        self.caches: dict[tuple[int, int, int], Any] = {}
+
+    def cache(self, model, rows: int, length: int):
+        from transformers import StaticCache
+
+        key = (id(model), rows, length)
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    def __call__(self, model, token, full_mask, pos, cache, cache_position) -> torch.Tensor:
+        # a new replay: the last step's logits (read by `next_token` already) may be overwritten
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.fn(model, token, full_mask, pos, cache, cache_position)
 
 
 def _takes_padding_mask(model) -> bool:

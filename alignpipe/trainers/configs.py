@@ -185,11 +185,20 @@ class RolloutSpec(Strict):
     """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache), reading
     the device every 8 steps instead of every step; the same tokens as the default loop (tested). It prefills each of
     a prompt's `num_generations` samples separately. Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
+    compile: bool = False
+    """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")`: on a GPU a CUDA graph
+    replayed for every token. Implies `static_cache`. The first rollout pays the compilation; prompts are left-padded
+    to a multiple of 64 tokens so that a few graphs serve every rollout. Same tokens as the eager loop (tested on CPU);
+    its GPU speed is not measured yet."""
 
     @model_validator(mode="after")
     def _check(self):
         if self.backend == "vllm" and self.mode == "server" and not self.server_url:
             raise ValueError("rollout mode 'server' needs `server_url` (e.g. http://127.0.0.1:8000)")
+        if self.backend == "vllm" and (self.compile or self.static_cache):
+            raise ValueError(
+                "rollout `compile` and `static_cache` are options of the hf engine; vLLM captures its own CUDA graphs"
+            )
         return self
 
 
