@@ -69,8 +69,18 @@ def token_logprobs(
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
+    if base is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        hidden, head = _hidden_through_ddp(model, input_ids, attention_mask, position_ids)
+        weight, bias = head.weight, getattr(head, "bias", None)
+        return _select(
+            hidden[:, start:-1],
+            labels,
+            only,
+            lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+            with_entropy,
+        )
     if base is None:
-        # DDP and FSDP only synchronise (and gather) through their own forward, so the LM head runs there (full logits);
+        # FSDP gathers the LM head's weight only inside its own root forward, so the head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -94,6 +104,29 @@ def token_logprobs(
         lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
         with_entropy,
     )
+
+
+def _hidden_through_ddp(model, input_ids, attention_mask, position_ids):
+    """The final hidden states (B, T, d) of a DDP-wrapped causal LM, and its LM head. The wrapper's own forward runs
+    (DDP readies its gradient all-reduce there) with the head cut to one position (`logits_to_keep=1`); the decoder's
+    output is taken by a hook, and the caller runs the head chunk by chunk on it: no (B, T, V) logits. The head's
+    weight is an ordinary parameter of the wrapped module, so its gradient is all-reduced like any other."""
+    inner = model.module
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    body, head = _decoder_and_head(inner)
+    captured: dict[str, torch.Tensor] = {}
+    handle = body.register_forward_hook(lambda _m, _a, out: captured.__setitem__("hidden", out[0]))
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    finally:
+        handle.remove()
+    return captured["hidden"], head
 
 
 def unwrapped(model):

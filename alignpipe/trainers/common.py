@@ -433,54 +433,56 @@ class TrainLoop:
         meter = self.meter = Throughput()
         window_metrics: list[dict[str, float | torch.Tensor]] = []
         bar = progress(self.steps, self.name, acc.is_main_process, initial=self.step)
-        self.model.train()
-        window: list = []
-        while self.step < self.steps:
-            if self.step % self.repeat == 0 or not window:
-                window = [next(batches) for _ in range(self.batches_per_step)]
-            metrics = dict(step_fn(window))
-            self._check_finite(metrics)
-            if self.updates_per_step is None:
-                metrics["grad_norm"] = self._optimizer_step()
-            self.step += 1
-            for b in window:
-                if isinstance(b, dict) and "attention_mask" in b:
-                    meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
-            window_metrics.append(metrics)
-            bar.update(1)
-            if self.step % cfg.logging_every == 0 or self.step == self.steps:
-                # step functions may report device tensors: they are read here, once per log point
-                # a metric a step did not report (e.g. KTO's rewards/chosen in a step without desirable rows) is
-                # averaged over the steps that did
-                keys = dict.fromkeys(k for m in window_metrics for k in m)
-                mean = {}
-                for k in keys:
-                    values = [m[k] for m in window_metrics if k in m]
-                    mean[k] = float(values[-1] if k in RUNNING_TOTALS else sum(values) / len(values))
-                mean |= meter.read()
-                mean = across_processes(acc, mean)
-                mean |= {
-                    "lr": self.scheduler.get_last_lr()[0],
-                    "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch,
-                }
-                self.log({f"{self.prefix}{k}": v for k, v in mean.items()})
-                shown = {k: mean[k] for k in SHOWN if k in mean}
-                bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in shown.items() if k != "lr"})
-                if acc.is_main_process:  # one line per log point in the stage log (Prefect UI, CI logs)
-                    log.info(
-                        "%s step %d/%d %s",
-                        self.name,
-                        self.step,
-                        self.steps,
-                        " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
-                    )
-                window_metrics = []
-            if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
-                self.log({f"eval/{k}": v for k, v in eval_fn().items()})
-                self.model.train()
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
-                self.checkpoints.save(acc, self.step, self.checkpoint_state() if self.checkpoint_state else None)
-        bar.close()
+        try:
+            self.model.train()
+            window: list = []
+            while self.step < self.steps:
+                if self.step % self.repeat == 0 or not window:
+                    window = [next(batches) for _ in range(self.batches_per_step)]
+                metrics = dict(step_fn(window))
+                self._check_finite(metrics)
+                if self.updates_per_step is None:
+                    metrics["grad_norm"] = self._optimizer_step()
+                self.step += 1
+                for b in window:
+                    if isinstance(b, dict) and "attention_mask" in b:
+                        meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
+                window_metrics.append(metrics)
+                bar.update(1)
+                if self.step % cfg.logging_every == 0 or self.step == self.steps:
+                    # step functions may report device tensors: they are read here, once per log point
+                    # a metric a step did not report (e.g. KTO's rewards/chosen in a step without desirable rows) is
+                    # averaged over the steps that did
+                    keys = dict.fromkeys(k for m in window_metrics for k in m)
+                    mean = {}
+                    for k in keys:
+                        values = [m[k] for m in window_metrics if k in m]
+                        mean[k] = float(values[-1] if k in RUNNING_TOTALS else sum(values) / len(values))
+                    mean |= meter.read()
+                    mean = across_processes(acc, mean)
+                    mean |= {
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "epoch": self.step * cfg.gradient_accumulation_steps / self.micro_per_epoch,
+                    }
+                    self.log({f"{self.prefix}{k}": v for k, v in mean.items()})
+                    shown = {k: mean[k] for k in SHOWN if k in mean}
+                    bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in shown.items() if k != "lr"})
+                    if acc.is_main_process:  # one line per log point in the stage log (Prefect UI, CI logs)
+                        log.info(
+                            "%s step %d/%d %s",
+                            self.name,
+                            self.step,
+                            self.steps,
+                            " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
+                        )
+                    window_metrics = []
+                if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
+                    self.log({f"eval/{k}": v for k, v in eval_fn().items()})
+                    self.model.train()
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
+                    self.checkpoints.save(acc, self.step, self.checkpoint_state() if self.checkpoint_state else None)
+        finally:  # a failed step or save ends the bar too, not leaving it half-drawn
+            bar.close()
         final: dict[str, float] = {}
         for key in (self.prefix + k for k in self.summary_keys):
             if self.tracker.last(key) is not None:
