@@ -80,26 +80,11 @@ def _user(gpu: bool) -> dict[str, list[Shape]]:
     log = 1 if gpu else 0
     pair = Shape("8×1024", batch=8, max_len=1024, prompt_tokens=256, completion_tokens=720, log_every=log)
     rl = dict(batch=16, accumulation=4, max_len=384, completion=256, prompt_tokens=96, log_every=log)
+    packed = dict(packed=True, prompt_tokens=128, completion_tokens=384, log_every=log)
     return {
         "sft": [
-            Shape(
-                "8×2048 packed",
-                batch=8,
-                max_len=2048,
-                packed=True,
-                prompt_tokens=128,
-                completion_tokens=384,
-                log_every=log,
-            ),
-            Shape(
-                "4×4096 packed",
-                batch=4,
-                max_len=4096,
-                packed=True,
-                prompt_tokens=128,
-                completion_tokens=384,
-                log_every=log,
-            ),
+            Shape("8×2048 packed", batch=8, max_len=2048, **packed),
+            Shape("4×4096 packed", batch=4, max_len=4096, **packed),
         ],
         "reward": [pair],
         "dpo": [pair],

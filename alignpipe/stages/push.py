@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 
 from alignpipe.hub import CardInfo, model_card, push_to_hub, stage_folder, without_front_matter
@@ -73,8 +74,9 @@ def register(ctx: StageContext[PushStage], spec, published: str, full_model: Pat
 
     from alignpipe.registry import save_pyfunc
 
-    pyfunc = save_pyfunc(full_model, Path(ctx.dir) / "mlflow_model")
-    ctx.tracker.log_artifact(pyfunc, "model")
+    # written beside the stage's outputs only until logged: the artifact store keeps the one copy of the weights
+    with tempfile.TemporaryDirectory(dir=ctx.dir, prefix=".mlflow-model-") as tmp:
+        ctx.tracker.log_artifact(save_pyfunc(full_model, Path(tmp) / "model"), "model")
     run_id = ctx.tracker.run_id  # type: ignore[attr-defined]  # an MlflowTracker: it has a client
     try:
         client.get_registered_model(spec.name)
