@@ -379,9 +379,10 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
         "RLOO prompts × completions × new tokens, PPO episodes × new tokens, online DPO prompts × 2 × new tokens "
         "(prompts ~96 tokens; micro-batches of 16 with 4 accumulated per step on both sides). "
         if suite == "user"
-        else "Shapes: rows × max length (GPU: each row 24 synthetic rows run together, ~260 tokens); GRPO and RLOO "
-        "2 prompts × 8 completions × new tokens; PPO episodes × new tokens (4 PPO epochs); online DPO prompts × 2 × "
-        "new tokens. "
+        else "Shapes: rows × max length"
+        + (" (each row 24 synthetic rows run together, ~260 tokens)" if gpu else "")
+        + "; GRPO and RLOO 2 prompts × 8 completions × new tokens; PPO episodes × new tokens (4 PPO epochs); online "
+        "DPO prompts × 2 × new tokens. "
     )
     method = (
         "Median of the runs per side in the `runs × steps` column, who runs first rotating, each in a fresh process"
