@@ -39,39 +39,56 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     assert model.get_output_embeddings().weight.grad is not None
 
 
-def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny, monkeypatch):
-    """A DDP-wrapped model (one gloo process here): the wrapper's forward runs with the LM head cut to one position,
-    the head then runs chunk by chunk on the decoder's output. Values and the head's gradient equal the plain
-    model's; the head never sees the whole sequence. (That two ranks train as one process is test_multiprocess.)"""
-    import torch.distributed as dist
+DDP_CHECK = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from alignpipe import logprobs
+from alignpipe.logprobs import token_logprobs
+from alignpipe.modeling import load_causal_lm
 
-    from alignpipe import logprobs
-    from alignpipe.modeling import load_causal_lm
+logprobs.WHOLE_LOGITS_MAX = 0
+model = load_causal_lm(sys.argv[1])
+ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(2))
+mask = torch.ones_like(ids)
+mask[1, :3] = 0
+plain = token_logprobs(model, ids, mask, chunk_tokens=6)
+plain.sum().backward()
+head = model.get_output_embeddings()
+expected = head.weight.grad.clone()
+head.weight.grad = None
+widths = []
+head.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
+dist.init_process_group("gloo", rank=0, world_size=1)
+wrapped = token_logprobs(torch.nn.parallel.DistributedDataParallel(model), ids, mask, chunk_tokens=6)
+wrapped.sum().backward()
+print(json.dumps({
+    "values": (wrapped - plain).abs().max().item(),
+    "grad": (head.weight.grad - expected).abs().max().item(),
+    "widths": widths,
+}), flush=True)
+os._exit(0)  # no teardown: freeing DDP's reducer and the gloo group can wait forever on gloo's threads
+"""
 
-    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29561")
-    model = load_causal_lm(str(tiny / "model"))
-    ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    plain = token_logprobs(model, ids, mask, chunk_tokens=6)
-    plain.sum().backward()
-    head = model.get_output_embeddings()
-    expected = head.weight.grad.clone()
-    head.weight.grad = None
-    widths = []
-    head.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        wrapped = token_logprobs(ddp, ids, mask, chunk_tokens=6)
-        wrapped.sum().backward()
-    finally:
-        dist.destroy_process_group()
-    assert torch.allclose(wrapped, plain, atol=TOL)
-    assert torch.allclose(head.weight.grad, expected, atol=1e-5)
-    assert widths and max(widths) < ids.size(1) - 1, widths
+
+def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny, tmp_path):
+    """A DDP-wrapped model (one gloo process, in a child process): the wrapper's forward runs with the LM head cut
+    to one position, the head then runs chunk by chunk on the decoder's output. Values and the head's gradient equal
+    the plain model's; the head never sees the whole sequence. (That two ranks train as one process is
+    test_multiprocess.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561"}
+    out = subprocess.run(
+        [sys.executable, "-c", DDP_CHECK, str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["values"] < TOL and got["grad"] < 1e-5, got
+    assert got["widths"] and max(got["widths"]) < 11, got["widths"]
 
 
 @pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
