@@ -69,17 +69,9 @@ def token_logprobs(
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
-    if base is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         hidden, head = _hidden_through_ddp(model, input_ids, attention_mask, position_ids)
-        weight, bias = head.weight, getattr(head, "bias", None)
-        return _select(
-            hidden[:, start:-1],
-            labels,
-            only,
-            lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
-            with_entropy,
-        )
-    if base is None:
+    elif base is None:
         # FSDP gathers the LM head's weight only inside its own root forward, so the head runs there (full logits);
         # the float32 log-softmax is still taken chunk by chunk.
         logits = model(
@@ -92,10 +84,12 @@ def token_logprobs(
             lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
             with_entropy,
         )
-    body, head = _decoder_and_head(base)
-    hidden = body(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state[:, start:-1]
+    else:
+        body, head = _decoder_and_head(base)
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    hidden = hidden[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(
         hidden,

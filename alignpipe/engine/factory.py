@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 
+def hf_engine(spec, model, tokenizer):
+    """The hf engine on `model` itself (a trainer's policy), with `spec`'s hf options."""
+    from alignpipe.engine.hf import HFEngine
+
+    return HFEngine(model, tokenizer, spec.batch_size, static_cache=spec.static_cache, compile=spec.compile)
+
+
 def make_engine(spec, model, tokenizer):
     """An engine for `spec` (a `RolloutSpec`) generating from `model`'s weights."""
     if spec.backend == "hf":
-        from alignpipe.engine.hf import HFEngine
-
-        return HFEngine(model, tokenizer, spec.batch_size, static_cache=spec.static_cache, compile=spec.compile)
+        return hf_engine(spec, model, tokenizer)
     if spec.mode == "server":
         from alignpipe.engine.vllm import VLLMServerEngine
 

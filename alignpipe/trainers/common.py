@@ -249,6 +249,12 @@ class Throughput:
         return out
 
 
+def accumulate(totals: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight: float) -> None:
+    """Add `weight` × each of `stats` (device tensors) into `totals`, on the device: a step's micro-batch means."""
+    for k, v in stats.items():
+        totals[k] = totals[k] + v * weight if k in totals else v * weight
+
+
 # Metrics a step function reports as running totals: logged as the window's last value, not its mean.
 RUNNING_TOTALS = frozenset({"num_tokens", "episode"})
 # Metrics shown in the stage log's line at each log point, when a trainer reports them.

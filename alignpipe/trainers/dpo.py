@@ -36,7 +36,7 @@ import torch
 from alignpipe.logprobs import shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
 log = logging.getLogger(__name__)
@@ -251,8 +251,7 @@ def train(
             with loop.no_sync_unless(i == len(window) - 1):
                 loss, stats = batch_loss(loop.model, batch, reference.compute, cfg)
                 acc.backward(loss / len(window))
-            for k, v in stats.items():
-                totals[k] = totals[k] + v / len(window) if k in totals else v / len(window)
+            accumulate(totals, stats, 1 / len(window))
         return totals
 
     @torch.no_grad()
@@ -264,8 +263,7 @@ def train(
             ex = shard[i : i + cfg.batch_size]
             batch = {k: v.to(acc.device) for k, v in collate_fn(ex).items()}
             _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
-            for k, v in stats.items():
-                sums[k] = sums[k] + v.float() * len(ex) if k in sums else v.float() * len(ex)
+            accumulate(sums, {k: v.float() for k, v in stats.items()}, len(ex))
         keys = sorted(sums)
         count = torch.tensor(float(len(shard)), device=acc.device)
         totals = torch.stack([*(sums[k] for k in keys), count]) if keys else count[None]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from alignpipe.engine.factory import make_engine
+from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import shared_prompt_logprobs
@@ -428,7 +428,7 @@ def train_on_samples(
         repeat=cfg.num_iterations,
     )
     if engine is None:  # the hf engine on the policy itself
-        engine = make_engine(cfg.rollout.model_copy(update={"backend": "hf"}), loop.unwrapped, tokenizer)
+        engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
     if cfg.beta and not cfg.lora and ref_model is None:
         raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
     ref = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from alignpipe.engine.factory import make_engine
+from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.pairwise import judge_pairs
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.losses import dpo_loss
@@ -155,7 +155,7 @@ def train(
     loop = TrainLoop("online_dpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed)
     acc, pad_id = loop.accelerator, tokenizer.pad_token_id
     if engine is None:  # the hf engine on the policy itself
-        engine = make_engine(cfg.rollout.model_copy(update={"backend": "hf"}), loop.unwrapped, tokenizer)
+        engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
     ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from alignpipe.engine.factory import make_engine
+from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
@@ -462,9 +462,7 @@ def train(
     }
     ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
     if engine is None:  # the hf engine on the policy itself
-        engine = make_engine(
-            cfg.rollout.model_copy(update={"backend": "hf"}), acc.unwrap_model(loop.model).policy, tokenizer
-        )
+        engine = hf_engine(cfg.rollout, acc.unwrap_model(loop.model).policy, tokenizer)
     run = PPORun(
         cfg, acc, loop.model, loop.optimizer, loop.scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed
     )

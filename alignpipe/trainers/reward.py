@@ -23,7 +23,7 @@ import torch
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
 
@@ -186,8 +186,7 @@ def train(
             with loop.no_sync_unless(i == len(window) - 1):
                 loss, stats = forward(loop.model, batch, cfg)
                 acc.backward(loss / len(window))
-            for k, v in stats.items():
-                totals[k] = totals[k] + v / len(window) if k in totals else v / len(window)
+            accumulate(totals, stats, 1 / len(window))
         return totals
 
     eval_fn = (lambda: evaluate(loop.model, acc, eval_ex, cfg, pad_id)) if eval_ex else None
