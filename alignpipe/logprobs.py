@@ -69,11 +69,13 @@ def token_logprobs(
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        hidden, head = _hidden_through_ddp(model, input_ids, attention_mask, position_ids)
-    elif base is None:
-        # FSDP gathers the LM head's weight only inside its own root forward, so the head runs there (full logits);
-        # the float32 log-softmax is still taken chunk by chunk.
+    hidden = None
+    if base is None and not getattr(model, RESHARDS_HEAD, False):  # DDP or FSDP: the wrapper's own forward runs
+        hidden, head = _hidden_through_wrapper(model, input_ids, attention_mask, position_ids)
+    if base is None and hidden is None:
+        # An FSDP layout that re-shards the LM head right after the forward (a user's accelerate config): the head's
+        # weight exists whole only inside the forward, so the head runs there (full logits); the float32
+        # log-softmax is still taken chunk by chunk.
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits[:, start:-1]
@@ -84,7 +86,7 @@ def token_logprobs(
             lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
             with_entropy,
         )
-    else:
+    if base is not None:
         body, head = _decoder_and_head(base)
         hidden = body(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -100,12 +102,25 @@ def token_logprobs(
     )
 
 
-def _hidden_through_ddp(model, input_ids, attention_mask, position_ids):
-    """The final hidden states (B, T, d) of a DDP-wrapped causal LM, and its LM head. The wrapper's own forward runs
-    (DDP readies its gradient all-reduce there) with the head cut to one position (`logits_to_keep=1`); the decoder's
-    output is taken by a hook, and the caller runs the head chunk by chunk on it: no (B, T, V) logits. The head's
-    weight is an ordinary parameter of the wrapped module, so its gradient is all-reduced like any other."""
-    inner = model.module
+# Set on an FSDP model whose LM head is a shard again after the forward (see `_hidden_through_wrapper`).
+RESHARDS_HEAD = "_alignpipe_reshards_head"
+
+
+def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids):
+    """The final hidden states (B, T, d) of a DDP- or FSDP-wrapped causal LM, and its LM head. The wrapper's own
+    forward runs (DDP readies its gradient all-reduce there, FSDP gathers and frees the shards) with the head cut to
+    one position (`logits_to_keep=1`); the decoder's output is taken by a hook, and the caller runs the head chunk
+    by chunk on it: no (B, T, V) logits.
+
+    DDP: the head's weight is an ordinary parameter of the wrapped module, so its gradient is all-reduced like any
+    other. FSDP2: the head (with the final norm, accelerate's tail group, or in the root group) is not re-sharded
+    after the forward, since backward needs it at once; its weight is then the gathered parameter, whose gradient
+    FSDP reduce-scatters after backward as if the head had run inside the forward. Where a layout does re-shard it
+    (the weight is a shard again), the hidden states are None, the model is marked `RESHARDS_HEAD`, and the
+    caller runs the head inside the forward from then on."""
+    from torch.distributed.tensor import DTensor
+
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     body, head = _decoder_and_head(inner)
     captured: dict[str, torch.Tensor] = {}
@@ -120,6 +135,9 @@ def _hidden_through_ddp(model, input_ids, attention_mask, position_ids):
         )
     finally:
         handle.remove()
+    if isinstance(head.weight, DTensor):
+        setattr(model, RESHARDS_HEAD, True)  # seen once: later calls run the head inside the forward directly
+        return None, head
     return captured["hidden"], head
 
 

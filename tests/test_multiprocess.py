@@ -113,3 +113,25 @@ def test_fsdp_stage_killed_mid_run_resumes_from_its_sharded_checkpoint(tiny, tmp
     client = MlflowClient(recipe.tracking_uri)
     steps = [m.step for m in client.get_metric_history(manifest.mlflow_run_id, "train/loss")]
     assert min(steps) == 5 and max(steps) == 40, steps  # one MLflow run across the kill
+
+
+def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathered(tiny):
+    """Two FSDP2 ranks: with accelerate's layout (the final norm and head a group kept gathered after the forward)
+    the head runs chunk by chunk on the decoder's output, never on the whole sequence; where the root re-shards the
+    head after the forward, the head runs inside the forward. Values and every gradient equal the plain model's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fsdp_head_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*cmd, str(script), str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["layout"]: r for r in map(json.loads, (x for x in out.stdout.splitlines() if x.startswith("{")))}
+    for row in rows.values():
+        assert row["values"] < 1e-5 and row["grad"] < 1e-5, row
+    assert max(rows["accelerate"]["widths"]) < 11 and not rows["accelerate"]["reshards_head"], rows
+    assert max(rows["root-reshards"]["widths"]) == 12 and rows["root-reshards"]["reshards_head"], rows
