@@ -69,10 +69,15 @@ def token_logprobs(
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
     base = unwrapped(model)
-    hidden = None
-    if base is None and not getattr(model, RESHARDS_HEAD, False):  # DDP or FSDP: the wrapper's own forward runs
+    hidden: torch.Tensor | None = None
+    if base is not None:
+        body, head = _decoder_and_head(base)
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    elif not getattr(model, RESHARDS_HEAD, False):  # DDP or FSDP: the wrapper's own forward runs
         hidden, head = _hidden_through_wrapper(model, input_ids, attention_mask, position_ids)
-    if base is None and hidden is None:
+    if hidden is None:
         # An FSDP layout that re-shards the LM head right after the forward (a user's accelerate config): the head's
         # weight exists whole only inside the forward, so the head runs there (full logits); the float32
         # log-softmax is still taken chunk by chunk.
@@ -86,11 +91,6 @@ def token_logprobs(
             lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
             with_entropy,
         )
-    if base is not None:
-        body, head = _decoder_and_head(base)
-        hidden = body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
     hidden = hidden[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(
