@@ -181,16 +181,17 @@ def worth_sharing(model, saved_tokens: int) -> bool:
     return saved_tokens * sum(p.numel() for p in params) >= floor
 
 
-def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int) -> bool:
+def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int, nonempty: bool | None = None) -> bool:
     """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): the saving pays
-    (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token. The
-    checks run cheapest first: the last one reads the mask back from the device."""
+    (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token:
+    `nonempty` where the caller counted that on the host (a collate function), else read from the mask (on a GPU,
+    a wait for the device). The checks run cheapest first."""
     return (
         base is not None
         and prefix_mask.size(1) > 0
         and worth_sharing(base, saved_tokens)
         and not is_activation_checkpointing(base)
-        and bool(prefix_mask.bool().any(1).all())
+        and (nonempty if nonempty is not None else bool(prefix_mask.bool().any(1).all()))
     )
 
 
@@ -204,6 +205,7 @@ def shared_prompt_logprobs(
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
     only: torch.Tensor | None = None,
+    prompts_nonempty: bool | None = None,
 ):
     """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
     prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
@@ -215,11 +217,12 @@ def shared_prompt_logprobs(
     and gradients. Completion padding goes at the end of a row (causality keeps it out of real tokens); `only`
     (R, C) limits the LM head to the real completion tokens (zeros elsewhere). Falls back to whole rows where a
     cache cannot carry gradients (DDP's forward, activation checkpointing), a prompt is empty, or the model is too
-    small for the saving to outweigh one more decoder call (`worth_sharing`)."""
+    small for the saving to outweigh one more decoder call (`worth_sharing`). `prompts_nonempty`: whether every
+    prompt holds a token, where the caller knows it on the host (`can_share_prefix`)."""
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
     base = unwrapped(model)
-    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P):
+    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P, prompts_nonempty):
         ids = torch.cat([prompt_ids[index], completion_ids], 1)
         mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
         if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token

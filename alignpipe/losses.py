@@ -81,24 +81,24 @@ def kto_loss(
     loss_type: str = "kto",
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KTO (Ethayarajh et al. 2024, eqn 7) on unpaired completions: with r = log π(y) − log π_ref(y) and the reference
     point z = `kl` (a detached batch estimate of KL(π ‖ π_ref), ≥ 0), a desirable completion (label true) costs
     w_d · (1 − σ(β(r − z))) and an undesirable one w_u · (1 − σ(β(z − r))). `apo_zero_unpaired` (APO, D'Oosterlinck
-    et al. 2024) drops z: 1 − σ(βr) and σ(βr). Returns (the mean over the batch's completions, β·r of the desirable
-    ones, β·r of the undesirable ones). As TRL 1.16's KTOTrainer."""
+    et al. 2024) drops z: 1 − σ(βr) and σ(βr). Returns the mean over the batch's completions and β·r per completion
+    (detached; TRL reports the desirable and undesirable ones apart). As TRL 1.16's KTOTrainer, computed per row
+    with `where` rather than TRL's boolean indexing, which reads the labels back from the device."""
     logratios = logps - ref_logps
-    chosen, rejected = logratios[labels], logratios[~labels]
     if loss_type == "kto":
-        chosen_losses = 1 - torch.sigmoid(beta * (chosen - kl))
-        rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected))
+        chosen_losses = 1 - torch.sigmoid(beta * (logratios - kl))
+        rejected_losses = 1 - torch.sigmoid(beta * (kl - logratios))
     elif loss_type == "apo_zero_unpaired":
-        chosen_losses = 1 - torch.sigmoid(beta * chosen)
-        rejected_losses = torch.sigmoid(beta * rejected)
+        chosen_losses = 1 - torch.sigmoid(beta * logratios)
+        rejected_losses = torch.sigmoid(beta * logratios)
     else:
         raise ValueError(f"unknown KTO loss_type {loss_type!r}")
-    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses))
-    return losses.nanmean(), beta * chosen.detach(), beta * rejected.detach()
+    losses = torch.where(labels, desirable_weight * chosen_losses, undesirable_weight * rejected_losses)
+    return losses.nanmean(), beta * logratios.detach()
 
 
 # --- GRPO -----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """An offline training step reads nothing back from the device: each read would stall a GPU until its queue drains
-(`float(loss)` per micro-batch is the classic). The step runs with tensor-to-host conversions made to fail; metrics
+(`float(loss)` per micro-batch is the classic, a boolean index of a device tensor another). The step runs with tensor-to-host conversions made to fail; metrics
 stay device tensors until the loop reads them at a log point. (Reads inside transformers, e.g. its check of an SDPA
 padding mask, are outside this test: they are the same for every trainer built on it.)"""
 
@@ -13,8 +13,8 @@ from support import tiny_split
 
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer
 from alignpipe.tracking import Tracker
-from alignpipe.trainers import common, dpo, reward, sft
-from alignpipe.trainers.configs import DPOConfig, RewardConfig, SFTConfig
+from alignpipe.trainers import common, dpo, kto, reward, sft
+from alignpipe.trainers.configs import DPOConfig, KTOConfig, RewardConfig, SFTConfig
 
 READS = ("__float__", "__int__", "item", "tolist")
 
@@ -60,7 +60,19 @@ def test_an_sft_step_reads_nothing_back(tiny, tmp_path, steps_read_nothing, pack
     assert tracker.last("train/loss") > 0 and tracker.last("train/num_tokens") > 0
 
 
-def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, steps_read_nothing):
+@pytest.mark.parametrize("share", [False, True], ids=["whole-rows", "shared-prompts"])
+def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, share):
+    """Sharing each pair's prompt (what pays at long prompts on a GPU) is decided from host flags `collate` sets."""
+    from alignpipe import logprobs
+
+    calls: list[str] = []
+    if share:
+        monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
+        for module in (logprobs, reward):
+            shared = module.shared_prefix_hidden
+            monkeypatch.setattr(
+                module, "shared_prefix_hidden", lambda *a, _f=shared, _m=module: calls.append(_m.__name__) or _f(*a)
+            )
     tok, train, evals = tiny_split(tiny, "sentiment_preferences", "preference", rows=80, max_length=64)
     policy = load_causal_lm(str(tiny / "model"))
     tracker = Tracker()
@@ -71,3 +83,19 @@ def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, steps_read_nothi
     tracker = Tracker()
     reward.train(RewardConfig(max_steps=2, batch_size=4), scorer, tok, train, evals, tracker, tmp_path / "rm")
     assert tracker.last("train/accuracy") is not None and tracker.last("eval/accuracy") is not None
+    if share:
+        assert {"alignpipe.logprobs", "alignpipe.trainers.reward"} <= set(calls), "both took the shared path"
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, loss_type):
+    """KTO's sides are told apart with `where` on the labels, and counted on the host by `collate`."""
+    from alignpipe import logprobs
+
+    monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
+    tok, train, evals = tiny_split(tiny, "sentiment_preferences", "unpaired", rows=80, max_length=64)
+    policy = load_causal_lm(str(tiny / "model"))
+    tracker = Tracker()
+    cfg = KTOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, loss_type=loss_type)
+    kto.train(cfg, policy, tok, train, evals, tracker, tmp_path, ref_model=copy.deepcopy(policy))
+    assert tracker.last("train/rewards/margins") is not None and tracker.last("eval/logps/chosen") is not None

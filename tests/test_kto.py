@@ -69,11 +69,12 @@ def test_loss_kl_and_metrics_equal_trl_compute_loss(tiny, loss_type):
     cfg = KTOConfig(batch_size=4, **weights)
     batch = kto.collate(kto.tokenize(ROWS, tok), tok.pad_token_id, 64, with_kl=loss_type == "kto")
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
     ours_policy.train()
     losses = kto.Losses(cfg, Accelerator(cpu=True), lambda: (ours_ref, contextlib.nullcontext()))
-    loss = losses(ours_policy, batch, sums)
+    loss = losses(ours_policy, batch, sums, counts)
     loss.backward()
-    ours = {k: float(v) for k, v in kto.metrics(sums).items()}
+    ours = {k: float(v) for k, v in kto.metrics(sums, counts).items()}
 
     assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), abs=TOL)
     for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
@@ -93,13 +94,16 @@ def test_kto_loss_formula_and_reference_point():
     ref = torch.tensor([-11.0, -11.0, -11.0])
     labels = torch.tensor([True, False, True])
     kl = torch.tensor(0.5)
-    loss, chosen, rejected = kto_loss(logps, ref, labels, kl, 0.2, "kto", 2.0, 0.5)
+    loss, rewards = kto_loss(logps, ref, labels, kl, 0.2, "kto", 2.0, 0.5)
     r = logps - ref
     expected = torch.cat(
         [2.0 * (1 - torch.sigmoid(0.2 * (r[labels] - 0.5))), 0.5 * (1 - torch.sigmoid(0.2 * (0.5 - r[~labels])))]
     ).mean()
     assert float(loss) == pytest.approx(float(expected), abs=1e-7)
-    assert chosen.tolist() == pytest.approx([0.2, 0.4]) and rejected.tolist() == pytest.approx([-0.2])
+    assert rewards.tolist() == pytest.approx([0.2, -0.2, 0.4])
+    apo, _ = kto_loss(logps, ref, labels, kl, 0.2, "apo_zero_unpaired")
+    expected = torch.cat([1 - torch.sigmoid(0.2 * r[labels]), torch.sigmoid(0.2 * r[~labels])]).mean()
+    assert float(apo) == pytest.approx(float(expected), abs=1e-7)
 
 
 def test_kl_completions_are_the_batch_rotated_by_one(tiny):

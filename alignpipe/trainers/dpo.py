@@ -30,8 +30,10 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.logprobs import shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
@@ -61,14 +63,15 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
 
 def collate(
     examples: list[dict], pad_id: int, max_length: int, keys: tuple[str, ...] = ("chosen_ids", "rejected_ids")
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """A batch of B pairs, each prompt + answer cut to `max_length` tokens, in two layouts:
     - what the policy runs (`completion_logps`): `prompt_ids`/`prompt_mask` (B, P), left-padded, once per pair,
       and `completion_ids`/`completion_tokens` (2B, C), every chosen answer then every rejected one, right-padded;
       `completion_tokens` marks the scored tokens;
     - whole rows as TRL builds them (what the TRL parity test compares, and the token count): `input_ids`,
       `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded.
-    `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with)."""
+    `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with).
+    `prompts_nonempty` (a host bool) tells the shared-prompt path whether it may run without reading the mask."""
     prompts = [e["prompt_ids"][:max_length] for e in examples]
     seqs, comp, answers = [], [], []
     for key in keys:
@@ -91,6 +94,7 @@ def collate(
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_tokens": completion_tokens,
+        "prompts_nonempty": all(prompts),
     }
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
@@ -106,7 +110,13 @@ def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, to
     pairs = batch["prompt_ids"].size(0)
     index = torch.arange(mask.size(0), device=mask.device) % pairs
     per_token = shared_prompt_logprobs(
-        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, only=mask.bool()
+        model,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        index,
+        only=mask.bool(),
+        prompts_nonempty=batch.get("prompts_nonempty"),
     )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
@@ -156,10 +166,9 @@ class _Reference:
             for name, examples in splits.items():
                 values = []
                 for i in range(0, len(examples), self.cfg.batch_size):
-                    batch = {
-                        k: v.to(self.loop.accelerator.device)
-                        for k, v in collate_fn(examples[i : i + self.cfg.batch_size]).items()
-                    }
+                    batch = send_to_device(
+                        collate_fn(examples[i : i + self.cfg.batch_size]), self.loop.accelerator.device
+                    )
                     c, r = self.compute(batch)
                     values.append(torch.stack([c, r], 1).cpu())
                 cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
@@ -261,7 +270,7 @@ def train(
         sums: dict[str, torch.Tensor] = {}
         for i in range(0, len(shard), cfg.batch_size):
             ex = shard[i : i + cfg.batch_size]
-            batch = {k: v.to(acc.device) for k, v in collate_fn(ex).items()}
+            batch = send_to_device(collate_fn(ex), acc.device)
             _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
             accumulate(sums, {k: v.float() for k, v in stats.items()}, len(ex))
         keys = sorted(sums)

@@ -65,9 +65,12 @@ def completion_logps(
     chunk: int,
     with_entropy: bool = False,
     group: int = 1,
+    device: torch.device | str | None = None,
 ):
     """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
-    prompt: each prompt's forward runs once (`shared_prompt_logprobs`)."""
+    prompt: each prompt's forward runs once (`shared_prompt_logprobs`). With `device`, the inputs are host tensors:
+    whether rows really come in groups and every prompt holds a token is checked there, before they move, so the
+    device is not waited on."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
@@ -76,8 +79,23 @@ def completion_logps(
             (prompt_ids, prompt_mask),
             torch.arange(B, device=prompt_ids.device),
         )  # not grouped: one prompt per row
+    nonempty = None
+    if device is not None:
+        nonempty = bool(firsts[1].bool().any(1).all())
+        firsts, index, completion_ids = (
+            (firsts[0].to(device), firsts[1].to(device)),
+            index.to(device),
+            completion_ids.to(device),
+        )
     return shared_prompt_logprobs(
-        model, *firsts, completion_ids, index, temperature=temperature, chunk_tokens=chunk, with_entropy=with_entropy
+        model,
+        *firsts,
+        completion_ids,
+        index,
+        temperature=temperature,
+        chunk_tokens=chunk,
+        with_entropy=with_entropy,
+        prompts_nonempty=nonempty,
     )
 
 
@@ -178,12 +196,13 @@ class GRPORun:
                 parts.append(
                     completion_logps(
                         model,
-                        batch.prompt_ids[sl].to(device),
-                        batch.prompt_mask[sl].to(device),
-                        batch.completion_ids[sl].to(device),
+                        batch.prompt_ids[sl],
+                        batch.prompt_mask[sl],
+                        batch.completion_ids[sl],
                         self.temperature,
                         cfg.logprob_chunk_tokens,
                         group=cfg.num_generations,
+                        device=device,
                     ).float()
                 )
         return torch.cat(parts)
@@ -193,13 +212,14 @@ class GRPORun:
         device = self.loop.accelerator.device
         return completion_logps(
             self.loop.model,
-            batch.prompt_ids[sl].to(device),
-            batch.prompt_mask[sl].to(device),
-            batch.completion_ids[sl].to(device),
+            batch.prompt_ids[sl],
+            batch.prompt_mask[sl],
+            batch.completion_ids[sl],
             self.temperature,
             self.cfg.logprob_chunk_tokens,
             with_entropy=True,
             group=self.cfg.num_generations,
+            device=device,
         )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
@@ -57,7 +58,7 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
     return out
 
 
-def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -> dict[str, torch.Tensor]:
+def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -> dict[str, Any]:
     """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then the completion of the row
     before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool."""
     keys: tuple[str, ...] = ("completion_ids",)
@@ -67,6 +68,7 @@ def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -
         keys = ("completion_ids", "kl_ids")
     batch = dpo.collate(examples, pad_id, max_length, keys=keys)
     batch["label"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
+    batch["num_chosen"] = sum(e["label"] for e in examples)  # an int, counted on the host: no read in the step
     return batch
 
 
@@ -77,18 +79,19 @@ def answers(batch: dict, part: slice) -> dict[str, torch.Tensor]:
         "prompt_mask": batch["prompt_mask"],
         "completion_ids": batch["completion_ids"][part],
         "completion_tokens": batch["completion_tokens"][part],
+        "prompts_nonempty": batch["prompts_nonempty"],
     }
 
 
 class Losses:
-    """One micro-batch's KTO loss, and the step's metric sums kept on the device (read when logged). `reference()`
-    gives the reference model and the context it runs in."""
+    """One micro-batch's KTO loss, and the step's metric sums kept on the device (read when logged) beside the host
+    counts of desirable and undesirable rows. `reference()` gives the reference model and the context it runs in."""
 
     def __init__(self, cfg: KTOConfig, accelerator, reference: Callable[[], tuple[Any, Any]]):
         self.cfg, self.acc, self.reference = cfg, accelerator, reference
         self.with_kl = cfg.loss_type == "kto"
 
-    def __call__(self, model, batch: dict, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, model, batch: dict, sums: dict[str, torch.Tensor], counts: dict[str, int]) -> torch.Tensor:
         cfg, acc = self.cfg, self.acc
         labels = batch["label"]
         B = labels.size(0)
@@ -105,7 +108,7 @@ class Losses:
                     kl = acc.reduce(kl, "mean")
                 kl = kl.clamp(min=0)
         kl, ref_logps = kl.clone(), ref_logps.clone()  # plain tensors outside inference mode, for autograd
-        loss, chosen_rewards, rejected_rewards = kto_loss(
+        loss, rewards = kto_loss(
             logps,
             ref_logps[main],
             labels,
@@ -115,29 +118,29 @@ class Losses:
             cfg.desirable_weight,
             cfg.undesirable_weight,
         )
-        detached = logps.detach()
+        detached, zero = logps.detach(), logps.new_zeros(())
+        chosen = batch["num_chosen"]
         for key, value in (
             ("loss", loss.detach()),
             ("kl", kl),
-            ("rewards/chosen", chosen_rewards.sum()),
-            ("rewards/rejected", rejected_rewards.sum()),
-            ("logps/chosen", detached[labels].sum()),
-            ("logps/rejected", detached[~labels].sum()),
-            ("num_chosen", labels.sum()),
-            ("num_rejected", (~labels).sum()),
+            ("rewards/chosen", torch.where(labels, rewards, zero).sum()),
+            ("rewards/rejected", torch.where(labels, zero, rewards).sum()),
+            ("logps/chosen", torch.where(labels, detached, zero).sum()),
+            ("logps/rejected", torch.where(labels, zero, detached).sum()),
             ("batches", torch.ones((), device=logps.device)),
         ):
             sums[key] = sums.get(key, 0) + value
+        counts["chosen"] = counts.get("chosen", 0) + chosen
+        counts["rejected"] = counts.get("rejected", 0) + B - chosen
         return loss
 
 
-def metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def metrics(sums: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, torch.Tensor]:
     """Per-row means of the summed rewards and log-probs (TRL's), per-batch means of the loss and KL; rewards of a
-    side with no rows are left out, and the margin needs both."""
+    side with no rows are left out, and the margin needs both. The row counts are host ints (`collate`'s)."""
     out = {"loss": sums["loss"] / sums["batches"], "kl": sums["kl"] / sums["batches"]}
     for side in ("chosen", "rejected"):
-        n = float(sums[f"num_{side}"])  # one read per step: whether the side is there at all
-        if n:
+        if n := counts.get(side, 0):
             out[f"rewards/{side}"] = sums[f"rewards/{side}"] / n
             out[f"logps/{side}"] = sums[f"logps/{side}"] / n
     if "rewards/chosen" in out and "rewards/rejected" in out:
@@ -164,7 +167,7 @@ def train(
     pad_id, with_kl = tokenizer.pad_token_id, cfg.loss_type == "kto"
     tokenize(train_rows[:1], tokenizer)  # a bad label fails here, not at the first batch that holds it
 
-    def collate_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
+    def collate_rows(rows: list[dict]) -> dict[str, Any]:
         return collate(tokenize(rows, tokenizer, cfg.max_prompt_length), pad_id, cfg.max_length, with_kl)
 
     loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
@@ -180,22 +183,28 @@ def train(
 
     def step(window: list[dict]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                acc.backward(losses(loop.model, batch, sums) / len(window))
-        return metrics(sums)
+                acc.backward(losses(loop.model, batch, sums, counts) / len(window))
+        return metrics(sums, counts)
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         loop.model.eval()
         shard = eval_rows[acc.process_index :: acc.num_processes]
         sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
         for i in range(0, len(shard), cfg.batch_size):
-            batch = {k: v.to(acc.device) for k, v in collate_rows(shard[i : i + cfg.batch_size]).items()}
-            losses(loop.model, batch, sums)
+            batch = send_to_device(collate_rows(shard[i : i + cfg.batch_size]), acc.device)
+            losses(loop.model, batch, sums, counts)
         if acc.num_processes > 1:
             sums = {k: acc.reduce(v.float(), "sum") for k, v in sums.items()}
-        return {k: float(v) for k, v in metrics(sums).items()}
+            totals = acc.reduce(
+                torch.tensor([counts.get(k, 0) for k in ("chosen", "rejected")], device=acc.device), "sum"
+            )
+            counts = dict(zip(("chosen", "rejected"), totals.tolist()))
+        return {k: float(v) for k, v in metrics(sums, counts).items()}
 
     result = loop.run(step, evaluate if eval_rows else None)
     result.model_dir, result.adapter = loop.save(tokenizer)

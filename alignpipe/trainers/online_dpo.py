@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.pairwise import judge_pairs
@@ -88,6 +89,7 @@ def pair_batch(prompts: list[list[int]], chosen: list[list[int]], rejected: list
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_tokens": completion_tokens,
+        "prompts_nonempty": all(prompts),
     }
 
 
@@ -193,7 +195,7 @@ def train(
                 [g.completion_ids for g in rejected[sl]],
                 pad_id,
             )
-            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            batch = send_to_device(batch, acc.device)
             with loop.no_sync_unless(j == len(micro) - 1):
                 logps, _, _ = dpo.completion_logps(loop.model, batch)
                 ref_model, context = reference()

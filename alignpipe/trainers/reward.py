@@ -17,8 +17,10 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
@@ -49,12 +51,13 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = Tr
     return out
 
 
-def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[dict], pad_id: int) -> dict[str, Any]:
     """A batch of B pairs in two layouts:
     - whole rows, [chosen rows..., rejected rows...] right-padded into (2B, T) `input_ids`/`attention_mask`;
     - what `scores` runs when it can: each pair's common token prefix once, `prefix_ids`/`prefix_mask` (B, P)
       left-padded, and the rest of each sequence, `suffix_ids`/`suffix_mask` (2B, C) right-padded (a suffix keeps
-      at least its last token, where the score is read)."""
+      at least its last token, where the score is read), with `shareable`, a host bool: whether every prefix holds a
+      token and every suffix a non-padding one (`pad_id` is the scorer's), so `scores` need not read the masks."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     input_ids, mask = pad_rows(seqs, pad_id)
     prefixes: list[list[int]] = []
@@ -69,7 +72,7 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         suffixes[1].append(r[k:])
     prefix_ids, prefix_mask = pad_rows(prefixes, pad_id, left=True)
     suffix_ids, suffix_mask = pad_rows(suffixes[0] + suffixes[1], pad_id)
-    batch = {
+    batch: dict[str, Any] = {
         "input_ids": input_ids,
         "attention_mask": mask,
         "prefix_ids": prefix_ids,
@@ -77,6 +80,9 @@ def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         "suffix_ids": suffix_ids,
         "suffix_mask": suffix_mask,
     }
+    # whether `scores` may share prefixes without reading the masks back: every prefix holds a token, and every
+    # suffix a non-padding one (where the score is read)
+    batch["shareable"] = all(prefixes) and all(any(t != pad_id for t in s) for s in suffixes[0] + suffixes[1])
     if "margin" in examples[0]:
         batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float)
     return batch
@@ -99,17 +105,18 @@ def scores(model, batch: dict) -> torch.Tensor:
 
 def _shared_scores(model, batch: dict) -> torch.Tensor | None:
     base = unwrapped(model)
+    shareable = batch.get("shareable")
     if (
         base is None
         or base.config.pad_token_id is None
         or not hasattr(base, "score")
-        or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel())
+        or not can_share_prefix(base, batch["prefix_mask"], batch["prefix_ids"].numel(), shareable)
     ):
         return None
     pad = base.config.pad_token_id
     suffix = batch["suffix_ids"]
     real = batch["suffix_mask"].bool() & (suffix != pad)
-    if not bool(real.any(1).all()):  # the last non-padding token would lie in the prefix
+    if shareable is None and not bool(real.any(1).all()):  # the last non-padding token would lie in the prefix
         return None
     rows = torch.arange(suffix.size(0), device=suffix.device)
     last = (torch.arange(suffix.size(1), device=suffix.device) * real).argmax(-1)
@@ -147,7 +154,7 @@ def evaluate(model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id
     with torch.no_grad():
         for i in range(0, len(shard), cfg.batch_size):
             ex = shard[i : i + cfg.batch_size]
-            batch = {k: v.to(accelerator.device) for k, v in collate(ex, pad_id).items()}
+            batch = send_to_device(collate(ex, pad_id), accelerator.device)
             _, st = forward(model, batch, cfg)
             n = len(ex)
             sums += torch.stack([st["accuracy"], st["margin"], st["loss"]]) * n
