@@ -279,3 +279,31 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
         with torch.no_grad():
             for p in model.parameters():
                 p.div_(1.01)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_on_a_gpu_the_decode_loop_reads_the_device_every_8_steps_with_the_same_result(trained, monkeypatch, static):
+    """On a GPU "have all rows ended?" is read every 8 steps (each read stalls the host until the GPU catches up);
+    the columns decoded past the last row's end are cut, so the tokens and the width equal reading every step."""
+    from alignpipe.engine import hf
+
+    model, tok = trained
+    enc = tok(["The film", "I watched it and", "A", "Honestly, the plot was"], return_tensors="pt", padding=True)
+    loop = hf.decode_static if static else hf.decode
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24)
+
+    def run(every: int) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(hf, "check_every", lambda device: every)
+        reads = []
+        original = torch.Tensor.__bool__
+        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or original(t))
+        args = (model, enc["input_ids"], enc["attention_mask"], sampling, tok.eos_token_id, tok.pad_token_id)
+        with torch.inference_mode():
+            out = loop(*args, torch.Generator().manual_seed(5), n=2)
+        monkeypatch.setattr(torch.Tensor, "__bool__", original)
+        return out, len(reads)
+
+    every_step, reads_1 = run(1)
+    every_8, reads_8 = run(8)
+    assert torch.equal(every_8, every_step) and every_step.size(1) < 24, "rows ended early, and alike"
+    assert 4 * reads_8 <= reads_1, (reads_8, reads_1)

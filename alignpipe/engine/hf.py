@@ -113,7 +113,8 @@ def decode(
 ) -> torch.Tensor:
     """Sample up to `max_new_tokens`, `n` times for each left-padded prompt row; (rows × n, steps) new tokens
     (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
-    times. Stops as soon as every row has ended."""
+    times. Stops once every row has ended, looking every `check_every` steps; the columns after the last row's
+    end are cut, so the result does not depend on when it looked."""
     from transformers import DynamicCache
 
     position = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -138,14 +139,19 @@ def decode(
     if _takes_padding_mask(model):  # (rows, 1, 1, keys): the model skips building the mask on every step
         full_mask = full_mask.bool()[:, None, None, :]
     width = ids.shape[1]
+    ended = torch.full((rows,), sampling.max_new_tokens - 1, dtype=torch.long, device=ids.device)
+    every = check_every(ids.device)
     for t in range(sampling.max_new_tokens):
         token = next_token(logits, sampling, generator)
         token = token.masked_fill(done, pad)
         new[:, t] = token
         if eos is not None:
-            done |= token == eos
-        if t + 1 == sampling.max_new_tokens or bool(done.all()):
-            return new[:, : t + 1]
+            now = token == eos
+            ended = torch.where(now & ~done, t, ended)
+            done |= now
+        if t + 1 == sampling.max_new_tokens or ((t + 1) % every == 0 and bool(done.all())):
+            # as many columns as the longest row needs: up to the step the last row ended at
+            return new[:, : int(ended.max()) + 1]
         logits = model(
             input_ids=token[:, None],
             attention_mask=full_mask[..., : width + t + 1],
@@ -157,8 +163,15 @@ def decode(
     return new
 
 
-# How often the static loop reads "have all rows ended?" back from the device (the only read inside the loop).
-STATIC_CHECK_EVERY = 8
+# How often a decode loop on a GPU reads "have all rows ended?" back from the device (the only read inside the
+# loop): each read waits for the queued steps to finish, so the host stops running ahead of the GPU; up to this
+# many steps are decoded past the end in exchange.
+CHECK_EVERY = 8
+
+
+def check_every(device: torch.device) -> int:
+    """Steps between "have all rows ended?" reads: every step on CPU, where a read waits for nothing."""
+    return 1 if device.type == "cpu" else CHECK_EVERY
 
 
 def decode_static(
@@ -174,8 +187,8 @@ def decode_static(
 ) -> torch.Tensor:
     """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
-    written) and the cache position as a tensor. Nothing is re-allocated per token, and the device is read only
-    every `STATIC_CHECK_EVERY` steps to stop early, so a GPU is not held up by the host between steps. Same tokens
+    written) and the cache position as a tensor. Nothing is re-allocated per token, and a GPU is read only every
+    `CHECK_EVERY` steps to stop early, so it is not held up by the host between steps. Same tokens
     as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
     repeated after prefill). With `step` (a `CompiledDecodeStep`) each decode step runs compiled, prompts left-padded
     to a multiple of `WIDTH_BUCKET` so that a few shapes serve every rollout."""
@@ -209,6 +222,7 @@ def decode_static(
     ended = torch.full((rows,), steps - 1, dtype=torch.long, device=ids.device)  # the step each row ended at
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
+    every = check_every(ids.device)
     for t in range(steps):
         token = next_token(logits, sampling, generator).masked_fill(done, pad)
         new[:, t] = token
@@ -216,7 +230,7 @@ def decode_static(
             now = token == eos
             ended = torch.where(now & ~done, t, ended)
             done |= now
-        if t + 1 == steps or ((t + 1) % STATIC_CHECK_EVERY == 0 and bool(done.all())):
+        if t + 1 == steps or ((t + 1) % every == 0 and bool(done.all())):
             # as many columns as `decode` returns: up to the step the last row ended at (rows still going: this one)
             return new[:, : int(ended.max()) + 1]
         full_mask[:, width + t] = 1

@@ -182,9 +182,10 @@ class RolloutSpec(Strict):
     batch_size: int = Field(64, gt=0)
     """hf: prompts per `generate` call."""
     static_cache: bool = False
-    """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache), reading
-    the device every 8 steps instead of every step; the same tokens as the default loop (tested). It prefills each of
-    a prompt's `num_generations` samples separately. Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
+    """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache): nothing
+    re-allocated per token; the same tokens as the default loop (tested). It prefills each of a prompt's
+    `num_generations` samples separately. (Both loops read the GPU once every 8 steps, to stop when every row has
+    ended.) Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
     compile: bool = False
     """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")`: on a GPU a CUDA graph
     replayed for every token. Implies `static_cache`. The first rollout pays the compilation; prompts are left-padded
