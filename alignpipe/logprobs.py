@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from alignpipe.linear_ce import linear_nll_sum
 from alignpipe.modeling import is_activation_checkpointing
 
 
@@ -62,28 +63,10 @@ def token_logprobs(
     within each row only.
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
-    if position_ids is None:
-        if attention_mask is None:
-            raise ValueError("token_logprobs needs an attention_mask or position_ids")
-        # Positions count real tokens only, so left-padded prompts get the positions `generate` gave them.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     labels = input_ids[:, start + 1 :]
-    base = unwrapped(model)
-    hidden: torch.Tensor | None = None
-    if base is not None:
-        body, head = _decoder_and_head(base)
-        hidden = body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-    elif not getattr(model, RESHARDS_HEAD, False):  # DDP or FSDP: the wrapper's own forward runs
-        hidden, head = _hidden_through_wrapper(model, input_ids, attention_mask, position_ids)
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
-        # An FSDP layout that re-shards the LM head right after the forward (a user's accelerate config): the head's
-        # weight exists whole only inside the forward, so the head runs there (full logits); the float32
-        # log-softmax is still taken chunk by chunk.
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits[:, start:-1]
+        logits = _logits_inside_forward(model, input_ids, attention_mask, position_ids)[:, start:-1]
         return _select(
             logits,
             labels,
@@ -100,6 +83,60 @@ def token_logprobs(
         lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
         with_entropy,
     )
+
+
+def token_nll_sum(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    only: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ −log p(input_ids[:, t+1]) over the positions t where `only` (B, T−1) is true: SFT's summed cross-entropy,
+    −token_logprobs(...)[only].sum() in value and gradient. The LM head runs on those positions alone, in chunks
+    with its gradients computed in the forward (`linear_ce.linear_nll_sum`): no logits kept for backward and no
+    second head forward. Inputs as `token_logprobs`'s."""
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
+    if hidden is None:
+        return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
+    sel = only.bool()
+    weight = head.weight
+    return linear_nll_sum(
+        hidden[:, :-1][sel],
+        weight,
+        getattr(head, "bias", None),
+        input_ids[:, 1:][sel],
+        WHOLE_LOGITS_MAX // weight.size(0),
+    )
+
+
+def _hidden_and_head(model, input_ids, attention_mask, position_ids):
+    """The decoder's final hidden states (B, T, d) and the LM head module, for a plain, peft, DDP or FSDP causal LM
+    (positions counted from the mask when not given: left-padded prompts get the positions `generate` gave them).
+    (None, None) where the head can only run inside the model's forward (`RESHARDS_HEAD`)."""
+    if position_ids is None:
+        if attention_mask is None:
+            raise ValueError("token_logprobs needs an attention_mask or position_ids")
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    base = unwrapped(model)
+    if base is not None:
+        body, head = _decoder_and_head(base)
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return hidden, head
+    if getattr(model, RESHARDS_HEAD, False):
+        return None, None
+    return _hidden_through_wrapper(model, input_ids, attention_mask, position_ids)
+
+
+def _logits_inside_forward(model, input_ids, attention_mask, position_ids):
+    """Full logits from the model's own forward: for an FSDP layout that re-shards the LM head right after the
+    forward (a user's accelerate config), where the head's weight exists whole only inside it. The float32
+    log-softmax is still taken chunk by chunk by the caller."""
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
 
 
 # Set on an FSDP model whose LM head is a shard again after the forward (see `_hidden_through_wrapper`).
@@ -137,7 +174,7 @@ def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids):
         handle.remove()
     if isinstance(head.weight, DTensor):
         setattr(model, RESHARDS_HEAD, True)  # seen once: later calls run the head inside the forward directly
-        return None, head
+        return None, None
     return captured["hidden"], head
 
 

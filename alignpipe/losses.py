@@ -1,7 +1,8 @@
-"""Every trainer's loss, as pure functions of tensors (no model calls): SFT's summed NLL, the Bradley-Terry reward
-loss, the DPO family and KTO, GRPO's clipped per-token loss and its aggregations, PPO's clipped policy and value losses.
-The trainers compute log-probs (`alignpipe.logprobs`) and advantages (`alignpipe.rl_math`) and call these; the
-tests pin each against TRL's own functions on identical tensors.
+"""Every trainer's loss, as pure functions of tensors (no model calls): the Bradley-Terry reward loss, the DPO family
+and KTO, GRPO's clipped per-token loss and its aggregations, PPO's clipped policy and value losses. The trainers
+compute log-probs (`alignpipe.logprobs`) and advantages (`alignpipe.rl_math`) and call these; the tests pin each
+against TRL's own functions on identical tensors. SFT's summed cross-entropy is computed with the LM head itself
+(`alignpipe.linear_ce`), so that its gradients can be formed in the forward.
 """
 
 from __future__ import annotations
@@ -12,13 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from alignpipe.rl_math import kl_estimate, masked_mean
-
-
-def nll_sum(token_logps: torch.Tensor) -> torch.Tensor:
-    """SFT: the summed negative log-likelihood of the target tokens (`token_logps` is 0 off-target); the caller
-    divides by the target-token count of the whole optimizer step, so accumulation equals one big batch."""
-    return -token_logps.sum()
-
 
 # --- reward model ---------------------------------------------------------------------------------
 

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
-from alignpipe.logprobs import token_logprobs
-from alignpipe.losses import nll_sum
+from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
@@ -125,15 +124,15 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, Any]:
 
 def token_loss_sum(model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
-    target positions only (no logits for prompt or padding tokens) and in chunks when the vocabulary is large;
-    labels are the input ids with prompt and padding set to IGNORE, so scoring the next input id is the CE."""
-    targets = batch["labels"][:, 1:]
-    valid = targets != IGNORE
+    target positions only (no logits for prompt or padding tokens), in chunks with its gradients formed in the
+    forward (`logprobs.token_nll_sum`); labels are the input ids with prompt and padding set to IGNORE, so scoring
+    the next input id is the CE."""
+    valid = batch["labels"][:, 1:] != IGNORE
     if "position_ids" in batch:  # packed rows: positions restart per row and no 2-D mask, so rows attend to themselves
-        logps = token_logprobs(model, batch["input_ids"], None, only=valid, position_ids=batch["position_ids"])
+        loss = token_nll_sum(model, batch["input_ids"], None, valid, position_ids=batch["position_ids"])
     else:
-        logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], only=valid)
-    return nll_sum(logps), valid.sum()
+        loss = token_nll_sum(model, batch["input_ids"], batch["attention_mask"], valid)
+    return loss, valid.sum()
 
 
 def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:

@@ -1,0 +1,96 @@
+"""SFT's fused LM-head cross-entropy (`linear_ce`): its value and the gradients it forms in the forward equal autograd
+through full logits, chunked or whole, with a bias or without, with the head frozen, and scaled by whatever the loss
+is multiplied by afterwards; SFT's loss through it equals the summed log-probs of `token_logprobs`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alignpipe.linear_ce import linear_nll_sum
+
+
+def reference(hidden, weight, bias, labels):
+    return F.cross_entropy(F.linear(hidden, weight, bias), labels, reduction="sum")
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 64], ids=["row-by-row", "chunked", "whole"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_value_and_gradients_equal_autograd_through_full_logits(rows_per_chunk, with_bias):
+    g = torch.Generator().manual_seed(0)
+    N, d, V = 40, 16, 97
+    hidden = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+
+    expected = reference(hidden, weight, bias, labels)
+    want = torch.autograd.grad(expected * 0.37, inputs)
+    got = linear_nll_sum(hidden, weight, bias, labels, rows_per_chunk)
+    grads = torch.autograd.grad(got * 0.37, inputs)  # the upstream gradient scales what the forward formed
+    assert got.dtype == torch.float64 and float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
+    for a, b in zip(grads, want):
+        assert a.dtype == b.dtype and torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+
+
+def test_a_frozen_head_and_no_grad_form_no_gradients():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 8, generator=g, requires_grad=True)
+    weight = torch.randn(31, 8, generator=g)  # frozen (a LoRA run's head)
+    labels = torch.randint(0, 31, (9,), generator=g)
+    got = linear_nll_sum(hidden, weight, None, labels, 4)
+    assert got.dtype == torch.float32
+    got.backward()
+    expected_h = hidden.detach().clone().requires_grad_(True)
+    reference(expected_h, weight, None, labels).backward()
+    assert weight.grad is None and torch.allclose(hidden.grad, expected_h.grad, atol=1e-6)
+    with torch.no_grad():
+        assert float(linear_nll_sum(hidden, weight, None, labels, 4)) == pytest.approx(float(got.detach()), rel=1e-6)
+
+
+def test_bf16_gradients_stay_close_to_float32():
+    """On a GPU the head and hidden states are bf16: the logits' softmax is taken in float32, the matmuls in bf16."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(64, 32, generator=g)
+    weight = torch.randn(211, 32, generator=g) / 4
+    labels = torch.randint(0, 211, (64,), generator=g)
+    h32, w32 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    reference(h32, w32, None, labels).backward()
+    h16, w16 = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    linear_nll_sum(h16, w16, None, labels, 16).backward()
+    assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
+    for low, high in ((h16.grad, h32.grad), (w16.grad, w32.grad)):
+        assert float((low.float() - high).norm() / high.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("whole_max", [64, 10**9], ids=["chunked", "whole"])
+def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max):
+    """`token_nll_sum` (SFT's loss) against −Σ `token_logprobs` on the scored positions of a padded batch: value and
+    the gradient of every parameter."""
+    from alignpipe import logprobs
+    from alignpipe.logprobs import token_logprobs, token_nll_sum
+    from alignpipe.modeling import load_causal_lm
+
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", whole_max * 512)  # 64 rows of the tiny model's vocabulary
+    model = load_causal_lm(str(tiny / "model"))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 500, (4, 50), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    only = mask[:, 1:].bool()
+    only[:, :5] = False  # a prompt is not scored
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(fn):
+        model.zero_grad()
+        loss = fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    fused, fused_grads = loss_and_grads(lambda: token_nll_sum(model, ids, mask, only))
+    plain, plain_grads = loss_and_grads(lambda: -(token_logprobs(model, ids, mask, only=only)).sum())
+    assert float(fused) == pytest.approx(float(plain), rel=1e-6)
+    for a, b in zip(fused_grads, plain_grads):
+        assert float((a - b).norm() / b.norm().clamp(min=1e-12)) < 1e-5
