@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,21 @@ def is_activation_checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
+@contextlib.contextmanager
+def attention_errors(attention: str | None):
+    """Loading a model with the recipe's `model.attention`: a kernel this machine cannot run (flash-attn not
+    installed, no CUDA device) fails naming the recipe field and the way out."""
+    try:
+        yield
+    except (ImportError, ValueError) as e:
+        if attention in (None, "sdpa", "eager") or "attention" not in str(e).lower():
+            raise
+        raise ValueError(
+            f"model.attention: {attention} cannot be used on this machine ({e}). Install what it needs "
+            "(flash_attention_2: `pip install flash-attn` on a CUDA GPU) or set `model.attention: sdpa`"
+        ) from e
+
+
 def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
     """A tokenizer with a pad token (falls back to EOS, as TRL does)."""
     from transformers import AutoTokenizer
@@ -76,14 +92,21 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     adapter: str | None = None,
     merge: bool = False,
+    attention: str | None = None,
 ):
     """A causal LM from `path`; with `adapter`, the peft adapter at that path applied on top
-    (merged into the weights when `merge`)."""
+    (merged into the weights when `merge`). `attention`: transformers' `attn_implementation` (its default when
+    None)."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(dtype), revision=revision, trust_remote_code=trust_remote_code
-    )
+    with attention_errors(attention):
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype(dtype),
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attention,
+        )
     if adapter:
         from peft import PeftModel
 
@@ -172,18 +195,25 @@ def load_sequence_scorer(
     trust_remote_code: bool = False,
     pad_token_id: int | None = None,
     seed: int | None = None,
+    attention: str | None = None,
 ):
     """A one-output sequence classifier (reward model / value head) from `path`; when `path` holds a
     causal LM, its score head starts random, as in TRL's RewardTrainer. transformers draws that head from torch's
-    global generator: with `seed` it is seeded first, so the same recipe starts from the same head on every run."""
+    global generator: with `seed` it is seeded first, so the same recipe starts from the same head on every run.
+    `attention` as in `load_causal_lm`."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
     if seed is not None:
         torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-    )
+    with attention_errors(attention):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            num_labels=1,
+            dtype=torch_dtype(dtype),
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attention,
+        )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

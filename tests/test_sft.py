@@ -281,3 +281,50 @@ def test_a_failed_checkpoint_save_keeps_the_previous_one_and_names_the_cause(tin
     again = sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path)
     assert again.resumed_from == 2 and again.steps == 6
     assert [s for s, m in tracker.history if "train/loss" in m] == [3, 4, 5, 6]
+
+
+def test_packed_rows_score_alike_under_every_attention_kernel_that_runs_on_cpu(tiny, data):
+    """`model.attention`: packed rows (positions restarting per row, no mask) get the same log-probs under SDPA's
+    block-diagonal mask, eager attention and FlexAttention's block mask (forward only: its backward does not run
+    on CPU); eager attention trains them with SDPA's loss and gradients."""
+    from alignpipe.logprobs import token_logprobs
+
+    tok, train, _ = data
+    blocks = sft.pack(sft.tokenize(train[:12], tok, 64, completion_only=True), 64)
+    batch = sft.collate(blocks, tok.pad_token_id)
+    assert int((batch["position_ids"] == 0).sum()) > len(blocks), "several rows per block"
+    valid = batch["labels"][:, 1:] != sft.IGNORE
+    scored, trained = {}, {}
+    for attention in ("sdpa", "eager", "flex_attention"):
+        model = load_causal_lm(str(tiny / "model"), attention=attention)
+        assert model.config._attn_implementation == attention
+        with torch.no_grad():
+            scored[attention] = token_logprobs(model, batch["input_ids"], None, position_ids=batch["position_ids"])
+        if attention != "flex_attention":
+            loss, _ = sft.token_loss_sum(model, batch)
+            loss.backward()
+            trained[attention] = (float(loss.detach()), model.model.layers[0].self_attn.q_proj.weight.grad)
+    for attention in ("eager", "flex_attention"):
+        assert torch.allclose(scored[attention][valid], scored["sdpa"][valid], atol=1e-5), attention
+    assert trained["eager"][0] == pytest.approx(trained["sdpa"][0], rel=1e-6)
+    assert torch.allclose(trained["eager"][1], trained["sdpa"][1], atol=1e-5)
+
+
+def test_the_recipe_attention_reaches_every_model_a_stage_loads_and_a_missing_kernel_is_named(tiny, tmp_path):
+    from support import demo_recipe
+
+    from alignpipe.modeling import load_sequence_scorer
+    from alignpipe.recipe import RecipeError, parse_recipe
+    from alignpipe.stages.context import StageContext
+
+    recipe = parse_recipe(demo_recipe(tiny, tmp_path), ["model.attention=eager"])
+    ctx = StageContext(recipe, recipe.stage("sft"), tmp_path, {}, Tracker())
+    assert ctx.load_model("base").config._attn_implementation == "eager"
+    scorer = load_sequence_scorer(str(tiny / "model"), attention=recipe.model.attention)
+    assert scorer.config._attn_implementation == "eager"
+    recipe = parse_recipe(demo_recipe(tiny, tmp_path), ["model.attention=flash_attention_2"])
+    ctx = StageContext(recipe, recipe.stage("sft"), tmp_path, {}, Tracker())
+    with pytest.raises(ValueError, match=r"model.attention: flash_attention_2 cannot be used on this machine.*sdpa"):
+        ctx.load_model("base")
+    with pytest.raises(RecipeError, match="attention must be one of"):
+        parse_recipe(demo_recipe(tiny, tmp_path), ["model.attention=flash"])

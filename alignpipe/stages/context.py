@@ -74,10 +74,17 @@ class StageContext(Generic[S]):
             if src.base_path is None:
                 raise ValueError(f"{ref!r} is an adapter whose manifest names no base model")
             return load_causal_lm(
-                src.base_path, spec.dtype, trust_remote_code=spec.trust_remote_code, adapter=src.path, merge=merge
+                src.base_path,
+                spec.dtype,
+                trust_remote_code=spec.trust_remote_code,
+                adapter=src.path,
+                merge=merge,
+                attention=spec.attention,
             )
         revision = spec.revision if ref == BASE else None
-        return load_causal_lm(src.path, spec.dtype, revision=revision, trust_remote_code=spec.trust_remote_code)
+        return load_causal_lm(
+            src.path, spec.dtype, revision=revision, trust_remote_code=spec.trust_remote_code, attention=spec.attention
+        )
 
     def start_model(self, ref: str, lora: bool):
         """(model, tokenizer, base path) for a trainer starting from `ref`: an upstream adapter is

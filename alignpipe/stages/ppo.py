@@ -18,7 +18,10 @@ def run(ctx: StageContext[PPOStage]) -> StageResult:
     value_source = s.value_model or next(r.reward_model for r in s.rewards if r.reward_model)
     policy, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
     value_model = load_sequence_scorer(
-        ctx.inputs[value_source].outputs["model"], ctx.recipe.model.dtype, pad_token_id=tokenizer.pad_token_id
+        ctx.inputs[value_source].outputs["model"],
+        ctx.recipe.model.dtype,
+        pad_token_id=tokenizer.pad_token_id,
+        attention=ctx.recipe.model.attention,
     )
     ref = ctx.load_model(s.model, merge=True) if not s.lora else None
     engine = make_engine(s.rollout, policy, tokenizer) if s.rollout.backend != "hf" else None

@@ -23,6 +23,7 @@ def run(ctx: StageContext[RewardStage]) -> StageResult:
         trust_remote_code=ctx.recipe.model.trust_remote_code,
         pad_token_id=tokenizer.pad_token_id,
         seed=ctx.seed,
+        attention=ctx.recipe.model.attention,
     )
     result = reward.train(
         s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed
