@@ -37,7 +37,7 @@ from bench.cases import (
     tokens_per_sample,
     train_flops_per_token,
 )
-from bench.run_one import IMPLS
+from bench.run_one import ATTENTION_ENV, IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,9 +81,12 @@ def trl_with_ppo() -> Path:
     return TRL_PPO_DIR
 
 
-def measure(impl: str, key: str, model: str, steps: int, assets: Path) -> dict:
-    """One run of `bench.run_one` in a fresh process: its JSON figures."""
+def measure(impl: str, key: str, model: str, steps: int, assets: Path, attention: str | None = None) -> dict:
+    """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given): its JSON
+    figures."""
     env = dict(os.environ)
+    if attention:
+        env[ATTENTION_ENV] = attention
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
@@ -277,6 +280,12 @@ def main(argv: list[str] | None = None) -> None:
         help="keep the report's rows for cases this invocation does not run (split GPU sessions)",
     )
     parser.add_argument(
+        "--attention",
+        choices=["flex_attention", "eager", "flash_attention_2", "flash_attention_3"],
+        help="run every side's model with this attention kernel instead of SDPA (its rows name the model "
+        "`qwen0.5b/flex_attention`)",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -323,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     old = read_table(Path(args.out), section) if args.merge else []
     wanted = args.cases.split(",") if args.cases else None
     for model in models:
+        label = f"{model}/{args.attention}" if args.attention else model
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
@@ -333,21 +343,21 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list] = {impl: [] for impl in impls}
             for _ in range(warmup):
                 for impl in impls:
-                    r = measure(impl, case.key, model, args.steps, assets)
+                    r = measure(impl, case.key, model, args.steps, assets, args.attention)
                     print(
                         f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
                 for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
-                    r = measure(impl, case.key, model, args.steps, assets)
+                    r = measure(impl, case.key, model, args.steps, assets, args.attention)
                     runs[impl].append(r)
                     print(
                         f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "
                         f"steady {r.get('steady_samples_per_s')}, {r['peak_mb']:.0f} MB, loss {r['loss']}",
                         flush=True,
                     )
-            results[(case, model)] = runs
-            phys[(case, model)] = physics(case, model, assets, peaks)
+            results[(case, label)] = runs
+            phys[(case, label)] = physics(case, model, assets, peaks)
             # written after every case: a run cut short (a device call's time limit) keeps the cases it finished
             rows = merge_rows(old, table(results, phys, peaks, gpu, f"{args.repeats} × {args.steps}"))
             write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))

@@ -46,6 +46,10 @@ class StepClock:
         return per_step * n / (self.times[-1] - self.times[WARMUP_STEPS]) if n > 0 else None
 
 
+# Set by `python -m bench --attention KERNEL`: the attention implementation every side's model runs.
+ATTENTION_ENV = "ALIGNPIPE_BENCH_ATTENTION"
+
+
 def model_for(kind: str, assets: str, task: str):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -59,6 +63,8 @@ def model_for(kind: str, assets: str, task: str):
     else:
         model = random_model(kind, tok, "reward" if task == "reward" else "lm")
     model.config.pad_token_id = tok.pad_token_id
+    if attention := os.environ.get(ATTENTION_ENV):  # `python -m bench --attention`: every side alike
+        model.set_attn_implementation(attention)
     return model, tok
 
 

@@ -35,7 +35,7 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, key, model, steps, assets):
+    def fake(impl, key, model, steps, assets, attention=None):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
@@ -268,7 +268,7 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     `--cases` picks cases by key."""
     import bench.__main__ as bench_main
 
-    def fake(impl, key, model, steps, assets):
+    def fake(impl, key, model, steps, assets, attention=None):
         if key.startswith("dpo/"):
             raise RuntimeError("cut short")
         return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
@@ -283,3 +283,28 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     assert rows == ["trainer", "sft", "reward"]
     with pytest.raises(SystemExit):
         bench_main.main(["--cases", "sft/8x2048", *common])  # a users' shape, not in the CPU's latency suite
+
+
+def test_an_attention_kernel_runs_on_every_side_and_names_its_rows(tiny, tmp_path, monkeypatch):
+    """`--attention flex_attention` (on a GPU): every side's model runs that kernel (`bench.run_one` reads the
+    environment `measure` gives it), and its rows name it beside the model, apart from the SDPA rows when merged."""
+    import bench.__main__ as bench_main
+    from bench.run_one import ATTENTION_ENV, model_for
+
+    seen = []
+    monkeypatch.setattr(
+        bench_main,
+        "measure",
+        lambda *a: seen.append(a[5]) or {"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1},
+    )
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    out = tmp_path / "report.md"
+    common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0", "--trainers", "sft"]
+    bench_main.main(common)
+    bench_main.main([*common, "--attention", "eager", "--merge"])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| sft")]
+    assert [r.split("|")[2].strip() for r in rows] == ["tiny", "tiny/eager"]
+    assert seen == [None, None, "eager", "eager"]
+    monkeypatch.setenv(ATTENTION_ENV, "eager")
+    model, _ = model_for("tiny", str(tiny), "sft")
+    assert model.config._attn_implementation == "eager"
