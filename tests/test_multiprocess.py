@@ -125,10 +125,12 @@ def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathere
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("fsdp_head_check.py")
+    script = Path(__file__).with_name("wrapped_head_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([*cmd, str(script), str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [*cmd, str(script), "fsdp", str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["layout"]: r for r in map(json.loads, (x for x in out.stdout.splitlines() if x.startswith("{")))}
     for row in rows.values():

@@ -39,51 +39,21 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     assert model.get_output_embeddings().weight.grad is not None
 
 
-DDP_CHECK = """
-import json, os, sys
-import torch
-import torch.distributed as dist
-from alignpipe import logprobs
-from alignpipe.logprobs import token_logprobs
-from alignpipe.modeling import load_causal_lm
-
-logprobs.WHOLE_LOGITS_MAX = 0
-model = load_causal_lm(sys.argv[1])
-ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(2))
-mask = torch.ones_like(ids)
-mask[1, :3] = 0
-plain = token_logprobs(model, ids, mask, chunk_tokens=6)
-plain.sum().backward()
-head = model.get_output_embeddings()
-expected = head.weight.grad.clone()
-head.weight.grad = None
-widths = []
-head.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
-dist.init_process_group("gloo", rank=0, world_size=1)
-wrapped = token_logprobs(torch.nn.parallel.DistributedDataParallel(model), ids, mask, chunk_tokens=6)
-wrapped.sum().backward()
-print(json.dumps({
-    "values": (wrapped - plain).abs().max().item(),
-    "grad": (head.weight.grad - expected).abs().max().item(),
-    "widths": widths,
-}), flush=True)
-os._exit(0)  # no teardown: freeing DDP's reducer and the gloo group can wait forever on gloo's threads
-"""
-
-
-def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny, tmp_path):
+def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny):
     """A DDP-wrapped model (one gloo process, in a child process): the wrapper's forward runs with the LM head cut
-    to one position, the head then runs chunk by chunk on the decoder's output. Values and the head's gradient equal
+    to one position, the head then runs chunk by chunk on the decoder's output. Values and every gradient equal
     the plain model's; the head never sees the whole sequence. (That two ranks train as one process is
     test_multiprocess.)"""
     import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    script = Path(__file__).with_name("wrapped_head_check.py")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561"}
     out = subprocess.run(
-        [sys.executable, "-c", DDP_CHECK, str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, str(script), "ddp", str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
