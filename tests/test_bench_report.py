@@ -308,3 +308,13 @@ def test_an_attention_kernel_runs_on_every_side_and_names_its_rows(tiny, tmp_pat
     monkeypatch.setenv(ATTENTION_ENV, "eager")
     model, _ = model_for("tiny", str(tiny), "sft")
     assert model.config._attn_implementation == "eager"
+
+
+def test_the_decode_overhead_probe_times_each_loop(capsys):
+    """`python -m bench.decode_overhead`: each decode loop's milliseconds per new token on the 24-layer probe."""
+    from bench.decode_overhead import main
+
+    main(["--new-tokens", "4", "--no-compile"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" ms")[0].strip() for line in lines] == ["eager, growing KV cache", "eager, static KV cache"]
+    assert all(float(line.split("then ")[1].split("–")[0]) > 0 for line in lines)
