@@ -91,21 +91,25 @@ def token_nll_sum(
     attention_mask: torch.Tensor | None,
     only: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    count: int | None = None,
 ) -> torch.Tensor:
     """Σ −log p(input_ids[:, t+1]) over the positions t where `only` (B, T−1) is true: SFT's summed cross-entropy,
     −token_logprobs(...)[only].sum() in value and gradient. The LM head runs on those positions alone, in chunks
     with its gradients computed in the forward (`linear_ce.linear_nll_sum`): no logits kept for backward and no
-    second head forward. Inputs as `token_logprobs`'s."""
+    second head forward. `count`, the number of true positions when the caller knows it on the host, lets them be
+    gathered without a device read (a boolean index waits for the device to count them). Other inputs as
+    `token_logprobs`'s."""
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
         return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
-    sel = only.bool()
+    flat = only.flatten()
+    index = (flat.nonzero() if count is None else flat.nonzero_static(size=count)).squeeze(1)
     weight = head.weight
     return linear_nll_sum(
-        hidden[:, :-1][sel],
+        hidden[:, :-1].flatten(0, 1).index_select(0, index),
         weight,
         getattr(head, "bias", None),
-        input_ids[:, 1:][sel],
+        input_ids[:, 1:].flatten().index_select(0, index),
         WHOLE_LOGITS_MAX // weight.size(0),
     )
 

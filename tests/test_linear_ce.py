@@ -65,10 +65,12 @@ def test_bf16_gradients_stay_close_to_float32():
         assert float((low.float() - high).norm() / high.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("host_count", [False, True], ids=["counted-on-device", "counted-on-host"])
 @pytest.mark.parametrize("whole_max", [64, 10**9], ids=["chunked", "whole"])
-def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max):
+def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max, host_count):
     """`token_nll_sum` (SFT's loss) against −Σ `token_logprobs` on the scored positions of a padded batch: value and
-    the gradient of every parameter."""
+    the gradient of every parameter; the scored positions gathered by a boolean index or, with the count `collate`
+    makes on the host, without reading the device."""
     from alignpipe import logprobs
     from alignpipe.logprobs import token_logprobs, token_nll_sum
     from alignpipe.modeling import load_causal_lm
@@ -89,7 +91,8 @@ def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max)
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in params]
 
-    fused, fused_grads = loss_and_grads(lambda: token_nll_sum(model, ids, mask, only))
+    count = int(only.sum()) if host_count else None
+    fused, fused_grads = loss_and_grads(lambda: token_nll_sum(model, ids, mask, only, count=count))
     plain, plain_grads = loss_and_grads(lambda: -(token_logprobs(model, ids, mask, only=only)).sum())
     assert float(fused) == pytest.approx(float(plain), rel=1e-6)
     for a, b in zip(fused_grads, plain_grads):

@@ -128,10 +128,11 @@ def token_loss_sum(model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Te
     forward (`logprobs.token_nll_sum`); labels are the input ids with prompt and padding set to IGNORE, so scoring
     the next input id is the CE."""
     valid = batch["labels"][:, 1:] != IGNORE
+    count = batch.get("num_targets")  # counted on the host by `collate`: no device read to gather the targets
     if "position_ids" in batch:  # packed rows: positions restart per row and no 2-D mask, so rows attend to themselves
-        loss = token_nll_sum(model, batch["input_ids"], None, valid, position_ids=batch["position_ids"])
+        loss = token_nll_sum(model, batch["input_ids"], None, valid, position_ids=batch["position_ids"], count=count)
     else:
-        loss = token_nll_sum(model, batch["input_ids"], batch["attention_mask"], valid)
+        loss = token_nll_sum(model, batch["input_ids"], batch["attention_mask"], valid, count=count)
     return loss, valid.sum()
 
 
