@@ -17,27 +17,60 @@ import torch
 import torch.nn.functional as F
 
 
+def _nll_and_grad(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
+    """One chunk's summed NLL and d(Σ NLL)/d logits = softmax − one-hot (float32 at least), eagerly: the softmax built
+    in the float copy's own memory."""
+    x = logits.to(precise)
+    lse = torch.logsumexp(x, -1)
+    nll = (lse - x.gather(-1, labels[:, None]).squeeze(-1)).sum()
+    grad = x.sub_(lse[:, None]).exp_()
+    grad[torch.arange(labels.size(0), device=labels.device), labels] -= 1
+    return nll, grad
+
+
+def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
+    """`_nll_and_grad` as element-wise expressions that `torch.compile` fuses into a row reduction and one pass
+    writing the gradient in the logits' dtype: the float32 copy and the separate passes over the (rows × V) chunk
+    are never materialised, which is most of the head's memory traffic in eager mode."""
+    x = logits.to(precise)
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    nll = (lse - x.gather(-1, labels[:, None])).sum()
+    hit = torch.arange(x.size(-1), device=x.device)[None, :] == labels[:, None]
+    return nll, (torch.exp(x - lse) - hit.to(precise)).to(logits.dtype)
+
+
+_compiled_nll_and_grad = None
+
+
+def compiled_nll_and_grad():
+    """`_nll_and_grad_fusable` compiled once per process (shapes dynamic: chunks differ in rows)."""
+    global _compiled_nll_and_grad
+    if _compiled_nll_and_grad is None:
+        _compiled_nll_and_grad = torch.compile(_nll_and_grad_fusable, dynamic=True)
+    return _compiled_nll_and_grad
+
+
 class _LinearNLLSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int):
+    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         precise = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's dtype: float32 at least
         total = torch.zeros((), dtype=precise, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
+        nll_and_grad = compiled_nll_and_grad() if compiled else _nll_and_grad
         for s in range(0, hidden.size(0), rows_per_chunk):
             h, y = hidden[s : s + rows_per_chunk], labels[s : s + rows_per_chunk]
-            logits = F.linear(h, weight, bias).to(precise)
-            lse = torch.logsumexp(logits, -1)
-            total += (lse - logits.gather(-1, y[:, None]).squeeze(-1)).sum()
+            logits = F.linear(h, weight, bias)
             if not (want_h or want_w or want_b):
+                x = logits.to(precise)
+                total += (torch.logsumexp(x, -1) - x.gather(-1, y[:, None]).squeeze(-1)).sum()
                 continue
-            # d(Σ NLL)/d logits = softmax − one-hot, built in the logits' own memory
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(y.size(0), device=y.device), y] -= 1
+            nll, grad = nll_and_grad(logits, y, precise)
+            total += nll
             if grad_b is not None:
-                grad_b += grad.sum(0)
+                grad_b += grad.to(precise).sum(0)
             grad = grad.to(weight.dtype)
             if grad_h is not None:
                 grad_h[s : s + rows_per_chunk] = grad @ weight
@@ -56,6 +89,7 @@ class _LinearNLLSum(torch.autograd.Function):
             (grad_b * grad_out).to(ctx.bias_dtype) if grad_b is not None else None,
             None,
             None,
+            None,
         )
 
 
@@ -65,9 +99,11 @@ def linear_nll_sum(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     rows_per_chunk: int,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Σ −log softmax(hidden Wᵀ + b)[label] over the N rows of `hidden` (N, d), in float32 (float64 for float64
-    inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they are computed here, chunk by chunk,
-    and only scaled in backward. The weight's gradient accumulates in the weight's dtype over chunks, as autograd's
-    sum of per-chunk gradients would."""
-    return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk))
+    inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they
+    are computed here, chunk by chunk, and only scaled in backward. The weight's gradient accumulates in the weight's dtype over chunks, as autograd's
+    sum of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
+    as one compiled kernel (`compiled_nll_and_grad`) instead of several passes over the chunk's logits."""
+    return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk), compiled)

@@ -92,12 +92,14 @@ def token_nll_sum(
     only: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     count: int | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Σ −log p(input_ids[:, t+1]) over the positions t where `only` (B, T−1) is true: SFT's summed cross-entropy,
     −token_logprobs(...)[only].sum() in value and gradient. The LM head runs on those positions alone, in chunks
     with its gradients computed in the forward (`linear_ce.linear_nll_sum`): no logits kept for backward and no
     second head forward. `count`, the number of true positions when the caller knows it on the host, lets them be
-    gathered without a device read (a boolean index waits for the device to count them). Other inputs as
+    gathered without a device read (a boolean index waits for the device to count them). `compiled`: each chunk's
+    softmax and gradient as one compiled kernel (`linear_ce.compiled_nll_and_grad`). Other inputs as
     `token_logprobs`'s."""
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
@@ -111,6 +113,7 @@ def token_nll_sum(
         getattr(head, "bias", None),
         input_ids[:, 1:].flatten().index_select(0, index),
         WHOLE_LOGITS_MAX // weight.size(0),
+        compiled,
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignpipe.linear_ce import linear_nll_sum
+from alignpipe.linear_ce import _nll_and_grad, compiled_nll_and_grad, linear_nll_sum
 
 
 def reference(hidden, weight, bias, labels):
@@ -97,3 +97,24 @@ def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max,
     assert float(fused) == pytest.approx(float(plain), rel=1e-6)
     for a, b in zip(fused_grads, plain_grads):
         assert float((a - b).norm() / b.norm().clamp(min=1e-12)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_chunk_kernel_gives_the_eager_softmax_and_gradient(dtype):
+    """`compile: true`: each chunk's NLL and softmax − one-hot come from one compiled kernel (inductor's CPU code
+    here), equal to the eager passes; the gradient in the logits' dtype. Chunks of different rows share it."""
+    g = torch.Generator().manual_seed(4)
+    for rows in (37, 64):
+        logits = (torch.randn(rows, 501, generator=g) * 3).to(dtype)
+        labels = torch.randint(0, 501, (rows,), generator=g)
+        nll, grad = compiled_nll_and_grad()(logits, labels, torch.float32)
+        want_nll, want_grad = _nll_and_grad(logits.clone(), labels, torch.float32)
+        assert grad.dtype == dtype and float(nll) == pytest.approx(float(want_nll), rel=1e-6)
+        assert torch.allclose(grad.float(), want_grad.to(dtype).float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    hidden = torch.randn(50, 16, generator=g, requires_grad=True)
+    weight = torch.randn(97, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 97, (50,), generator=g)
+    eager = torch.autograd.grad(linear_nll_sum(hidden, weight, None, labels, 7), (hidden, weight))
+    fused = torch.autograd.grad(linear_nll_sum(hidden, weight, None, labels, 7, compiled=True), (hidden, weight))
+    for a, b in zip(fused, eager):
+        assert torch.allclose(a, b, atol=1e-6)

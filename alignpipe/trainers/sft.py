@@ -122,17 +122,18 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, Any]:
     return out
 
 
-def token_loss_sum(model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
     target positions only (no logits for prompt or padding tokens), in chunks with its gradients formed in the
-    forward (`logprobs.token_nll_sum`); labels are the input ids with prompt and padding set to IGNORE, so scoring
-    the next input id is the CE."""
+    forward (`logprobs.token_nll_sum`; `compiled`: with the softmax and gradient of each chunk one compiled kernel);
+    labels are the input ids with prompt and padding set to IGNORE, so scoring the next input id is the CE."""
     valid = batch["labels"][:, 1:] != IGNORE
     count = batch.get("num_targets")  # counted on the host by `collate`: no device read to gather the targets
     if "position_ids" in batch:  # packed rows: positions restart per row and no 2-D mask, so rows attend to themselves
-        loss = token_nll_sum(model, batch["input_ids"], None, valid, position_ids=batch["position_ids"], count=count)
+        ids, mask, positions = batch["input_ids"], None, batch["position_ids"]
     else:
-        loss = token_nll_sum(model, batch["input_ids"], batch["attention_mask"], valid, count=count)
+        ids, mask, positions = batch["input_ids"], batch["attention_mask"], None
+    loss = token_nll_sum(model, ids, mask, valid, position_ids=positions, count=count, compiled=compiled)
     return loss, valid.sum()
 
 
@@ -183,7 +184,7 @@ def train(
         loss_total = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                loss_sum, _ = token_loss_sum(loop.model, batch)
+                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=cfg.compile)
                 acc.backward(loss_sum * scale)
             loss_total += loss_sum.detach().float()
         num_tokens += n_global
