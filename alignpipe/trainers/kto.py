@@ -60,7 +60,8 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
 
 def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -> dict[str, Any]:
     """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then the completion of the row
-    before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool."""
+    before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool and
+    `num_chosen`, the host int count of desirable rows."""
     keys: tuple[str, ...] = ("completion_ids",)
     if with_kl:
         shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
