@@ -48,6 +48,9 @@ class StepClock:
 
 # Set by `python -m bench --attention KERNEL`: the attention implementation every side's model runs.
 ATTENTION_ENV = "ALIGNPIPE_BENCH_ATTENTION"
+# Set to 1 by `python -m bench --compile` for our side: `compile: true` on offline trainers, `rollout: {compile: true}`
+# on online ones.
+COMPILE_ENV = "ALIGNPIPE_BENCH_COMPILE"
 
 
 def model_for(kind: str, assets: str, task: str):
@@ -142,6 +145,7 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         OnlineDPOConfig,
         RewardConfig,
         RLOOConfig,
+        RolloutSpec,
         SFTConfig,
     )
 
@@ -161,26 +165,30 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         logging_every=shape.log_every or steps,
         lr_scheduler="linear",
     )
+    compiled = os.environ.get(COMPILE_ENV) == "1"
+    offline = {"compile": True} if compiled else {}
+    online = {"rollout": RolloutSpec(compile=True)} if compiled else {}
     tracker, out = ClockedTracker(), tempfile.mkdtemp()
     t0 = time.perf_counter()
     if task == "sft":
-        sft.train(SFTConfig(**common, packing=shape.packed), model, tok, data, [], tracker, out)
+        sft.train(SFTConfig(**common, **offline, packing=shape.packed), model, tok, data, [], tracker, out)
     elif task == "reward":
-        reward.train(RewardConfig(**common), model, tok, data, [], tracker, out)
+        reward.train(RewardConfig(**common, **offline), model, tok, data, [], tracker, out)
     elif task == "dpo":
         import copy
 
-        dpo.train(DPOConfig(**common), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
+        dpo.train(DPOConfig(**common, **offline), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
     elif task == "kto":
         import copy
 
-        kto.train(KTOConfig(**common), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
+        kto.train(KTOConfig(**common, **offline), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
     elif task in ("grpo", "rloo"):
         import copy
 
         config, trainer = (GRPOConfig, grpo) if task == "grpo" else (RLOOConfig, rloo)
         cfg = config(
             **common,
+            **online,
             num_generations=shape.generations,
             max_completion_length=shape.completion,
             sample_every=10**9,
@@ -197,6 +205,7 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
         cfg = OnlineDPOConfig(
             **{k: v for k, v in common.items() if k != "max_length"},
+            **online,
             max_completion_length=shape.completion,
             sample_every=10**9,
         )
@@ -214,6 +223,7 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         rm, dtype = reward_model_dir(ASSETS, kind), ("bfloat16" if is_gpu_model(kind) else "float32")
         cfg = PPOConfig(
             **common,
+            **online,
             max_completion_length=shape.completion,
             num_ppo_epochs=4,
             sample_every=10**9,

@@ -35,7 +35,7 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, key, model, steps, assets, attention=None):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
@@ -268,7 +268,7 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     `--cases` picks cases by key."""
     import bench.__main__ as bench_main
 
-    def fake(impl, key, model, steps, assets, attention=None):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False):
         if key.startswith("dpo/"):
             raise RuntimeError("cut short")
         return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
@@ -285,29 +285,52 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
         bench_main.main(["--cases", "sft/8x2048", *common])  # a users' shape, not in the CPU's latency suite
 
 
-def test_an_attention_kernel_runs_on_every_side_and_names_its_rows(tiny, tmp_path, monkeypatch):
+def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeypatch):
     """`--attention flex_attention` (on a GPU): every side's model runs that kernel (`bench.run_one` reads the
-    environment `measure` gives it), and its rows name it beside the model, apart from the SDPA rows when merged."""
+    environment `measure` gives it); `--compile`: our side compiled. Their rows name it beside the model, apart from
+    the plain rows when merged."""
     import bench.__main__ as bench_main
-    from bench.run_one import ATTENTION_ENV, model_for
+    from bench.run_one import ATTENTION_ENV, COMPILE_ENV, model_for
 
+    real_measure = bench_main.measure
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
     seen = []
     monkeypatch.setattr(
         bench_main,
         "measure",
-        lambda *a: seen.append(a[5]) or {"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1},
+        lambda *a: seen.append((a[0], a[5], a[6])) or {"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1},
     )
     monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
     out = tmp_path / "report.md"
     common = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0", "--trainers", "sft"]
     bench_main.main(common)
     bench_main.main([*common, "--attention", "eager", "--merge"])
+    bench_main.main([*common, "--compile", "--merge"])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| sft")]
-    assert [r.split("|")[2].strip() for r in rows] == ["tiny", "tiny/eager"]
-    assert seen == [None, None, "eager", "eager"]
+    assert [r.split("|")[2].strip() for r in rows] == ["tiny", "tiny/eager", "tiny+compile"]
+    assert [(impl, attention, compile) for impl, attention, compile in seen] == [
+        ("ours", None, False),
+        ("trl", None, False),
+        ("ours", "eager", False),
+        ("trl", "eager", False),
+        ("ours", None, True),
+        ("trl", None, True),
+    ]
     monkeypatch.setenv(ATTENTION_ENV, "eager")
     model, _ = model_for("tiny", str(tiny), "sft")
     assert model.config._attn_implementation == "eager"
+
+    envs = {}
+
+    def run(cmd, env, **_):
+        envs[cmd[3]] = env
+        return subprocess.CompletedProcess(cmd, 0, '{"samples_per_s": 1.0}', "")
+
+    monkeypatch.setattr(bench_main.subprocess, "run", run)
+    for impl in ("ours", "trl"):
+        real_measure(impl, "sft/8x64", "tiny", 2, tiny, "flex_attention", True)
+    assert envs["ours"][COMPILE_ENV] == "1" and COMPILE_ENV not in envs["trl"], "compile is our side's switch only"
+    assert envs["ours"][ATTENTION_ENV] == envs["trl"][ATTENTION_ENV] == "flex_attention"
 
 
 def test_the_decode_overhead_probe_times_each_loop(capsys):
