@@ -34,6 +34,18 @@ def _chunk_logprobs(
     return token, -(logp.exp() * logp).sum(-1)
 
 
+_compiled_chunk_logprobs = None
+
+
+def compiled_chunk_logprobs():
+    """`_chunk_logprobs` compiled once per process (`compile: true`; shapes dynamic): the float copy, log-softmax,
+    gather and their backward fused into few kernels instead of a pass over the chunk's logits each."""
+    global _compiled_chunk_logprobs
+    if _compiled_chunk_logprobs is None:
+        _compiled_chunk_logprobs = torch.compile(_chunk_logprobs, dynamic=True)
+    return _compiled_chunk_logprobs
+
+
 # Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
 # checkpointing only pay off when the float32 logits would be large (256 MB here). It is also the budget of
 # one chunk, so a 150k vocabulary gets chunks of ~440 positions, a 512 one chunks of `chunk_tokens`.
@@ -50,6 +62,7 @@ def token_logprobs(
     start: int = 0,
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    compiled: bool = False,
 ):
     """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
 
@@ -61,6 +74,8 @@ def token_logprobs(
     one chunk of logits; small ones are computed in one piece.
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
+    `compiled` (a stage's `compile: true`): with gradients on, each chunk of the head runs compiled
+    (`compiled_chunk_logprobs`).
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
     labels = input_ids[:, start + 1 :]
@@ -80,7 +95,7 @@ def token_logprobs(
         hidden,
         labels,
         only,
-        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy, compiled),
         with_entropy,
     )
 
@@ -250,6 +265,7 @@ def shared_prompt_logprobs(
     with_entropy: bool = False,
     only: torch.Tensor | None = None,
     prompts_nonempty: bool | None = None,
+    compiled: bool = False,
 ):
     """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
     prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
@@ -262,7 +278,8 @@ def shared_prompt_logprobs(
     (R, C) limits the LM head to the real completion tokens (zeros elsewhere). Falls back to whole rows where a
     cache cannot carry gradients (DDP's forward, activation checkpointing), a prompt is empty, or the model is too
     small for the saving to outweigh one more decoder call (`worth_sharing`). `prompts_nonempty`: whether every
-    prompt holds a token, where the caller knows it on the host (`can_share_prefix`)."""
+    prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` as in
+    `token_logprobs`."""
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
     base = unwrapped(model)
@@ -280,6 +297,7 @@ def shared_prompt_logprobs(
             with_entropy=with_entropy,
             start=max(P, 1) - 1,
             only=only,
+            compiled=compiled,
         )
     body, head = _decoder_and_head(base)
     prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
@@ -289,7 +307,7 @@ def shared_prompt_logprobs(
         hidden,
         completion_ids,
         only,
-        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy),
+        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy, compiled),
         with_entropy,
     )
 
@@ -342,20 +360,22 @@ def _head_logprobs(
     temperature: float,
     chunk_tokens: int,
     with_entropy: bool,
+    compiled: bool = False,
 ):
     B, T, _ = hidden.shape
     V = weight.shape[0]
+    chunk_logprobs = compiled_chunk_logprobs() if compiled and torch.is_grad_enabled() else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
-        lp, ent = _chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
+        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
         return (lp, ent.detach()) if with_entropy else lp
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
         args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, with_entropy)
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(*args)
+            lp, ent = chunk_logprobs(*args)
         logps.append(lp)
         entropies.append(ent.detach())
     logp = torch.cat(logps, 1)

@@ -102,10 +102,10 @@ def collate(
     return batch
 
 
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed completion log-probs (kB,), per-token log-probs (kB, C), completion token mask (kB, C)) for the k
     answers of each of B prompts. Each prompt runs once for all its answers (`shared_prompt_logprobs`); the LM head
-    runs on answer tokens only."""
+    runs on answer tokens only (`compiled`: its chunks compiled, with gradients on)."""
     mask = batch["completion_tokens"]
     pairs = batch["prompt_ids"].size(0)
     index = torch.arange(mask.size(0), device=mask.device) % pairs
@@ -117,6 +117,7 @@ def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, to
         index,
         only=mask.bool(),
         prompts_nonempty=batch.get("prompts_nonempty"),
+        compiled=compiled,
     )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
@@ -186,7 +187,7 @@ class _Reference:
 
 def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and metrics (device tensors) of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`."""
-    logps, per_token, mask = completion_logps(model, batch)
+    logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = reference_logps(batch)
     lengths = batch["completion_tokens"].sum(1).to(logps.dtype)

@@ -97,7 +97,7 @@ class Losses:
         labels = batch["label"]
         B = labels.size(0)
         main = slice(0, B)
-        logps, _, _ = dpo.completion_logps(model, answers(batch, main))
+        logps, _, _ = dpo.completion_logps(model, answers(batch, main), compiled=cfg.compile)
         ref_model, context = self.reference()
         with torch.inference_mode(), context:
             ref_logps, _, _ = dpo.completion_logps(ref_model, batch)
