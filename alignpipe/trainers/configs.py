@@ -65,7 +65,8 @@ class TrainingArgs(Strict):
     compile: bool = False
     """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
     by compilation in the first steps (offline trainers: SFT, reward, DPO, KTO). SFT also compiles its loss's
-    softmax and gradient into one kernel per chunk of the LM head, DPO and KTO their LM head's log-softmax chunks. docs/benchmarks.md has what it costs and buys."""
+    softmax and gradient into one kernel per chunk of the LM head, DPO and KTO their LM head's log-softmax chunks.
+    docs/benchmarks.md has what it costs and buys."""
     lora: LoraSpec | None = None
     """Train a LoRA adapter instead of the full model; the stage then saves only the adapter."""
     seed: int | None = None
