@@ -7,9 +7,12 @@ serves them all (their parameters are the graph's inputs). What it buys, on a GP
 activation element-wise work fused into few kernels, far fewer launches per step. What it costs: compilation in the
 first steps, and one recompile when a second sequence length arrives (shapes then go dynamic). Activation
 checkpointing and LoRA layers compile with the layer they belong to; under FSDP the layers are compiled before they
-are sharded (the order torchtitan uses)."""
+are sharded (the order torchtitan uses). The loss kernels of the LM head's chunks compile apart
+(`compiled_function`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -31,3 +34,10 @@ def compile_layers(model: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+@functools.cache
+def compiled_function(fn):
+    """`fn` through `torch.compile` with dynamic shapes, compiled once per process (chunks of an LM head differ in
+    rows): the loss kernels `compile: true` fuses (`linear_ce`, `logprobs`)."""
+    return torch.compile(fn, dynamic=True)

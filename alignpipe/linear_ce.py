@@ -16,13 +16,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from alignpipe.compiled import compiled_function
+
+
+def _nll_sum(x: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Σ (log-sum-exp − the label's logit) over a chunk's rows."""
+    return (lse - x.gather(-1, labels[:, None]).squeeze(-1)).sum()
+
 
 def _nll_and_grad(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
     """One chunk's summed NLL and d(Σ NLL)/d logits = softmax − one-hot (float32 at least), eagerly: the softmax built
     in the float copy's own memory."""
     x = logits.to(precise)
     lse = torch.logsumexp(x, -1)
-    nll = (lse - x.gather(-1, labels[:, None]).squeeze(-1)).sum()
+    nll = _nll_sum(x, lse, labels)
     grad = x.sub_(lse[:, None]).exp_()
     grad[torch.arange(labels.size(0), device=labels.device), labels] -= 1
     return nll, grad
@@ -39,17 +46,6 @@ def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: t
     return nll, (torch.exp(x - lse) - hit.to(precise)).to(logits.dtype)
 
 
-_compiled_nll_and_grad = None
-
-
-def compiled_nll_and_grad():
-    """`_nll_and_grad_fusable` compiled once per process (shapes dynamic: chunks differ in rows)."""
-    global _compiled_nll_and_grad
-    if _compiled_nll_and_grad is None:
-        _compiled_nll_and_grad = torch.compile(_nll_and_grad_fusable, dynamic=True)
-    return _compiled_nll_and_grad
-
-
 class _LinearNLLSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool):
@@ -59,13 +55,13 @@ class _LinearNLLSum(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
-        nll_and_grad = compiled_nll_and_grad() if compiled else _nll_and_grad
+        nll_and_grad = compiled_function(_nll_and_grad_fusable) if compiled else _nll_and_grad
         for s in range(0, hidden.size(0), rows_per_chunk):
             h, y = hidden[s : s + rows_per_chunk], labels[s : s + rows_per_chunk]
             logits = F.linear(h, weight, bias)
             if not (want_h or want_w or want_b):
                 x = logits.to(precise)
-                total += (torch.logsumexp(x, -1) - x.gather(-1, y[:, None]).squeeze(-1)).sum()
+                total += _nll_sum(x, torch.logsumexp(x, -1), y)
                 continue
             nll, grad = nll_and_grad(logits, y, precise)
             total += nll
@@ -103,7 +99,7 @@ def linear_nll_sum(
 ) -> torch.Tensor:
     """Σ −log softmax(hidden Wᵀ + b)[label] over the N rows of `hidden` (N, d), in float32 (float64 for float64
     inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they
-    are computed here, chunk by chunk, and only scaled in backward. The weight's gradient accumulates in the weight's dtype over chunks, as autograd's
-    sum of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
-    as one compiled kernel (`compiled_nll_and_grad`) instead of several passes over the chunk's logits."""
+    are computed here, chunk by chunk, and only scaled in backward. The weight's gradient accumulates in the
+    weight's dtype over chunks, as autograd's sum of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
+    as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits."""
     return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk), compiled)

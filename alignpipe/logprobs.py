@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from alignpipe.compiled import compiled_function
 from alignpipe.linear_ce import linear_nll_sum
-from alignpipe.modeling import is_activation_checkpointing
+from alignpipe.modeling import is_activation_checkpointing, mask_positions
 
 
 def _chunk_logprobs(
@@ -32,18 +33,6 @@ def _chunk_logprobs(
     if not with_entropy:
         return token, token.new_zeros(())
     return token, -(logp.exp() * logp).sum(-1)
-
-
-_compiled_chunk_logprobs = None
-
-
-def compiled_chunk_logprobs():
-    """`_chunk_logprobs` compiled once per process (`compile: true`; shapes dynamic): the float copy, log-softmax,
-    gather and their backward fused into few kernels instead of a pass over the chunk's logits each."""
-    global _compiled_chunk_logprobs
-    if _compiled_chunk_logprobs is None:
-        _compiled_chunk_logprobs = torch.compile(_chunk_logprobs, dynamic=True)
-    return _compiled_chunk_logprobs
 
 
 # Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
@@ -75,10 +64,11 @@ def token_logprobs(
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
     `compiled` (a stage's `compile: true`): with gradients on, each chunk of the head runs compiled
-    (`compiled_chunk_logprobs`).
+    (`compiled.compiled_function`).
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
     labels = input_ids[:, start + 1 :]
+    position_ids = _positions(attention_mask, position_ids)
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
         logits = _logits_inside_forward(model, input_ids, attention_mask, position_ids)[:, start:-1]
@@ -114,8 +104,9 @@ def token_nll_sum(
     with its gradients computed in the forward (`linear_ce.linear_nll_sum`): no logits kept for backward and no
     second head forward. `count`, the number of true positions when the caller knows it on the host, lets them be
     gathered without a device read (a boolean index waits for the device to count them). `compiled`: each chunk's
-    softmax and gradient as one compiled kernel (`linear_ce.compiled_nll_and_grad`). Other inputs as
+    softmax and gradient as one compiled kernel (`linear_ce.linear_nll_sum`'s `compiled`). Other inputs as
     `token_logprobs`'s."""
+    position_ids = _positions(attention_mask, position_ids)
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
         return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
@@ -132,14 +123,19 @@ def token_nll_sum(
     )
 
 
+def _positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The given position ids (packed rows), or the mask's (`mask_positions`)."""
+    if position_ids is not None:
+        return position_ids
+    if attention_mask is None:
+        raise ValueError("token_logprobs needs an attention_mask or position_ids")
+    return mask_positions(attention_mask)
+
+
 def _hidden_and_head(model, input_ids, attention_mask, position_ids):
     """The decoder's final hidden states (B, T, d) and the LM head module, for a plain, peft, DDP or FSDP causal LM
-    (positions counted from the mask when not given: left-padded prompts get the positions `generate` gave them).
-    (None, None) where the head can only run inside the model's forward (`RESHARDS_HEAD`)."""
-    if position_ids is None:
-        if attention_mask is None:
-            raise ValueError("token_logprobs needs an attention_mask or position_ids")
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    (positions from `_positions`). (None, None) where the head can only run inside the model's forward
+    (`RESHARDS_HEAD`)."""
     base = unwrapped(model)
     if base is not None:
         body, head = _decoder_and_head(base)
@@ -156,8 +152,6 @@ def _logits_inside_forward(model, input_ids, attention_mask, position_ids):
     """Full logits from the model's own forward: for an FSDP layout that re-shards the LM head right after the
     forward (a user's accelerate config), where the head's weight exists whole only inside it. The float32
     log-softmax is still taken chunk by chunk by the caller."""
-    if position_ids is None:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
 
 
@@ -240,6 +234,11 @@ def worth_sharing(model, saved_tokens: int) -> bool:
     return saved_tokens * sum(p.numel() for p in params) >= floor
 
 
+def every_row_holds_a_token(mask: torch.Tensor) -> bool:
+    """Whether each row of a (B, T) mask marks a token (a read when the mask is on a GPU)."""
+    return bool(mask.bool().any(1).all())
+
+
 def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int, nonempty: bool | None = None) -> bool:
     """Whether `shared_prefix_hidden` can serve `base` (`unwrapped(model)`, None under DDP): the saving pays
     (`worth_sharing`), no activation checkpointing (it drops the KV cache), and every prefix holds a token:
@@ -250,7 +249,7 @@ def can_share_prefix(base, prefix_mask: torch.Tensor, saved_tokens: int, nonempt
         and prefix_mask.size(1) > 0
         and worth_sharing(base, saved_tokens)
         and not is_activation_checkpointing(base)
-        and (nonempty if nonempty is not None else bool(prefix_mask.bool().any(1).all()))
+        and (nonempty if nonempty is not None else every_row_holds_a_token(prefix_mask))
     )
 
 
@@ -321,7 +320,7 @@ def shared_prefix_hidden(
     Every prefix must hold at least one token."""
     from transformers import DynamicCache
 
-    position = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position = mask_positions(prefix_mask)
     cache = DynamicCache(config=config)
     prefix_out = body(
         input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position, past_key_values=cache, use_cache=True
@@ -364,7 +363,7 @@ def _head_logprobs(
 ):
     B, T, _ = hidden.shape
     V = weight.shape[0]
-    chunk_logprobs = compiled_chunk_logprobs() if compiled and torch.is_grad_enabled() else _chunk_logprobs
+    chunk_logprobs = compiled_function(_chunk_logprobs) if compiled and torch.is_grad_enabled() else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
         return (lp, ent.detach()) if with_entropy else lp
@@ -402,7 +401,7 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     base = unwrapped(model)
     if base is None:
         raise ValueError("decoder_hidden needs the model itself, not its DDP wrapper")
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = mask_positions(attention_mask)
     body, head = _decoder_and_head(base)
     hidden = body(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

@@ -43,6 +43,12 @@ def under_attention_kernels(fn):
     return wrapper
 
 
+def mask_positions(mask):
+    """Position ids of a (B, T) attention mask: real tokens counted from 0, so left-padded prompts get the positions
+    `generate` gives them (padding sits at 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def enable_activation_checkpointing(model) -> None:
     """Turn activation checkpointing on: `activation_checkpointing_enable` in newer transformers (5.23 here), where
     the older `gradient_checkpointing_enable` warns that it goes away in v6."""

@@ -8,7 +8,7 @@ import torch
 
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
-from alignpipe.modeling import under_attention_kernels
+from alignpipe.modeling import mask_positions, under_attention_kernels
 
 
 class HFEngine:
@@ -117,7 +117,7 @@ def decode(
     end are cut, so the result does not depend on when it looked."""
     from transformers import DynamicCache
 
-    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    position = mask_positions(mask)
     cache = DynamicCache(config=model.config)
     logits = model(
         input_ids=ids,
@@ -132,26 +132,19 @@ def decode(
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
     rows = logits.shape[0]
     new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=ids.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    ends = RowEnds(rows, sampling.max_new_tokens, ids.device)
     pos = position[:, -1:] + 1
     masks = [mask, torch.ones((rows, sampling.max_new_tokens), dtype=mask.dtype, device=mask.device)]
     full_mask = torch.cat(masks, dim=1)
     if _takes_padding_mask(model):  # (rows, 1, 1, keys): the model skips building the mask on every step
         full_mask = full_mask.bool()[:, None, None, :]
     width = ids.shape[1]
-    ended = torch.full((rows,), sampling.max_new_tokens - 1, dtype=torch.long, device=ids.device)
-    every = check_every(ids.device)
     for t in range(sampling.max_new_tokens):
-        token = next_token(logits, sampling, generator)
-        token = token.masked_fill(done, pad)
+        token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
         new[:, t] = token
-        if eos is not None:
-            now = token == eos
-            ended = torch.where(now & ~done, t, ended)
-            done |= now
-        if t + 1 == sampling.max_new_tokens or ((t + 1) % every == 0 and bool(done.all())):
-            # as many columns as the longest row needs: up to the step the last row ended at
-            return new[:, : int(ended.max()) + 1]
+        ends.record(token, t, eos)
+        if ends.finished(t):
+            return new[:, : ends.width()]
         logits = model(
             input_ids=token[:, None],
             attention_mask=full_mask[..., : width + t + 1],
@@ -172,6 +165,29 @@ CHECK_EVERY = 8
 def check_every(device: torch.device) -> int:
     """Steps between "have all rows ended?" reads: every step on CPU, where a read waits for nothing."""
     return 1 if device.type == "cpu" else CHECK_EVERY
+
+
+class RowEnds:
+    """Which rows of a decode loop have sampled EOS, and at which step, kept on the device. `finished(t)` reads it
+    back only every `check_every` steps (or at the last step); `width()` is the columns up to the step the last row
+    ended at, so the result does not depend on when the loop looked."""
+
+    def __init__(self, rows: int, steps: int, device: torch.device):
+        self.steps, self.every = steps, check_every(device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.ended = torch.full((rows,), steps - 1, dtype=torch.long, device=device)
+
+    def record(self, token: torch.Tensor, t: int, eos: int | None) -> None:
+        if eos is not None:
+            now = token == eos
+            self.ended = torch.where(now & ~self.done, t, self.ended)
+            self.done |= now
+
+    def finished(self, t: int) -> bool:
+        return t + 1 == self.steps or ((t + 1) % self.every == 0 and bool(self.done.all()))
+
+    def width(self) -> int:
+        return int(self.ended.max()) + 1
 
 
 def decode_static(
@@ -207,7 +223,7 @@ def decode_static(
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + steps)
     full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
-    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    position = mask_positions(mask)
     logits = model(
         input_ids=ids,
         attention_mask=full_mask,
@@ -218,21 +234,15 @@ def decode_static(
         logits_to_keep=1,
     ).logits[:, -1]
     new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
-    ended = torch.full((rows,), steps - 1, dtype=torch.long, device=ids.device)  # the step each row ended at
+    ends = RowEnds(rows, steps, ids.device)
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
-    every = check_every(ids.device)
     for t in range(steps):
-        token = next_token(logits, sampling, generator).masked_fill(done, pad)
+        token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
         new[:, t] = token
-        if eos is not None:
-            now = token == eos
-            ended = torch.where(now & ~done, t, ended)
-            done |= now
-        if t + 1 == steps or ((t + 1) % every == 0 and bool(done.all())):
-            # as many columns as `decode` returns: up to the step the last row ended at (rows still going: this one)
-            return new[:, : int(ended.max()) + 1]
+        ends.record(token, t, eos)
+        if ends.finished(t):
+            return new[:, : ends.width()]
         full_mask[:, width + t] = 1
         logits = (step or _decode_step)(model, token[:, None], full_mask, pos, cache, cache_position)
         pos = pos + 1

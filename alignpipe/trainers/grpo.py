@@ -34,7 +34,7 @@ import torch
 from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
-from alignpipe.logprobs import shared_prompt_logprobs
+from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
@@ -81,12 +81,9 @@ def completion_logps(
         )  # not grouped: one prompt per row
     nonempty = None
     if device is not None:
-        nonempty = bool(firsts[1].bool().any(1).all())
-        firsts, index, completion_ids = (
-            (firsts[0].to(device), firsts[1].to(device)),
-            index.to(device),
-            completion_ids.to(device),
-        )
+        nonempty = every_row_holds_a_token(firsts[1])
+        firsts = tuple(x.to(device) for x in firsts)
+        index, completion_ids = index.to(device), completion_ids.to(device)
     return shared_prompt_logprobs(
         model,
         *firsts,

@@ -50,7 +50,7 @@ from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
-from alignpipe.modeling import under_attention_kernels
+from alignpipe.modeling import mask_positions, under_attention_kernels
 from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed, save_model, seed_everything
 from alignpipe.trainers.configs import PPOConfig
@@ -82,7 +82,7 @@ class PolicyAndValue(nn.Module):
 def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
     """The value head applied at every position, (B, T)."""
     backbone = getattr(value_model, value_model.base_model_prefix)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = mask_positions(attention_mask)
     hidden = backbone(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state
