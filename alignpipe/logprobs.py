@@ -52,6 +52,7 @@ def token_logprobs(
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     compiled: bool = False,
+    count: int | None = None,
 ):
     """Log-probability of each next token, (B, T-1-start), without materialising (B, T, V) logits at once.
 
@@ -64,7 +65,8 @@ def token_logprobs(
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
     `compiled` (a stage's `compile: true`): with gradients on, each chunk of the head runs compiled
-    (`compiled.compiled_function`).
+    (`compiled.compiled_function`). `count`: the number of true positions in `only`, where the caller knows it on
+    the host (no wait for the device to count them).
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
     labels = input_ids[:, start + 1 :]
@@ -78,6 +80,7 @@ def token_logprobs(
             only,
             lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
             with_entropy,
+            count,
         )
     hidden = hidden[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
@@ -87,6 +90,7 @@ def token_logprobs(
         only,
         lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy, compiled),
         with_entropy,
+        count,
     )
 
 
@@ -110,8 +114,7 @@ def token_nll_sum(
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
         return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
-    flat = only.flatten()
-    index = (flat.nonzero() if count is None else flat.nonzero_static(size=count)).squeeze(1)
+    index = _scored_index(only, count)
     weight = head.weight
     return linear_nll_sum(
         hidden[:, :-1].flatten(0, 1).index_select(0, index),
@@ -265,6 +268,7 @@ def shared_prompt_logprobs(
     only: torch.Tensor | None = None,
     prompts_nonempty: bool | None = None,
     compiled: bool = False,
+    count: int | None = None,
 ):
     """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
     prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
@@ -277,7 +281,7 @@ def shared_prompt_logprobs(
     (R, C) limits the LM head to the real completion tokens (zeros elsewhere). Falls back to whole rows where a
     cache cannot carry gradients (DDP's forward, activation checkpointing), a prompt is empty, or the model is too
     small for the saving to outweigh one more decoder call (`worth_sharing`). `prompts_nonempty`: whether every
-    prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` as in
+    prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` and `count` as in
     `token_logprobs`."""
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
@@ -297,6 +301,7 @@ def shared_prompt_logprobs(
             start=max(P, 1) - 1,
             only=only,
             compiled=compiled,
+            count=count,
         )
     body, head = _decoder_and_head(base)
     prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
@@ -308,6 +313,7 @@ def shared_prompt_logprobs(
         only,
         lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy, compiled),
         with_entropy,
+        count,
     )
 
 
@@ -334,16 +340,24 @@ def shared_prefix_hidden(
     return prefix_out[index, -1:], s_hidden
 
 
-def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool):
+def _scored_index(only: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Flat indices of the true positions of the mask `only`; with `count`, their number known on the host, found
+    without waiting for the device to count them (as `nonzero` and a boolean index must)."""
+    flat = only.flatten()
+    return (flat.nonzero() if count is None else flat.nonzero_static(size=count)).squeeze(1)
+
+
+def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool, count: int | None = None):
     """`fn(rows, labels)` everywhere, or (with the mask `only`) on the masked positions alone, scattered back
-    into zeros of the full shape."""
+    into zeros of the full shape (`count` as in `_scored_index`)."""
     if only is None:
         return fn(rows, labels)
-    sel = only.bool()
-    out = fn(rows[sel].unsqueeze(0), labels[sel].unsqueeze(0))
+    index = _scored_index(only, count)
+    out = fn(rows.flatten(0, 1).index_select(0, index).unsqueeze(0), labels.flatten().index_select(0, index)[None])
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(labels.shape, dtype=values.dtype, device=values.device).masked_scatter(sel, values[0])
+        zeros = torch.zeros(labels.numel(), dtype=values.dtype, device=values.device)
+        return zeros.index_copy(0, index, values[0]).view(labels.shape)
 
     if not with_entropy:
         return scatter(out)

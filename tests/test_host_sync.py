@@ -6,15 +6,19 @@ padding mask, are outside this test: they are the same for every trainer built o
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 from support import tiny_split
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import common, dpo, kto, reward, sft
 from alignpipe.trainers.configs import DPOConfig, KTOConfig, RewardConfig, SFTConfig
+from alignpipe.trainers.loss_watch import LossWatch
 
 READS = ("__float__", "__int__", "item", "tolist")
 
@@ -23,9 +27,49 @@ class HostRead(AssertionError):
     pass
 
 
+def _syncs(func, args, kwargs) -> bool:
+    """Whether this operator makes the host wait for a CUDA device: it returns a Python scalar, or the size of its
+    result depends on tensor values (the device must count them before the host can allocate)."""
+    aten = torch.ops.aten
+    if func in (
+        aten._local_scalar_dense.default,  # item(), float(), int(), bool(), `if t:`
+        aten.nonzero.default,  # nonzero_static is the one that does not wait
+        aten.masked_select.default,
+        aten.is_nonzero.default,
+        aten.equal.default,
+    ) or func.__name__.startswith(("unique", "_unique")):
+        return True
+    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):
+        return kwargs.get("output_size") is None
+    if func.__name__.startswith(("index.", "index_put", "_index_put_impl")):  # a boolean index runs nonzero
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    return False
+
+
+def _from_transformers() -> bool:
+    """Whether the innermost frame outside torch is transformers' (its SDPA padding-mask check, say)."""
+    frame = sys._getframe(2)
+    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+        frame = frame.f_back
+    return frame is not None and f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename
+
+
+class DeviceReads(TorchDispatchMode):
+    """Raises at any operator that would wait for a CUDA device (`_syncs`), outside transformers' own code: the
+    boolean index and the `.item()` that Python-level patching cannot see, found on a CPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _syncs(func, args, kwargs) and not _from_transformers():
+            raise HostRead(f"a training step ran {func}, which waits for the device")
+        return func(*args, **kwargs)
+
+
 @pytest.fixture
 def steps_read_nothing(monkeypatch):
-    """Inside a training step, `float(t)`, `int(t)`, `t.item()` and `t.tolist()` of a tensor raise."""
+    """Inside a training step (the step function, the loss check and the optimizer step), `float(t)`, `int(t)`,
+    `t.item()`, `t.tolist()` and every operator that waits for a CUDA device (`DeviceReads`) raise."""
     inside = {"step": False}
     for name in READS:
         original = getattr(torch.Tensor, name)
@@ -36,19 +80,36 @@ def steps_read_nothing(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
-    run = common.TrainLoop.run
 
-    def run_guarded(self, step_fn, eval_fn=None):
-        def step(window):
+    def inside_a_step(fn):
+        def run(*args, **kwargs):
             inside["step"] = True
             try:
-                return step_fn(window)
+                with DeviceReads():
+                    return fn(*args, **kwargs)
             finally:
                 inside["step"] = False
 
-        return run(self, step, eval_fn)
+        return run
 
-    monkeypatch.setattr(common.TrainLoop, "run", run_guarded)
+    for name in ("_optimizer_step", "_watch_loss"):
+        monkeypatch.setattr(common.TrainLoop, name, inside_a_step(getattr(common.TrainLoop, name)))
+    run = common.TrainLoop.run
+    monkeypatch.setattr(
+        common.TrainLoop, "run", lambda self, step_fn, eval_fn=None: run(self, inside_a_step(step_fn), eval_fn)
+    )
+
+
+def test_the_guard_catches_what_python_cannot_see():
+    """A boolean index and a tensor in an `if` wait for a CUDA device without calling a patched Python method."""
+    t = torch.arange(6.0)
+    with pytest.raises(HostRead), DeviceReads():
+        t[t > 2].sum()
+    with pytest.raises(HostRead), DeviceReads():
+        bool(t.sum() > 1)
+    with DeviceReads():  # what does not wait passes
+        idx = (t > 2).nonzero_static(size=3).squeeze(1)
+        torch.zeros(6).index_copy(0, idx, t.index_select(0, idx))
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -99,3 +160,41 @@ def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, steps_read_n
     cfg = KTOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, loss_type=loss_type)
     kto.train(cfg, policy, tok, train, evals, tracker, tmp_path, ref_model=copy.deepcopy(policy))
     assert tracker.last("train/rewards/margins") is not None and tracker.last("eval/logps/chosen") is not None
+
+
+def test_the_loss_watch_reports_the_first_bad_step_and_forgets():
+    watch = LossWatch()
+    watch.watch(1, torch.tensor(0.5))
+    watch.watch(2, None)  # a step that reported no loss
+    watch.watch(3, float("inf"))
+    watch.watch(4, torch.tensor(float("nan")))
+    assert watch.first_bad() == (3, float("inf"))
+    assert watch.first_bad() is None
+    watch.watch(5, torch.tensor(1.0))
+    assert watch.first_bad() is None
+
+
+@pytest.mark.parametrize("save_every", [None, 2])
+def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, tmp_path, monkeypatch, save_every):
+    """Step 2's loss is read while step 3 is queued (no wait for the device in step 2), and never after a
+    checkpoint of the diverged model was written: a save point settles the watch first."""
+    calls = []
+    run = common.TrainLoop.run
+
+    def nan_at_step_two(self, step_fn, eval_fn=None):
+        def step(window):
+            calls.append(len(calls) + 1)
+            metrics = dict(step_fn(window))
+            if len(calls) == 2:
+                metrics["loss"] = metrics["loss"] * float("nan")
+            return metrics
+
+        return run(self, step, eval_fn)
+
+    monkeypatch.setattr(common.TrainLoop, "run", nan_at_step_two)
+    tok, train, evals = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=120, max_length=64)
+    cfg = SFTConfig(max_steps=5, batch_size=4, logging_every=100, save_every=save_every)
+    with pytest.raises(FloatingPointError, match=r"sft: loss is nan at step 2; last checkpoint kept: none"):
+        sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, evals, Tracker(), tmp_path)
+    assert calls == ([1, 2] if save_every else [1, 2, 3])
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

@@ -123,6 +123,22 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     assert calls and torch.allclose(shared[0], whole[0], atol=TOL) and torch.allclose(shared[1], whole[1], atol=1e-4)
     for name, grad in whole[2].items():
         assert torch.allclose(shared[2][name], grad, atol=1e-5), name
+    # GRPO's micro-batch: the LM head on the training tokens alone, counted on the host (no boolean index)
+    train_mask = torch.ones(2 * G, C)
+    train_mask[1, 2:] = train_mask[5, :] = 0  # a short completion, and a truncated one masked whole
+    masked = run(
+        lambda: grpo.completion_logps(
+            model, prompt_ids, prompt_mask, completions, 0.8, 4096, True, G, device="cpu", mask=train_mask
+        )
+    )
+    assert torch.allclose(masked[0], shared[0] * train_mask, atol=TOL)
+    assert torch.allclose(masked[1], shared[1] * train_mask, atol=1e-4)
+    weights.mul_(train_mask)
+    reweighted = run(
+        lambda: shared_prompt_logprobs(model, prompts, p_mask, completions, index, temperature=0.8, with_entropy=True)
+    )
+    for name, grad in reweighted[2].items():
+        assert torch.allclose(masked[2][name], grad, atol=1e-5), name
     # DPO's layout (every chosen row, then every rejected row) with right-padded completions and the LM head on
     # the real tokens only; and GRPO's wrapper on rows that are not groups, which runs them whole.
     only = torch.ones(2 * G, C, dtype=torch.bool)
@@ -133,11 +149,12 @@ def test_shared_prompt_logprobs_equal_every_row_run_whole(tiny, monkeypatch, who
     mixed = prompt_ids.clone()
     mixed[1, -1] = (mixed[1, -1] + 1) % 500
     with torch.no_grad():
+        expected = token_logprobs(model, ids3, mask3, start=P - 1) * only
         assert torch.allclose(
-            shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only),
-            token_logprobs(model, ids3, mask3, start=P - 1) * only,
-            atol=TOL,
+            shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only), expected, atol=TOL
         )
+        counted = shared_prompt_logprobs(model, prompts, p_mask, completions, tiled, only=only, count=int(only.sum()))
+        assert torch.allclose(counted, expected, atol=TOL)
         assert torch.allclose(
             grpo.completion_logps(model, mixed, prompt_mask, completions, 1.0, 4096, group=G),
             token_logprobs(model, torch.cat([mixed, completions], 1), mask, start=P - 1),
@@ -272,8 +289,16 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     with torch.no_grad():
-        logps, entropy = grpo.completion_logps(
-            model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], 1.0, 4096, with_entropy=True
+        logps, entropy = grpo.completion_logps(  # as a training micro-batch runs: the head on masked tokens only
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            1.0,
+            4096,
+            with_entropy=True,
+            device="cpu",
+            mask=mask.float(),
         )
         ptl, ratio, kl = losses.per_token_loss(
             logps,

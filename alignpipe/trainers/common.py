@@ -20,6 +20,7 @@ import torch
 
 from alignpipe.compiled import compile_layers
 from alignpipe.trainers.configs import TrainingArgs
+from alignpipe.trainers.loss_watch import LossWatch
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +383,7 @@ class TrainLoop:
         self.state = self.checkpoints.resume(self.accelerator)
         self.step = self.state["step"] if self.state else 0
         self.meter = Throughput()
+        self.losses = LossWatch()
 
     def count(self, tokens: int | torch.Tensor, samples: int) -> None:
         """Add work done outside the data loader's batches (e.g. a rollout's generated tokens) to tokens_per_s and
@@ -414,16 +416,26 @@ class TrainLoop:
             self.tracker.log_metrics(metrics, self.step)
 
     def _check_finite(self, metrics: dict) -> None:
-        """Stop on a NaN/inf loss (the one device read per step) or any non-finite metric already on the host."""
-        read = {k: float(v) for k, v in metrics.items() if k == "loss" or isinstance(v, float)}
-        bad = sorted(k for k, v in read.items() if not math.isfinite(v))
+        """Stop on a non-finite metric already on the host (no device read: the loss is `_watch_loss`'s)."""
+        bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
         if bad:
-            last = self.checkpoints.complete()
-            shown = ", ".join(f"{k} is {read[k]}" for k in bad)
-            raise FloatingPointError(
-                f"{self.name}: {shown} at step {self.step + 1}; "
-                f"last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
-            )
+            self._stop(", ".join(f"{k} is {metrics[k]}" for k in bad), self.step + 1)
+
+    def _watch_loss(self, metrics: dict) -> None:
+        """Hand this step's loss to the watch without reading it (`LossWatch`)."""
+        self.losses.watch(self.step + 1, metrics.get("loss"))
+
+    def _check_losses(self) -> None:
+        """Stop if a watched loss was NaN/inf; a wait only for copies still in flight."""
+        bad = self.losses.first_bad()
+        if bad:
+            self._stop(f"loss is {bad[1]}", bad[0])
+
+    def _stop(self, what: str, step: int):
+        last = self.checkpoints.complete()
+        raise FloatingPointError(
+            f"{self.name}: {what} at step {step}; last checkpoint kept: {last[-1] if last else 'none (set save_every)'}"
+        )
 
     def _optimizer_step(self) -> torch.Tensor:
         gnorm = clip_and_measure(self.accelerator, self.model, self.cfg.max_grad_norm)
@@ -447,6 +459,8 @@ class TrainLoop:
                     window = [next(batches) for _ in range(self.batches_per_step)]
                 metrics = dict(step_fn(window))
                 self._check_finite(metrics)
+                self._check_losses()  # the previous step's, landed on the host while this one was queued
+                self._watch_loss(metrics)
                 if self.updates_per_step is None:
                     metrics["grad_norm"] = self._optimizer_step()
                 self.step += 1
@@ -456,6 +470,7 @@ class TrainLoop:
                 window_metrics.append(metrics)
                 bar.update(1)
                 if self.step % cfg.logging_every == 0 or self.step == self.steps:
+                    self._check_losses()  # this point reads the metrics anyway
                     # step functions may report device tensors: they are read here, once per log point
                     # a metric a step did not report (e.g. KTO's rewards/chosen in a step without desirable rows) is
                     # averaged over the steps that did
@@ -483,9 +498,11 @@ class TrainLoop:
                         )
                     window_metrics = []
                 if eval_fn and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.steps:
+                    self._check_losses()
                     self.log({f"eval/{k}": v for k, v in eval_fn().items()})
                     self.model.train()
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
+                    self._check_losses()  # no checkpoint after a diverged step
                     self.checkpoints.save(acc, self.step, self.checkpoint_state() if self.checkpoint_state else None)
         finally:  # a failed step or save ends the bar too, not leaving it half-drawn
             bar.close()

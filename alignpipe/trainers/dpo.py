@@ -71,7 +71,9 @@ def collate(
     - whole rows as TRL builds them (what the TRL parity test compares, and the token count): `input_ids`,
       `attention_mask`, `completion_mask` (2B, T), chosen rows then rejected rows, right-padded.
     `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with).
-    `prompts_nonempty` (a host bool) tells the shared-prompt path whether it may run without reading the mask."""
+    `prompts_nonempty` (a host bool) tells the shared-prompt path whether it may run without reading the mask, and
+    `scored_per_row` (host ints, one per answer row) lets the LM head gather the scored tokens without counting them
+    on the device."""
     prompts = [e["prompt_ids"][:max_length] for e in examples]
     seqs, comp, answers = [], [], []
     for key in keys:
@@ -87,6 +89,7 @@ def collate(
         if not e["prompt_ids"]:  # nothing before the answer scores its first token (as in the whole row)
             completion_tokens[i, :1] = 0
     batch = {
+        "scored_per_row": completion_tokens.sum(1).tolist(),
         "input_ids": input_ids,
         "attention_mask": attention,
         "completion_mask": completion,
@@ -118,6 +121,7 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
         only=mask.bool(),
         prompts_nonempty=batch.get("prompts_nonempty"),
         compiled=compiled,
+        count=sum(batch["scored_per_row"]) if "scored_per_row" in batch else None,
     )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
@@ -197,8 +201,8 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
     loss = losses.mean()
     stats: dict[str, torch.Tensor] = {}
     if cfg.rpo_alpha is not None:
-        chosen_mask = mask.chunk(2)[0].bool()
-        nll = -per_token.chunk(2)[0][chosen_mask].mean()
+        chosen_mask = mask.chunk(2)[0]  # a mean over the chosen tokens without a boolean index (a device wait)
+        nll = -(per_token.chunk(2)[0] * chosen_mask).sum() / chosen_mask.sum()
         loss = loss + cfg.rpo_alpha * nll
         stats["nll_loss"] = nll.detach()
     # device tensors, read once per log point: a read here would stall the device every micro-batch

@@ -66,11 +66,13 @@ def completion_logps(
     with_entropy: bool = False,
     group: int = 1,
     device: torch.device | str | None = None,
+    mask: torch.Tensor | None = None,
 ):
     """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
     prompt: each prompt's forward runs once (`shared_prompt_logprobs`). With `device`, the inputs are host tensors:
-    whether rows really come in groups and every prompt holds a token is checked there, before they move, so the
-    device is not waited on."""
+    whether rows really come in groups and every prompt holds a token is checked there, and `mask`'s tokens counted,
+    before they move, so the device is not waited on. `mask` (B, C): the tokens that train; the LM head runs on
+    them alone (0 elsewhere), not on the padding after shorter completions."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
@@ -79,11 +81,13 @@ def completion_logps(
             (prompt_ids, prompt_mask),
             torch.arange(B, device=prompt_ids.device),
         )  # not grouped: one prompt per row
-    nonempty = None
+    nonempty, count = None, None
     if device is not None:
         nonempty = every_row_holds_a_token(firsts[1])
+        count = int(mask.sum()) if mask is not None else None
         firsts = tuple(x.to(device) for x in firsts)
         index, completion_ids = index.to(device), completion_ids.to(device)
+        mask = mask.to(device) if mask is not None else None
     return shared_prompt_logprobs(
         model,
         *firsts,
@@ -93,6 +97,8 @@ def completion_logps(
         chunk_tokens=chunk,
         with_entropy=with_entropy,
         prompts_nonempty=nonempty,
+        only=mask,
+        count=count,
     )
 
 
@@ -200,6 +206,7 @@ class GRPORun:
                         cfg.logprob_chunk_tokens,
                         group=cfg.num_generations,
                         device=device,
+                        mask=batch.mask[sl],
                     ).float()
                 )
         return torch.cat(parts)
@@ -217,6 +224,7 @@ class GRPORun:
             with_entropy=True,
             group=self.cfg.num_generations,
             device=device,
+            mask=batch.mask[sl],
         )
 
 

@@ -81,6 +81,7 @@ def answers(batch: dict, part: slice) -> dict[str, torch.Tensor]:
         "completion_ids": batch["completion_ids"][part],
         "completion_tokens": batch["completion_tokens"][part],
         "prompts_nonempty": batch["prompts_nonempty"],
+        "scored_per_row": batch["scored_per_row"][part],
     }
 
 

@@ -172,15 +172,16 @@ def train(
     loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
     neftune = add_neftune(loop.unwrapped, cfg.neftune_noise_alpha) if cfg.neftune_noise_alpha else None
     acc = loop.accelerator
-    num_tokens = 0
+    num_tokens: int | torch.Tensor = 0
 
     def step(window: list[dict]) -> dict[str, float]:
         nonlocal num_tokens
         n_local = sum(b["num_targets"] for b in window)  # counted on the host by `collate`
-        n_global = n_local
-        if acc.num_processes > 1:  # the one device read of a multi-process step: the global token count
-            n_global = int(acc.reduce(torch.tensor(n_local, device=acc.device), "sum"))
-        scale = acc.num_processes / max(1, n_global)  # DDP averages gradients over processes
+        n_global: int | torch.Tensor = n_local
+        if acc.num_processes > 1:  # the global token count stays on the device: the step reads nothing back
+            n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum")
+        # DDP averages gradients over processes
+        scale = acc.num_processes / (max(1, n_global) if isinstance(n_global, int) else n_global.clamp(min=1))
         loss_total = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
