@@ -67,9 +67,9 @@ class DeviceReads(TorchDispatchMode):
 
 
 @pytest.fixture
-def steps_read_nothing(monkeypatch):
-    """Inside a training step (the step function, the loss check and the optimizer step), `float(t)`, `int(t)`,
-    `t.item()`, `t.tolist()` and every operator that waits for a CUDA device (`DeviceReads`) raise."""
+def guard(monkeypatch):
+    """`guard(fn)`: fn wrapped so that inside it `float(t)`, `int(t)`, `t.item()`, `t.tolist()` and every operator
+    that waits for a CUDA device (`DeviceReads`) raise. The loop's loss check and optimizer step are guarded too."""
     inside = {"step": False}
     for name in READS:
         original = getattr(torch.Tensor, name)
@@ -94,10 +94,14 @@ def steps_read_nothing(monkeypatch):
 
     for name in ("_optimizer_step", "_watch_loss"):
         monkeypatch.setattr(common.TrainLoop, name, inside_a_step(getattr(common.TrainLoop, name)))
+    return inside_a_step
+
+
+@pytest.fixture
+def steps_read_nothing(monkeypatch, guard):
+    """A whole offline step (the step function, the loss check, the optimizer step) under `guard`."""
     run = common.TrainLoop.run
-    monkeypatch.setattr(
-        common.TrainLoop, "run", lambda self, step_fn, eval_fn=None: run(self, inside_a_step(step_fn), eval_fn)
-    )
+    monkeypatch.setattr(common.TrainLoop, "run", lambda self, step_fn, eval_fn=None: run(self, guard(step_fn), eval_fn))
 
 
 def test_the_guard_catches_what_python_cannot_see():
@@ -198,3 +202,27 @@ def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, 
         sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, evals, Tracker(), tmp_path)
     assert calls == ([1, 2] if save_every else [1, 2, 3])
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, algorithm):
+    """GRPO's and RLOO's update (forward and backward over the rollout, loss check, optimizer step) reads nothing
+    back: the training tokens are counted on the host when the rollout is built. Rollouts read by design (the
+    decode loop looks every 8 tokens on a GPU), so only the update is guarded."""
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.trainers import grpo, rloo
+    from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
+
+    module = {"grpo": grpo, "rloo": rloo}[algorithm]
+    updates = []
+    update = module.update
+    monkeypatch.setattr(module, "update", lambda *a: updates.append(1) or guard(update)(*a))
+    tok, train, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=40)
+    rows = [{"prompt": r["prompt"]} for r in train]
+    config = {"grpo": GRPOConfig, "rloo": RLOOConfig}[algorithm]
+    cfg = config(max_steps=2, batch_size=8, num_generations=4, max_completion_length=6, beta=0.04, num_iterations=2)
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    tracker = Tracker()
+    policy = load_causal_lm(str(tiny / "model"))
+    module.train(cfg, policy, tok, rows, rewards, tracker, tmp_path, ref_model=copy.deepcopy(policy))
+    assert len(updates) == 2 and tracker.last("train/loss") is not None

@@ -114,3 +114,26 @@ def test_resume_keeps_the_adapted_kl_coefficient(tiny, tmp_path):
     assert resumed.resumed_from == 1
     assert tracker.series("objective/kl_coef")[0] == pytest.approx(whole.series("objective/kl_coef")[1], rel=1e-9)
     assert tracker.series("objective/kl_coef")[0] != 0.2
+
+
+def test_the_update_runs_the_lm_head_on_response_tokens_only(tiny):
+    """A PPO micro-batch's log-probs, entropies and gradients with the head limited to the response tokens (counted
+    on the host) equal the whole response's wherever the loss reads them."""
+    policy = load_causal_lm(str(tiny / "model"))
+    g = torch.Generator().manual_seed(0)
+    query = torch.randint(2, 500, (3, 4), generator=g)
+    query_mask = torch.ones_like(query)
+    query_mask[0, :2] = 0
+    response = torch.randint(2, 500, (3, 6), generator=g)
+    mask = torch.arange(6).unsqueeze(0) < torch.tensor([[6], [2], [1]])
+    weights = torch.randn(3, 6, generator=g) * mask
+
+    def run(**only):
+        policy.zero_grad()
+        lp, ent = ppo.response_logprobs(policy, query, query_mask, response, 0.7, 4096, True, **only)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, [p.grad.clone() for p in policy.parameters()]
+
+    whole, part = run(), run(only=mask, count=int(mask.sum()))
+    assert torch.allclose(part[0], whole[0] * mask, atol=1e-6) and torch.allclose(part[1], whole[1] * mask, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(part[2], whole[2]))

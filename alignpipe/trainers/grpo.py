@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,27 +67,32 @@ def completion_logps(
     group: int = 1,
     device: torch.device | str | None = None,
     mask: torch.Tensor | None = None,
+    rollout: RolloutFacts | None = None,
 ):
     """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
     prompt: each prompt's forward runs once (`shared_prompt_logprobs`). With `device`, the inputs are host tensors:
     whether rows really come in groups and every prompt holds a token is checked there, and `mask`'s tokens counted,
-    before they move, so the device is not waited on. `mask` (B, C): the tokens that train; the LM head runs on
-    them alone (0 elsewhere), not on the padding after shorter completions."""
+    before they move, so the device is not waited on; `rollout` gives those facts where the caller knows them
+    already. `mask` (B, C): the tokens that train; the LM head runs on them alone (0 elsewhere), not on the padding
+    after shorter completions."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
-    if B % group or not (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index])):
-        firsts, index = (
-            (prompt_ids, prompt_mask),
-            torch.arange(B, device=prompt_ids.device),
-        )  # not grouped: one prompt per row
+    grouped = (
+        rollout is not None
+        or not B % group
+        and (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index]))
+    )
+    if not grouped:  # one prompt per row
+        firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)
     nonempty, count = None, None
     if device is not None:
-        nonempty = every_row_holds_a_token(firsts[1])
-        count = int(mask.sum()) if mask is not None else None
+        nonempty = rollout.prompts_nonempty if rollout else every_row_holds_a_token(firsts[1])
+        if mask is not None:
+            count = rollout.tokens if rollout else int(mask.sum())
+            mask = mask.to(device)
         firsts = tuple(x.to(device) for x in firsts)
         index, completion_ids = index.to(device), completion_ids.to(device)
-        mask = mask.to(device) if mask is not None else None
     return shared_prompt_logprobs(
         model,
         *firsts,
@@ -100,6 +105,16 @@ def completion_logps(
         only=mask,
         count=count,
     )
+
+
+@dataclass
+class RolloutFacts:
+    """What a rollout's builder knows on the host about a micro-batch of it, so `completion_logps` need not look:
+    its rows come in whole groups of one prompt's samples, whether every prompt holds a token, and how many
+    completion tokens train."""
+
+    prompts_nonempty: bool
+    tokens: int
 
 
 @dataclass
@@ -134,6 +149,19 @@ class GRPORollout:
     """The reference's log-probs (beta > 0 only)."""
     step_tokens_per_process: float
     """Completion tokens of the whole step over all processes, per process (the dapo normaliser)."""
+    prompts_nonempty: bool
+    """Whether every prompt holds a token (from the token lists, before padding)."""
+    row_tokens: list[int] = field(init=False)
+    """`mask`'s count per row, on the host: a micro-batch's LM head gathers its tokens without a device read."""
+
+    def __post_init__(self) -> None:
+        self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
+
+    def facts(self, sl: slice) -> RolloutFacts:
+        """The host facts of micro-batch `sl`, which starts and ends on group boundaries (`batch_size` is a multiple
+        of `num_generations`)."""
+        return RolloutFacts(self.prompts_nonempty, sum(self.row_tokens[sl]))
+
     kl: float | None = None
     """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
@@ -207,6 +235,7 @@ class GRPORun:
                         group=cfg.num_generations,
                         device=device,
                         mask=batch.mask[sl],
+                        rollout=batch.facts(sl),
                     ).float()
                 )
         return torch.cat(parts)
@@ -225,6 +254,7 @@ class GRPORun:
             group=self.cfg.num_generations,
             device=device,
             mask=batch.mask[sl],
+            rollout=batch.facts(sl),
         )
 
 
@@ -260,6 +290,7 @@ class Samples:
     rows: list[dict]
     """The dataset row of each completion (its prompt and extra columns such as `answer`)."""
     completions: list[str]
+    prompts_nonempty: bool
 
     @property
     def prompts(self) -> list[str]:
@@ -282,7 +313,8 @@ def sample(run: GRPORun, batch_rows: list[dict]) -> Samples:
     mask = completion_mask(completion_ids, lengths, ended, cfg.mask_truncated_completions)
     rows = [r for r in batch_rows for _ in range(G)]
     loop.count(mask.sum() + prompt_mask.sum(), len(gens))
-    return Samples(prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, [g.completion for g in gens])
+    completions = [g.completion for g in gens]
+    return Samples(prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, completions, all(prompt_lists))
 
 
 def step_tokens_per_process(loop: TrainLoop, mask: torch.Tensor) -> float:
@@ -317,6 +349,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         old_logps=None,
         ref_logps=None,
         step_tokens_per_process=step_tokens_per_process(loop, sm.mask),
+        prompts_nonempty=sm.prompts_nonempty,
     )
     loop.model.eval()
     if cfg.num_iterations > 1:

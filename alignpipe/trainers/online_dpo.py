@@ -90,6 +90,7 @@ def pair_batch(prompts: list[list[int]], chosen: list[list[int]], rejected: list
         "completion_ids": completion_ids,
         "completion_tokens": completion_tokens,
         "prompts_nonempty": all(prompts),
+        "scored_per_row": completion_tokens.sum(1).tolist(),  # host counts: no device read to gather them
     }
 
 

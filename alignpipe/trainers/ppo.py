@@ -89,7 +89,19 @@ def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
     return value_model.score(hidden).squeeze(-1).float()
 
 
-def response_logprobs(policy, query, query_mask, response, temperature: float, chunk: int, with_entropy: bool = False):
+def response_logprobs(
+    policy,
+    query,
+    query_mask,
+    response,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool = False,
+    only: torch.Tensor | None = None,
+    count: int | None = None,
+):
+    """Log-probs (and entropies) of the response tokens, (B, R). `only` (B, R): the LM head runs on those tokens
+    alone (0 elsewhere); `count`, their number counted on the host (`token_logprobs`)."""
     ids, mask = _episode(query, query_mask, response)
     return token_logprobs(
         policy,
@@ -99,6 +111,8 @@ def response_logprobs(policy, query, query_mask, response, temperature: float, c
         chunk_tokens=chunk,
         with_entropy=with_entropy,
         start=query.size(1) - 1,
+        only=only,
+        count=count,
     )
 
 
@@ -148,6 +162,8 @@ class Rollout:
     non_score: torch.Tensor
     """−kl_coef · kl per token."""
     kl_coef: float
+    lengths: torch.Tensor
+    """(B,) host ints: each response's tokens (`response_mask`'s count per row), counted without a device read."""
 
 
 @dataclass
@@ -192,8 +208,11 @@ class PPORun:
             return self.ref, contextlib.nullcontext()
         return self.unwrapped.policy, self.unwrapped.policy.disable_adapter()
 
-    def score_episodes(self, q, qm, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(logprobs, ref_logprobs, full-distribution KL or None) of a slice of episodes."""
+    def score_episodes(
+        self, q, qm, r, only: torch.Tensor | None = None, count: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logprobs, ref_logprobs, full-distribution KL or None) of a slice of episodes; the log-probs on the
+        response tokens `only` alone (`response_logprobs`), 0 after them."""
         cfg, policy = self.cfg, self.unwrapped.policy
         ref_model, ref_ctx = self.reference()
         if cfg.kl_penalty == "full":
@@ -203,9 +222,10 @@ class PPORun:
             return full_kl(
                 hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, cfg.logprob_chunk_tokens
             )
-        lp = response_logprobs(policy, q, qm, r, self.temperature, cfg.logprob_chunk_tokens)
+        chunk = cfg.logprob_chunk_tokens
+        lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, only=only, count=count)
         with ref_ctx:
-            ref_lp = response_logprobs(ref_model, q, qm, r, self.temperature, cfg.logprob_chunk_tokens)
+            ref_lp = response_logprobs(ref_model, q, qm, r, self.temperature, chunk, only=only, count=count)
         return lp, ref_lp, None
 
 
@@ -236,17 +256,18 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
         scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
     scores = transform_scores(scores, run.moments, cfg.use_score_norm, cfg.score_clip)
     unwrapped.eval()
+    last = (lengths - 1).to(device)
+    padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
     lp_parts, ref_parts, kl_parts, value_parts = [], [], [], []
     for s in range(0, len(gens), cfg.batch_size):
         sl = slice(s, s + cfg.batch_size)
-        lp, ref_lp, full = run.score_episodes(query[sl], query_mask[sl], response[sl])
+        count = int(lengths[sl].sum())  # host ints
+        lp, ref_lp, full = run.score_episodes(query[sl], query_mask[sl], response[sl], ~padding[sl], count)
         lp_parts.append(lp)
         ref_parts.append(ref_lp)
         if full is not None:
             kl_parts.append(full)
         value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
-    last = (lengths - 1).to(device)
-    padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
     logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
     ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
     values = torch.cat(value_parts).masked_fill(padding, 0)
@@ -272,6 +293,7 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
         scores=scores,
         non_score=non_score.masked_fill(padding, 0),
         kl_coef=run.kl_ctl.value,
+        lengths=lengths,
     )
     return batch, gens, per_fn
 
@@ -288,12 +310,12 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
     stats: dict[str, list[torch.Tensor]] = {k: [] for k in EPOCH_STATS}
     skipped, epochs_run, stopped = 0, 0, False
     for epoch in range(cfg.num_ppo_epochs):
-        perm = torch.randperm(run.rollout_size, device=acc.device)
+        perm = torch.randperm(run.rollout_size)  # on the host: each micro-batch's token count is read there
         for m0 in range(0, run.rollout_size, run.mini_batch):
             mb = perm[m0 : m0 + run.mini_batch]
             skipped_here = 0
             for j, s in enumerate(range(0, run.mini_batch, cfg.batch_size)):
-                ix = mb[s : s + cfg.batch_size]
+                ix = mb[s : s + cfg.batch_size].to(acc.device)
                 mask = b.response_mask[ix]
                 sync = j == cfg.gradient_accumulation_steps - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(model):
@@ -305,6 +327,8 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
                         run.temperature,
                         cfg.logprob_chunk_tokens,
                         with_entropy=True,
+                        only=mask,  # the head on response tokens alone, not on the padding after short ones
+                        count=int(b.lengths[mb[s : s + cfg.batch_size]].sum()),
                     )
                     new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
                     vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix])

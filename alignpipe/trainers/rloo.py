@@ -62,6 +62,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         old_logps=None,
         ref_logps=None,
         step_tokens_per_process=step_tokens_per_process(loop, sm.mask),
+        prompts_nonempty=sm.prompts_nonempty,
     )
     loop.model.eval()
     if cfg.num_iterations > 1 or cfg.beta != 0.0:
