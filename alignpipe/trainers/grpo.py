@@ -78,10 +78,8 @@ def completion_logps(
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
-    grouped = (
-        rollout is not None
-        or not B % group
-        and (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index]))
+    grouped = rollout is not None or (
+        not B % group and (torch.equal(prompt_ids, firsts[0][index]) and torch.equal(prompt_mask, firsts[1][index]))
     )
     if not grouped:  # one prompt per row
         firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)
