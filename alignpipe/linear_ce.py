@@ -48,8 +48,9 @@ def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: t
 
 class _LinearNLLSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool):
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool, grads: bool):
+        # `needs_input_grad` says True for a parameter under no_grad too: `grads` is the caller's grad mode
+        want_h, want_w, want_b = (grads and want for want in ctx.needs_input_grad[:3])
         precise = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's dtype: float32 at least
         total = torch.zeros((), dtype=precise, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -86,6 +87,7 @@ class _LinearNLLSum(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -99,7 +101,8 @@ def linear_nll_sum(
 ) -> torch.Tensor:
     """Σ −log softmax(hidden Wᵀ + b)[label] over the N rows of `hidden` (N, d), in float32 (float64 for float64
     inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they
-    are computed here, chunk by chunk, and only scaled in backward. The weight's gradient accumulates in the
-    weight's dtype over chunks, as autograd's sum of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
+    are computed here, chunk by chunk, and only scaled in backward (under `no_grad`, none are: evaluation pays one
+    head matmul per token). The weight's gradient accumulates in the weight's dtype over chunks, as autograd's sum
+    of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
     as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits."""
-    return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk), compiled)
+    return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk), compiled, torch.is_grad_enabled())

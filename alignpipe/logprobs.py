@@ -114,7 +114,7 @@ def token_nll_sum(
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
     if hidden is None:
         return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
-    index = _scored_index(only, count)
+    index = scored_index(only, count)
     weight = head.weight
     return linear_nll_sum(
         hidden[:, :-1].flatten(0, 1).index_select(0, index),
@@ -195,6 +195,14 @@ def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids):
         setattr(model, RESHARDS_HEAD, True)  # seen once: later calls run the head inside the forward directly
         return None, None
     return captured["hidden"], head
+
+
+def output_vocab(model) -> int | None:
+    """The LM head's output size (the vocabulary) of a plain, peft, DDP or FSDP causal LM; None without a head."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return None if head is None else int(head.weight.shape[0])
 
 
 def unwrapped(model):
@@ -283,29 +291,18 @@ def shared_prompt_logprobs(
     small for the saving to outweigh one more decoder call (`worth_sharing`). `prompts_nonempty`: whether every
     prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` and `count` as in
     `token_logprobs`."""
-    R, C = completion_ids.shape
-    P = prompt_ids.size(1)
-    base = unwrapped(model)
-    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P, prompts_nonempty):
-        ids = torch.cat([prompt_ids[index], completion_ids], 1)
-        mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
-        if P == 0:  # nothing scores the first completion token: pad a position in front, as for an unscored token
-            ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
-        return token_logprobs(
-            model,
-            ids,
-            mask,
-            temperature=temperature,
-            chunk_tokens=chunk_tokens,
-            with_entropy=with_entropy,
-            start=max(P, 1) - 1,
-            only=only,
-            compiled=compiled,
-            count=count,
+    hidden, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, index, prompts_nonempty)
+    if hidden is None:
+        ids, mask, start = _whole_rows(prompt_ids, prompt_mask, completion_ids, index)
+        logits = _logits_inside_forward(model, ids, mask, mask_positions(mask))[:, start:-1]
+        return _select(
+            logits,
+            completion_ids,
+            only,
+            lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
+            with_entropy,
+            count,
         )
-    body, head = _decoder_and_head(base)
-    prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
-    hidden = torch.cat([prompt_last, c_hidden[:, :-1]], 1)
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(
         hidden,
@@ -315,6 +312,41 @@ def shared_prompt_logprobs(
         with_entropy,
         count,
     )
+
+
+def completion_hidden(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    index: torch.Tensor,
+    prompts_nonempty: bool | None = None,
+):
+    """The final hidden states that score each completion token, (R, C, d) (the prompt's last position scores
+    token 0), and the LM head module, for `shared_prompt_logprobs`'s layout: each prompt once where
+    `can_share_prefix` allows, else every prompt + completion row whole. (None, None) where the head can only run
+    inside the model's forward (`RESHARDS_HEAD`)."""
+    R, C = completion_ids.shape
+    P = prompt_ids.size(1)
+    base = unwrapped(model)
+    if C == 0 or not can_share_prefix(base, prompt_mask, (R - prompt_ids.size(0)) * P, prompts_nonempty):
+        ids, mask, start = _whole_rows(prompt_ids, prompt_mask, completion_ids, index)
+        hidden, head = _hidden_and_head(model, ids, mask, mask_positions(mask))
+        return (None, None) if hidden is None else (hidden[:, start:-1], head)
+    body, head = _decoder_and_head(base)
+    prompt_last, c_hidden = shared_prefix_hidden(body, base.config, prompt_ids, prompt_mask, completion_ids, index)
+    return torch.cat([prompt_last, c_hidden[:, :-1]], 1), head
+
+
+def _whole_rows(prompt_ids, prompt_mask, completion_ids, index):
+    """(ids, mask, start) of every prompt + completion row whole; position `start + t` scores completion token t.
+    An empty prompt gets one padding position in front: nothing scores the first token, as for an unscored one."""
+    P = prompt_ids.size(1)
+    ids = torch.cat([prompt_ids[index], completion_ids], 1)
+    mask = torch.cat([prompt_mask[index], torch.ones_like(completion_ids)], 1)
+    if P == 0:
+        ids, mask = F.pad(ids, (1, 0)), F.pad(mask, (1, 0))
+    return ids, mask, max(P, 1) - 1
 
 
 def shared_prefix_hidden(
@@ -340,7 +372,7 @@ def shared_prefix_hidden(
     return prefix_out[index, -1:], s_hidden
 
 
-def _scored_index(only: torch.Tensor, count: int | None) -> torch.Tensor:
+def scored_index(only: torch.Tensor, count: int | None) -> torch.Tensor:
     """Flat indices of the true positions of the mask `only`; with `count`, their number known on the host, found
     without waiting for the device to count them (as `nonzero` and a boolean index must)."""
     flat = only.flatten()
@@ -349,10 +381,10 @@ def _scored_index(only: torch.Tensor, count: int | None) -> torch.Tensor:
 
 def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool, count: int | None = None):
     """`fn(rows, labels)` everywhere, or (with the mask `only`) on the masked positions alone, scattered back
-    into zeros of the full shape (`count` as in `_scored_index`)."""
+    into zeros of the full shape (`count` as in `scored_index`)."""
     if only is None:
         return fn(rows, labels)
-    index = _scored_index(only, count)
+    index = scored_index(only, count)
     out = fn(rows.flatten(0, 1).index_select(0, index).unsqueeze(0), labels.flatten().index_select(0, index)[None])
 
     def scatter(values: torch.Tensor) -> torch.Tensor:

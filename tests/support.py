@@ -59,3 +59,20 @@ def kill_at_checkpoint(command: list[str], checkpoint: Path, timeout_s: float = 
     assert (checkpoint / "state.json").exists(), f"no checkpoint {checkpoint} before the deadline"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def matmuls(fn) -> int:
+    """How many matrix products `fn()` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_", "bmm"):
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return len(seen)

@@ -85,7 +85,8 @@ def test_compiled_head_chunks_give_the_eager_logprobs_and_gradients(tiny, monkey
 
 
 def test_a_compiled_dpo_run_trains_as_the_eager_one(tiny, tmp_path):
-    """DPO with `compile: true` (layers and head chunks compiled): the same losses and gradient norms as eager."""
+    """DPO with `compile: true` (layers and, with `fused_loss: false`, the head's chunks compiled): the same losses
+    and gradient norms as eager."""
     import copy
 
     from alignpipe.trainers import dpo
@@ -96,7 +97,9 @@ def test_a_compiled_dpo_run_trains_as_the_eager_one(tiny, tmp_path):
     for compiled in (False, True):
         model = load_causal_lm(str(tiny / "model"))
         tracker = Tracker()
-        cfg = DPOConfig(learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, compile=compiled)
+        cfg = DPOConfig(
+            learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, compile=compiled, fused_loss=False
+        )
         dpo.train(cfg, model, tok, train, [], tracker, tmp_path / str(compiled), ref_model=copy.deepcopy(model))
         series[compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
     (eager_loss, eager_norm), (loss, norm) = series[False], series[True]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import matmuls
 
 from alignpipe.compiled import compiled_function
 from alignpipe.linear_ce import _nll_and_grad, _nll_and_grad_fusable, linear_nll_sum
@@ -49,6 +50,17 @@ def test_a_frozen_head_and_no_grad_form_no_gradients():
     assert weight.grad is None and torch.allclose(hidden.grad, expected_h.grad, atol=1e-6)
     with torch.no_grad():
         assert float(linear_nll_sum(hidden, weight, None, labels, 4)) == pytest.approx(float(got.detach()), rel=1e-6)
+
+
+def test_evaluation_under_no_grad_runs_the_head_once_per_chunk():
+    """With gradients off (an evaluation) the head's gradients are not formed: one matmul per chunk, not three."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(12, 8, generator=g, requires_grad=True)
+    weight = torch.randn(31, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 31, (12,), generator=g)
+    assert matmuls(lambda: linear_nll_sum(hidden, weight, None, labels, 4)) == 9
+    with torch.no_grad():
+        assert matmuls(lambda: linear_nll_sum(hidden, weight, None, labels, 4)) == 3
 
 
 def test_bf16_gradients_stay_close_to_float32():

@@ -65,7 +65,8 @@ class TrainingArgs(Strict):
     compile: bool = False
     """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
     by compilation in the first steps (offline trainers: SFT, reward, DPO, KTO). SFT also compiles its loss's
-    softmax and gradient into one kernel per chunk of the LM head, DPO and KTO their LM head's log-softmax chunks.
+    softmax and gradient into one kernel per chunk of the LM head, KTO (and DPO with `fused_loss: false`) their LM
+    head's log-softmax chunks.
     docs/benchmarks.md has what it costs and buys."""
     lora: LoraSpec | None = None
     """Train a LoRA adapter instead of the full model; the stage then saves only the adapter."""
@@ -121,6 +122,11 @@ class DPOConfig(TrainingArgs):
     them); frees the reference model during training."""
     max_prompt_length: int | None = Field(None, gt=0)
     """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
+    fused_loss: bool = True
+    """Form the LM head's gradients in the forward, a group of chosen/rejected pairs at a time
+    (`alignpipe/linear_sequence_loss.py`): 3 head matmuls per answer token instead of the recomputing chunked head's
+    4. Holds one pair's float32 logits at once (2 × 512 answer tokens × a 152k vocabulary: 0.6 GB); a pair over
+    1 GB of them takes the chunked head. false: the chunked head always (its chunks compiled under `compile`)."""
 
     @model_validator(mode="after")
     def _check(self):

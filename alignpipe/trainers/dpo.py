@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
-from alignpipe.logprobs import shared_prompt_logprobs
+from alignpipe.linear_sequence_loss import linear_sequence_loss
+from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
@@ -127,6 +128,60 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
     return (per_token * mask).sum(1), per_token, mask
 
 
+def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
+    """(loss, chosen S (B,), rejected S (B,), RPO's NLL or None) with the LM head's gradients formed in the forward
+    (`linear_sequence_loss`), pairs grouped up to `FUSED_GROUP_MAX` logits; S detached. `losses_of(chosen, rejected,
+    pairs)` is `dpo_loss` on those pairs. None where it cannot run (no host token counts, a head that runs only
+    inside the forward, a pair over the budget): the caller then takes `completion_logps`."""
+    rows = batch.get("scored_per_row")
+    if rows is None:
+        return None
+    B = batch["prompt_ids"].size(0)
+    pair_tokens = [rows[i] + rows[B + i] for i in range(B)]
+    vocab = output_vocab(model)
+    if vocab is None or max(pair_tokens, default=0) * vocab > FUSED_GROUP_MAX:
+        return None
+    mask = batch["completion_tokens"]
+    index = torch.arange(mask.size(0), device=mask.device) % B
+    hidden, head = completion_hidden(
+        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, batch.get("prompts_nonempty")
+    )
+    if hidden is None:
+        return None
+    groups: list[list[int]] = [[]]
+    budget = max(FUSED_GROUP_MAX // 4, max(pair_tokens, default=0) * vocab)  # whole small batches in one group
+    held = 0
+    for i, n in enumerate(pair_tokens):
+        if groups[-1] and (held + n) * vocab > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += n
+    chosen_tokens = sum(rows[:B])
+
+    def group_loss(sums: torch.Tensor, group_rows: list[int]) -> torch.Tensor:
+        k = len(group_rows) // 2
+        pairs = group_rows[:k]
+        loss = losses_of(sums[:k], sums[k:], pairs)[0].sum() / B
+        if cfg.rpo_alpha is not None:
+            loss = loss - cfg.rpo_alpha * sums[:k].sum() / chosen_tokens
+        return loss
+
+    flat = scored_index(mask, sum(rows))
+    loss, sums = linear_sequence_loss(
+        hidden.flatten(0, 1).index_select(0, flat),
+        head.weight,
+        getattr(head, "bias", None),
+        batch["completion_ids"].flatten().index_select(0, flat),
+        rows,
+        [g + [B + i for i in g] for g in groups],
+        group_loss,
+    )
+    chosen, rejected = sums.chunk(2)
+    nll = -chosen.sum() / chosen_tokens if cfg.rpo_alpha is not None else None  # inside `loss`, reported apart
+    return loss, chosen, rejected, nll
+
+
 class _Reference:
     """Reference log-probs for a batch: precomputed, adapter-disabled policy, frozen copy, or none."""
 
@@ -189,21 +244,46 @@ class _Reference:
         self.model = None  # the reference is no longer needed in memory
 
 
+# The most float32 logits values a group of pairs of the fused loss holds at once (1 GB); a larger pair takes the
+# chunked head.
+FUSED_GROUP_MAX = 2**28
+
+
 def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and metrics (device tensors) of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`."""
-    logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
-    chosen, rejected = logps.chunk(2)
+    """Loss and metrics (device tensors) of one (2B, T) batch; `reference_logps(batch) -> (ref_chosen, ref_rejected)`.
+    With `fused_loss` the LM head forms its gradients in the forward (`fused_pair_loss`), else it runs in chunks
+    recomputed in backward (`completion_logps`)."""
     ref_chosen, ref_rejected = reference_logps(batch)
-    lengths = batch["completion_tokens"].sum(1).to(logps.dtype)
-    losses, r_c, r_r = dpo_loss(
-        chosen, rejected, ref_chosen, ref_rejected, cfg.beta, cfg.loss_type, cfg.label_smoothing, *lengths.chunk(2)
-    )
-    loss = losses.mean()
+    lengths = batch["completion_tokens"].sum(1).to(ref_chosen.dtype).chunk(2)
+
+    def losses_of(chosen, rejected, pairs):
+        return dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen[pairs],
+            ref_rejected[pairs],
+            cfg.beta,
+            cfg.loss_type,
+            cfg.label_smoothing,
+            lengths[0][pairs],
+            lengths[1][pairs],
+        )
+
+    fused = fused_pair_loss(model, batch, losses_of, cfg) if cfg.fused_loss else None
     stats: dict[str, torch.Tensor] = {}
+    if fused is not None:
+        loss, chosen, rejected, nll = fused
+        _, r_c, r_r = losses_of(chosen, rejected, slice(None))
+    else:
+        logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
+        chosen, rejected = logps.chunk(2)
+        losses, r_c, r_r = losses_of(chosen, rejected, slice(None))
+        loss = losses.mean()
+        if cfg.rpo_alpha is not None:
+            chosen_mask = mask.chunk(2)[0]  # a mean over the chosen tokens without a boolean index (a device wait)
+            nll = -(per_token.chunk(2)[0] * chosen_mask).sum() / chosen_mask.sum()
+            loss = loss + cfg.rpo_alpha * nll
     if cfg.rpo_alpha is not None:
-        chosen_mask = mask.chunk(2)[0]  # a mean over the chosen tokens without a boolean index (a device wait)
-        nll = -(per_token.chunk(2)[0] * chosen_mask).sum() / chosen_mask.sum()
-        loss = loss + cfg.rpo_alpha * nll
         stats["nll_loss"] = nll.detach()
     # device tensors, read once per log point: a read here would stall the device every micro-batch
     with torch.no_grad():

@@ -1,0 +1,133 @@
+"""DPO's fused LM-head loss (`linear_sequence_loss`): a loss of summed answer log-probs whose head gradients are formed
+in the forward, a group of coupled answers at a time. Its value, sums and every gradient equal autograd through full
+logits; DPO's loss through it equals the chunked head's in value and every parameter's gradient, for each loss type
+(to float32's precision, which the chunked head's log-softmax runs in)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import matmuls, tiny_split
+
+from alignpipe.linear_sequence_loss import linear_sequence_loss
+from alignpipe.losses import dpo_loss
+from alignpipe.modeling import load_causal_lm
+from alignpipe.trainers import dpo
+from alignpipe.trainers.configs import DPOConfig
+
+
+def pair_loss(sums, rows, B, ref):
+    """A DPO-shaped coupling: rows i and B + i are a pair; the loss is a mean over pairs plus an NLL-like sum."""
+    k = len(rows) // 2
+    pairs = rows[:k]
+    losses, _, _ = dpo_loss(sums[:k], sums[k:], ref[0][pairs], ref[1][pairs], 0.3)
+    return losses.sum() / B - 0.2 * sums[:k].sum()
+
+
+@pytest.mark.parametrize("grouping", ["pair-by-pair", "two-groups", "whole"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_value_sums_and_gradients_equal_autograd_through_full_logits(grouping, with_bias):
+    g = torch.Generator().manual_seed(0)
+    B, d, V = 3, 16, 97
+    row_tokens = [5, 1, 7, 4, 6, 2]  # chosen rows 0..2, rejected rows 3..5
+    N = sum(row_tokens)
+    hidden = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    ref = torch.randn(B, generator=g, dtype=torch.float64), torch.randn(B, generator=g, dtype=torch.float64)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+
+    token_lp = F.log_softmax(F.linear(hidden, weight, bias), -1).gather(-1, labels[:, None]).squeeze(-1)
+    expected_sums = torch.stack([part.sum() for part in token_lp.split(row_tokens)])
+    expected = pair_loss(expected_sums, list(range(2 * B)), B, ref)
+    want = torch.autograd.grad(expected * 0.37, inputs)
+
+    pairs = {"pair-by-pair": [[0], [1], [2]], "two-groups": [[0, 2], [1]], "whole": [[0, 1, 2]]}[grouping]
+    groups = [p + [B + i for i in p] for p in pairs]
+    got, sums = linear_sequence_loss(
+        hidden, weight, bias, labels, row_tokens, groups, lambda s, rows: pair_loss(s, rows, B, ref)
+    )
+    grads = torch.autograd.grad(got * 0.37, inputs)  # the upstream gradient scales what the forward formed
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
+    assert not sums.requires_grad and torch.allclose(sums, expected_sums.detach(), atol=1e-12)
+    for a, b in zip(grads, want):
+        assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+
+
+def test_no_grad_and_a_frozen_head_form_only_what_is_wanted():
+    g = torch.Generator().manual_seed(1)
+    row_tokens = [3, 4]
+    hidden = torch.randn(7, 8, generator=g, requires_grad=True)
+    weight = torch.randn(31, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 31, (7,), generator=g)
+
+    def run():
+        return linear_sequence_loss(hidden, weight, None, labels, row_tokens, [[0, 1]], lambda s, rows: -s.sum())
+
+    assert matmuls(run) == 3  # logits, hidden-state gradient, head gradient
+    with torch.no_grad():
+        assert matmuls(run) == 1  # an evaluation: the logits alone
+    frozen = weight.detach()
+    loss, _ = linear_sequence_loss(hidden, frozen, None, labels, row_tokens, [[0, 1]], lambda s, rows: -s.sum())
+    loss.backward()
+    expected_h = hidden.detach().clone().requires_grad_(True)
+    F.cross_entropy(F.linear(expected_h, frozen), labels, reduction="sum").backward()
+    assert torch.allclose(hidden.grad, expected_h.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"rpo_alpha": 0.5},
+        {"loss_type": "ipo"},
+        {"loss_type": "hinge"},
+        {"label_smoothing": 0.1},
+    ],
+    ids=["sigmoid", "rpo", "ipo", "hinge", "cdpo"],
+)
+def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, monkeypatch, overrides):
+    """One DPO batch through the fused loss and through the chunked, recomputed head: the same loss, metrics and
+    gradient for every parameter; and pairs grouped one by one give the same as all at once."""
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    examples = dpo.tokenize(rows[:6], tok, 64)
+    batch = dpo.collate(examples, tok.pad_token_id, 64)
+    model = load_causal_lm(str(tiny / "model")).double()
+    ref = copy.deepcopy(model).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a policy some steps away from its reference: rewards clearly apart from 0
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+
+    def reference_logps(b):
+        with torch.no_grad():
+            return dpo.completion_logps(ref, b)[0].chunk(2)
+
+    def run(**cfg):
+        model.zero_grad()
+        loss, stats = dpo.batch_loss(model, batch, reference_logps, DPOConfig(**overrides, **cfg))
+        loss.backward()
+        return loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunked = run(fused_loss=False)
+    calls = []
+    fused_pair_loss = dpo.fused_pair_loss
+    monkeypatch.setattr(dpo, "fused_pair_loss", lambda *a: calls.append(1) or fused_pair_loss(*a))
+    fused = run()
+    rows, B = batch["scored_per_row"], len(examples)
+    monkeypatch.setattr(dpo, "FUSED_GROUP_MAX", max(rows[i] + rows[B + i] for i in range(B)) * model.config.vocab_size)
+    one_by_one = run()  # the budget holds one pair: a group per pair
+    monkeypatch.setattr(dpo, "FUSED_GROUP_MAX", 1)  # every pair over the budget: the chunked head again
+    fallback = run()
+    # the chunked head takes its log-softmax in float32 (the fused one in the model's float64): float32 tolerances
+    assert len(calls) == 3 and float(fused[0]) == pytest.approx(float(chunked[0]), rel=1e-6)
+    for key, value in chunked[1].items():
+        assert float(fused[1][key]) == pytest.approx(float(value), rel=1e-5, abs=1e-5), key
+    for name, grad in chunked[2].items():
+        assert torch.allclose(fused[2][name], grad, rtol=1e-4, atol=1e-7), (name, (fused[2][name] - grad).abs().max())
+        assert torch.allclose(one_by_one[2][name], fused[2][name], atol=1e-12), name
+        assert torch.equal(fallback[2][name], grad), name
