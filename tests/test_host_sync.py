@@ -125,13 +125,21 @@ def test_an_sft_step_reads_nothing_back(tiny, tmp_path, steps_read_nothing, pack
     assert tracker.last("train/loss") > 0 and tracker.last("train/num_tokens") > 0
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["whole-rows", "shared-prompts"])
+@pytest.mark.parametrize("share", [False, True], ids=["whole-rows", "shared-prompts-fused-head"])
 def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, share):
-    """Sharing each pair's prompt (what pays at long prompts on a GPU) is decided from host flags `collate` sets."""
+    """Sharing each pair's prompt (what pays at long prompts on a GPU) is decided from host flags `collate` sets;
+    DPO's fused head (what a GPU batch's logits take) groups its pairs and gathers their tokens from host counts."""
     from alignpipe import logprobs
 
     calls: list[str] = []
     if share:
+        monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
+        fused = dpo.fused_pair_loss
+        monkeypatch.setattr(
+            dpo,
+            "fused_pair_loss",
+            lambda *a: (lambda out: (out is not None and calls.append("fused")) or out)(fused(*a)),
+        )
         monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
         for module in (logprobs, reward):
             shared = module.shared_prefix_hidden
@@ -150,6 +158,7 @@ def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, ste
     assert tracker.last("train/accuracy") is not None and tracker.last("eval/accuracy") is not None
     if share:
         assert {"alignpipe.logprobs", "alignpipe.trainers.reward"} <= set(calls), "both took the shared path"
+        assert "fused" in calls
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])

@@ -92,7 +92,8 @@ def test_no_grad_and_a_frozen_head_form_only_what_is_wanted():
 )
 def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, monkeypatch, overrides):
     """One DPO batch through the fused loss and through the chunked, recomputed head: the same loss, metrics and
-    gradient for every parameter; and pairs grouped one by one give the same as all at once."""
+    gradient for every parameter; and pairs grouped one by one give the same as all at once. (Logits small enough
+    to run whole, as this batch's, take the whole head: it keeps them for backward, 3 matmuls as well.)"""
     tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
     examples = dpo.tokenize(rows[:6], tok, 64)
     batch = dpo.collate(examples, tok.pad_token_id, 64)
@@ -113,6 +114,9 @@ def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, mon
         loss.backward()
         return loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    from alignpipe import logprobs
+
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)  # the logits of a GPU batch: chunked, recomputed in backward
     chunked = run(fused_loss=False)
     calls = []
     fused_pair_loss = dpo.fused_pair_loss
@@ -131,3 +135,12 @@ def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, mon
         assert torch.allclose(fused[2][name], grad, rtol=1e-4, atol=1e-7), (name, (fused[2][name] - grad).abs().max())
         assert torch.allclose(one_by_one[2][name], fused[2][name], atol=1e-12), name
         assert torch.equal(fallback[2][name], grad), name
+
+
+def test_dpo_takes_the_whole_head_where_its_logits_fit(tiny, monkeypatch):
+    """Where `completion_logps` runs the head in one piece (logits up to `WHOLE_LOGITS_MAX`) it saves nothing to
+    fuse: the fused loss is not taken."""
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    model = load_causal_lm(str(tiny / "model"))
+    assert dpo.fused_pair_loss(model, batch, None, DPOConfig()) is None

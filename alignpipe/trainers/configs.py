@@ -125,8 +125,10 @@ class DPOConfig(TrainingArgs):
     fused_loss: bool = True
     """Form the LM head's gradients in the forward, a group of chosen/rejected pairs at a time
     (`alignpipe/linear_sequence_loss.py`): 3 head matmuls per answer token instead of the recomputing chunked head's
-    4. Holds one pair's float32 logits at once (2 × 512 answer tokens × a 152k vocabulary: 0.6 GB); a pair over
-    1 GB of them takes the chunked head. false: the chunked head always (its chunks compiled under `compile`)."""
+    4. Taken where the batch's logits are too large to keep for backward (over 256 MB of float32, as at GPU batch
+    sizes; smaller ones run whole, 3 matmuls as well). Holds one pair's float32 logits at once (2 × 512 answer
+    tokens × a 152k vocabulary: 0.6 GB); a pair over 1 GB of them takes the chunked head. false: the chunked head
+    always (its chunks compiled under `compile`)."""
 
     @model_validator(mode="after")
     def _check(self):

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe import logprobs
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
@@ -132,7 +133,9 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     """(loss, chosen S (B,), rejected S (B,), RPO's NLL or None) with the LM head's gradients formed in the forward
     (`linear_sequence_loss`), pairs grouped up to `FUSED_GROUP_MAX` logits; S detached. `losses_of(chosen, rejected,
     pairs)` is `dpo_loss` on those pairs. None where it cannot run (no host token counts, a head that runs only
-    inside the forward, a pair over the budget): the caller then takes `completion_logps`."""
+    inside the forward, a pair over the budget) or need not (logits small enough for `completion_logps` to run the
+    head in one piece and keep them for backward, which costs the same 3 matmuls): the caller then takes
+    `completion_logps`."""
     rows = batch.get("scored_per_row")
     if rows is None:
         return None
@@ -140,6 +143,8 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     pair_tokens = [rows[i] + rows[B + i] for i in range(B)]
     vocab = output_vocab(model)
     if vocab is None or max(pair_tokens, default=0) * vocab > FUSED_GROUP_MAX:
+        return None
+    if sum(rows) * vocab <= logprobs.WHOLE_LOGITS_MAX:  # the head in one piece keeps its logits: 3 matmuls already
         return None
     mask = batch["completion_tokens"]
     index = torch.arange(mask.size(0), device=mask.device) % B
