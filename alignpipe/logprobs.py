@@ -72,17 +72,32 @@ def token_logprobs(
     labels = input_ids[:, start + 1 :]
     position_ids = _positions(attention_mask, position_ids)
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
+    return _scored_logprobs(
+        None if hidden is None else hidden[:, start:-1],
+        head,
+        lambda: _logits_inside_forward(model, input_ids, attention_mask, position_ids)[:, start:-1],
+        labels,
+        only,
+        count,
+        (temperature, chunk_tokens, with_entropy, compiled),
+    )
+
+
+def _scored_logprobs(hidden, head, inside_forward, labels, only, count, options: tuple):
+    """Log-probs (and entropies) of `labels` from the final `hidden` states through the LM `head`, chunk by chunk; or,
+    where `hidden` is None (`RESHARDS_HEAD`), from the logits `inside_forward()` gets from the model's own forward.
+    On `only`'s positions alone where given (`_select`). `options`: (temperature, chunk_tokens, with_entropy,
+    compiled) as in `token_logprobs`."""
+    temperature, chunk_tokens, with_entropy, compiled = options
     if hidden is None:
-        logits = _logits_inside_forward(model, input_ids, attention_mask, position_ids)[:, start:-1]
         return _select(
-            logits,
+            inside_forward(),
             labels,
             only,
             lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
             with_entropy,
             count,
         )
-    hidden = hidden[:, start:-1]
     weight, bias = head.weight, getattr(head, "bias", None)
     return _select(
         hidden,
@@ -292,26 +307,13 @@ def shared_prompt_logprobs(
     prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` and `count` as in
     `token_logprobs`."""
     hidden, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, index, prompts_nonempty)
-    if hidden is None:
+
+    def inside_forward():
         ids, mask, start = _whole_rows(prompt_ids, prompt_mask, completion_ids, index)
-        logits = _logits_inside_forward(model, ids, mask, mask_positions(mask))[:, start:-1]
-        return _select(
-            logits,
-            completion_ids,
-            only,
-            lambda x, y: _logprobs_from_logits(x, y, temperature, chunk_tokens, with_entropy),
-            with_entropy,
-            count,
-        )
-    weight, bias = head.weight, getattr(head, "bias", None)
-    return _select(
-        hidden,
-        completion_ids,
-        only,
-        lambda x, y: _head_logprobs(x, weight, bias, y, temperature, chunk_tokens, with_entropy, compiled),
-        with_entropy,
-        count,
-    )
+        return _logits_inside_forward(model, ids, mask, mask_positions(mask))[:, start:-1]
+
+    options = (temperature, chunk_tokens, with_entropy, compiled)
+    return _scored_logprobs(hidden, head, inside_forward, completion_ids, only, count, options)
 
 
 def completion_hidden(
