@@ -37,7 +37,7 @@ from bench.cases import (
     tokens_per_sample,
     train_flops_per_token,
 )
-from bench.run_one import ATTENTION_ENV, COMPILE_ENV, IMPLS
+from bench.run_one import ATTENTION_ENV, COMPILE_ENV, IMPLS, UNFUSED_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,15 +82,25 @@ def trl_with_ppo() -> Path:
 
 
 def measure(
-    impl: str, key: str, model: str, steps: int, assets: Path, attention: str | None = None, compile: bool = False
+    impl: str,
+    key: str,
+    model: str,
+    steps: int,
+    assets: Path,
+    attention: str | None = None,
+    compile: bool = False,
+    unfused: bool = False,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
-    `compile: true` / `rollout: {compile: true}` when `compile`): its JSON figures."""
+    `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`):
+    its JSON figures."""
     env = dict(os.environ)
     if attention:
         env[ATTENTION_ENV] = attention
     if compile and impl == "ours":
         env[COMPILE_ENV] = "1"
+    if unfused and impl == "ours":
+        env[UNFUSED_ENV] = "1"
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
@@ -296,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         "online_dpo, ppo); its rows name the model `qwen0.5b+compile`",
     )
     parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="our DPO with `fused_loss: false` (the chunked, recomputed LM head): what the fused head buys; its rows "
+        "name the model `qwen0.5b+unfused`",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     wanted = args.cases.split(",") if args.cases else None
     for model in models:
         label = model + (f"/{args.attention}" if args.attention else "") + ("+compile" if args.compile else "")
+        label += "+unfused" if args.unfused else ""
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
@@ -353,13 +370,13 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list] = {impl: [] for impl in impls}
             for _ in range(warmup):
                 for impl in impls:
-                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile)
+                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile, args.unfused)
                     print(
                         f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
                 for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
-                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile)
+                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile, args.unfused)
                     runs[impl].append(r)
                     print(
                         f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "

@@ -51,6 +51,9 @@ ATTENTION_ENV = "ALIGNPIPE_BENCH_ATTENTION"
 # Set to 1 by `python -m bench --compile` for our side: `compile: true` on offline trainers, `rollout: {compile: true}`
 # on online ones.
 COMPILE_ENV = "ALIGNPIPE_BENCH_COMPILE"
+# Set by `python -m bench --unfused`: our DPO with `fused_loss: false` (the chunked, recomputed LM head), to measure
+# what the fused head buys.
+UNFUSED_ENV = "ALIGNPIPE_BENCH_UNFUSED"
 
 
 def model_for(kind: str, assets: str, task: str):
@@ -177,7 +180,9 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
     elif task == "dpo":
         import copy
 
-        dpo.train(DPOConfig(**common, **offline), model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
+        fused = os.environ.get(UNFUSED_ENV) != "1"
+        cfg = DPOConfig(**common, **offline, fused_loss=fused)
+        dpo.train(cfg, model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
     elif task == "kto":
         import copy
 

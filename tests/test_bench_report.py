@@ -290,10 +290,11 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
     environment `measure` gives it); `--compile`: our side compiled. Their rows name it beside the model, apart from
     the plain rows when merged."""
     import bench.__main__ as bench_main
-    from bench.run_one import ATTENTION_ENV, COMPILE_ENV, model_for
+    from bench.run_one import ATTENTION_ENV, COMPILE_ENV, UNFUSED_ENV, model_for
 
     real_measure = bench_main.measure
     monkeypatch.delenv(COMPILE_ENV, raising=False)
+    monkeypatch.delenv(UNFUSED_ENV, raising=False)
     seen = []
     monkeypatch.setattr(
         bench_main,
@@ -308,6 +309,9 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
     bench_main.main([*common, "--compile", "--merge"])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| sft")]
     assert [r.split("|")[2].strip() for r in rows] == ["tiny", "tiny/eager", "tiny+compile"]
+    bench_main.main([*common[:-1], "dpo", "--unfused"])
+    assert "| dpo | tiny+unfused |" in out.read_text()
+    seen.pop(), seen.pop()
     assert [(impl, attention, compile) for impl, attention, compile in seen] == [
         ("ours", None, False),
         ("trl", None, False),
@@ -328,8 +332,9 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
 
     monkeypatch.setattr(bench_main.subprocess, "run", run)
     for impl in ("ours", "trl"):
-        real_measure(impl, "sft/8x64", "tiny", 2, tiny, "flex_attention", True)
+        real_measure(impl, "sft/8x64", "tiny", 2, tiny, "flex_attention", True, True)
     assert envs["ours"][COMPILE_ENV] == "1" and COMPILE_ENV not in envs["trl"], "compile is our side's switch only"
+    assert envs["ours"][UNFUSED_ENV] == "1" and UNFUSED_ENV not in envs["trl"], "so is the unfused DPO head"
     assert envs["ours"][ATTENTION_ENV] == envs["trl"][ATTENTION_ENV] == "flex_attention"
 
 
