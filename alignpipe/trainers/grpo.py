@@ -151,6 +151,8 @@ class GRPORollout:
     """Whether every prompt holds a token (from the token lists, before padding)."""
     row_tokens: list[int] = field(init=False)
     """`mask`'s count per row, on the host: a micro-batch's LM head gathers its tokens without a device read."""
+    kl: float | None = None
+    """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
     def __post_init__(self) -> None:
         self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
@@ -159,9 +161,6 @@ class GRPORollout:
         """The host facts of micro-batch `sl`, which starts and ends on group boundaries (`batch_size` is a multiple
         of `num_generations`)."""
         return RolloutFacts(self.prompts_nonempty, sum(self.row_tokens[sl]))
-
-    kl: float | None = None
-    """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
     def stats(self, reward_names: list[str]) -> dict[str, float]:
         """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
