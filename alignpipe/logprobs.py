@@ -11,6 +11,8 @@ Shapes: B = batch, T = sequence length, V = vocabulary, d = hidden size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -117,16 +119,18 @@ def token_nll_sum(
     position_ids: torch.Tensor | None = None,
     count: int | None = None,
     compiled: bool = False,
+    documents: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Σ −log p(input_ids[:, t+1]) over the positions t where `only` (B, T−1) is true: SFT's summed cross-entropy,
     −token_logprobs(...)[only].sum() in value and gradient. The LM head runs on those positions alone, in chunks
     with its gradients computed in the forward (`linear_ce.linear_nll_sum`): no logits kept for backward and no
     second head forward. `count`, the number of true positions when the caller knows it on the host, lets them be
     gathered without a device read (a boolean index waits for the device to count them). `compiled`: each chunk's
-    softmax and gradient as one compiled kernel (`linear_ce.linear_nll_sum`'s `compiled`). Other inputs as
-    `token_logprobs`'s."""
+    softmax and gradient as one compiled kernel (`linear_ce.linear_nll_sum`'s `compiled`). `documents`: packed
+    rows' document offsets counted on the host (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`), handed to every
+    attention call (`attention.varlen_attention_forward`, flash-attn's). Other inputs as `token_logprobs`'s."""
     position_ids = _positions(attention_mask, position_ids)
-    hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids)
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids, documents)
     if hidden is None:
         return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
     index = scored_index(only, count)
@@ -150,20 +154,21 @@ def _positions(attention_mask: torch.Tensor | None, position_ids: torch.Tensor |
     return mask_positions(attention_mask)
 
 
-def _hidden_and_head(model, input_ids, attention_mask, position_ids):
+def _hidden_and_head(model, input_ids, attention_mask, position_ids, documents: dict[str, Any] | None = None):
     """The decoder's final hidden states (B, T, d) and the LM head module, for a plain, peft, DDP or FSDP causal LM
-    (positions from `_positions`). (None, None) where the head can only run inside the model's forward
-    (`RESHARDS_HEAD`)."""
+    (positions from `_positions`; `documents` as `token_nll_sum`'s). (None, None) where the head can only run
+    inside the model's forward (`RESHARDS_HEAD`)."""
+    extra = documents or {}
     base = unwrapped(model)
     if base is not None:
         body, head = _decoder_and_head(base)
         hidden = body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
         ).last_hidden_state
         return hidden, head
     if getattr(model, RESHARDS_HEAD, False):
         return None, None
-    return _hidden_through_wrapper(model, input_ids, attention_mask, position_ids)
+    return _hidden_through_wrapper(model, input_ids, attention_mask, position_ids, extra)
 
 
 def _logits_inside_forward(model, input_ids, attention_mask, position_ids):
@@ -177,7 +182,7 @@ def _logits_inside_forward(model, input_ids, attention_mask, position_ids):
 RESHARDS_HEAD = "_alignpipe_reshards_head"
 
 
-def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids):
+def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids, extra: dict[str, Any]):
     """The final hidden states (B, T, d) of a DDP- or FSDP-wrapped causal LM, and its LM head. The wrapper's own
     forward runs (DDP readies its gradient all-reduce there, FSDP gathers and frees the shards) with the head cut to
     one position (`logits_to_keep=1`); the decoder's output is taken by a hook, and the caller runs the head chunk
@@ -203,6 +208,7 @@ def _hidden_through_wrapper(model, input_ids, attention_mask, position_ids):
             position_ids=position_ids,
             use_cache=False,
             logits_to_keep=1,
+            **extra,
         )
     finally:
         handle.remove()

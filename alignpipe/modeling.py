@@ -66,6 +66,15 @@ def is_activation_checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
+def implementation(attention: str | None) -> str | None:
+    """transformers' `attn_implementation` for the recipe's `model.attention`: ours (`varlen`) registered first."""
+    if attention == "varlen":
+        from alignpipe.attention import register
+
+        return register()
+    return attention
+
+
 @contextlib.contextmanager
 def attention_errors(attention: str | None):
     """Loading a model with the recipe's `model.attention`: a kernel this machine cannot run (flash-attn not
@@ -111,7 +120,7 @@ def load_causal_lm(
             dtype=torch_dtype(dtype),
             revision=revision,
             trust_remote_code=trust_remote_code,
-            attn_implementation=attention,
+            attn_implementation=implementation(attention),
         )
     if adapter:
         from peft import PeftModel
@@ -218,7 +227,7 @@ def load_sequence_scorer(
             num_labels=1,
             dtype=torch_dtype(dtype),
             trust_remote_code=trust_remote_code,
-            attn_implementation=attention,
+            attn_implementation=implementation(attention),
         )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--attention",
-        choices=["flex_attention", "eager", "flash_attention_2", "flash_attention_3"],
+        choices=["varlen", "flex_attention", "eager", "flash_attention_2", "flash_attention_3"],
         help="run every side's model with this attention kernel instead of SDPA (its rows name the model "
         "`qwen0.5b/flex_attention`)",
     )

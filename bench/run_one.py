@@ -70,7 +70,9 @@ def model_for(kind: str, assets: str, task: str):
         model = random_model(kind, tok, "reward" if task == "reward" else "lm")
     model.config.pad_token_id = tok.pad_token_id
     if attention := os.environ.get(ATTENTION_ENV):  # `python -m bench --attention`: every side alike
-        model.set_attn_implementation(attention)
+        from alignpipe.modeling import implementation
+
+        model.set_attn_implementation(implementation(attention))  # `varlen`: TRL's side runs ours too
     return model, tok
 
 

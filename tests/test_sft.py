@@ -147,10 +147,12 @@ def test_num_tokens_is_the_running_total_at_each_log_point(tiny, data, tmp_path)
     assert series[3] == [per_step[2], per_step[5]]
 
 
-def test_packed_rows_train_exactly_as_alone(tiny, data):
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_packed_rows_train_exactly_as_alone(tiny, data, attention, monkeypatch):
     """bfd packing: in a packed batch (padding included) each row's summed loss equals that row's loss run alone
     (1e-5), and the batch's gradient equals the sum of the rows' gradients: positions restart per row, so no row
-    attends to or predicts another."""
+    attends to or predicts another. Under SDPA's block-diagonal mask and under `varlen` (each row its own
+    variable-length sequence, from the offsets `collate` counted; rows alone run SDPA)."""
     tok, train, _ = data
     rows = sft.tokenize(train[:12], tok, 64, completion_only=True)
     blocks = sft.pack(rows, 64)
@@ -158,7 +160,7 @@ def test_packed_rows_train_exactly_as_alone(tiny, data):
         len(r["input_ids"]) for r in rows
     )
     assert all(len(b["input_ids"]) <= 64 for b in blocks)
-    model = load_causal_lm(str(tiny / "model"))
+    model = load_causal_lm(str(tiny / "model"), attention=attention)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def loss_and_grads(batch):
@@ -167,8 +169,23 @@ def test_packed_rows_train_exactly_as_alone(tiny, data):
         loss.backward()
         return float(loss.detach()), [p.grad.clone() for p in params]
 
-    packed_loss, packed_grads = loss_and_grads(sft.collate(blocks, tok.pad_token_id))
+    from alignpipe import attention as varlen
+
+    offsets = []  # the documents each varlen attention call ran
+    run = varlen._documents_attention
+    monkeypatch.setattr(varlen, "_documents_attention", lambda *a: offsets.append(a[3].tolist()) or run(*a))
+    packed = sft.collate(blocks, tok.pad_token_id)
+    packed_loss, packed_grads = loss_and_grads(packed)
+    if attention == "varlen":  # every layer ran the documents collate counted: the rows and each block's padding
+        rows_and_pads = int((packed["position_ids"] == 0).sum())
+        assert len(offsets) == model.config.num_hidden_layers
+        assert all(
+            cu == packed["documents"]["cu_seq_lens_q"].tolist() and len(cu) == rows_and_pads + 1 for cu in offsets
+        )
     alone = [loss_and_grads(sft.collate([r], tok.pad_token_id)) for r in rows]
+    if attention == "varlen":  # a row alone (no padding, so SDPA's mask is none) is one document
+        layers = model.config.num_hidden_layers
+        assert offsets[layers:] == [[0, len(r["input_ids"])] for r in rows for _ in range(layers)]
     assert packed_loss == pytest.approx(sum(loss for loss, _ in alone), rel=1e-5)
     for k, g in enumerate(packed_grads):
         expected = sum(grads[k] for _, grads in alone)
@@ -295,19 +312,20 @@ def test_packed_rows_score_alike_under_every_attention_kernel_that_runs_on_cpu(t
     assert int((batch["position_ids"] == 0).sum()) > len(blocks), "several rows per block"
     valid = batch["labels"][:, 1:] != sft.IGNORE
     scored, trained = {}, {}
-    for attention in ("sdpa", "eager", "flex_attention"):
+    for attention in ("sdpa", "varlen", "eager", "flex_attention"):
         model = load_causal_lm(str(tiny / "model"), attention=attention)
         assert model.config._attn_implementation == attention
-        with torch.no_grad():
+        with torch.no_grad():  # no document offsets handed over: varlen finds them from the position ids
             scored[attention] = token_logprobs(model, batch["input_ids"], None, position_ids=batch["position_ids"])
         if attention != "flex_attention":
             loss, _ = sft.token_loss_sum(model, batch)
             loss.backward()
             trained[attention] = (float(loss.detach()), model.model.layers[0].self_attn.q_proj.weight.grad)
-    for attention in ("eager", "flex_attention"):
+    for attention in ("varlen", "eager", "flex_attention"):
         assert torch.allclose(scored[attention][valid], scored["sdpa"][valid], atol=1e-5), attention
-    assert trained["eager"][0] == pytest.approx(trained["sdpa"][0], rel=1e-6)
-    assert torch.allclose(trained["eager"][1], trained["sdpa"][1], atol=1e-5)
+    for attention in ("varlen", "eager"):
+        assert trained[attention][0] == pytest.approx(trained["sdpa"][0], rel=1e-6), attention
+        assert torch.allclose(trained[attention][1], trained["sdpa"][1], atol=1e-5), attention
 
 
 def test_the_recipe_attention_reaches_every_model_a_stage_loads_and_a_missing_kernel_is_named(tiny, tmp_path):

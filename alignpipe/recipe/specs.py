@@ -23,9 +23,13 @@ class ModelSpec(Strict):
     """Weights dtype for training and generation. bf16 needs a GPU that supports it."""
     trust_remote_code: bool = False
     """Allow the model repo's own Python code to run. Off unless you trust the repo."""
-    attention: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
+    attention: Literal["sdpa", "varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
     """The attention kernels every stage's models run (transformers' `attn_implementation`). `sdpa`: PyTorch's
-    scaled-dot-product attention, on CPU and GPU; packed SFT rows get a block-diagonal mask. `flash_attention_2`/`_3`
+    scaled-dot-product attention, on CPU and GPU; packed SFT rows get a block-diagonal mask, which keeps SDPA off
+    its flash kernel and computes the whole T × T square. `varlen`: packed SFT rows run as variable-length
+    sequences through the flash kernel that ships inside PyTorch (a CUDA GPU, bf16/fp16; nothing to install), no
+    mask and no work outside each row; everything else runs as `sdpa` (`alignpipe/attention.py`). On CPU or in
+    float32 the rows run one by one (exact, slower). `flash_attention_2`/`_3`
     (a CUDA GPU and the `flash-attn` package): packed rows run as variable-length sequences, no mask and no work on
     the masked-out blocks, the fastest way to train packed rows. `flex_attention`: FlexAttention block masks (GPU;
     its backward does not run on CPU). `eager`: plain matmuls, for debugging."""

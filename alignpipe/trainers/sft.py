@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe.attention import document_offsets
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
@@ -118,8 +119,18 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, Any]:
     out: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     if packed:
         out["position_ids"] = positions
+        out["documents"] = documents(positions)
     out["num_targets"] = int((labels[:, 1:] != IGNORE).sum())
     return out
+
+
+def documents(positions: torch.Tensor) -> dict[str, Any]:
+    """The packed batch's documents (rows, and the padding after them) as the offsets of their tokens flattened
+    block after block, in transformers' names for variable-length attention (`model.attention: varlen`,
+    `flash_attention_2`): counted here on the host, so no attention call reads the device to find them."""
+    cu, longest = document_offsets(positions)
+    offsets = torch.tensor(cu, dtype=torch.int32)
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 
 def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +144,16 @@ def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tupl
         ids, mask, positions = batch["input_ids"], None, batch["position_ids"]
     else:
         ids, mask, positions = batch["input_ids"], batch["attention_mask"], None
-    loss = token_nll_sum(model, ids, mask, valid, position_ids=positions, count=count, compiled=compiled)
+    loss = token_nll_sum(
+        model,
+        ids,
+        mask,
+        valid,
+        position_ids=positions,
+        count=count,
+        compiled=compiled,
+        documents=batch.get("documents"),
+    )
     return loss, valid.sum()
 
 

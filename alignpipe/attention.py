@@ -1,0 +1,122 @@
+"""`model.attention: varlen`: packed rows attend each to itself through PyTorch's own variable-length flash kernel.
+
+Packed SFT blocks hold several rows (documents) each, with position ids that restart at every row. Under `sdpa`,
+transformers turns the restarting positions into a dense block-diagonal (B, 1, T, T) mask; SDPA's flash kernel
+cannot take a mask, so the memory-efficient kernel runs and computes every block of the T × T square, most of which
+the mask then throws away. Here the block's tokens are flattened into one (B·T, heads, head_dim) sequence and
+`torch.nn.attention.varlen.varlen_attn` (flash attention's varlen kernel, shipped inside torch: nothing to install)
+runs each document causally from its cumulative offsets: no mask and no work outside the documents. This is what
+`flash_attention_2` does with padding-free batches, without the `flash-attn` package.
+
+Where the offsets come from: `sft.collate` counts each block's documents on the host and hands the model
+`cu_seq_lens_q` and `max_length_q` (transformers' names, passed through to every attention call), so the step needs
+no device read. A caller that passes only restarting `position_ids` (TRL's padding-free collator, in the
+benchmark) gets them derived once per forward, with one device read, as transformers' own packed-mask check does.
+
+Everything else runs SDPA unchanged: padded batches (a 2-D mask), decoding with a KV cache, rows without packing.
+The kernel needs a CUDA device and fp16/bf16 tensors; elsewhere (CPU, float32) the same documents run one by one
+through causal SDPA (exact, slower: for tests and CPU users)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+
+NAME = "varlen"
+
+
+@functools.cache
+def register() -> str:
+    """Register `varlen` with transformers' attention and mask interfaces (once per process); returns the name to
+    pass as `attn_implementation`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(NAME, _mask)
+    return NAME
+
+
+def _mask(**kwargs):
+    """Masks as SDPA's where the input is padded (a 2-D `attention_mask`), none otherwise: packed rows are separated
+    by their offsets in `varlen_attention_forward`, not by a mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(**kwargs)
+
+
+def document_offsets(position_ids: torch.Tensor) -> tuple[list[int], int]:
+    """Cumulative offsets of the documents of (B, T) `position_ids` flattened row after row, and the longest
+    document's length. A document starts where the position is 0 (every row starts one). Host tensors only: the
+    collator's and the test's helper."""
+    starts = (position_ids.flatten() == 0).nonzero().flatten().tolist()
+    cu = starts + [position_ids.numel()]
+    return cu, max(b - a for a, b in itertools.pairwise(cu))
+
+
+_derived: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+
+def _derived_offsets(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Offsets from the position ids themselves (one device read), kept for the forward's other layers, which are
+    handed the same tensor."""
+    global _derived
+    if _derived is None or _derived[0] is not position_ids:
+        cu, longest = document_offsets(position_ids.cpu())
+        _derived = (position_ids, torch.tensor(cu, dtype=torch.int32, device=position_ids.device), longest)
+    return _derived[1], _derived[2]
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) → (B, T, H, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, length, dim = query.shape
+    position_ids = kwargs.get("position_ids")
+    cu = kwargs.get("cu_seq_lens_q")
+    whole = attention_mask is None and length > 1 and key.shape[2] == length  # a training forward, no cache, no pad
+    if not whole or (cu is None and position_ids is None):  # padded, decoding, or no documents to find: SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("model.attention: varlen does not run sliding-window layers; use sdpa or flex_attention")
+    if dropout and module.training:
+        raise ValueError("model.attention: varlen does not run attention dropout; set the model's dropout to 0")
+    if cu is None:
+        cu, longest = _derived_offsets(position_ids.expand(batch, -1))  # type: ignore[union-attr]  # not None here
+    else:
+        longest = int(kwargs["max_length_q"])
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
+    out = _documents_attention(q, k, v, cu, longest, scaling)
+    return out.view(batch, length, heads, dim), None
+
+
+def _documents_attention(q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
+    """Causal attention within each document of flattened (N, H, D) q and (N, Hkv, D) k/v, documents at offsets
+    `cu` (int32, N docs + 1)."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu.to(device=q.device, dtype=torch.int32)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        assert isinstance(out, torch.Tensor)  # the log-sum-exp comes back too only when asked for
+        return out
+    pieces = []
+    bounds = cu.tolist()
+    for a, b in itertools.pairwise(bounds):
+        qd, kd, vd = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+        pieces.append(o[0].transpose(0, 1))
+    return torch.cat(pieces)
