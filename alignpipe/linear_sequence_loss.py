@@ -22,13 +22,30 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from alignpipe.compiled import compiled_function
+
 GroupLoss = Callable[[torch.Tensor, list[int]], torch.Tensor]
 """(S of a group's rows (k,), their row numbers) -> that group's share of the loss (a scalar)."""
 
 
+def _scores_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
+    """(log-sum-exp, the label's log-prob) per token, as one row reduction that reads the logits once when
+    compiled (no float copy of the group's logits)."""
+    x = logits.to(precise)
+    lse = torch.logsumexp(x, -1)
+    return lse, x.gather(-1, labels[:, None]).squeeze(-1) - lse
+
+
+def _grad_fusable(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, precise):
+    """g · (one-hot − softmax) per token, as one element-wise pass writing the logits' dtype when compiled."""
+    hit = torch.arange(logits.size(-1), device=logits.device)[None, :] == labels[:, None]
+    softmax = torch.exp(logits.to(precise) - lse[:, None])
+    return (coef[:, None] * (hit.to(precise) - softmax)).to(logits.dtype)
+
+
 class _LinearSequenceLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, row_tokens, groups, loss_of: GroupLoss, grads: bool):
+    def forward(ctx, hidden, weight, bias, labels, row_tokens, groups, loss_of: GroupLoss, grads: bool, compiled: bool):
         # `needs_input_grad` says True for a parameter under no_grad too: `grads` is the caller's grad mode
         want_h, want_w, want_b = (grads and want for want in ctx.needs_input_grad[:3])
         precise = torch.promote_types(hidden.dtype, torch.float32)
@@ -48,9 +65,13 @@ class _LinearSequenceLoss(torch.autograd.Function):
             lengths = torch.tensor([e - s for s, e in spans])
             local = torch.repeat_interleave(torch.arange(len(group)), lengths, output_size=int(h.size(0)))
             local = local.to(device, non_blocking=True)  # built on the host: no device read to size it
-            x = F.linear(h, weight, bias).to(precise)
-            lse = torch.logsumexp(x, -1)
-            token_lp = x.gather(-1, y[:, None]).squeeze(-1) - lse
+            logits = F.linear(h, weight, bias)
+            if compiled:
+                lse, token_lp = compiled_function(_scores_fusable)(logits, y, precise)
+            else:
+                x = logits.to(precise)
+                lse = torch.logsumexp(x, -1)
+                token_lp = x.gather(-1, y[:, None]).squeeze(-1) - lse
             s_group = torch.zeros(len(group), dtype=precise, device=device).index_add_(0, local, token_lp)
             sums[group] = s_group
             with torch.enable_grad():
@@ -61,10 +82,13 @@ class _LinearSequenceLoss(torch.autograd.Function):
             if not (want_h or want_w or want_b):
                 continue
             coef = g[local]
-            grad = x.sub_(lse[:, None]).exp_().mul_(-coef[:, None])  # −g · softmax, in the float copy's memory
-            grad[torch.arange(y.size(0), device=device), y] += coef  # + g · one-hot
+            if compiled:
+                grad = compiled_function(_grad_fusable)(logits, lse, y, coef, precise)
+            else:
+                grad = x.sub_(lse[:, None]).exp_().mul_(-coef[:, None])  # −g · softmax, in the float copy's memory
+                grad[torch.arange(y.size(0), device=device), y] += coef  # + g · one-hot
             if grad_b is not None:
-                grad_b += grad.sum(0)
+                grad_b += grad.to(precise).sum(0)
             grad = grad.to(weight.dtype)
             if grad_h is not None:
                 g_h = grad @ weight
@@ -91,6 +115,7 @@ class _LinearSequenceLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -102,11 +127,14 @@ def linear_sequence_loss(
     row_tokens: list[int],
     groups: list[list[int]],
     loss_of: GroupLoss,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ over `groups` of `loss_of(S[group], group)`, S detached (R,)), where S_r = Σ log softmax(h Wᵀ + b)[y] over
     row r's tokens (float32, float64 for float64 inputs). `hidden` (N, d) and `labels` (N,) hold the rows' scored
     tokens one row after another, `row_tokens[r]` of row r (host ints); `groups` (host lists of rows) partition
     the rows into those a group's loss couples, and each group's loss may depend on its own rows' sums only. The
     gradients of the loss are computed here, group by group, and only scaled in backward (none under `no_grad`);
-    S carries none."""
-    return _LinearSequenceLoss.apply(hidden, weight, bias, labels, row_tokens, groups, loss_of, torch.is_grad_enabled())
+    S carries none. `compiled` (a stage's `compile: true`): each group's log-sum-exp and gradient run as two
+    compiled kernels over its logits (`_scores_fusable`, `_grad_fusable`) instead of a float copy and ~6 passes."""
+    grads = torch.is_grad_enabled()
+    return _LinearSequenceLoss.apply(hidden, weight, bias, labels, row_tokens, groups, loss_of, grads, compiled)

@@ -144,3 +144,60 @@ def test_dpo_takes_the_whole_head_where_its_logits_fit(tiny, monkeypatch):
     batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
     model = load_causal_lm(str(tiny / "model"))
     assert dpo.fused_pair_loss(model, batch, None, DPOConfig()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_group_kernels_give_the_eager_loss_sums_and_gradients(dtype):
+    """`compile: true`: each group's log-sum-exp and g · (one-hot − softmax) come from two compiled kernels
+    (inductor's CPU code here) reading the logits in their own dtype; the loss, sums and every gradient equal the
+    eager passes (bf16: to the gradient's own rounding). Groups of different sizes share the kernels."""
+    g = torch.Generator().manual_seed(5)
+    B, d, V = 3, 16, 211
+    row_tokens = [5, 1, 7, 4, 6, 2]
+    N = sum(row_tokens)
+    hidden = torch.randn(N, d, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(V, d, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    ref = torch.randn(B, generator=g), torch.randn(B, generator=g)
+    groups = [[0, 2, 3, 5], [1, 4]]
+
+    def run(compiled):
+        loss, sums = linear_sequence_loss(
+            hidden, weight, bias, labels, row_tokens, groups, lambda s, r: pair_loss(s, r, B, ref), compiled
+        )
+        return loss, sums, torch.autograd.grad(loss, (hidden, weight, bias))
+
+    eager, fused = run(False), run(True)
+    assert float(fused[0]) == pytest.approx(float(eager[0]), rel=1e-6)
+    assert torch.allclose(fused[1], eager[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(fused[2], eager[2]):
+        assert a.dtype == b.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * float(b.float().abs().max())
+        assert torch.allclose(a.float(), b.float(), atol=tolerance), (a.float() - b.float()).abs().max()
+
+
+def test_a_compiled_dpo_batch_equals_the_eager_fused_one(tiny, monkeypatch):
+    """DPO with `compile: true` takes the fused head with its compiled group kernels: loss and every parameter's
+    gradient equal the eager fused head's."""
+    from alignpipe import logprobs
+
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    model = load_causal_lm(str(tiny / "model"))
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)  # a GPU batch's logits: the fused head is taken
+    calls = []
+    fused_pair_loss = dpo.fused_pair_loss
+    monkeypatch.setattr(dpo, "fused_pair_loss", lambda *a: calls.append(a[3].compile) or fused_pair_loss(*a))
+
+    def run(compile):
+        model.zero_grad()
+        zeros = torch.zeros(4)
+        loss, _ = dpo.batch_loss(model, batch, lambda _b: (zeros, zeros), DPOConfig(compile=compile))
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager, compiled = run(False), run(True)
+    assert calls == [False, True] and compiled[0] == pytest.approx(eager[0], rel=1e-6)
+    for name, grad in eager[1].items():
+        assert torch.allclose(compiled[1][name], grad, rtol=1e-4, atol=1e-6), name

@@ -181,6 +181,7 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
         rows,
         [g + [B + i for i in g] for g in groups],
         group_loss,
+        compiled=cfg.compile,
     )
     chosen, rejected = sums.chunk(2)
     nll = -chosen.sum() / chosen_tokens if cfg.rpo_alpha is not None else None  # inside `loss`, reported apart
