@@ -69,9 +69,8 @@ class _LinearSequenceLoss(torch.autograd.Function):
             if compiled:
                 lse, token_lp = compiled_function(_scores_fusable)(logits, y, precise)
             else:
-                x = logits.to(precise)
-                lse = torch.logsumexp(x, -1)
-                token_lp = x.gather(-1, y[:, None]).squeeze(-1) - lse
+                lsm = torch.log_softmax(logits, -1, dtype=precise)
+                token_lp = lsm.gather(-1, y[:, None]).squeeze(-1)
             s_group = torch.zeros(len(group), dtype=precise, device=device).index_add_(0, local, token_lp)
             sums[group] = s_group
             with torch.enable_grad():
@@ -84,9 +83,9 @@ class _LinearSequenceLoss(torch.autograd.Function):
             coef = g[local]
             if compiled:
                 grad = compiled_function(_grad_fusable)(logits, lse, y, coef, precise)
-            else:
-                grad = x.sub_(lse[:, None]).exp_().mul_(-coef[:, None])  # −g · softmax, in the float copy's memory
-                grad[torch.arange(y.size(0), device=device), y] += coef  # + g · one-hot
+            else:  # −g · softmax, written in the logits' dtype; the labels' g · (1 − p) from their precise log-probs
+                grad = torch.mul(lsm.exp_(), -coef[:, None], out=torch.empty_like(logits))
+                grad[torch.arange(y.size(0), device=device), y] = (-coef * torch.expm1(token_lp)).to(grad.dtype)
             if grad_b is not None:
                 grad_b += grad.to(precise).sum(0)
             grad = grad.to(weight.dtype)
