@@ -1,0 +1,297 @@
+"""Correctness of the code paths only a GPU takes, on the GPU: `python -m bench.gpu_checks` (about a minute).
+
+The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
+variable-length flash kernel behind `model.attention: varlen`, the fused LM heads in bf16 with their compiled kernels
+on Triton, the loss watch's pinned copies and events, and whether a training step really leaves the device alone.
+Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
+first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
+
+Without CUDA it runs the same checks on CPU in float32 at small sizes (the CUDA-only ones report `skip`), which is
+what `tests/test_bench_report.py` does so that the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+RESULTS: list[tuple[str, bool | None, str]] = []
+
+
+def check(name: str) -> Callable:
+    """Record `fn()`'s (passed, detail) under `name`; an exception is a failure with its message."""
+
+    def wrap(fn: Callable[[], tuple[bool | None, str]]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                ok, detail = fn()
+            except Exception as e:  # a crash is the finding: report it and go on to the next check
+                ok, detail = False, f"{type(e).__name__}: {e}"
+            RESULTS.append((name, ok, detail))
+            print(f"{'skip' if ok is None else 'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+        return run
+
+    return wrap
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float32."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+class Setup:
+    """Device, dtype and sizes: a Qwen2-0.5B-shaped layer stack (2 layers) on a GPU, a tiny one on CPU."""
+
+    def __init__(self, force_cpu: bool = False):
+        self.cuda = torch.cuda.is_available() and not force_cpu
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        if self.cuda:
+            self.model_shape = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, vocab=151936)
+            self.rows, self.length, self.head_tokens = 4, 2048, 4096
+        else:
+            self.model_shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab=512)
+            self.rows, self.length, self.head_tokens = 2, 128, 96
+        # bf16 gradients differ from float32 at ~1% of their norm; CPU float32 paths agree to ~1e-5
+        self.loss_tol, self.grad_tol = (2e-2, 5e-2) if self.cuda else (1e-5, 1e-4)
+
+    def model(self, attention: str):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from alignpipe.modeling import implementation
+
+        s = self.model_shape
+        cfg = Qwen2Config(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden_size"],
+            intermediate_size=s["intermediate_size"],
+            num_hidden_layers=2,
+            num_attention_heads=s["num_attention_heads"],
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg).to(self.device, self.dtype)
+        model.set_attn_implementation(implementation(attention))
+        return model
+
+    def packed_batch(self) -> dict:
+        """`sft.collate` of blocks holding rows of random lengths (each row its own document)."""
+        from alignpipe.trainers import sft
+
+        g = torch.Generator().manual_seed(1)
+        vocab = self.model_shape["vocab"]
+        rows = []
+        for _ in range(self.rows * 6):
+            n = int(torch.randint(self.length // 16, self.length // 2, (1,), generator=g))
+            ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+            rows.append({"input_ids": ids, "labels": ids})
+        blocks = sft.pack(rows, self.length)[: self.rows]
+        batch = sft.collate(blocks, 0)
+        return batch
+
+
+def _loss_and_grads(model, batch: dict) -> tuple[float, list[torch.Tensor], float]:
+    from alignpipe.trainers import sft
+
+    model.zero_grad()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss, _ = sft.token_loss_sum(model, batch)
+    loss.backward()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    took = time.perf_counter() - start
+    return float(loss.detach()), [p.grad.detach().clone() for p in model.parameters() if p.grad is not None], took
+
+
+def check_varlen(setup: Setup) -> Callable[[], None]:
+    @check("varlen attention equals SDPA's block-diagonal mask on a packed SFT batch")
+    def run():
+        import torch.nn.attention.varlen as kernel
+        from accelerate.utils import send_to_device
+
+        from alignpipe import attention
+
+        batch = send_to_device(setup.packed_batch(), setup.device)
+        sdpa = _loss_and_grads(setup.model("sdpa"), batch)
+        calls = {"documents": 0, "flash": 0}  # the flattened path, and the CUDA kernel inside it
+        run_documents, run_flash = attention._documents_attention, kernel.varlen_attn
+
+        def documents(*a):
+            calls["documents"] += 1
+            return run_documents(*a)
+
+        def flash(*a, **k):
+            calls["flash"] += 1
+            return run_flash(*a, **k)
+
+        attention._documents_attention, kernel.varlen_attn = documents, flash
+        try:
+            model = setup.model("varlen")
+            _loss_and_grads(model, batch)  # warm-up: the kernel's first call
+            varlen = _loss_and_grads(model, batch)
+        finally:
+            attention._documents_attention, kernel.varlen_attn = run_documents, run_flash
+        loss_gap = abs(varlen[0] - sdpa[0]) / abs(sdpa[0])
+        grad_gap = max(relative(a, b) for a, b in zip(varlen[1], sdpa[1], strict=True))
+        layers = 2 * model.config.num_hidden_layers  # two forwards
+        ran = calls["documents"] == layers and calls["flash"] == (layers if setup.cuda else 0)
+        ok = loss_gap < setup.loss_tol and grad_gap < setup.grad_tol and ran
+        docs = len(batch["documents"]["cu_seq_lens_q"]) - 1
+        return ok, (
+            f"{setup.rows}×{setup.length} tokens, {docs} documents: loss gap {loss_gap:.2e}, worst gradient gap "
+            f"{grad_gap:.2e}; attention calls {calls} for {layers} layer forwards; forward+backward "
+            f"{sdpa[2] * 1e3:.1f} ms SDPA, {varlen[2] * 1e3:.1f} ms varlen (2 layers)"
+        )
+
+    return run
+
+
+def _head_inputs(setup: Setup, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d, V, N = setup.model_shape["hidden_size"], setup.model_shape["vocab"], setup.head_tokens
+    hidden = torch.randn(N, d, generator=g).to(setup.device, setup.dtype).requires_grad_()
+    weight = (torch.randn(V, d, generator=g) * 0.02).to(setup.device, setup.dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g).to(setup.device)
+    return hidden, weight, labels
+
+
+def _full_logits_token_lp(hidden, weight, labels) -> torch.Tensor:
+    """Each token's log-prob through whole float32 logits in chunks (autograd, the reference)."""
+    parts = []
+    for s in range(0, hidden.size(0), 1024):
+        x = torch.nn.functional.linear(hidden[s : s + 1024], weight).float()
+        parts.append(torch.log_softmax(x, -1).gather(-1, labels[s : s + 1024, None]).squeeze(-1))
+    return torch.cat(parts)
+
+
+def check_sft_head(setup: Setup) -> Callable[[], None]:
+    @check("SFT's fused head (eager and compiled) equals autograd through float32 logits")
+    def run():
+        from alignpipe.linear_ce import linear_nll_sum
+
+        hidden, weight, labels = _head_inputs(setup, 2)
+        want = -_full_logits_token_lp(hidden, weight, labels).sum()
+        want_grads = torch.autograd.grad(want, (hidden, weight))
+        gaps = []
+        for compiled in (False, True):
+            got = linear_nll_sum(hidden, weight, None, labels, 441, compiled)
+            grads = torch.autograd.grad(got, (hidden, weight))
+            gaps.append((abs(float(got) - float(want)) / abs(float(want)), max(map(relative, grads, want_grads))))
+        ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad in gaps)
+        text = ", ".join(f"{k}: loss {a:.1e}, gradients {b:.1e}" for k, (a, b) in zip(("eager", "compiled"), gaps))
+        return ok, f"{setup.head_tokens} tokens × {weight.size(0)} vocabulary in {setup.dtype}: {text}"
+
+    return run
+
+
+def check_dpo_head(setup: Setup) -> Callable[[], None]:
+    @check("DPO's fused head (eager and compiled) equals autograd through float32 logits")
+    def run():
+        from alignpipe.linear_sequence_loss import linear_sequence_loss
+        from alignpipe.losses import dpo_loss
+
+        hidden, weight, labels = _head_inputs(setup, 3)
+        N, B = hidden.size(0), 4
+        rows = [N // (2 * B)] * (2 * B)
+        rows[-1] += N - sum(rows)
+        ref = torch.linspace(-3, 3, 2 * B, device=setup.device).chunk(2)
+
+        def pair_loss(sums: torch.Tensor, group: list[int]) -> torch.Tensor:
+            k = len(group) // 2
+            losses, _, _ = dpo_loss(sums[:k], sums[k:], ref[0][group[:k]], ref[1][group[:k]], 0.1)
+            return losses.sum() / B
+
+        token_lp = _full_logits_token_lp(hidden, weight, labels)
+        sums = torch.stack([part.sum() for part in token_lp.split(rows)])
+        want = pair_loss(sums, list(range(2 * B)))
+        want_grads = torch.autograd.grad(want, (hidden, weight))
+        groups = [[0, 1, B, B + 1], [2, 3, B + 2, B + 3]]
+        gaps = []
+        for compiled in (False, True):
+            got, _ = linear_sequence_loss(hidden, weight, None, labels, rows, groups, pair_loss, compiled)
+            grads = torch.autograd.grad(got, (hidden, weight))
+            gaps.append((abs(float(got) - float(want)) / abs(float(want)), max(map(relative, grads, want_grads))))
+        ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad in gaps)
+        text = ", ".join(f"{k}: loss {a:.1e}, gradients {b:.1e}" for k, (a, b) in zip(("eager", "compiled"), gaps))
+        return ok, f"{B} pairs, {N} answer tokens in {setup.dtype}: {text}"
+
+    return run
+
+
+def check_loss_watch(setup: Setup) -> Callable[[], None]:
+    @check("the loss watch finds a NaN loss one step late through its pinned copies")
+    def run():
+        from alignpipe.trainers.loss_watch import LossWatch
+
+        if not setup.cuda:
+            return None, "no CUDA device (the CPU branch is in tests/test_host_sync.py)"
+        watch = LossWatch()
+        watch.watch(1, torch.tensor(0.5, device="cuda"))
+        watch.watch(2, torch.tensor(float("nan"), device="cuda") * torch.ones((), device="cuda"))
+        watch.watch(3, torch.tensor(float("inf"), device="cuda"))
+        bad = watch.first_bad()
+        again = watch.first_bad()
+        ok = bad is not None and bad[0] == 2 and again is None
+        return ok, f"first bad step {bad}, then {again}"
+
+    return run
+
+
+def check_step_syncs(setup: Setup) -> Callable[[], None]:
+    @check("an SFT micro-step (packed, varlen) waits for the device only in transformers' packed-mask check")
+    def run():
+        from accelerate.utils import send_to_device
+
+        from alignpipe.trainers import sft
+
+        if not setup.cuda:
+            return None, "no CUDA device (tests/test_host_sync.py runs the CPU proxy of this check)"
+        model = setup.model("varlen")
+        batch = send_to_device(setup.packed_batch(), setup.device)
+        sft.token_loss_sum(model, batch)[0].backward()  # first call: kernels load, compile caches fill
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss, _ = sft.token_loss_sum(model, batch)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        ours = [f"{w.filename}:{w.lineno}" for w in syncs if "transformers" not in w.filename]
+        where = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
+        return (
+            not ours,
+            f"{len(syncs)} synchronising calls ({', '.join(where) or 'none'}); outside transformers: {ours}",
+        )
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
+    args = parser.parse_args(argv)
+    setup = Setup(force_cpu=args.cpu)
+    print(f"device {setup.device} ({torch.cuda.get_device_name() if setup.cuda else 'CPU'}), {setup.dtype}", flush=True)
+    for make in (check_varlen, check_sft_head, check_dpo_head, check_loss_watch, check_step_syncs):
+        make(setup)()
+    failed = [name for name, ok, _ in RESULTS if ok is False]
+    print(f"{len(RESULTS) - len(failed)} of {len(RESULTS)} passed or skipped; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
