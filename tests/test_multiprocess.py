@@ -118,7 +118,8 @@ def test_fsdp_stage_killed_mid_run_resumes_from_its_sharded_checkpoint(tiny, tmp
 def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathered(tiny):
     """Two FSDP2 ranks: with accelerate's layout (the final norm and head a group kept gathered after the forward)
     the head runs chunk by chunk on the decoder's output, never on the whole sequence; where the root re-shards the
-    head after the forward, the head runs inside the forward. Values and every gradient equal the plain model's."""
+    head after the forward, the head runs inside the forward. Values and every gradient equal the plain model's, and
+    a DPO batch's too (through the fused head with accelerate's layout)."""
     import json
     import os
     import subprocess
@@ -135,5 +136,8 @@ def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathere
     rows = {r["layout"]: r for r in map(json.loads, (x for x in out.stdout.splitlines() if x.startswith("{")))}
     for row in rows.values():
         assert row["values"] < 1e-5 and row["grad"] < 1e-5, row
+        assert row["dpo_loss"] < 1e-6 and row["dpo_grad"] < 1e-5, row  # a DPO batch as the plain model's
+    # DPO's fused head runs where the head runs outside the forward; the re-sharding root takes the chunked one
+    assert rows["accelerate"]["dpo_fused"] and not rows["root-reshards"]["dpo_fused"], rows
     assert max(rows["accelerate"]["widths"]) < 11 and not rows["accelerate"]["reshards_head"], rows
     assert max(rows["root-reshards"]["widths"]) == 12 and rows["root-reshards"]["reshards_head"], rows

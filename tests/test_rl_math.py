@@ -59,6 +59,8 @@ def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["values"] < TOL and got["grad"] < 1e-5, got
     assert got["widths"] and max(got["widths"]) < 11, got["widths"]
+    # DPO's fused head under DDP: its loss and every gradient equal the plain model's
+    assert got["dpo_fused"] and got["dpo_loss"] < 1e-6 and got["dpo_grad"] < 1e-5, got
 
 
 @pytest.mark.parametrize("whole_max", [0, 10**9], ids=["chunked", "whole"])
