@@ -304,18 +304,51 @@ EPOCH_STATS = ("approxkl", "policykl", "clipfrac", "pg_loss", "vf_loss", "vf_cli
 def update(run: PPORun, b: Rollout) -> dict[str, float]:
     """Up to `num_ppo_epochs` passes over shuffled mini-batches of the rollout, one optimizer step per mini-batch;
     a micro-batch over `ratio_threshold` is skipped, and `early_stopping` ends the passes. The statistics stay on
-    the device and are read once, at the end. Returns the epoch metrics."""
+    the device and are read once, at the end (`_epochs` reads nothing unless those two opt-in controls ask).
+    Returns the epoch metrics."""
+    # on the host, as the lengths they pick: each micro-batch's token count is a host sum
+    orders = [torch.randperm(run.rollout_size).tolist() for _ in range(run.cfg.num_ppo_epochs)]
+    stats, skipped, epochs_run, stopped = _epochs(run, b, b.lengths.tolist(), orders)
+    ratios = torch.stack(stats["ratio"])
+    means = torch.stack(
+        [torch.stack(v).mean() for v in stats.values()]
+        + [ratios.var() if len(ratios) > 1 else torch.zeros((), device=ratios.device)]
+    ).tolist()
+    avg = dict(zip([*EPOCH_STATS, "ratio_var"], means))
+    return {
+        "policy/approxkl_avg": avg["approxkl"],
+        "policy/policykl_avg": avg["policykl"],
+        "policy/clipfrac_avg": avg["clipfrac"],
+        "loss/policy_avg": avg["pg_loss"],
+        "loss/value_avg": avg["vf_loss"],
+        "val/clipfrac_avg": avg["vf_clipfrac"],
+        "policy/entropy_avg": avg["entropy"],
+        "val/ratio": avg["ratio"],
+        "val/ratio_var": avg["ratio_var"],
+        "policy/ppo_epochs": float(epochs_run),
+        "policy/early_stopped": float(stopped),
+        "policy/skipped_batches": float(skipped),
+    }
+
+
+def _epochs(
+    run: PPORun, b: Rollout, lengths: list[int], orders: list[list[int]]
+) -> tuple[dict[str, list[torch.Tensor]], int, int, bool]:
+    """`update`'s passes: (the statistics per micro-batch as device tensors, skipped micro-batches, epochs run,
+    whether early stopping ended them). `lengths`: each episode's response tokens, and `orders`: each epoch's
+    shuffle of the episodes, host ints, so each micro-batch's token count is known without a device read."""
     cfg, acc, model, unwrapped = run.cfg, run.acc, run.model, run.unwrapped
     unwrapped.train()
     stats: dict[str, list[torch.Tensor]] = {k: [] for k in EPOCH_STATS}
     skipped, epochs_run, stopped = 0, 0, False
     for epoch in range(cfg.num_ppo_epochs):
-        perm = torch.randperm(run.rollout_size)  # on the host: each micro-batch's token count is read there
+        perm = orders[epoch]
         for m0 in range(0, run.rollout_size, run.mini_batch):
             mb = perm[m0 : m0 + run.mini_batch]
             skipped_here = 0
             for j, s in enumerate(range(0, run.mini_batch, cfg.batch_size)):
-                ix = mb[s : s + cfg.batch_size].to(acc.device)
+                rows = mb[s : s + cfg.batch_size]
+                ix = torch.tensor(rows, device=acc.device)
                 mask = b.response_mask[ix]
                 sync = j == cfg.gradient_accumulation_steps - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(model):
@@ -328,7 +361,7 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
                         cfg.logprob_chunk_tokens,
                         with_entropy=True,
                         only=mask,  # the head on response tokens alone, not on the padding after short ones
-                        count=int(b.lengths[mb[s : s + cfg.batch_size]].sum()),
+                        count=sum(lengths[i] for i in rows),
                     )
                     new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
                     vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix])
@@ -380,26 +413,7 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
             for _ in range((cfg.num_ppo_epochs - epochs_run) * cfg.num_mini_batches):
                 run.scheduler.step()  # the schedule stays on time with the updates
             break
-    ratios = torch.stack(stats["ratio"])
-    means = torch.stack(
-        [torch.stack(v).mean() for v in stats.values()]
-        + [ratios.var() if len(ratios) > 1 else torch.zeros((), device=ratios.device)]
-    ).tolist()
-    avg = dict(zip([*EPOCH_STATS, "ratio_var"], means))
-    return {
-        "policy/approxkl_avg": avg["approxkl"],
-        "policy/policykl_avg": avg["policykl"],
-        "policy/clipfrac_avg": avg["clipfrac"],
-        "loss/policy_avg": avg["pg_loss"],
-        "loss/value_avg": avg["vf_loss"],
-        "val/clipfrac_avg": avg["vf_clipfrac"],
-        "policy/entropy_avg": avg["entropy"],
-        "val/ratio": avg["ratio"],
-        "val/ratio_var": avg["ratio_var"],
-        "policy/ppo_epochs": float(epochs_run),
-        "policy/early_stopped": float(stopped),
-        "policy/skipped_batches": float(skipped),
-    }
+    return stats, skipped, epochs_run, stopped
 
 
 def batch_metrics(run: PPORun, b: Rollout, per_fn: torch.Tensor) -> dict[str, float]:
