@@ -163,16 +163,22 @@ def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, ste
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, loss_type):
-    """KTO's sides are told apart with `where` on the labels, and counted on the host by `collate`."""
+    """KTO's sides are told apart with `where` on the labels, and counted on the host by `collate`; its fused head
+    (a GPU batch's) groups completions by host counts."""
     from alignpipe import logprobs
 
     monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
+    fused: list = []
+    answers_loss = dpo.fused_answers_loss
+    monkeypatch.setattr(dpo, "fused_answers_loss", lambda *a: fused.append(answers_loss(*a)) or fused[-1])
     tok, train, evals = tiny_split(tiny, "sentiment_preferences", "unpaired", rows=80, max_length=64)
     policy = load_causal_lm(str(tiny / "model"))
     tracker = Tracker()
     cfg = KTOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, loss_type=loss_type)
     kto.train(cfg, policy, tok, train, evals, tracker, tmp_path, ref_model=copy.deepcopy(policy))
     assert tracker.last("train/rewards/margins") is not None and tracker.last("eval/logps/chosen") is not None
+    assert fused and all(out is not None for out in fused), "the fused head ran"
 
 
 def test_the_loss_watch_reports_the_first_bad_step_and_forgets():

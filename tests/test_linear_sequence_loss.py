@@ -201,3 +201,60 @@ def test_a_compiled_dpo_batch_equals_the_eager_fused_one(tiny, monkeypatch):
     assert calls == [False, True] and compiled[0] == pytest.approx(eager[0], rel=1e-6)
     for name, grad in eager[1].items():
         assert torch.allclose(compiled[1][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, monkeypatch, loss_type):
+    """KTO's loss through the fused head (each completion a unit: its loss reads its own log-prob, the KL reference
+    point being detached) equals the chunked head's in loss, metrics and every parameter's gradient, grouped all
+    at once or one completion at a time."""
+    import contextlib
+
+    from accelerate import Accelerator
+
+    from alignpipe import logprobs
+    from alignpipe.trainers import kto
+    from alignpipe.trainers.configs import KTOConfig
+
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    unpaired = [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+        for r in rows[:3]
+        for side in ("chosen", "rejected")
+    ]
+    batch = kto.collate(kto.tokenize(unpaired, tok), tok.pad_token_id, 64, with_kl=loss_type == "kto")
+    model = load_causal_lm(str(tiny / "model")).double()
+    ref = copy.deepcopy(model).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)  # a GPU batch's logits
+    calls = []
+    fused_answers_loss = dpo.fused_answers_loss
+    monkeypatch.setattr(dpo, "fused_answers_loss", lambda *a: calls.append(fused_answers_loss(*a)) or calls[-1])
+
+    def run(**cfg):
+        model.zero_grad()
+        losses = kto.Losses(
+            KTOConfig(batch_size=6, beta=0.3, loss_type=loss_type, desirable_weight=1.3, **cfg),
+            Accelerator(cpu=True),
+            lambda: (ref, contextlib.nullcontext()),
+        )
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        loss = losses(model, batch, sums, counts)
+        loss.backward()
+        return float(loss.detach()), kto.metrics(sums, counts), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunked = run(fused_loss=False)
+    fused = run()
+    monkeypatch.setattr(dpo, "FUSED_GROUP_MAX", max(batch["scored_per_row"][:6]) * model.config.vocab_size)
+    one_by_one = run()
+    assert len(calls) == 2 and all(c is not None for c in calls)
+    assert fused[0] == pytest.approx(chunked[0], rel=1e-6)
+    for key, value in chunked[1].items():
+        assert float(fused[1][key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+    for name, grad in chunked[2].items():  # the chunked head's log-softmax runs in float32: relative to the norm
+        assert float((fused[2][name] - grad).norm() / grad.norm()) < 1e-5, name
+        assert torch.allclose(one_by_one[2][name], fused[2][name], atol=1e-12), name

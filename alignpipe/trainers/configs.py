@@ -65,8 +65,8 @@ class TrainingArgs(Strict):
     compile: bool = False
     """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
     by compilation in the first steps (offline trainers: SFT, reward, DPO, KTO). SFT also compiles its loss's
-    softmax and gradient into one kernel per chunk of the LM head, KTO (and DPO with `fused_loss: false`) their LM
-    head's log-softmax chunks.
+    softmax and gradient into one kernel per chunk of the LM head, DPO and KTO their fused head's log-sum-exp and
+    gradient per group of answers (with `fused_loss: false`, their LM head's log-softmax chunks).
     docs/benchmarks.md has what it costs and buys."""
     lora: LoraSpec | None = None
     """Train a LoRA adapter instead of the full model; the stage then saves only the adapter."""
@@ -163,6 +163,11 @@ class KTOConfig(TrainingArgs):
     """Weight of the undesirable (label false) completions' losses."""
     max_prompt_length: int | None = Field(None, gt=0)
     """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
+    fused_loss: bool = True
+    """Form the LM head's gradients in the forward, completions grouped up to 256 MB of float32 logits
+    (`alignpipe/linear_sequence_loss.py`; each completion's loss depends on its own log-prob, the KL reference point
+    being detached): 3 head matmuls per completion token instead of the recomputing chunked head's 4. Taken where
+    the batch's logits are too large to keep for backward, as at GPU batch sizes. false: the chunked head always."""
 
     @model_validator(mode="after")
     def _check_kto(self):

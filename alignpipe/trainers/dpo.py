@@ -131,61 +131,75 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
 
 def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     """(loss, chosen S (B,), rejected S (B,), RPO's NLL or None) with the LM head's gradients formed in the forward
-    (`linear_sequence_loss`), pairs grouped up to `FUSED_GROUP_MAX` logits; S detached. `losses_of(chosen, rejected,
-    pairs)` is `dpo_loss` on those pairs. None where it cannot run (no host token counts, a head that runs only
-    inside the forward, a pair over the budget) or need not (logits small enough for `completion_logps` to run the
-    head in one piece and keep them for backward, which costs the same 3 matmuls): the caller then takes
-    `completion_logps`."""
+    (`fused_answers_loss`, each chosen answer with its rejected one); S detached. `losses_of(chosen, rejected,
+    pairs)` is `dpo_loss` on those pairs. None where the fused head cannot run or need not (`fused_answers_loss`):
+    the caller then takes `completion_logps`."""
     rows = batch.get("scored_per_row")
     if rows is None:
         return None
     B = batch["prompt_ids"].size(0)
-    pair_tokens = [rows[i] + rows[B + i] for i in range(B)]
+    chosen_tokens = sum(rows[:B])
+
+    def group_loss(sums: torch.Tensor, group_rows: list[int]) -> torch.Tensor:
+        pairs = group_rows[0::2]  # the group is its pairs' rows, chosen then rejected, pair after pair
+        loss = losses_of(sums[0::2], sums[1::2], pairs)[0].sum() / B
+        if cfg.rpo_alpha is not None:
+            loss = loss - cfg.rpo_alpha * sums[0::2].sum() / chosen_tokens
+        return loss
+
+    fused = fused_answers_loss(model, batch, [[i, B + i] for i in range(B)], group_loss, cfg.compile)
+    if fused is None:
+        return None
+    loss, sums = fused
+    chosen, rejected = sums.chunk(2)
+    nll = -chosen.sum() / chosen_tokens if cfg.rpo_alpha is not None else None  # inside `loss`, reported apart
+    return loss, chosen, rejected, nll
+
+
+def fused_answers_loss(model, batch: dict, units: list[list[int]], group_loss, compiled: bool = False):
+    """(loss, S (rows,) detached) of a collated batch's answers (`completion_ids` rows, each answering prompt
+    row % B) with the LM head's gradients formed in the forward (`linear_sequence_loss`). `units` are the answer
+    rows one term of the loss couples (DPO: a chosen answer and its rejected one; KTO: one answer); units are
+    grouped up to `FUSED_GROUP_MAX` logits, and `group_loss(S of a group's rows, those rows)` is the group's share
+    of the loss, its rows being its units' rows, unit after unit. None where it cannot run (no host token counts,
+    a head that runs only inside the forward, a unit over the budget) or need not (logits small enough for the head
+    to run in one piece and keep them for backward, which costs the same 3 matmuls)."""
+    rows = batch.get("scored_per_row")
+    if rows is None:
+        return None
+    unit_tokens = [sum(rows[r] for r in unit) for unit in units]
     vocab = output_vocab(model)
-    if vocab is None or max(pair_tokens, default=0) * vocab > FUSED_GROUP_MAX:
+    if vocab is None or max(unit_tokens, default=0) * vocab > FUSED_GROUP_MAX:
         return None
     if sum(rows) * vocab <= logprobs.WHOLE_LOGITS_MAX:  # the head in one piece keeps its logits: 3 matmuls already
         return None
     mask = batch["completion_tokens"]
-    index = torch.arange(mask.size(0), device=mask.device) % B
+    index = torch.arange(mask.size(0), device=mask.device) % batch["prompt_ids"].size(0)
     hidden, head = completion_hidden(
         model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, batch.get("prompts_nonempty")
     )
     if hidden is None:
         return None
     groups: list[list[int]] = [[]]
-    budget = max(FUSED_GROUP_MAX // 4, max(pair_tokens, default=0) * vocab)  # whole small batches in one group
+    budget = max(FUSED_GROUP_MAX // 4, max(unit_tokens, default=0) * vocab)  # whole small batches in one group
     held = 0
-    for i, n in enumerate(pair_tokens):
+    for unit, n in zip(units, unit_tokens, strict=True):
         if groups[-1] and (held + n) * vocab > budget:
             groups.append([])
             held = 0
-        groups[-1].append(i)
+        groups[-1].extend(unit)
         held += n
-    chosen_tokens = sum(rows[:B])
-
-    def group_loss(sums: torch.Tensor, group_rows: list[int]) -> torch.Tensor:
-        k = len(group_rows) // 2
-        pairs = group_rows[:k]
-        loss = losses_of(sums[:k], sums[k:], pairs)[0].sum() / B
-        if cfg.rpo_alpha is not None:
-            loss = loss - cfg.rpo_alpha * sums[:k].sum() / chosen_tokens
-        return loss
-
     flat = scored_index(mask, sum(rows))
-    loss, sums = linear_sequence_loss(
+    return linear_sequence_loss(
         hidden.flatten(0, 1).index_select(0, flat),
         head.weight,
         getattr(head, "bias", None),
         batch["completion_ids"].flatten().index_select(0, flat),
         rows,
-        [g + [B + i for i in g] for g in groups],
+        groups,
         group_loss,
-        compiled=cfg.compile,
+        compiled=compiled,
     )
-    chosen, rejected = sums.chunk(2)
-    nll = -chosen.sum() / chosen_tokens if cfg.rpo_alpha is not None else None  # inside `loss`, reported apart
-    return loss, chosen, rejected, nll
 
 
 class _Reference:

@@ -98,11 +98,10 @@ class Losses:
         labels = batch["label"]
         B = labels.size(0)
         main = slice(0, B)
-        logps, _, _ = dpo.completion_logps(model, answers(batch, main), compiled=cfg.compile)
         ref_model, context = self.reference()
         with torch.inference_mode(), context:
             ref_logps, _, _ = dpo.completion_logps(ref_model, batch)
-            kl = torch.zeros((), device=logps.device)
+            kl = torch.zeros((), device=ref_logps.device)
             if self.with_kl:
                 kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)))
                 kl = (kl_logps - ref_logps[B:]).mean()
@@ -110,16 +109,31 @@ class Losses:
                     kl = acc.reduce(kl, "mean")
                 kl = kl.clamp(min=0)
         kl, ref_logps = kl.clone(), ref_logps.clone()  # plain tensors outside inference mode, for autograd
-        loss, rewards = kto_loss(
-            logps,
-            ref_logps[main],
-            labels,
-            kl,
-            cfg.beta,
-            cfg.loss_type,
-            cfg.desirable_weight,
-            cfg.undesirable_weight,
-        )
+
+        def losses_of(logps: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+            return kto_loss(
+                logps,
+                ref_logps[rows],
+                labels[rows],
+                kl,
+                cfg.beta,
+                cfg.loss_type,
+                cfg.desirable_weight,
+                cfg.undesirable_weight,
+            )
+
+        fused = None
+        if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
+            units = [[i] for i in range(B)]
+            fused = dpo.fused_answers_loss(
+                model, answers(batch, main), units, lambda s, rows: losses_of(s, rows)[0] * len(rows) / B, cfg.compile
+            )
+        if fused is not None:
+            loss, logps = fused
+            rewards = losses_of(logps, main)[1]
+        else:
+            logps, _, _ = dpo.completion_logps(model, answers(batch, main), compiled=cfg.compile)
+            loss, rewards = losses_of(logps, main)
         detached, zero = logps.detach(), logps.new_zeros(())
         chosen = batch["num_chosen"]
         for key, value in (
