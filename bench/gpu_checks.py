@@ -175,6 +175,19 @@ def _full_logits_token_lp(hidden, weight, labels) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _against(setup: Setup, want: torch.Tensor, inputs: tuple, fused: Callable[[bool], torch.Tensor]):
+    """(passed, detail) of a fused head's loss and gradients, eager (`fused(False)`) and compiled, against `want`
+    (autograd through float32 logits) with respect to `inputs`."""
+    want_grads = torch.autograd.grad(want, inputs)
+    gaps = []
+    for compiled in (False, True):
+        got = fused(compiled)
+        grads = torch.autograd.grad(got, inputs)
+        gaps.append((abs(float(got) - float(want)) / abs(float(want)), max(map(relative, grads, want_grads))))
+    ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad in gaps)
+    return ok, ", ".join(f"{k}: loss {a:.1e}, gradients {b:.1e}" for k, (a, b) in zip(("eager", "compiled"), gaps))
+
+
 def check_sft_head(setup: Setup) -> Callable[[], None]:
     @check("SFT's fused head (eager and compiled) equals autograd through float32 logits")
     def run():
@@ -182,14 +195,9 @@ def check_sft_head(setup: Setup) -> Callable[[], None]:
 
         hidden, weight, labels = _head_inputs(setup, 2)
         want = -_full_logits_token_lp(hidden, weight, labels).sum()
-        want_grads = torch.autograd.grad(want, (hidden, weight))
-        gaps = []
-        for compiled in (False, True):
-            got = linear_nll_sum(hidden, weight, None, labels, 441, compiled)
-            grads = torch.autograd.grad(got, (hidden, weight))
-            gaps.append((abs(float(got) - float(want)) / abs(float(want)), max(map(relative, grads, want_grads))))
-        ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad in gaps)
-        text = ", ".join(f"{k}: loss {a:.1e}, gradients {b:.1e}" for k, (a, b) in zip(("eager", "compiled"), gaps))
+        ok, text = _against(
+            setup, want, (hidden, weight), lambda compiled: linear_nll_sum(hidden, weight, None, labels, 441, compiled)
+        )
         return ok, f"{setup.head_tokens} tokens × {weight.size(0)} vocabulary in {setup.dtype}: {text}"
 
     return run
@@ -215,15 +223,13 @@ def check_dpo_head(setup: Setup) -> Callable[[], None]:
         token_lp = _full_logits_token_lp(hidden, weight, labels)
         sums = torch.stack([part.sum() for part in token_lp.split(rows)])
         want = pair_loss(sums, list(range(2 * B)))
-        want_grads = torch.autograd.grad(want, (hidden, weight))
         groups = [[0, 1, B, B + 1], [2, 3, B + 2, B + 3]]
-        gaps = []
-        for compiled in (False, True):
-            got, _ = linear_sequence_loss(hidden, weight, None, labels, rows, groups, pair_loss, compiled)
-            grads = torch.autograd.grad(got, (hidden, weight))
-            gaps.append((abs(float(got) - float(want)) / abs(float(want)), max(map(relative, grads, want_grads))))
-        ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad in gaps)
-        text = ", ".join(f"{k}: loss {a:.1e}, gradients {b:.1e}" for k, (a, b) in zip(("eager", "compiled"), gaps))
+        ok, text = _against(
+            setup,
+            want,
+            (hidden, weight),
+            lambda compiled: linear_sequence_loss(hidden, weight, None, labels, rows, groups, pair_loss, compiled)[0],
+        )
         return ok, f"{B} pairs, {N} answer tokens in {setup.dtype}: {text}"
 
     return run

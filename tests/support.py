@@ -76,3 +76,38 @@ def matmuls(fn) -> int:
     with Count():
         fn()
     return len(seen)
+
+
+PPO_PROMPTS = ["The film", "I watched it and", "Critics say", "My review:"]
+
+
+def run_ppo(tiny: Path, tmp_path: Path, tracker=None, lora: bool = False, **overrides):
+    """A short PPO run on the tiny model (32 prompts, a length reward, 3 updates of 8 episodes unless `overrides`
+    say otherwise): (result, tracker, policy)."""
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
+    from alignpipe.tracking import Tracker
+    from alignpipe.trainers import ppo
+    from alignpipe.trainers.configs import LoraSpec, PPOConfig
+
+    tok = load_tokenizer(str(tiny / "model"))
+    policy = load_causal_lm(str(tiny / "model"))
+    ref = None if lora else load_causal_lm(str(tiny / "model"))
+    value = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
+    rows = [{"prompt": p} for p in PPO_PROMPTS * 8]
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
+    args = dict(
+        learning_rate=1e-4,
+        max_steps=3,
+        batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        max_completion_length=8,
+        logging_every=1,
+        sample_every=100,
+        lora=LoraSpec(r=4) if lora else None,
+    )
+    cfg = PPOConfig(**{**args, **overrides})
+    tracker = tracker or Tracker()
+    result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
+    return result, tracker, policy

@@ -249,29 +249,12 @@ def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lor
     steps) read nothing back with TRL 0.7's opt-in host decisions (`ratio_threshold`, `early_stopping`) off: the
     mini-batch permutation and each micro-batch's token count are host ints. The statistics are read once after
     the epochs."""
-    from alignpipe.judges.reward_set import LoadedReward, RewardSet
-    from alignpipe.modeling import load_sequence_scorer, load_tokenizer
+    from support import run_ppo
+
     from alignpipe.trainers import ppo
-    from alignpipe.trainers.configs import LoraSpec, PPOConfig
 
     passes = []
     epochs = ppo._epochs
     monkeypatch.setattr(ppo, "_epochs", lambda *a: passes.append(1) or guard(epochs)(*a))
-    tok = load_tokenizer(str(tiny / "model"))
-    policy = load_causal_lm(str(tiny / "model"))
-    value = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
-    rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 8]
-    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
-    cfg = PPOConfig(
-        max_steps=2,
-        batch_size=8,
-        num_mini_batches=2,
-        num_ppo_epochs=2,
-        max_completion_length=8,
-        logging_every=1,
-        lora=LoraSpec(r=4) if lora else None,
-    )
-    ref = None if lora else load_causal_lm(str(tiny / "model"))
-    tracker = Tracker()
-    ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
+    _, tracker, _ = run_ppo(tiny, tmp_path, lora=lora, max_steps=2)
     assert len(passes) == 2 and len(tracker.series("loss/policy_avg")) == 2
