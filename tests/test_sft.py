@@ -346,3 +346,15 @@ def test_the_recipe_attention_reaches_every_model_a_stage_loads_and_a_missing_ke
         ctx.load_model("base")
     with pytest.raises(RecipeError, match="attention must be one of"):
         parse_recipe(demo_recipe(tiny, tmp_path), ["model.attention=flash"])
+
+
+def test_packed_sft_on_sdpa_names_the_varlen_setting(tiny, caplog):
+    """On a GPU a packed SFT stage under SDPA says once that `model.attention: varlen` avoids its dense mask;
+    a model already on `varlen` hears nothing."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="alignpipe.trainers.sft"):
+        sft._suggest_varlen(load_causal_lm(str(tiny / "model")))
+        sft._suggest_varlen(load_causal_lm(str(tiny / "model"), attention="varlen"))
+    said = [r.getMessage() for r in caplog.records if "varlen" in r.getMessage()]
+    assert len(said) == 1 and "model.attention: varlen" in said[0]

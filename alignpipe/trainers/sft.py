@@ -133,6 +133,15 @@ def documents(positions: torch.Tensor) -> dict[str, Any]:
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 
+def _suggest_varlen(model) -> None:
+    """On a GPU, packed rows under SDPA run its dense block-diagonal mask: say once which setting avoids it."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        log.info(
+            "sft: packed rows run SDPA with a dense block-diagonal mask, computing every block of each row's square; "
+            "`model.attention: varlen` runs each row through PyTorch's variable-length flash kernel instead"
+        )
+
+
 def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
     target positions only (no logits for prompt or padding tokens), in chunks with its gradients formed in the
@@ -192,6 +201,8 @@ def train(
     loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
     neftune = add_neftune(loop.unwrapped, cfg.neftune_noise_alpha) if cfg.neftune_noise_alpha else None
     acc = loop.accelerator
+    if cfg.packing_strategy == "bfd" and cfg.packing and acc.device.type == "cuda":
+        _suggest_varlen(loop.unwrapped)
     num_tokens: int | torch.Tensor = 0
 
     def step(window: list[dict]) -> dict[str, float]:
