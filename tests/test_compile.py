@@ -38,6 +38,32 @@ def test_a_compiled_sft_run_trains_as_the_eager_one(tiny, tmp_path):
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 
 
+@pytest.mark.slow  # compiling the per-document CPU path takes ~2 minutes on 2 cores
+def test_a_compiled_varlen_sft_run_trains_as_the_eager_one_and_as_sdpa(tiny, tmp_path):
+    """`model.attention: varlen` with `compile: true`: packed rows through compiled layers whose attention takes the
+    documents `collate` counted; the same losses and gradient norms as eager varlen and as SDPA's mask."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
+    series = {}
+    for attention, compiled in (("sdpa", False), ("varlen", False), ("varlen", True)):
+        torch.manual_seed(0)
+        model = load_causal_lm(str(tiny / "model"), attention=attention)
+        tracker = Tracker()
+        cfg = SFTConfig(
+            learning_rate=1e-3,
+            max_steps=4,
+            batch_size=4,
+            logging_every=1,
+            packing=True,
+            max_length=128,
+            compile=compiled,
+        )
+        sft.train(cfg, model, tok, train, [], tracker, tmp_path / f"{attention}-{compiled}")
+        series[attention, compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
+    for key in (("varlen", False), ("sdpa", False)):
+        assert series["varlen", True][0] == pytest.approx(series[key][0], rel=1e-5), key
+        assert series["varlen", True][1] == pytest.approx(series[key][1], rel=1e-4), key
+
+
 def test_the_decoder_stack_is_found_and_compiled_in_place(tiny):
     model = load_causal_lm(str(tiny / "model"))
     keys = list(model.state_dict())
