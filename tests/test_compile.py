@@ -14,27 +14,29 @@ from alignpipe.trainers import sft
 from alignpipe.trainers.configs import GRPOConfig, RolloutSpec, SFTConfig
 
 
+def packed_sft_series(tiny, out, attention: str, compiled: bool, steps: int):
+    """(losses, gradient norms) of a short packed SFT run on `attention`, compiled or eager."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
+    torch.manual_seed(0)
+    model = load_causal_lm(str(tiny / "model"), attention=attention)
+    tracker = Tracker()
+    cfg = SFTConfig(
+        learning_rate=1e-3,
+        max_steps=steps,
+        batch_size=4,
+        logging_every=1,
+        packing=True,
+        max_length=128,
+        compile=compiled,
+    )
+    sft.train(cfg, model, tok, train, [], tracker, out / f"{attention}-{compiled}")
+    assert all((layer._compiled_call_impl is not None) == compiled for layer in decoder_layers(model))
+    return tracker.series("train/loss"), tracker.series("train/grad_norm")
+
+
 def test_a_compiled_sft_run_trains_as_the_eager_one(tiny, tmp_path):
     """Packed rows (positions restarting per row) through compiled layers: the same losses and gradient norms."""
-    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
-    series = {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = load_causal_lm(str(tiny / "model"))
-        tracker = Tracker()
-        cfg = SFTConfig(
-            learning_rate=1e-3,
-            max_steps=3,
-            batch_size=4,
-            logging_every=1,
-            packing=True,
-            max_length=128,
-            compile=compiled,
-        )
-        sft.train(cfg, model, tok, train, [], tracker, tmp_path / str(compiled))
-        assert all((layer._compiled_call_impl is not None) == compiled for layer in decoder_layers(model))
-        series[compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
-    (eager_loss, eager_norm), (loss, norm) = series[False], series[True]
+    (eager_loss, eager_norm), (loss, norm) = (packed_sft_series(tiny, tmp_path, "sdpa", c, 3) for c in (False, True))
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 
 
@@ -42,23 +44,8 @@ def test_a_compiled_sft_run_trains_as_the_eager_one(tiny, tmp_path):
 def test_a_compiled_varlen_sft_run_trains_as_the_eager_one_and_as_sdpa(tiny, tmp_path):
     """`model.attention: varlen` with `compile: true`: packed rows through compiled layers whose attention takes the
     documents `collate` counted; the same losses and gradient norms as eager varlen and as SDPA's mask."""
-    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=200, max_length=64)
-    series = {}
-    for attention, compiled in (("sdpa", False), ("varlen", False), ("varlen", True)):
-        torch.manual_seed(0)
-        model = load_causal_lm(str(tiny / "model"), attention=attention)
-        tracker = Tracker()
-        cfg = SFTConfig(
-            learning_rate=1e-3,
-            max_steps=4,
-            batch_size=4,
-            logging_every=1,
-            packing=True,
-            max_length=128,
-            compile=compiled,
-        )
-        sft.train(cfg, model, tok, train, [], tracker, tmp_path / f"{attention}-{compiled}")
-        series[attention, compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
+    runs = (("sdpa", False), ("varlen", False), ("varlen", True))
+    series = {run: packed_sft_series(tiny, tmp_path, *run, 4) for run in runs}
     for key in (("varlen", False), ("sdpa", False)):
         assert series["varlen", True][0] == pytest.approx(series[key][0], rel=1e-5), key
         assert series["varlen", True][1] == pytest.approx(series[key][1], rel=1e-4), key

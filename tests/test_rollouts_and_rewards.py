@@ -6,7 +6,7 @@ import math
 
 import pytest
 from loopback import completions_handler, serve
-from support import tiny_split
+from support import run_ppo, tiny_split
 
 from alignpipe.engine.hf import HFEngine
 from alignpipe.engine.sampling import SamplingParams
@@ -245,26 +245,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(reversal_sft, tmp
 
 def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
     """Three PPO updates (k3 KL, whitened rewards, EOS penalty) log every metric the seed's PPO logs."""
-    tok = load_tokenizer(str(tiny / "model"))
-    policy, ref = load_causal_lm(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
-    value = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
-    rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 8]
-    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])
-    tracker = Tracker()
-    cfg = PPOConfig(
-        learning_rate=1e-4,
-        max_steps=3,
-        batch_size=8,
-        num_mini_batches=2,
-        num_ppo_epochs=2,
-        max_completion_length=8,
-        logging_every=1,
-        sample_every=1,
-        missing_eos_penalty=0.5,
-        whiten_rewards=True,
-        kl_penalty="k3",
+    result, tracker, _ = run_ppo(
+        tiny, tmp_path, sample_every=1, missing_eos_penalty=0.5, whiten_rewards=True, kl_penalty="k3"
     )
-    result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
     assert result.steps == 3 and (tmp_path / "model" / "model.safetensors").exists()
     for key in (
         "objective/kl",
