@@ -122,17 +122,18 @@ class Losses:
                 cfg.undesirable_weight,
             )
 
+        own = answers(batch, main)
         fused = None
         if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
             units = [[i] for i in range(B)]
             fused = dpo.fused_answers_loss(
-                model, answers(batch, main), units, lambda s, rows: losses_of(s, rows)[0] * len(rows) / B, cfg.compile
+                model, own, units, lambda s, rows: losses_of(s, rows)[0] * len(rows) / B, cfg.compile
             )
         if fused is not None:
             loss, logps = fused
             rewards = losses_of(logps, main)[1]
         else:
-            logps, _, _ = dpo.completion_logps(model, answers(batch, main), compiled=cfg.compile)
+            logps, _, _ = dpo.completion_logps(model, own, compiled=cfg.compile)
             loss, rewards = losses_of(logps, main)
         detached, zero = logps.detach(), logps.new_zeros(())
         chosen = batch["num_chosen"]
