@@ -20,6 +20,7 @@ through causal SDPA (exact, slower: for tests and CPU users)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 
 import torch
@@ -102,6 +103,32 @@ def varlen_attention_forward(
     return out.view(batch, length, heads, dim), None
 
 
+def _call_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
+    """`kernel` (torch's `varlen_attn`) run causally over the documents at `cu`, in the keywords its torch release
+    takes: 2.13 names causality `window_size=(-1, 0)` and grouped K/V heads `enable_gqa`; 2.11 has `is_causal` and
+    no GQA flag, so K/V heads are repeated to the query's (one copy per layer, as SDPA's math path does)."""
+    takes = _keywords(kernel)
+    causal = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in takes:
+            causal["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "scale" in takes:
+        causal["scale"] = scale
+    elif scale is not None and abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
+        raise ValueError(f"this torch's varlen_attn has no `scale` (the model asks {scale}); use sdpa")
+    out = kernel(q, k, v, cu, cu, longest, longest, **causal)
+    assert isinstance(out, torch.Tensor)  # the log-sum-exp comes back too only when asked for
+    return out
+
+
+@functools.cache
+def _keywords(kernel) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _documents_attention(q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
     """Causal attention within each document of flattened (N, H, D) q and (N, Hkv, D) k/v, documents at offsets
     `cu` (int32, N docs + 1)."""
@@ -110,9 +137,7 @@ def _documents_attention(q, k, v, cu: torch.Tensor, longest: int, scale: float |
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu.to(device=q.device, dtype=torch.int32)
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
-        assert isinstance(out, torch.Tensor)  # the log-sum-exp comes back too only when asked for
-        return out
+        return _call_varlen(varlen_attn, q, k, v, cu, longest, scale)
     pieces = []
     bounds = cu.tolist()
     for a, b in itertools.pairwise(bounds):

@@ -164,7 +164,8 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
     contender as the ratio. On a GPU the headline rate is the steady one (steps after the warm-up ones), with MFU
     against the data-sheet peak and the measured matmul, and rollouts' generated tokens/s against the decode bound;
     on the CPU it is end to end. `runs_label` fills `runs × steps` (rows of separate invocations share one table,
-    `merge_rows`)."""
+    `merge_rows`); "{runs}" in it becomes the case's count of runs per side (a call cut short keeps its finished
+    rounds)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
     cols = ["trainer", "model", "shape", "contender", "runs × steps", "measure", "ours", "contender", "ratio"]
     if gpu:
@@ -190,7 +191,7 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
                 model,
                 case.shape.label,
                 contender,
-                runs_label,
+                runs_label.replace("{runs}", str(min(map(len, runs.values())))),
                 "tokens/s" if ph.tokens_per_sample else UNIT[case.trainer],
                 f"{rate['ours'] * scale:,.1f}",
                 f"{rate[contender] * scale:,.1f}",
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             # TRL 1.12's PPOTrainer (the last with PPO) has no Liger path: plain TRL only
             impls = ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
             runs: dict[str, list] = {impl: [] for impl in impls}
+            phys[(case, label)] = physics(case, model, assets, peaks)  # before the runs: a cut-short call keeps them
             for _ in range(warmup):
                 for impl in impls:
                     r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile, args.unfused)
@@ -383,11 +385,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"steady {r.get('steady_samples_per_s')}, {r['peak_mb']:.0f} MB, loss {r['loss']}",
                         flush=True,
                     )
-            results[(case, label)] = runs
-            phys[(case, label)] = physics(case, model, assets, peaks)
-            # written after every case: a run cut short (a device call's time limit) keeps the cases it finished
-            rows = merge_rows(old, table(results, phys, peaks, gpu, f"{args.repeats} × {args.steps}"))
-            write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
+                # written after every round of every case: a call cut short (a device call's time limit) keeps the
+                # rounds it finished, its rows naming how many runs each side had
+                results[(case, label)] = runs
+                rows = merge_rows(old, table(results, phys, peaks, gpu, f"{{runs}} × {args.steps}"))
+                write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
     print("\n".join(rows))
 
 

@@ -51,6 +51,31 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
     assert row.startswith("| sft | tiny | 8×64 | trl | 3 × 20 | tokens/s | 200.0 | 200.0 | **1.00×** |"), row
 
 
+def test_a_call_cut_short_keeps_the_rounds_it_finished(tiny, tmp_path, monkeypatch):
+    """A device call stopped at its time limit mid-case: the report already holds the case's finished rounds, its
+    row naming how many runs each side had."""
+    import bench.__main__ as bench_main
+
+    calls = []
+
+    def fake(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 5:  # the third run of round 2: the call's time is up
+            raise KeyboardInterrupt
+        return {"samples_per_s": float(len(calls)), "peak_mb": 1.0, "loss": 0.1}
+
+    monkeypatch.setattr(bench_main, "measure", fake)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    out = tmp_path / "report.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench_main.main(
+            ["--trainers", "sft", "--repeats", "3", "--warmup", "0", "--assets", str(tiny), "--out", str(out)]
+        )
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| sft"))
+    # rounds: ours 1, trl 2; then trl 3, ours 4 (medians 2.5 and 2.5)
+    assert row.startswith("| sft | tiny | 8×64 | trl | 2 × 20 | rows/s | 2.5 | 2.5 | **1.00×** |"), row
+
+
 def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     """A GPU session runs some trainers per invocation; `--merge` keeps the others' rows, replacing re-run ones."""
     import bench.__main__ as bench_main

@@ -358,3 +358,34 @@ def test_packed_sft_on_sdpa_names_the_varlen_setting(tiny, caplog):
         sft._suggest_varlen(load_causal_lm(str(tiny / "model"), attention="varlen"))
     said = [r.getMessage() for r in caplog.records if "varlen" in r.getMessage()]
     assert len(said) == 1 and "model.attention: varlen" in said[0]
+
+
+def test_the_varlen_kernel_is_called_in_each_torch_releases_keywords():
+    """torch 2.13's `varlen_attn` takes `window_size` and `enable_gqa`; 2.11's (the GPU image's) takes `is_causal`
+    and no GQA flag. Both stand-ins below run each document through causal SDPA, as the kernel does, and each must
+    see the K/V heads it can take and give the per-document result."""
+    from alignpipe.attention import _call_varlen, _documents_attention
+
+    def per_document(q, k, v, cu, scale):
+        out = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            assert kd.shape[0] == qd.shape[0], "K/V heads reach a kernel without a GQA flag unrepeated"
+            out.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
+        return torch.cat([o.transpose(0, 1) for o in out])
+
+    def release_2_11(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
+        assert is_causal
+        return per_document(q, k, v, cu_seq_q, scale)
+
+    def release_2_13(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa
+        groups = q.shape[1] // k.shape[1]
+        return per_document(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), cu_seq_q, scale)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    cu = torch.tensor([0, 3, 9, 11], dtype=torch.int32)
+    want = _documents_attention(q, k, v, cu, 6, 0.3)
+    for kernel in (release_2_11, release_2_13):
+        torch.testing.assert_close(_call_varlen(kernel, q, k, v, cu, 6, 0.3), want, rtol=1e-6, atol=1e-6)
