@@ -105,10 +105,11 @@ def varlen_attention_forward(
 
 def _call_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
     """`kernel` (torch's `varlen_attn`) run causally over the documents at `cu`, in the keywords its torch release
-    takes: 2.13 names causality `window_size=(-1, 0)` and grouped K/V heads `enable_gqa`; 2.11 has `is_causal` and
-    no GQA flag, so K/V heads are repeated to the query's (one copy per layer, as SDPA's math path does)."""
+    takes. Causality is `window_size=(-1, 0)` (2.11 and 2.13), else `is_causal`. Grouped K/V heads go in as they are where
+    it has `enable_gqa` (2.13); 2.11 has no such flag (seen on the GPU image), so there they are repeated to the
+    query's heads (one copy per layer, as SDPA's math path does)."""
     takes = _keywords(kernel)
-    causal = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+    causal: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in takes:
             causal["enable_gqa"] = True

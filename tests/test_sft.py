@@ -361,8 +361,8 @@ def test_packed_sft_on_sdpa_names_the_varlen_setting(tiny, caplog):
 
 
 def test_the_varlen_kernel_is_called_in_each_torch_releases_keywords():
-    """torch 2.13's `varlen_attn` takes `window_size` and `enable_gqa`; 2.11's (the GPU image's) takes `is_causal`
-    and no GQA flag. Both stand-ins below run each document through causal SDPA, as the kernel does, and each must
+    """torch 2.13's `varlen_attn` takes `window_size` and `enable_gqa`; 2.11's (the GPU image's) has no GQA flag,
+    and a release without `window_size` would take `is_causal`. Both stand-ins below run each document through causal SDPA, as the kernel does, and each must
     see the K/V heads it can take and give the per-document result."""
     from alignpipe.attention import _call_varlen, _documents_attention
 
@@ -374,8 +374,12 @@ def test_the_varlen_kernel_is_called_in_each_torch_releases_keywords():
             out.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale))
         return torch.cat([o.transpose(0, 1) for o in out])
 
-    def release_2_11(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
+    def without_window_size(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
         assert is_causal
+        return per_document(q, k, v, cu_seq_q, scale)
+
+    def release_2_11(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0)
         return per_document(q, k, v, cu_seq_q, scale)
 
     def release_2_13(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
@@ -387,5 +391,5 @@ def test_the_varlen_kernel_is_called_in_each_torch_releases_keywords():
     q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
     cu = torch.tensor([0, 3, 9, 11], dtype=torch.int32)
     want = _documents_attention(q, k, v, cu, 6, 0.3)
-    for kernel in (release_2_11, release_2_13):
+    for kernel in (without_window_size, release_2_11, release_2_13):
         torch.testing.assert_close(_call_varlen(kernel, q, k, v, cu, 6, 0.3), want, rtol=1e-6, atol=1e-6)
