@@ -133,16 +133,80 @@ def _keywords(kernel) -> frozenset[str]:
 def _documents_attention(q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
     """Causal attention within each document of flattened (N, H, D) q and (N, Hkv, D) k/v, documents at offsets
     `cu` (int32, N docs + 1)."""
-    gqa = k.shape[1] != q.shape[1]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu.to(device=q.device, dtype=torch.int32)
         return _call_varlen(varlen_attn, q, k, v, cu, longest, scale)
+    if torch.compiler.is_compiling():
+        # one opaque op, as the CUDA kernel is: the loop below would break the graph at `cu.tolist()` and
+        # specialise on every document boundary, a recompile per batch
+        return documents_attention_op(q, k, v, cu, longest, scale)
+    return _per_document(q, k, v, cu, scale)
+
+
+def _per_document(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Tensor:
+    gqa = k.shape[1] != q.shape[1]
     pieces = []
-    bounds = cu.tolist()
-    for a, b in itertools.pairwise(bounds):
+    for a, b in itertools.pairwise(cu.tolist()):
         qd, kd, vd = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
         pieces.append(o[0].transpose(0, 1))
     return torch.cat(pieces)
+
+
+@torch.library.custom_op("alignpipe::documents_attention", mutates_args=())
+def documents_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None
+) -> torch.Tensor:
+    """The documents run one by one (off the CUDA kernel), as one op with the kernel's inputs (`longest` unused
+    here), so that `compile: true` sees on CPU the graph it sees on a GPU."""
+    return _per_document(q, k, v, cu, scale)
+
+
+@documents_attention_op.register_fake
+def _(q, k, v, cu, longest, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("alignpipe::documents_attention_backward", mutates_args=())
+def documents_attention_backward_op(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `documents_attention_op` per document, written out (an op's body runs below autograd):
+    P = softmax(s·QKᵀ) causal, dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = s·dS K, dK = s·dSᵀ Q; grouped
+    K/V heads sum their queries' gradients."""
+    groups = q.shape[1] // k.shape[1]
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    at = torch.promote_types(q.dtype, torch.float32)
+    for a, b in itertools.pairwise(cu.tolist()):
+        qd, do = q[a:b].transpose(0, 1).to(at), grad[a:b].transpose(0, 1).to(at)  # (H, n, D)
+        kd, vd = (t[a:b].transpose(0, 1).to(at).repeat_interleave(groups, 0) for t in (k, v))
+        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        p = (s * qd @ kd.transpose(1, 2)).masked_fill(~causal, float("-inf")).softmax(-1)
+        o = p @ vd
+        ds = p * (do @ vd.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
+        dq[a:b] = (s * ds @ kd).transpose(0, 1).to(q.dtype)
+        dk[a:b] = (s * ds.transpose(1, 2) @ qd).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(k.dtype)
+        dv[a:b] = (p.transpose(1, 2) @ do).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(v.dtype)
+    return dq, dk, dv
+
+
+@documents_attention_backward_op.register_fake
+def _(grad, q, k, v, cu, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, cu, _, scale = inputs
+    ctx.save_for_backward(q, k, v, cu)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad):
+    q, k, v, cu = ctx.saved_tensors
+    return (*documents_attention_backward_op(grad, q, k, v, cu, ctx.scale), None, None, None)
+
+
+documents_attention_op.register_autograd(_backward, setup_context=_save)

@@ -5,7 +5,10 @@ called apart (the chunked head, the shared-prompt path), the wrapper's forward u
 serve all of them, a graph break outside the layers costs nothing, and the layers being alike, one compiled graph
 serves them all (their parameters are the graph's inputs). What it buys, on a GPU: the normalisation, rotary and
 activation element-wise work fused into few kernels, far fewer launches per step. What it costs: compilation in the
-first steps, and one recompile when a second sequence length arrives (shapes then go dynamic). Activation
+first step. The layers compile with their sizes symbolic from the first batch (`dynamic=True`): every trainer's
+batches change length, and packed ones their documents' count and offsets too; left to specialise, the layer
+recompiled at the first change of each (on CPU, tests/test_compile.py; on the first H100 run the compiled steady
+rate fell below eager's, which such recompiles inside the timed steps would explain). Activation
 checkpointing and LoRA layers compile with the layer they belong to; under FSDP the layers are compiled before they
 are sharded (the order torchtitan uses). The loss kernels of the LM head's chunks compile apart
 (`compiled_function`)."""
@@ -32,7 +35,7 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer of `model` in place (state dict, parameters and hooks unchanged); how many."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=True)
     return len(layers)
 
 
