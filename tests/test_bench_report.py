@@ -384,3 +384,24 @@ def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     out = capsys.readouterr().out
     assert [ok for _, ok, _ in gpu_checks.RESULTS] == [True, True, True, None, None]
     assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 3 and out.count("\nskip ") == 2
+
+
+def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
+    """`bench/gpu_session.sh`: every stage's cases exist in the GPU suite, its steps' time limits add up to less
+    than one device call (600 s, with room for the install), and an unknown stage is refused."""
+    import re
+    import shlex
+
+    script = Path(__file__).parents[1] / "bench" / "gpu_session.sh"
+    text = script.read_text()
+    stages = dict(re.findall(r"^(\d)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
+    assert sorted(stages) == ["1", "2", "3", "4"]
+    known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
+    for stage, body in stages.items():
+        limits = [int(n) for n in re.findall(r"(?:bench|timeout) (\d+)", body)]
+        assert limits and sum(limits) <= 570, (stage, limits)
+        for line in re.findall(r"^\s*bench \d+ (.*)$", body, flags=re.M):
+            args = shlex.split(line)
+            assert set(args[args.index("--cases") + 1].split(",")) <= known, line
+    out = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "no stage 9" in out.stderr

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A GPU session of the device tool, planned as whole calls: `bash bench/gpu_session.sh STAGE` is one call's command
+# (carry `.whl` and `assets/tiny`; run `bash bench/device_wheels.sh` here first). Each stage fits the tool's 10-minute
+# limit with its own per-step timeouts; the bench rewrites docs/benchmarks.md after every round of runs, so a step
+# stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
+# the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
+#   1  gpu_checks; packed SFT 8×2048 on the varlen kernel, eager and compiled (both sides varlen: the fair
+#      comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask)
+#   2  DPO and reward 8×1024, eager
+#   3  GRPO 8×8×256 and PPO 64×256 (8 steps), and SFT 4×4096 on varlen
+#   4  the compiled variants of stage 2 and 3's rollouts, and a profile of our packed SFT step
+set -uo pipefail
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 4)"}
+case $stage in 1 | 2 | 3 | 4) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 4)" >&2
+  exit 2
+  ;;
+esac
+cd "$(dirname "$0")/.." || exit 1
+out=${OUT:-/tmp/alignpipe-gpu-session}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+  exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+
+bench() { # bench SECONDS ARGS...: one invocation under its own limit, the report copied out after it
+  local limit=$1
+  shift
+  echo "== python3 -m bench --models qwen0.5b --merge --warmup 0 $*" | tee -a "$out/log"
+  timeout "$limit" python3 -m bench --models qwen0.5b --merge --warmup 0 "$@" 2>&1 | tee -a "$out/log"
+  cp docs/benchmarks.md "$out/"
+}
+
+case $stage in
+1)
+  timeout 120 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
+  bench 210 --cases sft/8x2048 --attention varlen --steps 30
+  bench 230 --cases sft/8x2048 --attention varlen --compile --steps 30
+  ;;
+2)
+  bench 280 --cases dpo/8x1024 --steps 25
+  bench 280 --cases reward/8x1024 --steps 25
+  ;;
+3)
+  bench 200 --cases grpo/8x8x256 --steps 8
+  bench 200 --cases ppo/64x256 --steps 8
+  bench 160 --cases sft/4x4096 --attention varlen --steps 20
+  ;;
+4)
+  bench 250 --cases dpo/8x1024 --compile --contenders trl+liger --steps 25
+  bench 200 --cases grpo/8x8x256 --compile --contenders trl --steps 8
+  ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile ours sft/8x2048 qwen0.5b --steps 10 \
+    --out "$out/profile" 2>&1 | tail -40 | tee -a "$out/log"
+  ;;
+esac
