@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from alignpipe.compiled import compile_layers
+from alignpipe.lean_activations import lean_activations
 from alignpipe.trainers.configs import TrainingArgs
 from alignpipe.trainers.loss_watch import LossWatch
 
@@ -348,6 +349,8 @@ class TrainLoop:
             model = lora_model(model, cfg.lora, task_type=lora_task)
         if adapt_model and cfg.compile:
             compile_layers(model)
+        elif adapt_model and cfg.lean_activations and not cfg.gradient_checkpointing:
+            lean_activations(model)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(

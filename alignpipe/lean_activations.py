@@ -1,0 +1,83 @@
+"""`lean_activations: true`: the decoder's RMSNorms and SwiGLU products keep fewer tensors for backward.
+
+Eager PyTorch keeps what each small operator's backward reads. An RMSNorm keeps its input in float32 (twice the
+bf16 input's bytes) beside the bf16 normalised copy. A SwiGLU MLP keeps silu(gate) as well as gate and up. At
+Qwen2-0.5B's shape and 16k tokens a step that is ~3 GB for the 49 norms and ~3.8 GB for the 24 MLPs. That was the
+gap between our eager SFT (26.8 GB) and TRL with Liger's kernels (20.4 GB) on the first H100 run.
+
+Here the norm keeps only its bf16 input and recomputes its few element-wise operators in backward. The MLP's
+product keeps gate and up and recomputes silu(gate) (one element-wise pass, as Liger's kernel does). The forward
+runs the same operators as transformers' modules, and the backward the same formulas (aten's own `silu_backward`,
+autograd through the norm), so outputs and gradients equal the unpatched model's bit for bit. Only modules whose
+forward is known are patched: the RMSNorm and SwiGLU MLP of Llama, Qwen2, Qwen3 and Mistral. Others run as they
+are. Compiled layers (`compile: true`) are left alone: inductor already chooses what to keep."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+MLPS = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, operator for operator."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(_rms_norm(xd, wd, ctx.eps), (xd, wd), grad)
+        return dx, dw, None
+
+
+class _LeanSiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * torch.nn.functional.silu(gate)
+
+
+def _norm_forward(self, hidden_states):
+    return _LeanRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x):
+    return self.down_proj(_LeanSiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+def lean_activations(model: torch.nn.Module) -> int:
+    """Patch `model`'s known RMSNorms and SiLU MLPs in place (instance forwards; weights, state dict and hooks
+    unchanged); how many modules were patched."""
+    patched = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_norm_forward, module)
+        elif name in MLPS and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"):
+            module.forward = types.MethodType(_mlp_forward, module)
+        else:
+            continue
+        patched += 1
+    return patched

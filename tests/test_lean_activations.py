@@ -1,0 +1,95 @@
+"""`lean_activations`: the decoder's norms and SwiGLU products keep fewer tensors for backward, with the same
+outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from support import tiny_split
+
+from alignpipe.lean_activations import lean_activations
+from alignpipe.modeling import load_causal_lm, lora_model
+from alignpipe.tracking import Tracker
+from alignpipe.trainers import sft
+from alignpipe.trainers.configs import LoraSpec, SFTConfig
+
+
+def saved_for_backward(model, ids) -> tuple[int, torch.Tensor]:
+    """(bytes of the distinct tensors autograd keeps for backward, logits) of a forward."""
+    seen: dict = {}
+
+    def pack(t):
+        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids=ids).logits
+    return sum(seen.values()), logits
+
+
+def grads(model, logits, g):
+    return torch.autograd.grad(logits, [p for p in model.parameters() if p.requires_grad], g)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_same_outputs_and_gradients_with_fewer_bytes_kept(tiny, dtype):
+    """bf16 (how GPU users train): outputs and every gradient equal the unpatched model's bit for bit. float32: the
+    norm's input is its float32 copy, so the two gradient paths into it add in another order (each gradient within 2e-6 of its norm). The bytes
+    kept for backward fall by exactly a hidden-sized float32 tensor per norm and silu(gate) per MLP."""
+    torch.manual_seed(0)
+    base = load_causal_lm(str(tiny / "model"), dtype=dtype)
+    lean = copy.deepcopy(base)
+    cfg = base.config
+    layers = cfg.num_hidden_layers
+    assert lean_activations(lean) == 2 * layers + 1 + layers  # two norms a layer, the final norm, an MLP a layer
+    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    (kept, logits), (lean_kept, lean_logits) = saved_for_backward(base, ids), saved_for_backward(lean, ids)
+    assert torch.equal(lean_logits, logits)
+    g = torch.randn_like(logits)
+    want, got = grads(base, logits, g), grads(lean, lean_logits, g)
+    if dtype == "bfloat16":
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    else:
+        assert max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want, strict=True)) < 2e-6
+    tokens, width = ids.numel(), torch.finfo(logits.dtype).bits // 8
+    hidden, inner = tokens * cfg.hidden_size, tokens * cfg.intermediate_size
+    # a norm kept x in float32 (bf16: a copy; float32: x itself, which it keeps anyway), the normalised x in the
+    # input's dtype and rsqrt's output; it now keeps x: one hidden-sized float32 tensor and rsqrt's output less
+    per_norm = hidden * 4 + tokens * 4
+    assert kept - lean_kept == (2 * layers + 1) * per_norm + layers * inner * width
+
+
+def test_lora_layers_train_through_the_patched_modules(tiny):
+    torch.manual_seed(0)
+    base = lora_model(load_causal_lm(str(tiny / "model"), dtype="bfloat16"), LoraSpec(r=4))
+    lean = copy.deepcopy(base)
+    assert lean_activations(lean) > 0
+    ids = torch.randint(0, 500, (2, 32))
+    logits, lean_logits = base(input_ids=ids).logits, lean(input_ids=ids).logits
+    g = torch.randn_like(logits)
+    assert all(torch.equal(a, b) for a, b in zip(grads(lean, lean_logits, g), grads(base, logits, g), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("options", "patched"),
+    [({}, True), ({"lean_activations": False}, False), ({"gradient_checkpointing": True}, False)],
+)
+def test_a_training_stage_patches_its_model_unless_told_or_checkpointing(tiny, tmp_path, options, patched):
+    """On by default; the SFT run trains as the unpatched one (its losses, float32)."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=64, max_length=64)
+
+    def run(**extra):
+        torch.manual_seed(0)
+        model = load_causal_lm(str(tiny / "model"))
+        tracker = Tracker()
+        cfg = SFTConfig(learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, **extra)
+        sft.train(cfg, model, tok, train, [], tracker, tmp_path / str(len(list(tmp_path.iterdir()))))
+        norm = model.model.norm
+        return tracker.series("train/loss"), "forward" in vars(norm)
+
+    losses, was_patched = run(**options)
+    assert was_patched == patched
+    reference, _ = run(lean_activations=False, **{k: v for k, v in options.items() if k != "lean_activations"})
+    assert losses == pytest.approx(reference, rel=1e-5)
