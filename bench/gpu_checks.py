@@ -257,6 +257,28 @@ def check_loss_watch(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def innermost_caller() -> str:
+    """ "file:line" of the innermost frame of the calling stack outside torch and the warnings machinery: whose call
+    a warning raised inside torch (a synchronising operator) came from."""
+    frames = [
+        f
+        for f in traceback.extract_stack()[:-1]
+        if "/torch/" not in f.filename and f.filename not in (warnings.__file__, __file__)
+    ]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def sync_recorder(seen: list[tuple[str, str]]) -> Callable[..., None]:
+    """A `warnings.showwarning` that appends (the warning's own line, `innermost_caller()`) of each synchronising
+    warning to `seen`."""
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            seen.append((f"{filename.rsplit('/', 1)[-1]}:{lineno}", innermost_caller()))
+
+    return record
+
+
 def check_step_syncs(setup: Setup) -> Callable[[], None]:
     @check("an SFT micro-step (packed, varlen) waits for the device only in transformers' packed-mask check")
     def run():
@@ -272,15 +294,9 @@ def check_step_syncs(setup: Setup) -> Callable[[], None]:
         torch.cuda.synchronize()
         seen: list[tuple[str, str]] = []  # (the warning's own line, the innermost caller outside torch)
 
-        def record(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" in str(message):
-                callers = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-                caller = f"{callers[-1].filename}:{callers[-1].lineno}" if callers else "?"
-                seen.append((f"{filename.rsplit('/', 1)[-1]}:{lineno}", caller))
-
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            warnings.showwarning = record
+            warnings.showwarning = sync_recorder(seen)
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 loss, _ = sft.token_loss_sum(model, batch)

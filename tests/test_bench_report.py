@@ -405,3 +405,19 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
             assert set(args[args.index("--cases") + 1].split(",")) <= known, line
     out = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "no stage 9" in out.stderr
+
+
+def test_a_warning_is_traced_to_the_caller_outside_torch_and_the_warnings_module():
+    """gpu_checks' sync check names whose call a synchronising operator came from, not torch's or warnings' line."""
+    import warnings
+
+    from bench.gpu_checks import sync_recorder
+
+    seen: list = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = sync_recorder(seen)
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        line = sys._getframe().f_lineno - 1
+        warnings.warn("something else", stacklevel=1)
+    assert seen == [(f"test_bench_report.py:{line}", f"{__file__}:{line}")]
