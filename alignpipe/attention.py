@@ -58,6 +58,14 @@ def document_offsets(position_ids: torch.Tensor) -> tuple[list[int], int]:
     return cu, max(b - a for a, b in itertools.pairwise(cu))
 
 
+def document_kwargs(cu: list[int]) -> dict[str, object]:
+    """Documents at the cumulative offsets `cu` (host ints, documents + 1) in transformers' names for
+    variable-length attention (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`), as every attention call is handed them."""
+    offsets = torch.tensor(cu, dtype=torch.int32)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+
+
 _derived: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 

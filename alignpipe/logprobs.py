@@ -298,6 +298,7 @@ def shared_prompt_logprobs(
     prompts_nonempty: bool | None = None,
     compiled: bool = False,
     count: int | None = None,
+    packed: dict[str, Any] | None = None,
 ):
     """Log-probs of completion tokens, (R, C), for R completions where completion row r follows the (left-padded)
     prompt row `index[r]` of `prompt_ids` (N, P): GRPO's groups of samples of one prompt, DPO's chosen and
@@ -311,8 +312,9 @@ def shared_prompt_logprobs(
     cache cannot carry gradients (DDP's forward, activation checkpointing), a prompt is empty, or the model is too
     small for the saving to outweigh one more decoder call (`worth_sharing`). `prompts_nonempty`: whether every
     prompt holds a token, where the caller knows it on the host (`can_share_prefix`). `compiled` and `count` as in
-    `token_logprobs`."""
-    hidden, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, index, prompts_nonempty)
+    `token_logprobs`. `packed`: the same rows padding-free (`packed_rows.pack_answers`), run as one row of documents
+    instead (`completion_hidden`)."""
+    hidden, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, index, prompts_nonempty, packed)
 
     def inside_forward():
         ids, mask, start = _whole_rows(prompt_ids, prompt_mask, completion_ids, index)
@@ -329,11 +331,20 @@ def completion_hidden(
     completion_ids: torch.Tensor,
     index: torch.Tensor,
     prompts_nonempty: bool | None = None,
+    packed: dict[str, Any] | None = None,
 ):
     """The final hidden states that score each completion token, (R, C, d) (the prompt's last position scores
-    token 0), and the LM head module, for `shared_prompt_logprobs`'s layout: each prompt once where
-    `can_share_prefix` allows, else every prompt + completion row whole. (None, None) where the head can only run
-    inside the model's forward (`RESHARDS_HEAD`)."""
+    token 0), and the LM head module, for `shared_prompt_logprobs`'s layout: with `packed` (the rows as
+    `packed_rows.pack_answers` lays them out, for a model that `runs_documents`) every prompt + completion row as
+    one document of a single row; else each prompt once where `can_share_prefix` allows, else every prompt +
+    completion row whole, padded. (None, None) where the head can only run inside the model's forward
+    (`RESHARDS_HEAD`)."""
+    if packed is not None:
+        hidden, head = _hidden_and_head(model, packed["input_ids"], None, packed["position_ids"], packed["documents"])
+        if hidden is None:
+            return None, None
+        scoring = packed["scoring"]
+        return hidden[0].index_select(0, scoring.flatten()).view(*scoring.shape, -1), head
     R, C = completion_ids.shape
     P = prompt_ids.size(1)
     base = unwrapped(model)

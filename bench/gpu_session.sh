@@ -6,7 +6,8 @@
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
 #   1  gpu_checks; packed SFT 8×2048 on the varlen kernel, eager and compiled (both sides varlen: the fair
 #      comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask)
-#   2  DPO and reward 8×1024, eager
+#   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
+#      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
 #   3  GRPO 8×8×256 and PPO 64×256 (8 steps), and SFT 4×4096 on varlen
 #   4  the compiled variants of stage 2 and 3's rollouts, and a profile of our packed SFT step
 set -uo pipefail
@@ -38,8 +39,8 @@ case $stage in
   bench 230 --cases sft/8x2048 --attention varlen --compile --steps 30
   ;;
 2)
-  bench 280 --cases dpo/8x1024 --steps 25
-  bench 280 --cases reward/8x1024 --steps 25
+  bench 280 --cases dpo/8x1024 --attention varlen --steps 25
+  bench 280 --cases reward/8x1024 --attention varlen --steps 25
   ;;
 3)
   bench 200 --cases grpo/8x8x256 --steps 8
@@ -47,7 +48,7 @@ case $stage in
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   ;;
 4)
-  bench 250 --cases dpo/8x1024 --compile --contenders trl+liger --steps 25
+  bench 250 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 25
   bench 200 --cases grpo/8x8x256 --compile --contenders trl --steps 8
   ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile ours sft/8x2048 qwen0.5b --steps 10 \
     --out "$out/profile" 2>&1 | tail -40 | tee -a "$out/log"

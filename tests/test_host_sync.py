@@ -94,7 +94,33 @@ def guard(monkeypatch):
 
     for name in ("_optimizer_step", "_watch_loss"):
         monkeypatch.setattr(common.TrainLoop, name, inside_a_step(getattr(common.TrainLoop, name)))
+
+    def host_side(fn):
+        """`fn` exempt from the Python-level reads' check: CPU-only code that reads host tensors (varlen's
+        per-document loop, which the CUDA kernel replaces)."""
+
+        def run(*args, **kwargs):
+            was, inside["step"] = inside["step"], False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside["step"] = was
+
+        return run
+
+    inside_a_step.host_side = host_side
     return inside_a_step
+
+
+def varlen_on_cpu(monkeypatch, guard) -> list[int]:
+    """`model.attention: varlen` as a GPU runs it, on CPU: its per-document loop, which stands in for the CUDA kernel
+    and reads the host offsets, exempt from the guard; returns the list that counts the attention calls."""
+    from alignpipe import attention
+
+    calls: list[int] = []
+    loop = attention._per_document
+    monkeypatch.setattr(attention, "_per_document", lambda *a: calls.append(1) or guard.host_side(loop)(*a))
+    return calls
 
 
 @pytest.fixture
@@ -125,13 +151,21 @@ def test_an_sft_step_reads_nothing_back(tiny, tmp_path, steps_read_nothing, pack
     assert tracker.last("train/loss") > 0 and tracker.last("train/num_tokens") > 0
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["whole-rows", "shared-prompts-fused-head"])
-def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, share):
+@pytest.mark.parametrize(
+    "share, attention",
+    [(False, "sdpa"), (True, "sdpa"), (True, "varlen")],
+    ids=["whole-rows", "shared-prompts-fused-head", "padding-free-varlen-fused-head"],
+)
+def test_dpo_and_reward_steps_read_nothing_back(
+    tiny, tmp_path, monkeypatch, guard, steps_read_nothing, share, attention
+):
     """Sharing each pair's prompt (what pays at long prompts on a GPU) is decided from host flags `collate` sets;
-    DPO's fused head (what a GPU batch's logits take) groups its pairs and gathers their tokens from host counts."""
+    DPO's fused head (what a GPU batch's logits take) groups its pairs and gathers their tokens from host counts.
+    On varlen the batches run padding-free from offsets and positions `collate` laid out on the host."""
     from alignpipe import logprobs
 
     calls: list[str] = []
+    documents = varlen_on_cpu(monkeypatch, guard)
     if share:
         monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
         fused = dpo.fused_pair_loss
@@ -147,38 +181,45 @@ def test_dpo_and_reward_steps_read_nothing_back(tiny, tmp_path, monkeypatch, ste
                 module, "shared_prefix_hidden", lambda *a, _f=shared, _m=module: calls.append(_m.__name__) or _f(*a)
             )
     tok, train, evals = tiny_split(tiny, "sentiment_preferences", "preference", rows=80, max_length=64)
-    policy = load_causal_lm(str(tiny / "model"))
+    policy = load_causal_lm(str(tiny / "model"), attention=attention)
     tracker = Tracker()
     cfg = DPOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, rpo_alpha=0.5)
     dpo.train(cfg, policy, tok, train, evals, tracker, tmp_path / "dpo", ref_model=copy.deepcopy(policy))
     assert tracker.last("train/rewards/accuracies") is not None and tracker.last("train/nll_loss") > 0
-    scorer = load_sequence_scorer(str(tiny / "model"), "float32", pad_token_id=tok.pad_token_id)
+    scorer = load_sequence_scorer(str(tiny / "model"), "float32", pad_token_id=tok.pad_token_id, attention=attention)
     tracker = Tracker()
     reward.train(RewardConfig(max_steps=2, batch_size=4), scorer, tok, train, evals, tracker, tmp_path / "rm")
     assert tracker.last("train/accuracy") is not None and tracker.last("eval/accuracy") is not None
-    if share:
+    assert bool(documents) == (attention == "varlen")
+    if attention == "varlen":
+        assert "fused" in calls and "alignpipe.logprobs" not in calls, "padding-free, not shared prompts"
+    elif share:
         assert {"alignpipe.logprobs", "alignpipe.trainers.reward"} <= set(calls), "both took the shared path"
         assert "fused" in calls
 
 
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, steps_read_nothing, loss_type):
+@pytest.mark.parametrize(
+    "loss_type, attention", [("kto", "sdpa"), ("apo_zero_unpaired", "sdpa"), ("kto", "varlen")], ids=str
+)
+def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, steps_read_nothing, loss_type, attention):
     """KTO's sides are told apart with `where` on the labels, and counted on the host by `collate`; its fused head
-    (a GPU batch's) groups completions by host counts."""
+    (a GPU batch's) groups completions by host counts; on varlen its halves run padding-free."""
     from alignpipe import logprobs
 
+    documents = varlen_on_cpu(monkeypatch, guard)
     monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
     monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
     fused: list = []
     answers_loss = dpo.fused_answers_loss
     monkeypatch.setattr(dpo, "fused_answers_loss", lambda *a: fused.append(answers_loss(*a)) or fused[-1])
     tok, train, evals = tiny_split(tiny, "sentiment_preferences", "unpaired", rows=80, max_length=64)
-    policy = load_causal_lm(str(tiny / "model"))
+    policy = load_causal_lm(str(tiny / "model"), attention=attention)
     tracker = Tracker()
     cfg = KTOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, loss_type=loss_type)
     kto.train(cfg, policy, tok, train, evals, tracker, tmp_path, ref_model=copy.deepcopy(policy))
     assert tracker.last("train/rewards/margins") is not None and tracker.last("eval/logps/chosen") is not None
     assert fused and all(out is not None for out in fused), "the fused head ran"
+    assert bool(documents) == (attention == "varlen")
 
 
 def test_the_loss_watch_reports_the_first_bad_step_and_forgets():

@@ -40,6 +40,7 @@ from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.packed_rows import pack_answers, runs_documents
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
@@ -64,7 +65,11 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
 
 
 def collate(
-    examples: list[dict], pad_id: int, max_length: int, keys: tuple[str, ...] = ("chosen_ids", "rejected_ids")
+    examples: list[dict],
+    pad_id: int,
+    max_length: int,
+    keys: tuple[str, ...] = ("chosen_ids", "rejected_ids"),
+    packed: bool = False,
 ) -> dict[str, Any]:
     """A batch of B pairs, each prompt + answer cut to `max_length` tokens, in two layouts:
     - what the policy runs (`completion_logps`): `prompt_ids`/`prompt_mask` (B, P), left-padded, once per pair,
@@ -75,7 +80,8 @@ def collate(
     `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with).
     `prompts_nonempty` (a host bool) tells the shared-prompt path whether it may run without reading the mask, and
     `scored_per_row` (host ints, one per answer row) lets the LM head gather the scored tokens without counting them
-    on the device."""
+    on the device. With `packed` (a model that `runs_documents`), also `packed`: every prompt + answer row as one
+    document of a single row, no padding (`packed_rows.pack_answers`), which the policy and reference then run."""
     prompts = [e["prompt_ids"][:max_length] for e in examples]
     seqs, comp, answers = [], [], []
     for key in keys:
@@ -101,10 +107,19 @@ def collate(
         "completion_tokens": completion_tokens,
         "prompts_nonempty": all(prompts),
     }
+    if packed:
+        batch["packed"] = pack_answers(prompts, answers, completion_ids.size(1))
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
     return batch
+
+
+def packed_layout(model, batch: dict) -> dict | None:
+    """The batch's padding-free rows where `collate` made them and `model` runs documents (a policy and its
+    reference run one attention kernel, but a caller's other model need not)."""
+    packed = batch.get("packed")
+    return packed if packed is not None and runs_documents(model) else None
 
 
 def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,6 +139,7 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
         prompts_nonempty=batch.get("prompts_nonempty"),
         compiled=compiled,
         count=sum(batch["scored_per_row"]) if "scored_per_row" in batch else None,
+        packed=packed_layout(model, batch),
     )
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(1), per_token, mask
@@ -176,7 +192,13 @@ def fused_answers_loss(model, batch: dict, units: list[list[int]], group_loss, c
     mask = batch["completion_tokens"]
     index = torch.arange(mask.size(0), device=mask.device) % batch["prompt_ids"].size(0)
     hidden, head = completion_hidden(
-        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], index, batch.get("prompts_nonempty")
+        model,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        index,
+        batch.get("prompts_nonempty"),
+        packed_layout(model, batch),
     )
     if hidden is None:
         return None
@@ -336,7 +358,8 @@ def train(
     seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
-    collate_fn = lambda b: collate(b, pad_id, cfg.max_length)  # noqa: E731
+    packed = runs_documents(model)  # padding-free batches for a document-separating attention kernel
+    collate_fn = lambda b: collate(b, pad_id, cfg.max_length, packed=packed)  # noqa: E731
     if cfg.precompute_ref_logps:  # the reference pass reads every tokenized row up front
         train_ex, train_collate = tokenize(train_rows, tokenizer, cfg.max_length, cfg.max_prompt_length), collate_fn
     else:
@@ -345,7 +368,7 @@ def train(
         train_ex = train_rows
 
         def train_collate(b):
-            return collate(tokenize(b, tokenizer, cfg.max_length, cfg.max_prompt_length), pad_id, cfg.max_length)
+            return collate_fn(tokenize(b, tokenizer, cfg.max_length, cfg.max_prompt_length))
 
     loop = TrainLoop("dpo", cfg, model, train_ex, train_collate, tracker, output_dir, seed)
     acc = loop.accelerator

@@ -32,6 +32,7 @@ from accelerate.utils import send_to_device
 
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import KTOConfig
@@ -58,7 +59,7 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
     return out
 
 
-def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -> dict[str, Any]:
+def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool, packed: bool = False) -> dict[str, Any]:
     """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then the completion of the row
     before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool and
     `num_chosen`, the host int count of desirable rows."""
@@ -67,7 +68,7 @@ def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool) -
         shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
         examples = [{**e, "kl_ids": k} for e, k in zip(examples, shifted)]
         keys = ("completion_ids", "kl_ids")
-    batch = dpo.collate(examples, pad_id, max_length, keys=keys)
+    batch = dpo.collate(examples, pad_id, max_length, keys=keys, packed=packed)
     batch["label"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     batch["num_chosen"] = sum(e["label"] for e in examples)  # an int, counted on the host: no read in the step
     return batch
@@ -82,6 +83,7 @@ def answers(batch: dict, part: slice) -> dict[str, torch.Tensor]:
         "completion_tokens": batch["completion_tokens"][part],
         "prompts_nonempty": batch["prompts_nonempty"],
         "scored_per_row": batch["scored_per_row"][part],
+        **({"packed": answers_part(batch["packed"], part)} if "packed" in batch else {}),
     }
 
 
@@ -184,8 +186,10 @@ def train(
     pad_id, with_kl = tokenizer.pad_token_id, cfg.loss_type == "kto"
     tokenize(train_rows[:1], tokenizer)  # a bad label fails here, not at the first batch that holds it
 
+    packed = runs_documents(model)  # padding-free batches for a document-separating attention kernel
+
     def collate_rows(rows: list[dict]) -> dict[str, Any]:
-        return collate(tokenize(rows, tokenizer, cfg.max_prompt_length), pad_id, cfg.max_length, with_kl)
+        return collate(tokenize(rows, tokenizer, cfg.max_prompt_length), pad_id, cfg.max_length, with_kl, packed)
 
     loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
     acc = loop.accelerator

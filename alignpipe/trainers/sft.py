@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
-from alignpipe.attention import document_offsets
+from alignpipe.attention import document_kwargs, document_offsets
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
@@ -128,9 +128,7 @@ def documents(positions: torch.Tensor) -> dict[str, Any]:
     """The packed batch's documents (rows, and the padding after them) as the offsets of their tokens flattened
     block after block, in transformers' names for variable-length attention (`model.attention: varlen`,
     `flash_attention_2`): counted here on the host, so no attention call reads the device to find them."""
-    cu, longest = document_offsets(positions)
-    offsets = torch.tensor(cu, dtype=torch.int32)
-    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+    return document_kwargs(document_offsets(positions)[0])
 
 
 def _suggest_varlen(model) -> None:

@@ -1,0 +1,212 @@
+"""Padding-free preference batches (`alignpipe/packed_rows.py`): under `model.attention: varlen` the DPO, KTO and
+reward trainers run each batch as one row of documents, and every value and gradient equals the padded layout's.
+On CPU the varlen attention runs the documents one by one through causal SDPA (exact), so these equalities check the
+layout (offsets, restarting positions, the scoring and last-token positions), not the CUDA kernel, which
+`bench/gpu_checks.py` compares on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from accelerate import Accelerator
+from support import tiny_split
+
+from alignpipe import attention as varlen
+from alignpipe import logprobs
+from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
+from alignpipe.packed_rows import answers_part, pack, pack_answers, pack_scored, runs_documents
+from alignpipe.tracking import Tracker
+from alignpipe.trainers import dpo, kto, reward
+from alignpipe.trainers.configs import DPOConfig, KTOConfig, LoraSpec, RewardConfig
+
+ROWS = [
+    {"prompt": "The film was", "chosen": " great fun, start to end.", "rejected": " dull."},
+    {"prompt": "Honestly, I", "chosen": " loved it", "rejected": " loved it and more than I can say"},
+    {"prompt": "", "chosen": "Fine film.", "rejected": "Bad one, really bad."},
+    {"prompt": "A long prompt that takes most of the length budget of the row", "chosen": " yes", "rejected": " no"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return load_tokenizer(str(tiny / "model"))
+
+
+def spy_documents(monkeypatch) -> list[list[int]]:
+    """The document offsets every varlen attention call ran."""
+    seen: list[list[int]] = []
+    run = varlen._documents_attention
+    monkeypatch.setattr(varlen, "_documents_attention", lambda *a: seen.append(a[3].tolist()) or run(*a))
+    return seen
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for name, g in a.items():  # float32 sums in another order: relative to the gradient's norm
+        assert float((g - b[name]).norm() / b[name].norm().clamp(min=1e-12)) < 1e-5, name
+
+
+def test_the_layout_scores_each_answer_token_from_its_own_document(tok):
+    """Every scored answer token is the next token after its scoring position, inside the row's own document, with
+    positions restarting at each document; the prompt-less answer's first token is not scored; a slice of the rows
+    (KTO's halves) is the layout of those rows alone."""
+    batch = dpo.collate(dpo.tokenize(ROWS, tok, 24), tok.pad_token_id, 24, packed=True)
+    packed = batch["packed"]
+    ids, positions, offsets = packed["input_ids"][0], packed["position_ids"][0], packed["offsets"]
+    R = batch["completion_ids"].size(0)
+    assert len(offsets) == R + 1 and offsets[-1] == ids.numel() == int(batch["attention_mask"].sum())
+    assert packed["documents"]["cu_seq_lens_q"].tolist() == offsets
+    assert packed["documents"]["max_length_q"] == batch["input_ids"].size(1)  # the longest row, here not padded
+    for r in range(R):
+        a, b = offsets[r], offsets[r + 1]
+        assert positions[a:b].tolist() == list(range(b - a))
+        whole = batch["input_ids"][r][batch["attention_mask"][r].bool()]
+        assert torch.equal(ids[a:b], whole), "document r is row r of the padded layout without its padding"
+        scored = batch["completion_tokens"][r].bool()
+        at = packed["scoring"][r][scored]
+        assert ((at >= a) & (at + 1 < b + 1)).all()
+        assert torch.equal(ids[at + 1], batch["completion_ids"][r][scored])
+    assert batch["completion_tokens"][2, 0] == 0 and batch["completion_tokens"][R // 2 + 2, 0] == 0  # no prompt
+    half = answers_part(packed, slice(R // 2, R))
+    ex = dpo.tokenize(ROWS, tok, 24)
+    prompts = [e["prompt_ids"][:24] for e in ex]
+    rejected = [e["rejected_ids"][: 24 - len(p)] for e, p in zip(ex, prompts)]
+    alone = pack_answers(prompts, rejected, batch["completion_ids"].size(1))
+    assert torch.equal(half["input_ids"], alone["input_ids"]) and half["offsets"] == alone["offsets"]
+    assert torch.equal(half["position_ids"], alone["position_ids"])
+    assert half["documents"]["cu_seq_lens_q"].tolist() == alone["offsets"]
+    assert half["documents"]["max_length_q"] == alone["documents"]["max_length_q"]
+    scored = batch["completion_tokens"][R // 2 :].bool()
+    assert torch.equal(half["scoring"][scored], alone["scoring"][scored])
+    with pytest.raises(ValueError, match="at least one token"):
+        pack([[1, 2], []])
+
+
+def test_collators_pack_only_when_asked_and_models_say_whether_they_run_documents(tiny, tok):
+    ex = dpo.tokenize(ROWS, tok, 32)
+    assert "packed" not in dpo.collate(ex, tok.pad_token_id, 32)
+    assert not runs_documents(load_causal_lm(str(tiny / "model")))
+    assert runs_documents(load_causal_lm(str(tiny / "model"), attention="varlen"))
+    scored = pack_scored([[5, 6, 0, 0], [7], [0]], pad_id=0)
+    assert scored["last"].tolist() == [1, 4, 5]  # the last non-padding token; a row of padding only: its first
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chunked-head", "fused-head"])
+def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused, monkeypatch):
+    """One DPO micro-batch, padded on SDPA (prompts shared, as a GPU-sized model runs them) and padding-free on
+    varlen: the same loss, metrics and gradients (1e-5), through the chunked head and the fused pair loss; every
+    varlen call ran the collated documents."""
+    monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)  # the padded side shares its prompts, as on a GPU
+    if fused:  # the fused pair loss runs only where logits would be large
+        monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 16)
+    seen = spy_documents(monkeypatch)
+    batch = dpo.collate(dpo.tokenize(ROWS, tok, 40), tok.pad_token_id, 40, packed=True)
+    ref = load_causal_lm(str(tiny / "model"))
+    with torch.no_grad():
+        ref_logps = dpo.completion_logps(ref, batch)[0].chunk(2)
+    cfg = DPOConfig(beta=0.2, fused_loss=fused, rpo_alpha=0.5)
+    out = {}
+    for attention in ("sdpa", "varlen"):
+        model = load_causal_lm(str(tiny / "model"), attention=attention)
+        with torch.no_grad():
+            for p in model.parameters():  # policy ≠ reference, so the log-ratios are not zero
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        loss, stats = dpo.batch_loss(model, batch, lambda _: ref_logps, cfg)
+        loss.backward()
+        out[attention] = (float(loss.detach()), {k: float(v) for k, v in stats.items()}, grads_of(model))
+    assert out["varlen"][0] == pytest.approx(out["sdpa"][0], abs=1e-5)
+    assert out["varlen"][1] == pytest.approx(out["sdpa"][1], abs=1e-5)
+    assert_same_grads(out["varlen"][2], out["sdpa"][2])
+    layers = ref.config.num_hidden_layers
+    assert len(seen) == layers and all(cu == batch["packed"]["offsets"] for cu in seen)
+
+
+def test_kto_packed_equals_padded(tiny, tok, monkeypatch):
+    """KTO's batch (each completion, then the rotated completions its KL term scores) padding-free on varlen: the
+    same loss, metrics and gradients as padded on SDPA; the KL half runs as its own documents."""
+    rows = [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+        for r in ROWS
+        for side in ("chosen", "rejected")
+    ]
+    seen = spy_documents(monkeypatch)
+    batch = kto.collate(kto.tokenize(rows, tok), tok.pad_token_id, 40, with_kl=True, packed=True)
+    ref = load_causal_lm(str(tiny / "model"))
+    cfg = KTOConfig(batch_size=len(rows))
+    out = {}
+    for attention in ("sdpa", "varlen"):
+        model = load_causal_lm(str(tiny / "model"), attention=attention)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        model.train()
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        losses = kto.Losses(cfg, Accelerator(cpu=True), lambda: (ref, contextlib.nullcontext()))
+        loss = losses(model, batch, sums, counts)
+        loss.backward()
+        out[attention] = (float(loss), {k: float(v) for k, v in kto.metrics(sums, counts).items()}, grads_of(model))
+    assert out["varlen"][0] == pytest.approx(out["sdpa"][0], abs=1e-5)
+    assert out["varlen"][1] == pytest.approx(out["sdpa"][1], abs=1e-5)
+    assert_same_grads(out["varlen"][2], out["sdpa"][2])
+    B, offsets = len(rows), batch["packed"]["offsets"]
+    kl_half = [o - offsets[B] for o in offsets[B:]]
+    assert seen and kl_half in seen and offsets[: B + 1] in seen  # the KL answers alone, the own answers alone
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reward_scores_packed_equal_the_classifiers_own_forward(tiny, tok, lora, monkeypatch):
+    """The reward model's scores and gradients padding-free on varlen equal the classifier's own forward over the
+    padded rows, read at each row's last non-padding token."""
+    seen = spy_documents(monkeypatch)
+    batch = reward.collate(reward.tokenize(ROWS, tok, 64), tok.pad_token_id, packed=True)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0, 0.25, 2.0])
+    out = {}
+    for attention in ("sdpa", "varlen"):
+        model = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id, seed=0, attention=attention)
+        if lora:
+            from alignpipe.modeling import lora_model
+
+            model = lora_model(model, LoraSpec(r=4), task_type="SEQ_CLS")
+        if attention == "sdpa":
+            scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+        else:
+            scores = reward.scores(model, batch)
+        (scores * weights).sum().backward()
+        out[attention] = (scores.detach(), grads_of(model))
+    assert torch.allclose(out["varlen"][0], out["sdpa"][0], atol=1e-5)
+    assert_same_grads(out["varlen"][1], out["sdpa"][1])
+    assert seen and all(cu == batch["packed"]["offsets"] for cu in seen)
+
+
+def test_preference_stages_on_varlen_train_as_on_sdpa(tiny, tok, tmp_path):
+    """Whole DPO and reward stages on `model.attention: varlen` (padding-free batches) log the losses the padded
+    SDPA stages log, step for step."""
+    _, train, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=48)
+    series = {}
+    for attention in ("sdpa", "varlen"):
+        tracker = Tracker()
+        cfg = DPOConfig(learning_rate=5e-4, max_steps=3, batch_size=8, precompute_ref_logps=True, logging_every=1)
+        model = load_causal_lm(str(tiny / "model"), attention=attention)
+        dpo.train(cfg, model, tok, train, [], tracker, tmp_path / f"dpo-{attention}")
+        reward_tracker = Tracker()
+        scorer = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id, seed=0, attention=attention)
+        reward.train(
+            RewardConfig(max_steps=3, batch_size=8, seed=3, logging_every=1),
+            scorer,
+            tok,
+            train,
+            [],
+            reward_tracker,
+            tmp_path / attention,
+        )
+        series[attention] = (tracker.series("train/loss"), reward_tracker.series("train/loss"))
+    assert len(series["sdpa"][0]) == 3 and len(series["sdpa"][1]) == 3
+    assert series["varlen"][0] == pytest.approx(series["sdpa"][0], abs=1e-4)
+    assert series["varlen"][1] == pytest.approx(series["sdpa"][1], abs=1e-4)
