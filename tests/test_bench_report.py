@@ -375,15 +375,16 @@ def test_the_decode_overhead_probe_times_each_loop(capsys):
 
 def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     """`python -m bench.gpu_checks`, the first call of a GPU session, runs on CPU too (float32, small sizes): varlen
-    attention against SDPA's mask with every layer taking the flattened path, the fused heads eager and compiled
-    against autograd; the CUDA-only checks say they were skipped. So the script a GPU session depends on cannot rot."""
+    attention against SDPA's mask with every layer taking the flattened path, padding-free DPO rows against padded
+    ones, the fused heads eager and compiled against autograd; the CUDA-only checks say they were skipped. So the
+    script a GPU session depends on cannot rot."""
     from bench import gpu_checks
 
     gpu_checks.RESULTS.clear()
     assert gpu_checks.main(["--cpu"]) == 0
     out = capsys.readouterr().out
-    assert [ok for _, ok, _ in gpu_checks.RESULTS] == [True, True, True, None, None]
-    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 3 and out.count("\nskip ") == 2
+    assert [ok for _, ok, _ in gpu_checks.RESULTS] == [True, True, True, True, None, None]
+    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 4 and out.count("\nskip ") == 2
 
 
 def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
