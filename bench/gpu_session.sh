@@ -8,8 +8,11 @@
 #      comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
-#   3  GRPO 8×8×256 and PPO 64×256 (8 steps), and SFT 4×4096 on varlen
-#   4  the compiled variants of stage 2 and 3's rollouts, and a profile of our packed SFT step
+#   3  GRPO 8×8×256 with our compiled rollouts (CUDA graphs: what the GRPO target rests on) against TRL, PPO
+#      64×256 eager against TRL 1.12 (8 steps each), and SFT 4×4096 on varlen
+#   4  GRPO eager and PPO with compiled rollouts, compiled DPO, and a profile of our packed SFT step
+# A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
+# goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 4)"}
 case $stage in 1 | 2 | 3 | 4) ;; *)
@@ -43,13 +46,14 @@ case $stage in
   bench 280 --cases reward/8x1024 --attention varlen --steps 25
   ;;
 3)
-  bench 200 --cases grpo/8x8x256 --steps 8
+  bench 200 --cases grpo/8x8x256 --compile --contenders trl --steps 8
   bench 200 --cases ppo/64x256 --steps 8
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   ;;
 4)
-  bench 250 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 25
-  bench 200 --cases grpo/8x8x256 --compile --contenders trl --steps 8
+  bench 150 --cases grpo/8x8x256 --contenders trl --steps 8
+  bench 150 --cases ppo/64x256 --compile --contenders trl --steps 8
+  bench 150 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 20
   ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile ours sft/8x2048 qwen0.5b --steps 10 \
     --out "$out/profile" 2>&1 | tail -40 | tee -a "$out/log"
   ;;
