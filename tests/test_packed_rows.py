@@ -97,11 +97,13 @@ def test_collators_pack_only_when_asked_and_models_say_whether_they_run_document
     assert scored["last"].tolist() == [1, 4, 5]  # the last non-padding token; a row of padding only: its first
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["chunked-head", "fused-head"])
-def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused, monkeypatch):
+@pytest.mark.parametrize(
+    "fused, lora", [(False, False), (True, False), (True, True)], ids=["chunked-head", "fused-head", "fused-head-lora"]
+)
+def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused, lora, monkeypatch):
     """One DPO micro-batch, padded on SDPA (prompts shared, as a GPU-sized model runs them) and padding-free on
-    varlen: the same loss, metrics and gradients (1e-5), through the chunked head and the fused pair loss; every
-    varlen call ran the collated documents."""
+    varlen: the same loss, metrics and gradients (1e-5), through the chunked head and the fused pair loss, of the
+    full model or a LoRA adapter; every varlen call ran the collated documents."""
     monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)  # the padded side shares its prompts, as on a GPU
     if fused:  # the fused pair loss runs only where logits would be large
         monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 16)
@@ -117,6 +119,14 @@ def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused
         with torch.no_grad():
             for p in model.parameters():  # policy ≠ reference, so the log-ratios are not zero
                 p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        if lora:
+            from alignpipe.modeling import lora_model
+
+            torch.manual_seed(0)
+            model = lora_model(model, LoraSpec(r=4))
+            for name, p in model.named_parameters():  # B starts at zero: move it, so the adapter counts
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
         loss, stats = dpo.batch_loss(model, batch, lambda _: ref_logps, cfg)
         loss.backward()
         out[attention] = (float(loss.detach()), {k: float(v) for k, v in stats.items()}, grads_of(model))
