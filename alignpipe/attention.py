@@ -58,12 +58,13 @@ def document_offsets(position_ids: torch.Tensor) -> tuple[list[int], int]:
     return cu, max(b - a for a, b in itertools.pairwise(cu))
 
 
-def document_kwargs(cu: list[int]) -> dict[str, object]:
+def document_kwargs(cu: list[int], side: str = "qk") -> dict[str, object]:
     """Documents at the cumulative offsets `cu` (host ints, documents + 1) in transformers' names for
-    variable-length attention (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`), as every attention call is handed them."""
+    variable-length attention (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`; `side` "q" or "k" for one side's
+    alone), as every attention call is handed them."""
     offsets = torch.tensor(cu, dtype=torch.int32)
     longest = max(b - a for a, b in itertools.pairwise(cu))
-    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+    return {f"{name}_{x}": value for x in side for name, value in (("cu_seq_lens", offsets), ("max_length", longest))}
 
 
 _derived: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -89,7 +90,12 @@ def varlen_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) → (B, T, H, D)."""
+    """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) → (B, T, H, D).
+
+    Documents come as transformers' `cu_seq_lens_q`/`max_length_q`; where keys are laid out apart from the queries
+    (`packed_rows`' shared prompts), also `cu_seq_lens_k`/`max_length_k` and `key_rows`, the flattened tokens whose
+    keys and values make up the key documents, in order (a token may serve several), so that document i's queries
+    attend to key document i, its last query to its last key (causal, aligned at the bottom right)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, length, dim = query.shape
@@ -102,20 +108,27 @@ def varlen_attention_forward(
         raise ValueError("model.attention: varlen does not run sliding-window layers; use sdpa or flex_attention")
     if dropout and module.training:
         raise ValueError("model.attention: varlen does not run attention dropout; set the model's dropout to 0")
+    rows = kwargs.get("key_rows")
     if cu is None:
         cu, longest = _derived_offsets(position_ids.expand(batch, -1))  # type: ignore[union-attr]  # not None here
+        cu_k, longest_k = cu, longest
     else:
         longest = int(kwargs["max_length_q"])
+        cu_k = kwargs["cu_seq_lens_k"] if rows is not None else cu
+        longest_k = int(kwargs["max_length_k"]) if rows is not None else longest
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    out = _documents_attention(q, k, v, cu, longest, scaling)
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)  # autograd sums a shared token's copies
+    out = _documents_attention(q, k, v, cu, cu_k, longest, longest_k, scaling)
     return out.view(batch, length, heads, dim), None
 
 
-def _call_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
-    """`kernel` (torch's `varlen_attn`) run causally over the documents at `cu`, in the keywords its torch release
-    takes. Causality is `window_size=(-1, 0)` (2.11 and 2.13), else `is_causal`. Grouped K/V heads go in as they are where
-    it has `enable_gqa` (2.13); 2.11 has no such flag (seen on the GPU image), so there they are repeated to the
-    query's heads (one copy per layer, as SDPA's math path does)."""
+def _call_varlen(kernel, q, k, v, cu_q, cu_k, longest_q: int, longest_k: int, scale: float | None) -> torch.Tensor:
+    """`kernel` (torch's `varlen_attn`) run causally over the documents at `cu_q` (queries) and `cu_k` (keys), in
+    the keywords its torch release takes. Causality is `window_size=(-1, 0)` (2.11 and 2.13), else `is_causal`:
+    flash attention aligns it at the bottom right, a document's last query seeing its last key. Grouped K/V heads go
+    in as they are where it has `enable_gqa` (2.13); 2.11 has no such flag (seen on the GPU image), so there they are
+    repeated to the query's heads (one copy per layer, as SDPA's math path does)."""
     takes = _keywords(kernel)
     causal: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
@@ -128,7 +141,7 @@ def _call_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scale: float |
         causal["scale"] = scale
     elif scale is not None and abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
         raise ValueError(f"this torch's varlen_attn has no `scale` (the model asks {scale}); use sdpa")
-    out = kernel(q, k, v, cu, cu, longest, longest, **causal)
+    out = kernel(q, k, v, cu_q, cu_k, longest_q, longest_k, **causal)
     assert isinstance(out, torch.Tensor)  # the log-sum-exp comes back too only when asked for
     return out
 
@@ -138,83 +151,116 @@ def _keywords(kernel) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
 
 
-def _documents_attention(q, k, v, cu: torch.Tensor, longest: int, scale: float | None) -> torch.Tensor:
-    """Causal attention within each document of flattened (N, H, D) q and (N, Hkv, D) k/v, documents at offsets
-    `cu` (int32, N docs + 1)."""
+def _documents_attention(
+    q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, longest_q: int, longest_k: int, scale: float | None
+) -> torch.Tensor:
+    """Causal attention of the documents of flattened (N, H, D) q over those of (M, Hkv, D) k/v, at offsets `cu_q`
+    and `cu_k` (int32, documents + 1; the same tensor where each document attends to itself), aligned at the bottom
+    right."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
-        cu = cu.to(device=q.device, dtype=torch.int32)
-        return _call_varlen(varlen_attn, q, k, v, cu, longest, scale)
+        cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_q if cu_k is cu_q else cu_k.to(device=q.device, dtype=torch.int32)
+        return _call_varlen(varlen_attn, q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
     if torch.compiler.is_compiling():
         # one opaque op, as the CUDA kernel is: the loop below would break the graph at `cu.tolist()` and
         # specialise on every document boundary, a recompile per batch
-        return documents_attention_op(q, k, v, cu, longest, scale)
-    return _per_document(q, k, v, cu, scale)
+        return documents_attention_op(q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
+    return _per_document(q, k, v, cu_q, cu_k, scale)
 
 
-def _per_document(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    """(query start, query end, key start, key end) of each document, host ints."""
+    q = cu_q.tolist()
+    k = q if cu_k is cu_q else cu_k.tolist()
+    return [(a, b, c, d) for (a, b), (c, d) in zip(itertools.pairwise(q), itertools.pairwise(k), strict=True)]
+
+
+def _bottom_right(m: int, n: int, device) -> torch.Tensor:
+    """(m, n) causal mask of m queries over n ≥ m keys, the last query seeing every key."""
+    return torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m)
+
+
+def _per_document(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float | None) -> torch.Tensor:
     gqa = k.shape[1] != q.shape[1]
     pieces = []
-    for a, b in itertools.pairwise(cu.tolist()):
-        qd, kd, vd = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+    for a, b, c, d in _segments(cu_q, cu_k):
+        qd, kd, vd = (t[x:y].transpose(0, 1).unsqueeze(0) for t, x, y in ((q, a, b), (k, c, d), (v, c, d)))
+        square = b - a == d - c
+        mask = None if square else _bottom_right(b - a, d - c, q.device)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=mask, is_causal=square, scale=scale, enable_gqa=gqa
+        )
         pieces.append(o[0].transpose(0, 1))
     return torch.cat(pieces)
 
 
 @torch.library.custom_op("alignpipe::documents_attention", mutates_args=())
 def documents_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    longest_q: int,
+    longest_k: int,
+    scale: float | None,
 ) -> torch.Tensor:
-    """The documents run one by one (off the CUDA kernel), as one op with the kernel's inputs (`longest` unused
-    here), so that `compile: true` sees on CPU the graph it sees on a GPU."""
-    return _per_document(q, k, v, cu, scale)
+    """The documents run one by one (off the CUDA kernel), as one op with the kernel's inputs (the longest lengths
+    unused here), so that `compile: true` sees on CPU the graph it sees on a GPU."""
+    return _per_document(q, k, v, cu_q, cu_k, scale)
 
 
 @documents_attention_op.register_fake
-def _(q, k, v, cu, longest, scale):
+def _(q, k, v, cu_q, cu_k, longest_q, longest_k, scale):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("alignpipe::documents_attention_backward", mutates_args=())
 def documents_attention_backward_op(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `documents_attention_op` per document, written out (an op's body runs below autograd):
-    P = softmax(s·QKᵀ) causal, dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = s·dS K, dK = s·dSᵀ Q; grouped
-    K/V heads sum their queries' gradients."""
+    P = softmax(s·QKᵀ) causal at the bottom right, dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)), dQ = s·dS K,
+    dK = s·dSᵀ Q; grouped K/V heads sum their queries' gradients."""
     groups = q.shape[1] // k.shape[1]
     s = q.shape[-1] ** -0.5 if scale is None else scale
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     at = torch.promote_types(q.dtype, torch.float32)
-    for a, b in itertools.pairwise(cu.tolist()):
-        qd, do = q[a:b].transpose(0, 1).to(at), grad[a:b].transpose(0, 1).to(at)  # (H, n, D)
-        kd, vd = (t[a:b].transpose(0, 1).to(at).repeat_interleave(groups, 0) for t in (k, v))
-        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    for a, b, c, d in _segments(cu_q, cu_k):
+        qd, do = q[a:b].transpose(0, 1).to(at), grad[a:b].transpose(0, 1).to(at)  # (H, m, D)
+        kd, vd = (t[c:d].transpose(0, 1).to(at).repeat_interleave(groups, 0) for t in (k, v))  # (H, n, D)
+        causal = _bottom_right(b - a, d - c, q.device)
         p = (s * qd @ kd.transpose(1, 2)).masked_fill(~causal, float("-inf")).softmax(-1)
         o = p @ vd
         ds = p * (do @ vd.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
         dq[a:b] = (s * ds @ kd).transpose(0, 1).to(q.dtype)
-        dk[a:b] = (s * ds.transpose(1, 2) @ qd).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(k.dtype)
-        dv[a:b] = (p.transpose(1, 2) @ do).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(v.dtype)
+        dk[c:d] = (s * ds.transpose(1, 2) @ qd).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(k.dtype)
+        dv[c:d] = (p.transpose(1, 2) @ do).unflatten(0, (-1, groups)).sum(1).transpose(0, 1).to(v.dtype)
     return dq, dk, dv
 
 
 @documents_attention_backward_op.register_fake
-def _(grad, q, k, v, cu, scale):
+def _(grad, q, k, v, cu_q, cu_k, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _save(ctx, inputs, output):
-    q, k, v, cu, _, scale = inputs
-    ctx.save_for_backward(q, k, v, cu)
+    q, k, v, cu_q, cu_k, _, _, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k)
     ctx.scale = scale
 
 
 def _backward(ctx, grad):
-    q, k, v, cu = ctx.saved_tensors
-    return (*documents_attention_backward_op(grad, q, k, v, cu, ctx.scale), None, None, None)
+    q, k, v, cu_q, cu_k = ctx.saved_tensors
+    return (*documents_attention_backward_op(grad, q, k, v, cu_q, cu_k, ctx.scale), None, None, None, None, None)
 
 
 documents_attention_op.register_autograd(_backward, setup_context=_save)

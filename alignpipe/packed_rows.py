@@ -1,18 +1,22 @@
-"""Padding-free preference batches: every sequence of a DPO, KTO or reward batch one document of a single row.
+"""Padding-free preference batches: a DPO, KTO or reward batch as one row of documents, each prompt run once.
 
 Padded, a batch of pairs is (2B, T) with T its longest sequence. Every shorter row runs padding through the whole
-model, and the padding mask keeps SDPA off its flash kernel. Run together instead, the batch is (1, Σ lengths):
-position ids restart at each sequence, and the document offsets, counted here on the host, go to every attention
-call. A kernel that separates documents by their offsets then runs each sequence alone, with no mask and no padding:
+model, and the padding mask keeps SDPA off its flash kernel. Run together instead, the batch is one row of its real
+tokens: position ids restart at each document, and the document offsets, counted here on the host, go to every
+attention call. A kernel that separates documents by their offsets then runs each one with no mask and no padding:
 `model.attention: varlen` (PyTorch's variable-length flash kernel, `alignpipe/attention.py`) or flash-attn's
-`flash_attention_2`/`_3` (`runs_documents`). The collators build this layout only for such a model. The
-trainers read from it exactly what they read from the padded rows: the hidden state that scores each answer
-token (`scoring`), and the reward model's last-token position (`last`).
+`flash_attention_2`/`_3` (`runs_documents`). The collators build this layout only for such a model (`layout`).
 
-What it gives up: the padded layout runs each prompt once for both of its answers (`logprobs.shared_prefix_hidden`),
-and here each answer's document holds its own copy of the prompt. The prompt runs twice, but without the masked
-attention and the KV-cache gather that sharing needs. That loses where prompts are long and answers short.
-Real preference data varies in answer length, so padding usually costs more than the duplicated prompt."""
+On `varlen` the layout is `shared`: a pair's prompt runs once, as the padded layout's KV-cache sharing runs it.
+The prompt and the first answer are one document. The second answer is a document of its own, whose queries attend
+to a key document made of the prompt's keys and its own (`cu_seq_lens_k` and `key_rows`, which
+`varlen_attention_forward` gathers per layer; flash attention aligns causality at the bottom right, so answer token
+t sees the whole prompt and answer tokens 0..t). flash-attn's kernels are called by transformers, which knows no
+key layout, so there every prompt + answer is its own document (`documents`), with the prompt run twice. KTO cuts
+its batch's halves apart (`answers_part`), so it takes `documents` too.
+
+The trainers read from the layout exactly what they read from the padded rows: the hidden state that scores each
+answer token (`scoring`), and the reward model's last-token position (`last`)."""
 
 from __future__ import annotations
 
@@ -33,54 +37,140 @@ def runs_documents(model) -> bool:
     return getattr(getattr(inner, "config", None), "_attn_implementation", None) in DOCUMENT_KERNELS
 
 
+def layout(model) -> str | None:
+    """How `model`'s preference batches are best laid out: `shared` on our `varlen` kernel (a prompt runs once for
+    all its answers, `pack_groups`), `documents` on flash-attn's (every prompt + answer its own document: its varlen
+    call takes no key layout of ours), None (padded) on the others."""
+    if not runs_documents(model):
+        return None
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return "shared" if inner.config._attn_implementation == "varlen" else "documents"
+
+
+def runs(packed: dict[str, Any] | None, model) -> bool:
+    """Whether `model` can run the batch layout `packed` (a caller's other model may run another kernel): any
+    padding-free layout on a kernel that `runs_documents`, shared prompts on our `varlen` alone."""
+    if packed is None:
+        return False
+    need = "shared" if "key_rows" in packed["documents"] else "documents"
+    return layout(model) in (need, "shared")
+
+
 def pack(seqs: list[list[int]]) -> dict[str, Any]:
-    """`seqs` run together into one row:
-    - `input_ids` and `position_ids` (1, N), with the positions restarting at every sequence;
-    - `documents`, the offsets in transformers' keywords (`attention.document_kwargs`);
-    - `offsets`, the same offsets as host ints, one more than there are sequences.
-    Every sequence must hold a token."""
-    if not seqs or not all(seqs):
+    """`seqs` run together into one row, each its own document (`pack_groups` with one answer per group)."""
+    return pack_groups([([], [s]) for s in seqs], share=False)
+
+
+def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) -> dict[str, Any]:
+    """Groups of (prefix, answers) run together into one row:
+    - `input_ids` and `position_ids` (1, N); each answer's positions continue its prefix's;
+    - `documents`, in transformers' keywords (`attention.document_kwargs`): with `share`, a group's prefix runs once
+      and is document one with its first answer, every further answer a document of its own whose keys are the
+      prefix's and its own (`cu_seq_lens_k`, `max_length_k`, and `key_rows`, the tokens whose keys make up the key
+      documents, for `attention.varlen_attention_forward`); else every prefix + answer its own document;
+    - `offsets`, the query documents' offsets as host ints;
+    - `where`, per group, per answer, (the first position of its prefix's copy, its answer's first position).
+    Unshared, the documents go row after row (every group's first answer, then every second); shared, group after
+    group. A group is laid out unshared where its prefix is empty or an answer is. Every document must hold a
+    token."""
+    ids: list[int] = []
+    positions: list[int] = []
+    cu_q, cu_k, key_rows = [0], [0], list[int]()
+    where: list[dict[int, tuple[int, int]]] = [{} for _ in groups]
+
+    def document(prefix: list[int], answer: list[int], p0: int | None = None) -> tuple[int, int]:
+        """Append `answer` (after a copy of `prefix`, or after the one at `p0`) as a document; (p0, a0)."""
+        if p0 is None:
+            p0 = len(ids)
+            ids.extend(prefix)
+            positions.extend(range(len(prefix)))
+        a0 = len(ids)
+        ids.extend(answer)
+        positions.extend(range(len(prefix), len(prefix) + len(answer)))
+        cu_q.append(len(ids))
+        if a0 == p0 + len(prefix):  # the document's keys are its own tokens
+            key_rows.extend(range(p0, len(ids)))
+        else:  # a shared prefix's keys, then the answer's
+            key_rows.extend([*range(p0, p0 + len(prefix)), *range(a0, len(ids))])
+        cu_k.append(len(key_rows))
+        return p0, a0
+
+    if share:  # group after group, a shareable group's prefix once
+        for g, (prefix, answers) in enumerate(groups):
+            together = bool(prefix) and len(answers) > 1 and all(answers)
+            for j, answer in enumerate(answers):
+                where[g][j] = document(prefix, answer, where[g][0][0] if together and j else None)
+    else:  # row after row (every first answer, then every second), so that a run of rows is a run of documents
+        for j in range(max((len(a) for _, a in groups), default=0)):
+            for g, (prefix, answers) in enumerate(groups):
+                if j < len(answers):
+                    where[g][j] = document(prefix, answers[j])
+    if len(cu_q) < 2 or any(b <= a for a, b in itertools.pairwise(cu_q)):
         raise ValueError("pack: every sequence must hold at least one token")
-    offsets = list(itertools.accumulate(map(len, seqs), initial=0))
+    documents = document_kwargs(cu_q)
+    if cu_k != cu_q:
+        documents |= document_kwargs(cu_k, "k")
+        documents["key_rows"] = torch.tensor(key_rows)
     return {
-        "input_ids": torch.tensor([list(itertools.chain.from_iterable(seqs))]),
-        "position_ids": torch.tensor([[p for s in seqs for p in range(len(s))]]),
-        "documents": document_kwargs(offsets),
-        "offsets": offsets,
+        "input_ids": torch.tensor([ids]),
+        "position_ids": torch.tensor([positions]),
+        "documents": documents,
+        "offsets": cu_q,
+        "where": where,
     }
 
 
-def pack_answers(prompts: list[list[int]], answers: list[list[int]], width: int) -> dict[str, Any]:
-    """Answer row r after its prompt, `prompts[r % len(prompts)]`, as document r of `pack`'s layout, plus
-    `scoring` (R, `width`): the position whose hidden state scores answer token t of row r, as `completion_ids`
-    lays the answers out. Positions past an answer's end, and the first token of an answer with no prompt (which
-    nothing scores), point at the row's own first token; the answer mask leaves them out."""
-    seqs = [prompts[r % len(prompts)] + a for r, a in enumerate(answers)]
-    packed = pack(seqs)
+def _groups(prompts: list[list[int]], answers: list[list[int]]) -> list[tuple[list[int], list[list[int]]]]:
+    """Answer row r follows prompt `r % len(prompts)` (the collated layout: every first answer, then every second)."""
+    B = len(prompts)
+    return [(prompts[g], answers[g::B]) for g in range(B)]
+
+
+def pack_answers(prompts: list[list[int]], answers: list[list[int]], width: int, share: bool = False) -> dict[str, Any]:
+    """Answer row r after its prompt, `prompts[r % len(prompts)]`, in `pack_groups`' layout (`share`: each prompt
+    once), plus `scoring` (R, `width`): the position whose hidden state scores answer token t of row r, as
+    `completion_ids` lays the answers out (token 0 is scored by the prompt's last token, token t by answer token
+    t − 1). Positions past an answer's end, and the first token of an answer with no prompt (which nothing scores),
+    point at the answer's own first token; the answer mask leaves them out."""
+    B = len(prompts)
+    packed = pack_groups(_groups(prompts, answers), share)
     scoring = torch.empty((len(answers), width), dtype=torch.long)
-    for r, (start, answer) in enumerate(zip(packed["offsets"], answers)):
-        first = start + len(seqs[r]) - len(answer) - 1  # the prompt's last token scores answer token 0
-        scoring[r] = start
-        scoring[r, : len(answer)] = torch.arange(first, first + len(answer)).clamp(min=start)
+    for r, answer in enumerate(answers):
+        p0, a0 = packed["where"][r % B][r // B]
+        scoring[r] = a0
+        scoring[r, : len(answer)] = torch.arange(a0 - 1, a0 - 1 + len(answer))
+        if a0 == p0:  # no prompt: nothing scores token 0
+            scoring[r, 0] = a0
+        else:
+            scoring[r, 0] = p0 + len(prompts[r % B]) - 1
     packed["scoring"] = scoring
     return packed
 
 
-def pack_scored(seqs: list[list[int]], pad_id: int | None) -> dict[str, Any]:
-    """`pack(seqs)` plus `last` (len(seqs),): where a sequence classifier reads each sequence's score, its last token
-    that is not `pad_id`, as transformers' classifiers read a padded row (a sequence of padding only: its first)."""
-    packed = pack(seqs)
+def pack_scored(
+    prefixes: list[list[int]], suffixes: list[list[int]], pad_id: int | None, share: bool = False
+) -> dict[str, Any]:
+    """Sequence r, `prefixes[r % len(prefixes)] + suffixes[r]`, in `pack_groups`' layout, plus `last` (R,): where a
+    sequence classifier reads its score, its last token that is not `pad_id`, as transformers' classifiers read a
+    padded row (a sequence of padding only: its first)."""
+    B = len(prefixes)
+    packed = pack_groups(_groups(prefixes, suffixes), share)
     last = []
-    for start, seq in zip(packed["offsets"], seqs):
-        real = [k for k, t in enumerate(seq) if t != pad_id]
-        last.append(start + (real[-1] if real else 0))
+    for r, suffix in enumerate(suffixes):
+        prefix = prefixes[r % B]
+        p0, a0 = packed["where"][r % B][r // B]
+        real = [k for k, t in enumerate(prefix + suffix) if t != pad_id]
+        k = real[-1] if real else 0
+        last.append(p0 + k if k < len(prefix) else a0 + k - len(prefix))
     packed["last"] = torch.tensor(last)
     return packed
 
 
 def answers_part(packed: dict[str, Any], part: slice) -> dict[str, Any]:
-    """The documents of the answer rows in `part` (a contiguous slice) alone, from `pack_answers`' layout, on
-    whichever device it lies: the offsets tensor is cut and shifted where it lies (no copy to or from the host)."""
+    """The documents of the answer rows in `part` (a contiguous slice) alone, from `pack_answers`' unshared layout,
+    on whichever device it lies: the offsets tensor is cut and shifted where it lies (no copy to or from the host)."""
+    if "key_rows" in packed["documents"]:
+        raise ValueError("answers_part: rows of a layout whose prompts are shared cannot be cut apart")
     a, b, step = part.indices(len(packed["offsets"]) - 1)
     if step != 1:
         raise ValueError("answers_part: a contiguous slice of rows")

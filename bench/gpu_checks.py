@@ -161,7 +161,7 @@ def check_varlen(setup: Setup) -> Callable[[], None]:
 
 
 def check_padding_free_dpo(setup: Setup) -> Callable[[], None]:
-    @check("padding-free DPO rows on varlen equal the padded rows on SDPA")
+    @check("padding-free DPO rows on varlen, each prompt once, equal the padded rows on SDPA")
     def run():
         from accelerate.utils import send_to_device
 
@@ -177,7 +177,7 @@ def check_padding_free_dpo(setup: Setup) -> Callable[[], None]:
             {"prompt_ids": ids(n // 8, n // 2), "chosen_ids": ids(8, n), "rejected_ids": ids(8, n)}
             for _ in range(setup.rows)
         ]
-        batch = send_to_device(dpo.collate(examples, 0, setup.length, packed=True), setup.device)
+        batch = send_to_device(dpo.collate(examples, 0, setup.length, packed="shared"), setup.device)
         out = {}
         for attention in ("sdpa", "varlen"):
             model = setup.model(attention)

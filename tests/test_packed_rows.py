@@ -56,7 +56,7 @@ def test_the_layout_scores_each_answer_token_from_its_own_document(tok):
     """Every scored answer token is the next token after its scoring position, inside the row's own document, with
     positions restarting at each document; the prompt-less answer's first token is not scored; a slice of the rows
     (KTO's halves) is the layout of those rows alone."""
-    batch = dpo.collate(dpo.tokenize(ROWS, tok, 24), tok.pad_token_id, 24, packed=True)
+    batch = dpo.collate(dpo.tokenize(ROWS, tok, 24), tok.pad_token_id, 24, packed="documents")
     packed = batch["packed"]
     ids, positions, offsets = packed["input_ids"][0], packed["position_ids"][0], packed["offsets"]
     R = batch["completion_ids"].size(0)
@@ -93,22 +93,36 @@ def test_collators_pack_only_when_asked_and_models_say_whether_they_run_document
     assert "packed" not in dpo.collate(ex, tok.pad_token_id, 32)
     assert not runs_documents(load_causal_lm(str(tiny / "model")))
     assert runs_documents(load_causal_lm(str(tiny / "model"), attention="varlen"))
-    scored = pack_scored([[5, 6, 0, 0], [7], [0]], pad_id=0)
+    scored = pack_scored([[], [], []], [[5, 6, 0, 0], [7], [0]], pad_id=0)
     assert scored["last"].tolist() == [1, 4, 5]  # the last non-padding token; a row of padding only: its first
+    shared = pack_scored([[5, 6]], [[7, 0], [8, 9]], pad_id=0, share=True)  # one prefix, two suffixes
+    assert shared["input_ids"].tolist() == [[5, 6, 7, 0, 8, 9]] and shared["last"].tolist() == [2, 5]
+    assert shared["documents"]["key_rows"].tolist() == [0, 1, 2, 3, 0, 1, 4, 5]
 
 
 @pytest.mark.parametrize(
-    "fused, lora", [(False, False), (True, False), (True, True)], ids=["chunked-head", "fused-head", "fused-head-lora"]
+    "fused, lora, packed",
+    [
+        (False, False, "documents"),
+        (True, False, "documents"),
+        (False, False, "shared"),
+        (True, False, "shared"),
+        (True, True, "shared"),
+    ],
+    ids=["chunked-head", "fused-head", "shared-chunked-head", "shared-fused-head", "shared-fused-head-lora"],
 )
-def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused, lora, monkeypatch):
+def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused, lora, packed, monkeypatch):
     """One DPO micro-batch, padded on SDPA (prompts shared, as a GPU-sized model runs them) and padding-free on
-    varlen: the same loss, metrics and gradients (1e-5), through the chunked head and the fused pair loss, of the
-    full model or a LoRA adapter; every varlen call ran the collated documents."""
+    varlen, every prompt + answer its own document or each prompt once for both answers: the same loss, metrics and
+    gradients (1e-5), through the chunked head and the fused pair loss, of the full model or a LoRA adapter; every
+    varlen call ran the collated documents."""
     monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)  # the padded side shares its prompts, as on a GPU
     if fused:  # the fused pair loss runs only where logits would be large
         monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 16)
     seen = spy_documents(monkeypatch)
-    batch = dpo.collate(dpo.tokenize(ROWS, tok, 40), tok.pad_token_id, 40, packed=True)
+    batch = dpo.collate(dpo.tokenize(ROWS, tok, 40), tok.pad_token_id, 40, packed=packed)
+    once = sum(int(m.sum()) for m in batch["prompt_mask"]) if packed == "shared" else 0  # a prompt's second copy
+    assert batch["packed"]["input_ids"].size(1) == int(batch["attention_mask"].sum()) - once
     ref = load_causal_lm(str(tiny / "model"))
     with torch.no_grad():
         ref_logps = dpo.completion_logps(ref, batch)[0].chunk(2)
@@ -135,6 +149,7 @@ def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused
     assert_same_grads(out["varlen"][2], out["sdpa"][2])
     layers = ref.config.num_hidden_layers
     assert len(seen) == layers and all(cu == batch["packed"]["offsets"] for cu in seen)
+    assert ("key_rows" in batch["packed"]["documents"]) == (packed == "shared")
 
 
 def test_kto_packed_equals_padded(tiny, tok, monkeypatch):
@@ -170,12 +185,15 @@ def test_kto_packed_equals_padded(tiny, tok, monkeypatch):
     assert seen and kl_half in seen and offsets[: B + 1] in seen  # the KL answers alone, the own answers alone
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_reward_scores_packed_equal_the_classifiers_own_forward(tiny, tok, lora, monkeypatch):
-    """The reward model's scores and gradients padding-free on varlen equal the classifier's own forward over the
-    padded rows, read at each row's last non-padding token."""
+@pytest.mark.parametrize(
+    "lora, packed", [(False, "documents"), (False, "shared"), (True, "shared")], ids=["full", "shared", "shared-lora"]
+)
+def test_reward_scores_packed_equal_the_classifiers_own_forward(tiny, tok, lora, packed, monkeypatch):
+    """The reward model's scores and gradients padding-free on varlen (each pair's common prefix once where
+    "shared") equal the classifier's own forward over the padded rows, read at each row's last non-padding token."""
     seen = spy_documents(monkeypatch)
-    batch = reward.collate(reward.tokenize(ROWS, tok, 64), tok.pad_token_id, packed=True)
+    batch = reward.collate(reward.tokenize(ROWS, tok, 64), tok.pad_token_id, packed=packed)
+    assert ("key_rows" in batch["packed"]["documents"]) == (packed == "shared")
     weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0, 0.25, 2.0])
     out = {}
     for attention in ("sdpa", "varlen"):
@@ -220,3 +238,34 @@ def test_preference_stages_on_varlen_train_as_on_sdpa(tiny, tok, tmp_path):
     assert len(series["sdpa"][0]) == 3 and len(series["sdpa"][1]) == 3
     assert series["varlen"][0] == pytest.approx(series["sdpa"][0], abs=1e-4)
     assert series["varlen"][1] == pytest.approx(series["sdpa"][1], abs=1e-4)
+
+
+def test_key_documents_apart_from_the_queries_attend_at_the_bottom_right():
+    """A document's queries over a longer key document (a shared prompt's keys, then its answer's): query i sees the
+    keys up to i + (n − m), as flash attention aligns causality. The eager loop and the op a compiled layer runs
+    (its backward written out) equal attention through an explicit mask in float64, and the op passes torch's op
+    checks."""
+    from alignpipe.attention import _per_document, documents_attention_op
+
+    torch.manual_seed(0)
+    q = torch.randn(9, 4, 8, dtype=torch.float64, requires_grad=True)  # documents of 4 and 5 queries
+    k, v = (torch.randn(13, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))  # of 6 and 7 keys
+    cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 6, 13], dtype=torch.int32)
+
+    def by_hand():
+        out = []
+        for (a, b), (c, d) in zip([(0, 4), (4, 9)], [(0, 6), (6, 13)]):
+            scores = 0.3 * q[a:b].transpose(0, 1) @ k[c:d].repeat_interleave(2, 1).permute(1, 2, 0)
+            seen = torch.arange(d - c)[None, :] <= torch.arange(b - a)[:, None] + (d - c) - (b - a)
+            weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+            out.append((weights @ v[c:d].repeat_interleave(2, 1).transpose(0, 1)).transpose(0, 1))
+        return torch.cat(out)
+
+    grad = torch.randn(9, 4, 8, dtype=torch.float64)
+    want = by_hand()
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for got in (_per_document(q, k, v, cu_q, cu_k, 0.3), documents_attention_op(q, k, v, cu_q, cu_k, 5, 7, 0.3)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.library.opcheck(documents_attention_op, (q, k, v, cu_q, cu_k, 5, 7, 0.3))

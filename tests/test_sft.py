@@ -390,9 +390,9 @@ def test_the_varlen_kernel_is_called_in_each_torch_releases_keywords():
     torch.manual_seed(0)
     q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
     cu = torch.tensor([0, 3, 9, 11], dtype=torch.int32)
-    want = _documents_attention(q, k, v, cu, 6, 0.3)
+    want = _documents_attention(q, k, v, cu, cu, 6, 6, 0.3)
     for kernel in (without_window_size, release_2_11, release_2_13):
-        torch.testing.assert_close(_call_varlen(kernel, q, k, v, cu, 6, 0.3), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(_call_varlen(kernel, q, k, v, cu, cu, 6, 6, 0.3), want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_documents_op_gives_the_per_document_loops_outputs_and_gradients():
@@ -406,9 +406,9 @@ def test_the_documents_op_gives_the_per_document_loops_outputs_and_gradients():
     k, v = (torch.randn(11, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     cu, grad = torch.tensor([0, 3, 9, 11], dtype=torch.int32), torch.randn(11, 4, 8, dtype=torch.float64)
     for scale in (None, 0.3):
-        want = _per_document(q, k, v, cu, scale)
-        got = documents_attention_op(q, k, v, cu, 6, scale)
+        want = _per_document(q, k, v, cu, cu, scale)
+        got = documents_attention_op(q, k, v, cu, cu, 6, 6, scale)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    torch.library.opcheck(documents_attention_op, (q, k, v, cu, 6, 0.3))
+    torch.library.opcheck(documents_attention_op, (q, k, v, cu, cu, 6, 6, 0.3))

@@ -40,7 +40,7 @@ from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.packed_rows import pack_answers, runs_documents
+from alignpipe.packed_rows import layout, pack_answers, runs
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
@@ -69,7 +69,7 @@ def collate(
     pad_id: int,
     max_length: int,
     keys: tuple[str, ...] = ("chosen_ids", "rejected_ids"),
-    packed: bool = False,
+    packed: str | None = None,
 ) -> dict[str, Any]:
     """A batch of B pairs, each prompt + answer cut to `max_length` tokens, in two layouts:
     - what the policy runs (`completion_logps`): `prompt_ids`/`prompt_mask` (B, P), left-padded, once per pair,
@@ -80,8 +80,9 @@ def collate(
     `keys` names the answers of each prompt (KTO: its completion, and the completion its KL estimate pairs it with).
     `prompts_nonempty` (a host bool) tells the shared-prompt path whether it may run without reading the mask, and
     `scored_per_row` (host ints, one per answer row) lets the LM head gather the scored tokens without counting them
-    on the device. With `packed` (a model that `runs_documents`), also `packed`: every prompt + answer row as one
-    document of a single row, no padding (`packed_rows.pack_answers`), which the policy and reference then run."""
+    on the device. With `packed` (`packed_rows.layout` of the model: "shared" or "documents"), also `packed`: the
+    rows as one row of documents, no padding, each prompt once for its answers where "shared"
+    (`packed_rows.pack_answers`), which the policy and reference then run."""
     prompts = [e["prompt_ids"][:max_length] for e in examples]
     seqs, comp, answers = [], [], []
     for key in keys:
@@ -108,7 +109,7 @@ def collate(
         "prompts_nonempty": all(prompts),
     }
     if packed:
-        batch["packed"] = pack_answers(prompts, answers, completion_ids.size(1))
+        batch["packed"] = pack_answers(prompts, answers, completion_ids.size(1), share=packed == "shared")
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
@@ -119,7 +120,7 @@ def packed_layout(model, batch: dict) -> dict | None:
     """The batch's padding-free rows where `collate` made them and `model` runs documents (a policy and its
     reference run one attention kernel, but a caller's other model need not)."""
     packed = batch.get("packed")
-    return packed if packed is not None and runs_documents(model) else None
+    return packed if runs(packed, model) else None
 
 
 def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -358,7 +359,7 @@ def train(
     seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.max_prompt_length)
-    packed = runs_documents(model)  # padding-free batches for a document-separating attention kernel
+    packed = layout(model)  # padding-free batches for a document-separating attention kernel
     collate_fn = lambda b: collate(b, pad_id, cfg.max_length, packed=packed)  # noqa: E731
     if cfg.precompute_ref_logps:  # the reference pass reads every tokenized row up front
         train_ex, train_collate = tokenize(train_rows, tokenizer, cfg.max_length, cfg.max_prompt_length), collate_fn

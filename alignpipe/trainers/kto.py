@@ -68,7 +68,8 @@ def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool, p
         shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
         examples = [{**e, "kl_ids": k} for e, k in zip(examples, shifted)]
         keys = ("completion_ids", "kl_ids")
-    batch = dpo.collate(examples, pad_id, max_length, keys=keys, packed=packed)
+    # padding-free (`packed`), each answer with its own copy of its prompt: the step cuts the batch's halves apart
+    batch = dpo.collate(examples, pad_id, max_length, keys=keys, packed="documents" if packed else None)
     batch["label"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     batch["num_chosen"] = sum(e["label"] for e in examples)  # an int, counted on the host: no read in the step
     return batch

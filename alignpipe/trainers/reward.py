@@ -25,7 +25,7 @@ from accelerate.utils import send_to_device
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.packed_rows import pack_scored, runs_documents
+from alignpipe.packed_rows import layout, pack_scored, runs
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
@@ -52,15 +52,16 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = Tr
     return out
 
 
-def collate(examples: list[dict], pad_id: int, packed: bool = False) -> dict[str, Any]:
+def collate(examples: list[dict], pad_id: int, packed: str | None = None) -> dict[str, Any]:
     """A batch of B pairs in two layouts:
     - whole rows, [chosen rows..., rejected rows...] right-padded into (2B, T) `input_ids`/`attention_mask`;
     - what `scores` runs when it can: each pair's common token prefix once, `prefix_ids`/`prefix_mask` (B, P)
       left-padded, and the rest of each sequence, `suffix_ids`/`suffix_mask` (2B, C) right-padded (a suffix keeps
       at least its last token, where the score is read), with `shareable`, a host bool: whether every prefix holds a
       token and every suffix a non-padding one (`pad_id` is the scorer's), so `scores` need not read the masks;
-    - with `packed` (a model that `runs_documents`), `packed`: every sequence one document of a single row, no
-      padding, with the position each score is read at (`packed_rows.pack_scored`)."""
+    - with `packed` (`packed_rows.layout` of the scorer), `packed`: the sequences as one row of documents, no
+      padding, each pair's common prefix once where "shared", with the position each score is read at
+      (`packed_rows.pack_scored`)."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     input_ids, mask = pad_rows(seqs, pad_id)
     prefixes: list[list[int]] = []
@@ -87,7 +88,7 @@ def collate(examples: list[dict], pad_id: int, packed: bool = False) -> dict[str
     # suffix a non-padding one (where the score is read)
     batch["shareable"] = all(prefixes) and all(any(t != pad_id for t in s) for s in suffixes[0] + suffixes[1])
     if packed:
-        batch["packed"] = pack_scored(seqs, pad_id)
+        batch["packed"] = pack_scored(prefixes, suffixes[0] + suffixes[1], pad_id, share=packed == "shared")
     if "margin" in examples[0]:
         batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float)
     return batch
@@ -97,8 +98,8 @@ def scores(model, batch: dict) -> torch.Tensor:
     """The (2B,) float rewards of a collated batch: chosen, then rejected. Each pair's common prefix runs once
     (`shared_prefix_hidden`), the score is read at the last non-padding token as the classifier's own forward
     reads it; whole rows where that cannot be done (DDP's forward, activation checkpointing, an empty prefix, a
-    head other than `score`) or does not pay (`worth_sharing`). A batch `collate` packed, for a model that
-    `runs_documents`, runs as one row of documents instead (`_packed_scores`)."""
+    head other than `score`) or does not pay (`worth_sharing`). A batch `collate` packed, for a scorer that runs its
+    layout (`packed_rows.runs`), runs as one row of documents instead (`_packed_scores`)."""
     packed = _packed_scores(model, batch)
     if packed is not None:
         return packed
@@ -116,7 +117,7 @@ def _packed_scores(model, batch: dict) -> torch.Tensor | None:
     """Scores of the padding-free layout, read at each sequence's `last` position; None where the batch has none or
     the classifier cannot be run as body + `score` (DDP's forward)."""
     packed, base = batch.get("packed"), unwrapped(model)
-    if packed is None or base is None or not hasattr(base, "score") or not runs_documents(base):
+    if packed is None or base is None or not hasattr(base, "score") or not runs(packed, base):
         return None
     body = getattr(base, base.base_model_prefix)
     hidden = body(
@@ -170,7 +171,7 @@ def forward(model, batch: dict, cfg: RewardConfig) -> tuple[torch.Tensor, dict[s
 
 
 def evaluate(
-    model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id: int, packed: bool = False
+    model, accelerator, examples: list[dict], cfg: RewardConfig, pad_id: int, packed: str | None = None
 ) -> dict[str, float]:
     model.eval()
     shard = examples[accelerator.process_index :: accelerator.num_processes]
@@ -206,7 +207,7 @@ def train(
     model.config.pad_token_id = pad_id
     train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.use_margin)
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.use_margin)
-    packed = runs_documents(model)  # padding-free batches for a document-separating attention kernel
+    packed = layout(model)  # padding-free batches for a document-separating attention kernel
     loop = TrainLoop(
         "reward",
         cfg,
