@@ -120,29 +120,39 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) ->
     }
 
 
-def _groups(prompts: list[list[int]], answers: list[list[int]]) -> list[tuple[list[int], list[list[int]]]]:
-    """Answer row r follows prompt `r % len(prompts)` (the collated layout: every first answer, then every second)."""
-    B = len(prompts)
-    return [(prompts[g], answers[g::B]) for g in range(B)]
+def _groups(prefixes: list[list[int]], rows: list[list[int]], index: list[int] | None):
+    """The (prefix, answers) groups of `rows`, row r following prefix `index[r]` (default `r % len(prefixes)`, the
+    collated layout: every first answer, then every second), and each row's (group, place in its group)."""
+    index = index if index is not None else [r % len(prefixes) for r in range(len(rows))]
+    answers: list[list[list[int]]] = [[] for _ in prefixes]
+    slots = []
+    for r, g in enumerate(index):
+        slots.append((g, len(answers[g])))
+        answers[g].append(rows[r])
+    return [(p, a) for p, a in zip(prefixes, answers, strict=True)], slots
 
 
-def pack_answers(prompts: list[list[int]], answers: list[list[int]], width: int, share: bool = False) -> dict[str, Any]:
-    """Answer row r after its prompt, `prompts[r % len(prompts)]`, in `pack_groups`' layout (`share`: each prompt
-    once), plus `scoring` (R, `width`): the position whose hidden state scores answer token t of row r, as
-    `completion_ids` lays the answers out (token 0 is scored by the prompt's last token, token t by answer token
-    t − 1). Positions past an answer's end, and the first token of an answer with no prompt (which nothing scores),
-    point at the answer's own first token; the answer mask leaves them out."""
-    B = len(prompts)
-    packed = pack_groups(_groups(prompts, answers), share)
+def pack_answers(
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    width: int,
+    share: bool = False,
+    index: list[int] | None = None,
+) -> dict[str, Any]:
+    """Answer row r after its prompt, `prompts[index[r]]` (default `r % len(prompts)`), in `pack_groups`' layout
+    (`share`: each prompt once), plus `scoring` (R, `width`): the position whose hidden state scores answer token t of
+    row r, as `completion_ids` lays the answers out (token 0 is scored by the prompt's last token, token t by answer
+    token t − 1). Positions past an answer's end, and the first token of an answer with no prompt (which nothing
+    scores), point at the answer's own first token; the answer mask leaves them out."""
+    groups, slots = _groups(prompts, answers, index)
+    packed = pack_groups(groups, share)
     scoring = torch.empty((len(answers), width), dtype=torch.long)
     for r, answer in enumerate(answers):
-        p0, a0 = packed["where"][r % B][r // B]
+        g, j = slots[r]
+        p0, a0 = packed["where"][g][j]
         scoring[r] = a0
         scoring[r, : len(answer)] = torch.arange(a0 - 1, a0 - 1 + len(answer))
-        if a0 == p0:  # no prompt: nothing scores token 0
-            scoring[r, 0] = a0
-        else:
-            scoring[r, 0] = p0 + len(prompts[r % B]) - 1
+        scoring[r, 0] = a0 if a0 == p0 else p0 + len(prompts[g]) - 1  # no prompt: nothing scores token 0
     packed["scoring"] = scoring
     return packed
 
@@ -153,12 +163,13 @@ def pack_scored(
     """Sequence r, `prefixes[r % len(prefixes)] + suffixes[r]`, in `pack_groups`' layout, plus `last` (R,): where a
     sequence classifier reads its score, its last token that is not `pad_id`, as transformers' classifiers read a
     padded row (a sequence of padding only: its first)."""
-    B = len(prefixes)
-    packed = pack_groups(_groups(prefixes, suffixes), share)
+    groups, slots = _groups(prefixes, suffixes, None)
+    packed = pack_groups(groups, share)
     last = []
     for r, suffix in enumerate(suffixes):
-        prefix = prefixes[r % B]
-        p0, a0 = packed["where"][r % B][r // B]
+        g, j = slots[r]
+        prefix = prefixes[g]
+        p0, a0 = packed["where"][g][j]
         real = [k for k, t in enumerate(prefix + suffix) if t != pad_id]
         k = real[-1] if real else 0
         last.append(p0 + k if k < len(prefix) else a0 + k - len(prefix))

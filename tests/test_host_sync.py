@@ -260,11 +260,14 @@ def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, 
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
-def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, algorithm):
+@pytest.mark.parametrize(
+    "algorithm, attention", [("grpo", "sdpa"), ("rloo", "sdpa"), ("grpo", "varlen"), ("rloo", "varlen")], ids=str
+)
+def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, algorithm, attention):
     """GRPO's and RLOO's update (forward and backward over the rollout, loss check, optimizer step) reads nothing
-    back: the training tokens are counted on the host when the rollout is built. Rollouts read by design (the
-    decode loop looks every 8 tokens on a GPU), so only the update is guarded."""
+    back: the training tokens are counted on the host when the rollout is built, and on varlen its padding-free
+    layout is built from the host token lists the rollout keeps. Rollouts read by design (the decode loop looks
+    every 8 tokens on a GPU), so only the update is guarded."""
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.trainers import grpo, rloo
     from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -279,9 +282,11 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     cfg = config(max_steps=2, batch_size=8, num_generations=4, max_completion_length=6, beta=0.04, num_iterations=2)
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
     tracker = Tracker()
-    policy = load_causal_lm(str(tiny / "model"))
+    documents = varlen_on_cpu(monkeypatch, guard)
+    policy = load_causal_lm(str(tiny / "model"), attention=attention)
     module.train(cfg, policy, tok, rows, rewards, tracker, tmp_path, ref_model=copy.deepcopy(policy))
     assert len(updates) == 2 and tracker.last("train/loss") is not None
+    assert bool(documents) == (attention == "varlen")
 
 
 @pytest.mark.parametrize("lora", [False, True])

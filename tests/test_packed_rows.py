@@ -269,3 +269,42 @@ def test_key_documents_apart_from_the_queries_attend_at_the_bottom_right():
         for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch.library.opcheck(documents_attention_op, (q, k, v, cu_q, cu_k, 5, 7, 0.3))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, tok, tmp_path, monkeypatch, algorithm):
+    """GRPO's and RLOO's updates on varlen (the policy's, the old policy's and the reference's log-probs) run each
+    micro-batch padding-free, each prompt once for its group: the same rollouts, losses and gradient norms as the
+    padded update on SDPA."""
+    import copy
+
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.trainers import grpo, rloo
+    from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
+
+    layouts: list[bool] = []
+    pack = grpo.pack_answers
+    monkeypatch.setattr(grpo, "pack_answers", lambda *a: layouts.append(a[3]) or pack(*a))
+    _, train, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=40)
+    rows = [{"prompt": r["prompt"]} for r in train]
+    module, config = {"grpo": (grpo, GRPOConfig), "rloo": (rloo, RLOOConfig)}[algorithm]
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    series = {}
+    for attention in ("sdpa", "varlen"):
+        cfg = config(
+            max_steps=2,
+            batch_size=8,
+            num_generations=4,
+            max_completion_length=8,
+            beta=0.04,
+            num_iterations=2,
+            logging_every=1,
+        )
+        tracker = Tracker()
+        policy = load_causal_lm(str(tiny / "model"), attention=attention)
+        module.train(cfg, policy, tok, rows, rewards, tracker, tmp_path / attention, ref_model=copy.deepcopy(policy))
+        series[attention] = {k: tracker.series(f"train/{k}") for k in ("reward", "loss", "grad_norm")}
+    assert series["varlen"]["reward"] == series["sdpa"]["reward"] and len(series["sdpa"]["loss"]) == 2
+    for key in ("loss", "grad_norm"):
+        assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
+    assert layouts and all(layouts), "every padding-free micro-batch shared its prompts"

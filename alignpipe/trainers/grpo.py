@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
@@ -37,6 +38,7 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -74,7 +76,8 @@ def completion_logps(
     whether rows really come in groups and every prompt holds a token is checked there, and `mask`'s tokens counted,
     before they move, so the device is not waited on; `rollout` gives those facts where the caller knows them
     already. `mask` (B, C): the tokens that train; the LM head runs on them alone (0 elsewhere), not on the padding
-    after shorter completions."""
+    after shorter completions. On a kernel that runs documents (`packed_rows.layout`), with `rollout`'s token lists
+    and `mask`, the rows run padding-free, each prompt once for its group (`packed_rows.pack_answers`)."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
@@ -84,6 +87,7 @@ def completion_logps(
     if not grouped:  # one prompt per row
         firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)
     nonempty, count = None, None
+    packed = _padding_free(model, completion_ids.size(1), group, rollout, device) if mask is not None else None
     if device is not None:
         nonempty = rollout.prompts_nonempty if rollout else every_row_holds_a_token(firsts[1])
         if mask is not None:
@@ -102,7 +106,23 @@ def completion_logps(
         prompts_nonempty=nonempty,
         only=mask,
         count=count,
+        packed=packed,
     )
+
+
+def _padding_free(model, width: int, group: int, rollout: RolloutFacts | None, device):
+    """A micro-batch's rows (the rollout's host token lists, in groups of `group` samples of one prompt) as
+    `packed_rows.pack_answers` lays them out, on `device`, where `model`'s kernel runs documents; else None (the
+    padded layout)."""
+    how = layout(model)
+    if device is None or how is None or rollout is None or rollout.rows is None:
+        return None
+    prompts = [prompt for prompt, _ in rollout.rows[::group]]
+    answers = [answer for _, answer in rollout.rows]
+    index = [r // group for r in range(len(answers))]
+    if not all(prompts[g] or a for g, a in zip(index, answers, strict=True)):  # no document may be empty
+        return None
+    return send_to_device(pack_answers(prompts, answers, width, how == "shared", index), device)
 
 
 @dataclass
@@ -113,6 +133,9 @@ class RolloutFacts:
 
     prompts_nonempty: bool
     tokens: int
+    rows: list[tuple[list[int], list[int]]] | None = None
+    """Each row's prompt tokens and completion tokens (through the first EOS), for the padding-free layout
+    (`packed_rows`)."""
 
 
 @dataclass
@@ -151,16 +174,22 @@ class GRPORollout:
     """Whether every prompt holds a token (from the token lists, before padding)."""
     row_tokens: list[int] = field(init=False)
     """`mask`'s count per row, on the host: a micro-batch's LM head gathers its tokens without a device read."""
+    token_lists: list[tuple[list[int], list[int]]] = field(init=False)
+    """Each row's prompt and completion tokens as host lists: the padding-free layout is built from them."""
     kl: float | None = None
     """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
     def __post_init__(self) -> None:
         self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
+        self.token_lists = [
+            (ids[keep.bool()].tolist(), row[:n].tolist())
+            for ids, keep, row, n in zip(self.prompt_ids, self.prompt_mask, self.completion_ids, self.lengths.tolist())
+        ]
 
     def facts(self, sl: slice) -> RolloutFacts:
         """The host facts of micro-batch `sl`, which starts and ends on group boundaries (`batch_size` is a multiple
         of `num_generations`)."""
-        return RolloutFacts(self.prompts_nonempty, sum(self.row_tokens[sl]))
+        return RolloutFacts(self.prompts_nonempty, sum(self.row_tokens[sl]), self.token_lists[sl])
 
     def stats(self, reward_names: list[str]) -> dict[str, float]:
         """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
