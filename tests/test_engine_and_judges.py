@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from alignpipe.engine.hf import HFEngine
+from alignpipe.engine.hf import HFEngine, _takes_padding_mask
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.rewards import RewardFunctionError, exact_match, load_reward_fn, score, sentiment_lexicon
 from alignpipe.judges.winrate import wilson_interval, win_rate
@@ -69,17 +71,22 @@ def test_reward_function_errors_name_the_function():
     assert load_reward_fn("alignpipe.judges.rewards:length") is not None
 
 
-def test_greedy_decoding_equals_transformers_generate(engine):
-    """The engine's own decode loop (KV cache, left padding, early stop) against `model.generate`."""
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_greedy_decoding_equals_transformers_generate(engine, attention):
+    """The engine's own decode loop (KV cache, left padding, early stop) against `model.generate`; on `varlen` too,
+    whose decode steps take the ready 4-D mask and hand it to SDPA."""
     import torch
     from transformers import GenerationConfig
 
+    from alignpipe.modeling import implementation
+
     prompts = ["The film", "I watched it and", "A", "Honestly, the plot was"]
+    model = copy.deepcopy(engine.model)
+    model.set_attn_implementation(implementation(attention))
+    assert _takes_padding_mask(model)
     ours = [
         g.completion_ids
-        for g in HFEngine(engine.model, engine.tok, 8).generate(
-            prompts, 1, SamplingParams(temperature=0, max_new_tokens=20)
-        )
+        for g in HFEngine(model, engine.tok, 8).generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=20))
     ]
     tok = engine.tok
     side, tok.padding_side = tok.padding_side, "left"

@@ -297,9 +297,10 @@ class CompiledDecodeStep:
 
 def _takes_padding_mask(model) -> bool:
     """Whether a one-token decode step can be given a ready 4-D boolean mask (transformers passes 4-D masks
-    through as they are): SDPA attention and no sliding-window layers, whose own masks would be skipped."""
+    through as they are): SDPA attention, or our `varlen`, which hands masked calls to SDPA, and no sliding-window
+    layers, whose own masks would be skipped."""
     config = model.config
-    return getattr(config, "_attn_implementation", None) == "sdpa" and "sliding_attention" not in (
+    return getattr(config, "_attn_implementation", None) in ("sdpa", "varlen") and "sliding_attention" not in (
         getattr(config, "layer_types", None) or []
     )
 
