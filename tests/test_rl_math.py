@@ -39,11 +39,13 @@ def test_chunked_logprobs_equal_full_logits(tiny, monkeypatch, whole_max):
     assert model.get_output_embeddings().weight.grad is not None
 
 
-def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny):
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny, attention):
     """A DDP-wrapped model (one gloo process, in a child process): the wrapper's forward runs with the LM head cut
     to one position, the head then runs chunk by chunk on the decoder's output. Values and every gradient equal
-    the plain model's; the head never sees the whole sequence. (That two ranks train as one process is
-    test_multiprocess.)"""
+    the plain model's; the head never sees the whole sequence. On varlen the DPO batch runs padding-free through the
+    wrapper's forward, its documents and key layout handed to every attention call. (That two ranks train as one
+    process is test_multiprocess.)"""
     import json
     import os
     import subprocess
@@ -53,7 +55,11 @@ def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny):
     script = Path(__file__).with_name("wrapped_head_check.py")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561"}
     out = subprocess.run(
-        [sys.executable, str(script), "ddp", str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, str(script), "ddp", str(tiny / "model"), attention],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Run by tests in a child process: `python wrapped_head_check.py ddp MODEL` (one gloo rank) or, under
+"""Run by tests in a child process: `python wrapped_head_check.py ddp MODEL [ATTENTION]` (one gloo rank) or, under
 `torch.distributed.run` with two ranks, `... fsdp MODEL`. Log-probs and every gradient of the wrapped model equal the
 plain model's; the LM head runs chunk by chunk outside the wrapper's forward (DDP; FSDP with accelerate's layout,
 which keeps the head gathered) or inside it (an FSDP root that re-shards the head after the forward). A DPO batch's
@@ -22,7 +22,8 @@ from alignpipe.trainers.configs import DPOConfig
 
 logprobs.WHOLE_LOGITS_MAX = 0  # chunk even the tiny model's head
 mode, path = sys.argv[1:3]
-plain = load_causal_lm(path)
+attention = sys.argv[3] if len(sys.argv) > 3 else "sdpa"  # varlen: the DPO batch runs padding-free, prompts shared
+plain = load_causal_lm(path, attention=attention)
 ids = torch.randint(2, 500, (3, 12), generator=torch.Generator().manual_seed(2))
 mask = torch.ones_like(ids)
 mask[1, :3] = 0
@@ -35,7 +36,7 @@ pairs = [
     {"prompt_ids": ids[i, : 3 + i].tolist(), "chosen_ids": ids[i, 5:].tolist(), "rejected_ids": ids[i, 7:].tolist()}
     for i in range(3)
 ]
-dpo_batch = dpo.collate(pairs, 0, 16)
+dpo_batch = dpo.collate(pairs, 0, 16, packed="shared" if attention == "varlen" else None)
 refs = (torch.tensor([-40.0, -35.0, -30.0]), torch.tensor([-30.0, -33.0, -36.0]))
 fused_calls = []
 fused_pair_loss = dpo.fused_pair_loss
