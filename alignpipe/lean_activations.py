@@ -10,10 +10,17 @@ product keeps gate and up and recomputes silu(gate) (one element-wise pass, as L
 runs the same operators as transformers' modules, and the backward the same formulas (aten's own `silu_backward`,
 autograd through the norm), so outputs and gradients equal the unpatched model's bit for bit. Only modules whose
 forward is known are patched: the RMSNorm and SwiGLU MLP of Llama, Qwen2, Qwen3 and Mistral. Others run as they
-are. Compiled layers (`compile: true`) are left alone: inductor already chooses what to keep."""
+are. Compiled layers (`compile: true`) are left alone: inductor already chooses what to keep.
+
+On a CUDA device whose torch has it, the norm runs as torch's fused RMSNorm kernel (`torch._fused_rms_norm`) instead:
+one pass forward and one backward where the operators above take about eight of each over the hidden states,
+keeping the input and one float32 scale per token, as Liger's norm kernel does. It normalises and scales in float32
+and rounds once, where transformers' rounds the normalised input to bf16 before the scale, so outputs differ from
+the unpatched model's by at most a bf16 rounding step (`bench/gpu_checks.py` measures both on the GPU)."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -59,7 +66,21 @@ class _LeanSiluMul(torch.autograd.Function):
         return torch.ops.aten.silu_backward(grad * up, gate), grad * torch.nn.functional.silu(gate)
 
 
+@functools.cache
+def fused_norm_kernel() -> bool:
+    """Whether this torch has a CUDA kernel for `_fused_rms_norm` (2.13 has; a CPU build has none)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA")
+
+
+def _fused_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's fused RMSNorm over the last dimension, scaled by `weight` (its own autograd: the input and one float32
+    scale per row kept)."""
+    return torch._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
+
+
 def _norm_forward(self, hidden_states):
+    if hidden_states.is_cuda and hidden_states.dtype == self.weight.dtype and fused_norm_kernel():
+        return _fused_norm(hidden_states, self.weight, self.variance_epsilon)
     return _LeanRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
 
 

@@ -1,8 +1,10 @@
 """Correctness of the code paths only a GPU takes, on the GPU: `python -m bench.gpu_checks` (about a minute).
 
 The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
-variable-length flash kernel behind `model.attention: varlen`, the fused LM heads in bf16 with their compiled kernels
-on Triton, the loss watch's pinned copies and events, and whether a training step really leaves the device alone.
+variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
+prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
+compiled kernels on Triton, the loss watch's pinned copies and events, and whether a training step really leaves
+the device alone.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
 
@@ -207,6 +209,49 @@ def check_padding_free_dpo(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_fused_norm(setup: Setup) -> Callable[[], None]:
+    @check("lean_activations' norm on torch's fused RMSNorm kernel equals transformers' within bf16 rounding")
+    def run():
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+        from alignpipe import lean_activations as lean
+
+        if not setup.cuda:
+            return None, "no CUDA device (the CPU reference of the op is tests/test_lean_activations.py)"
+        if not lean.fused_norm_kernel():
+            return False, f"torch {torch.__version__} has no CUDA kernel for _fused_rms_norm: the norms recompute"
+        d, tokens = setup.model_shape["hidden_size"], 4 * setup.head_tokens
+        torch.manual_seed(0)
+        norm = Qwen2RMSNorm(d, eps=1e-6).to(setup.device, setup.dtype)
+        with torch.no_grad():
+            norm.weight.add_(0.1 * torch.randn_like(norm.weight))
+        x = (3 * torch.randn(tokens, d, device=setup.device)).to(setup.dtype).requires_grad_()
+        g = torch.randn_like(x)
+        runs = {
+            "transformers": lambda: norm(x),
+            "recomputing": lambda: lean._LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon),
+            "fused": lambda: lean._fused_norm(x, norm.weight, norm.variance_epsilon),
+        }
+        out, took = {}, {}
+        for name, fn in runs.items():
+            for _ in range(3):  # the last timed
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                y = fn()
+                grads = torch.autograd.grad(y, (x, norm.weight), g)
+                torch.cuda.synchronize()
+                took[name] = time.perf_counter() - start
+            out[name] = (y.detach(), grads)
+        want, got = out["transformers"], out["fused"]
+        value_gap = float(((got[0] - want[0]).abs() / want[0].abs().clamp(min=1)).max())
+        grad_gap = max(relative(a, b) for a, b in zip(got[1], want[1], strict=True))
+        times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
+        ok = value_gap <= 2**-7 and grad_gap < 2e-2
+        return ok, f"{tokens} × {d}: value gap {value_gap:.1e}, gradient gap {grad_gap:.1e}; forward+backward {times}"
+
+    return run
+
+
 def _head_inputs(setup: Setup, seed: int):
     g = torch.Generator().manual_seed(seed)
     d, V, N = setup.model_shape["hidden_size"], setup.model_shape["vocab"], setup.head_tokens
@@ -369,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for make in (
         check_varlen,
         check_padding_free_dpo,
+        check_fused_norm,
         check_sft_head,
         check_dpo_head,
         check_loss_watch,

@@ -93,3 +93,40 @@ def test_a_training_stage_patches_its_model_unless_told_or_checkpointing(tiny, t
     assert was_patched == patched
     reference, _ = run(lean_activations=False, **{k: v for k, v in options.items() if k != "lean_activations"})
     assert losses == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_norm_equals_transformers_norm_within_a_rounding_step(dtype, monkeypatch):
+    """On CUDA the patched norm runs torch's fused RMSNorm kernel. Here its CPU reference (the same op, torch's
+    composite) against transformers' RMSNorm: outputs within one rounding step of the dtype (float32: to 1e-6), and
+    the input's and weight's gradients as close. A norm on a CUDA tensor takes that op; others keep the
+    recomputing one (tested above)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from alignpipe import lean_activations as lean
+
+    torch.manual_seed(0)
+    norm = Qwen2RMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(96))
+    x = (3 * torch.randn(64, 96)).to(dtype).requires_grad_()
+    g = torch.randn(64, 96).to(dtype)
+    want = norm(x)
+    want_grads = torch.autograd.grad(want, (x, norm.weight), g)
+    got = lean._fused_norm(x, norm.weight, norm.variance_epsilon)
+    got_grads = torch.autograd.grad(got, (x, norm.weight), g)
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # bf16 keeps 8 significant bits
+    assert got.dtype == dtype and float(((got - want).abs() / want.abs().clamp(min=1)).max()) <= step
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # which path a norm takes: the fused op only for a CUDA tensor of the weight's dtype, where torch has the kernel
+    taken = []
+    monkeypatch.setattr(lean, "_fused_norm", lambda *a: taken.append(1) or want)
+    monkeypatch.setattr(lean, "fused_norm_kernel", lambda: True)
+    patched = copy.deepcopy(norm)
+    assert lean.lean_activations(torch.nn.ModuleList([patched])) == 1
+    patched(x)
+    assert not taken, "a CPU tensor keeps the recomputing norm"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as a CUDA tensor would say
+    patched(x)
+    assert taken == [1]
