@@ -69,7 +69,8 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) ->
       prefix's and its own (`cu_seq_lens_k`, `max_length_k`, and `key_rows`, the tokens whose keys make up the key
       documents, for `attention.varlen_attention_forward`); else every prefix + answer its own document;
     - `offsets`, the query documents' offsets as host ints;
-    - `where`, per group, per answer, (the first position of its prefix's copy, its answer's first position).
+    - `where`, per group, per answer, (the first position of its prefix's copy, its answer's first position), for
+      the callers below to read (and drop: it stays on the host).
     Unshared, the documents go row after row (every group's first answer, then every second); shared, group after
     group. A group is laid out unshared where its prefix is empty or an answer is. Every document must hold a
     token."""
@@ -143,16 +144,18 @@ def pack_answers(
     (`share`: each prompt once), plus `scoring` (R, `width`): the position whose hidden state scores answer token t of
     row r, as `completion_ids` lays the answers out (token 0 is scored by the prompt's last token, token t by answer
     token t − 1). Positions past an answer's end, and the first token of an answer with no prompt (which nothing
-    scores), point at the answer's own first token; the answer mask leaves them out."""
+    scores), point at the document's first token; the answer mask leaves them out."""
     groups, slots = _groups(prompts, answers, index)
     packed = pack_groups(groups, share)
+    where = packed.pop("where")
     scoring = torch.empty((len(answers), width), dtype=torch.long)
     for r, answer in enumerate(answers):
         g, j = slots[r]
-        p0, a0 = packed["where"][g][j]
-        scoring[r] = a0
+        p0, a0 = where[g][j]
+        scoring[r] = p0  # a position of the document (an empty answer has none of its own)
         scoring[r, : len(answer)] = torch.arange(a0 - 1, a0 - 1 + len(answer))
-        scoring[r, 0] = a0 if a0 == p0 else p0 + len(prompts[g]) - 1  # no prompt: nothing scores token 0
+        if answer:
+            scoring[r, 0] = a0 if a0 == p0 else p0 + len(prompts[g]) - 1  # no prompt: nothing scores token 0
     packed["scoring"] = scoring
     return packed
 
@@ -165,11 +168,12 @@ def pack_scored(
     padded row (a sequence of padding only: its first)."""
     groups, slots = _groups(prefixes, suffixes, None)
     packed = pack_groups(groups, share)
+    where = packed.pop("where")
     last = []
     for r, suffix in enumerate(suffixes):
         g, j = slots[r]
         prefix = prefixes[g]
-        p0, a0 = packed["where"][g][j]
+        p0, a0 = where[g][j]
         real = [k for k, t in enumerate(prefix + suffix) if t != pad_id]
         k = real[-1] if real else 0
         last.append(p0 + k if k < len(prefix) else a0 + k - len(prefix))

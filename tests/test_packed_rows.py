@@ -308,3 +308,19 @@ def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, to
     for key in ("loss", "grad_norm"):
         assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
     assert layouts and all(layouts), "every padding-free micro-batch shared its prompts"
+
+
+@pytest.mark.parametrize("packed", ["documents", "shared"])
+def test_an_answer_cut_to_nothing_leaves_its_prompt_a_document(tiny, tok, packed):
+    """A prompt as long as `max_length` leaves its answers no room (DPO cuts them to nothing): the prompt is still a
+    document, nothing of it is scored, and the other pairs' log-probs equal the padded layout's, also when that pair
+    is the batch's last."""
+    rows = ROWS[:2] + [{"prompt": " ".join(["word"] * 40), "chosen": " yes", "rejected": " no"}]
+    examples = dpo.tokenize(rows, tok, 24)
+    batch = dpo.collate(examples, tok.pad_token_id, 24, packed=packed)
+    assert batch["completion_tokens"][2].sum() == 0 and batch["completion_tokens"][5].sum() == 0
+    assert int(batch["packed"]["scoring"].max()) < batch["packed"]["input_ids"].size(1)
+    with torch.no_grad():
+        padded = dpo.completion_logps(load_causal_lm(str(tiny / "model")), batch)[0]
+        free = dpo.completion_logps(load_causal_lm(str(tiny / "model"), attention="varlen"), batch)[0]
+    assert torch.allclose(free, padded, atol=1e-5) and float(free[2]) == 0.0
