@@ -324,3 +324,39 @@ def test_an_answer_cut_to_nothing_leaves_its_prompt_a_document(tiny, tok, packed
         padded = dpo.completion_logps(load_causal_lm(str(tiny / "model")), batch)[0]
         free = dpo.completion_logps(load_causal_lm(str(tiny / "model"), attention="varlen"), batch)[0]
     assert torch.allclose(free, padded, atol=1e-5) and float(free[2]) == 0.0
+
+
+def test_online_dpo_on_varlen_runs_its_pairs_padding_free_and_trains_as_on_sdpa(tiny, tok, tmp_path, monkeypatch):
+    """Online DPO's pairs of the policy's own samples, on varlen, run padding-free with each prompt once: the same
+    samples, losses and gradient norms as the padded pairs on SDPA."""
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.judges.rewards import length
+    from alignpipe.trainers import online_dpo
+    from alignpipe.trainers.configs import OnlineDPOConfig
+
+    shared: list[bool] = []
+    pack = online_dpo.pack_answers
+    monkeypatch.setattr(online_dpo, "pack_answers", lambda *a: shared.append(a[3]) or pack(*a))
+    rows = [{"prompt": p} for p in ["The film", "I watched it and", "Critics say", "My review:"] * 4]
+    rewards = RewardSet([LoadedReward("length", length)])
+    series = {}
+    for attention in ("sdpa", "varlen"):
+        cfg = OnlineDPOConfig(
+            learning_rate=3e-3, max_steps=2, batch_size=4, max_completion_length=8, logging_every=1, sample_every=100
+        )
+        tracker = Tracker()
+        online_dpo.train(
+            cfg,
+            load_causal_lm(str(tiny / "model"), attention=attention),
+            tok,
+            rows,
+            online_dpo.RewardRanker(rewards, None),
+            tracker,
+            tmp_path / attention,
+            ref_model=load_causal_lm(str(tiny / "model"), attention=attention),
+        )
+        series[attention] = {k: tracker.series(f"train/{k}") for k in ("objective/scores", "loss", "grad_norm")}
+    assert series["varlen"]["objective/scores"] == series["sdpa"]["objective/scores"]
+    for key in ("loss", "grad_norm"):
+        assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
+    assert shared and all(shared)

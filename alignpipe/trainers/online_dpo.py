@@ -31,6 +31,7 @@ from alignpipe.judges.pairwise import judge_pairs
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
 from alignpipe.trainers.configs import OnlineDPOConfig
@@ -80,11 +81,23 @@ class JudgeRanker:
         return Ranking(torch.tensor([v != "loss" for v in verdicts]), torch.tensor([v != "tie" for v in verdicts]))
 
 
-def pair_batch(prompts: list[list[int]], chosen: list[list[int]], rejected: list[list[int]], pad_id: int) -> dict:
-    """`dpo.completion_logps`'s layout: prompts once (left-padded), every chosen answer then every rejected one."""
+def pair_batch(
+    prompts: list[list[int]],
+    chosen: list[list[int]],
+    rejected: list[list[int]],
+    pad_id: int,
+    packed: str | None = None,
+) -> dict:
+    """`dpo.completion_logps`'s layout: prompts once (left-padded), every chosen answer then every rejected one; with
+    `packed` (`packed_rows.layout` of the policy), also the rows padding-free, as `dpo.collate` lays them out."""
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     completion_ids, completion_tokens = pad_rows(chosen + rejected, pad_id)
+    answers = chosen + rejected
+    extra = {}
+    if packed and all(prompts[r % len(prompts)] or a for r, a in enumerate(answers)):  # no document may be empty
+        extra["packed"] = pack_answers(prompts, answers, completion_ids.size(1), packed == "shared")
     return {
+        **extra,
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
@@ -157,6 +170,7 @@ def train(
         rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
     loop = TrainLoop("online_dpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed)
     acc, pad_id = loop.accelerator, tokenizer.pad_token_id
+    packed = layout(model)  # padding-free pairs for a document-separating attention kernel
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
     ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
@@ -195,6 +209,7 @@ def train(
                 [g.completion_ids for g in chosen[sl]],
                 [g.completion_ids for g in rejected[sl]],
                 pad_id,
+                packed,
             )
             batch = send_to_device(batch, acc.device)
             with loop.no_sync_unless(j == len(micro) - 1):
