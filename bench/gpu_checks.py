@@ -3,8 +3,8 @@
 The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
 variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
 prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
-compiled kernels on Triton, the loss watch's pinned copies and events, and whether a training step really leaves
-the device alone.
+compiled kernels on Triton, the loss watch's pinned copies and events, whether a training step really leaves the
+device alone, and the hf engine's compiled decode step (CUDA graphs) against its eager loop.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
 
@@ -349,6 +349,34 @@ def check_loss_watch(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_compiled_decode(setup: Setup) -> Callable[[], None]:
+    @check("the compiled decode step (CUDA graphs) samples the eager static-cache loop's greedy tokens")
+    def run():
+        from alignpipe.engine.hf import CompiledDecodeStep, decode_static
+        from alignpipe.engine.sampling import SamplingParams
+
+        if not setup.cuda:
+            return None, "no CUDA device (tests/test_engine_and_judges.py compares them on CPU, inductor's code)"
+        model = setup.model("sdpa").float().eval()  # float32: greedy ties are not decided by rounding
+        rows, width, new = 16, 64, 48
+        ids = torch.randint(2, setup.model_shape["vocab"], (rows, width), generator=torch.Generator().manual_seed(3))
+        ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
+        greedy = SamplingParams(temperature=0, max_new_tokens=new)
+        step, took, out = CompiledDecodeStep(), {}, {}
+        with torch.inference_mode():
+            for name, kwargs in (("eager", {}), ("compiled", {"step": step}), ("compiled again", {"step": step})):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out[name] = decode_static(model, ids, mask, greedy, None, 0, **kwargs)
+                torch.cuda.synchronize()
+                took[name] = (time.perf_counter() - start) / new * 1e3
+        same = [int((out[name] == out["eager"]).all(1).sum()) for name in ("compiled", "compiled again")]
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in took.items())
+        return min(same) == rows, f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}"
+
+    return run
+
+
 def innermost_caller() -> str:
     """ "file:line" of the innermost frame of the calling stack outside torch and the warnings machinery: whose call
     a warning raised inside torch (a synchronising operator) came from."""
@@ -419,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         check_dpo_head,
         check_loss_watch,
         check_step_syncs,
+        check_compiled_decode,
     ):
         make(setup)()
     failed = [name for name, ok, _ in RESULTS if ok is False]
