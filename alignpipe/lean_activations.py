@@ -16,7 +16,8 @@ On a CUDA device whose torch has it, the norm runs as torch's fused RMSNorm kern
 one pass forward and one backward where the operators above take about eight of each over the hidden states,
 keeping the input and one float32 scale per token, as Liger's norm kernel does. It normalises and scales in float32
 and rounds once, where transformers' rounds the normalised input to bf16 before the scale, so outputs differ from
-the unpatched model's by at most a bf16 rounding step (`bench/gpu_checks.py` measures both on the GPU)."""
+the unpatched model's by at most two bf16 rounding steps, one for each of transformers' roundings
+(`bench/gpu_checks.py` measures both on the GPU)."""
 
 from __future__ import annotations
 

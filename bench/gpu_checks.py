@@ -246,7 +246,7 @@ def check_fused_norm(setup: Setup) -> Callable[[], None]:
         value_gap = float(((got[0] - want[0]).abs() / want[0].abs().clamp(min=1)).max())
         grad_gap = max(relative(a, b) for a, b in zip(got[1], want[1], strict=True))
         times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
-        ok = value_gap <= 2**-7 and grad_gap < 2e-2
+        ok = value_gap <= 2**-6 and grad_gap < 2e-2  # two bf16 steps: transformers' norm rounds twice
         return ok, f"{tokens} × {d}: value gap {value_gap:.1e}, gradient gap {grad_gap:.1e}; forward+backward {times}"
 
     return run

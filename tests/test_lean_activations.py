@@ -98,7 +98,8 @@ def test_a_training_stage_patches_its_model_unless_told_or_checkpointing(tiny, t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_fused_norm_equals_transformers_norm_within_a_rounding_step(dtype, monkeypatch):
     """On CUDA the patched norm runs torch's fused RMSNorm kernel. Here its CPU reference (the same op, torch's
-    composite) against transformers' RMSNorm: outputs within one rounding step of the dtype (float32: to 1e-6), and
+    composite) against transformers' RMSNorm: outputs within two rounding steps of the dtype, one for each of
+    transformers' roundings (float32: to 1e-6), and
     the input's and weight's gradients as close. A norm on a CUDA tensor takes that op; others keep the
     recomputing one (tested above)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
@@ -115,7 +116,7 @@ def test_the_fused_norm_equals_transformers_norm_within_a_rounding_step(dtype, m
     want_grads = torch.autograd.grad(want, (x, norm.weight), g)
     got = lean._fused_norm(x, norm.weight, norm.variance_epsilon)
     got_grads = torch.autograd.grad(got, (x, norm.weight), g)
-    step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # bf16 keeps 8 significant bits
+    step = 2**-6 if dtype == torch.bfloat16 else 1e-6  # bf16 keeps 8 significant bits: a step is 2**-7 at most
     assert got.dtype == dtype and float(((got - want).abs() / want.abs().clamp(min=1)).max()) <= step
     for a, b in zip(got_grads, want_grads, strict=True):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
