@@ -37,9 +37,9 @@ bench() { # bench SECONDS ARGS...: one invocation under its own limit, the repor
 
 case $stage in
 1)
-  timeout 120 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
-  bench 210 --cases sft/8x2048 --attention varlen --steps 30
-  bench 230 --cases sft/8x2048 --attention varlen --compile --steps 30
+  timeout 170 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
+  bench 190 --cases sft/8x2048 --attention varlen --steps 25
+  bench 210 --cases sft/8x2048 --attention varlen --compile --steps 25
   ;;
 2)
   bench 280 --cases dpo/8x1024 --attention varlen --steps 25
