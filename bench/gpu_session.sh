@@ -4,7 +4,8 @@
 # limit with its own per-step timeouts; the bench rewrites docs/benchmarks.md after every round of runs, so a step
 # stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
-#   1  gpu_checks; packed SFT 8×2048 on the varlen kernel, eager and compiled (both sides varlen: the fair
+#   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the fused heads, syncs, the compiled
+#      decode step); packed SFT 8×2048 on the varlen kernel, eager and compiled (both sides varlen: the fair
 #      comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
