@@ -142,13 +142,18 @@ def test_the_guard_catches_what_python_cannot_see():
         torch.zeros(6).index_copy(0, idx, t.index_select(0, idx))
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_an_sft_step_reads_nothing_back(tiny, tmp_path, steps_read_nothing, packing):
+@pytest.mark.parametrize(
+    "packing, attention", [(False, "sdpa"), (True, "sdpa"), (False, "varlen"), (True, "varlen")], ids=str
+)
+def test_an_sft_step_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, steps_read_nothing, packing, attention):
+    """Packed or not; on varlen the blocks' documents (an unpacked batch runs as one block) are counted by `collate`."""
+    documents = varlen_on_cpu(monkeypatch, guard)
     tok, train, evals = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=120, max_length=64)
     cfg = SFTConfig(max_steps=3, batch_size=4, gradient_accumulation_steps=2, packing=packing, max_length=128)
     tracker = Tracker()
-    sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, evals, tracker, tmp_path)
+    sft.train(cfg, load_causal_lm(str(tiny / "model"), attention=attention), tok, train, evals, tracker, tmp_path)
     assert tracker.last("train/loss") > 0 and tracker.last("train/num_tokens") > 0
+    assert bool(documents) == (attention == "varlen")
 
 
 @pytest.mark.parametrize(

@@ -360,3 +360,39 @@ def test_online_dpo_on_varlen_runs_its_pairs_padding_free_and_trains_as_on_sdpa(
     for key in ("loss", "grad_norm"):
         assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
     assert shared and all(shared)
+
+
+def test_unpacked_sft_on_varlen_runs_each_batch_as_one_block_and_trains_as_padded(tiny, tok, tmp_path, monkeypatch):
+    """SFT without `packing` on varlen: each batch's rows run together as one block of documents (no padding), with
+    the same targets; the losses, gradient norms and eval loss equal the padded batches' on SDPA."""
+    from alignpipe.trainers import sft
+    from alignpipe.trainers.configs import SFTConfig
+
+    _, train, evals = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=80, max_length=64)
+    rows = sft.tokenize(train[:6], tok, 64, completion_only=True)
+    padded, free = sft.collate(rows, tok.pad_token_id), sft.collate(rows, tok.pad_token_id, padding_free=True)
+    assert free["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows)) and "documents" in free
+    assert free["num_targets"] == padded["num_targets"]
+    shapes: list[tuple[int, ...]] = []
+    collate = sft.collate
+    monkeypatch.setattr(
+        sft, "collate", lambda *a: (lambda b: shapes.append(tuple(b["input_ids"].shape)) or b)(collate(*a))
+    )
+    series = {}
+    for attention in ("sdpa", "varlen"):
+        shapes.clear()
+        tracker = Tracker()
+        cfg = SFTConfig(learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, max_length=64)
+        sft.train(
+            cfg,
+            load_causal_lm(str(tiny / "model"), attention=attention),
+            tok,
+            train,
+            evals[:8],
+            tracker,
+            tmp_path / attention,
+        )
+        series[attention] = {k: tracker.series(k) for k in ("train/loss", "train/grad_norm", "eval/loss")}
+        assert all((rows_ == 1) == (attention == "varlen") for rows_, _ in shapes), shapes
+    for key, values in series["sdpa"].items():
+        assert series["varlen"][key] == pytest.approx(values, rel=1e-5), key

@@ -32,6 +32,7 @@ from accelerate.utils import send_to_device
 from alignpipe.attention import document_kwargs, document_offsets
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
+from alignpipe.packed_rows import layout
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
 
@@ -98,10 +99,21 @@ def pack(examples: list[dict], max_length: int, strategy: str = "bfd") -> list[d
     return blocks
 
 
-def collate(batch: list[dict], pad_id: int) -> dict[str, Any]:
+def collate(batch: list[dict], pad_id: int, padding_free: bool = False) -> dict[str, Any]:
     """Right-pad to the longest row in the batch. Packed blocks also get `position_ids`, the padding after a block
     counting as one more document of its own (so it attends to nothing real). `num_targets` (an int, counted here on
-    the host) is how many tokens the loss is taken over: the step normalises by it without reading the device."""
+    the host) is how many tokens the loss is taken over: the step normalises by it without reading the device.
+    `padding_free` (unpacked rows, for a model whose attention runs documents: `packed_rows.layout`): the rows run
+    together as one block of documents, no padding, each row's first label ignored as a block's rows' are (it was
+    never a target: nothing before it predicts it)."""
+    if padding_free and "position_ids" not in batch[0]:
+        batch = [
+            {
+                "input_ids": [t for b in batch for t in b["input_ids"]],
+                "labels": [t for b in batch for t in [IGNORE, *b["labels"][1:]]],
+                "position_ids": [p for b in batch for p in range(len(b["input_ids"]))],
+            }
+        ]
     n = max(len(b["input_ids"]) for b in batch)
     input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
@@ -164,14 +176,16 @@ def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tupl
     return loss, valid.sum()
 
 
-def evaluate(model, accelerator, examples: list[dict], batch_size: int, pad_id: int) -> float:
-    """Token-averaged eval loss over all processes."""
+def evaluate(
+    model, accelerator, examples: list[dict], batch_size: int, pad_id: int, padding_free: bool = False
+) -> float:
+    """Token-averaged eval loss over all processes (`padding_free` as `collate`'s)."""
     model.eval()
     shard = examples[accelerator.process_index :: accelerator.num_processes]
     total = torch.zeros(2, device=accelerator.device)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
-            batch = send_to_device(collate(shard[i : i + batch_size], pad_id), accelerator.device)
+            batch = send_to_device(collate(shard[i : i + batch_size], pad_id, padding_free), accelerator.device)
             loss, n = token_loss_sum(model, batch)
             total += torch.stack([loss.detach().float(), n.float()])
     if accelerator.num_processes > 1:
@@ -196,7 +210,8 @@ def train(
     eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
     if cfg.packing:
         train_ex = pack(train_ex, cfg.max_length, cfg.packing_strategy)
-    loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id), tracker, output_dir, seed)
+    free = layout(model) is not None  # unpacked rows too run as one block of documents on such a kernel
+    loop = TrainLoop("sft", cfg, model, train_ex, lambda b: collate(b, pad_id, free), tracker, output_dir, seed)
     neftune = add_neftune(loop.unwrapped, cfg.neftune_noise_alpha) if cfg.neftune_noise_alpha else None
     acc = loop.accelerator
     if cfg.packing_strategy == "bfd" and cfg.packing and acc.device.type == "cuda":
@@ -221,7 +236,7 @@ def train(
         # this rank's share of the step's token-averaged loss, scaled so the mean over ranks is that loss
         return {"loss": loss_total * scale, "num_tokens": num_tokens}
 
-    eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id)}) if eval_ex else None
+    eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free)}) if eval_ex else None
     try:
         result = loop.run(step, eval_fn)
     finally:
