@@ -335,9 +335,9 @@ def completion_hidden(
 ):
     """The final hidden states that score each completion token, (R, C, d) (the prompt's last position scores
     token 0), and the LM head module, for `shared_prompt_logprobs`'s layout: with `packed` (the rows as
-    `packed_rows.pack_answers` lays them out, for a model that `runs_documents`) every prompt + completion row as
-    one document of a single row; else each prompt once where `can_share_prefix` allows, else every prompt +
-    completion row whole, padded. (None, None) where the head can only run inside the model's forward
+    `packed_rows.pack_answers` lays them out, for a model that runs that layout) the rows as one row of documents,
+    each prompt once where the layout shares it; else each prompt once where `can_share_prefix` allows, else every
+    prompt + completion row whole, padded. (None, None) where the head can only run inside the model's forward
     (`RESHARDS_HEAD`)."""
     if packed is not None:
         hidden, head = _hidden_and_head(model, packed["input_ids"], None, packed["position_ids"], packed["documents"])
