@@ -103,18 +103,27 @@ class Setup:
         return batch
 
 
+def timed(fn: Callable, cuda: bool):
+    """(fn(), seconds it took), the device's queue drained before and after on CUDA."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
 def _loss_and_grads(model, batch: dict) -> tuple[float, list[torch.Tensor], float]:
     from alignpipe.trainers import sft
 
+    def step():
+        loss, _ = sft.token_loss_sum(model, batch)
+        loss.backward()
+        return loss
+
     model.zero_grad()
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss, _ = sft.token_loss_sum(model, batch)
-    loss.backward()
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    took = time.perf_counter() - start
+    loss, took = timed(step, model.device.type == "cuda")
     return float(loss.detach()), [p.grad.detach().clone() for p in model.parameters() if p.grad is not None], took
 
 
@@ -183,16 +192,15 @@ def check_padding_free_dpo(setup: Setup) -> Callable[[], None]:
         out = {}
         for attention in ("sdpa", "varlen"):
             model = setup.model(attention)
-            for _ in range(2):  # the second timed: the kernels' first calls are warm-ups
-                model.zero_grad()
-                if setup.cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
+
+            def step(model=model):
                 logps = dpo.completion_logps(model, batch)[0]
                 logps.float().sum().backward()
-                if setup.cuda:
-                    torch.cuda.synchronize()
-                took = time.perf_counter() - start
+                return logps
+
+            for _ in range(2):  # the second timed: the kernels' first calls are warm-ups
+                model.zero_grad()
+                logps, took = timed(step, setup.cuda)
             grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
             out[attention] = (logps.detach(), grads, took)
         logp_gap = relative(out["varlen"][0], out["sdpa"][0])
@@ -234,13 +242,13 @@ def check_fused_norm(setup: Setup) -> Callable[[], None]:
         }
         out, took = {}, {}
         for name, fn in runs.items():
-            for _ in range(3):  # the last timed
-                torch.cuda.synchronize()
-                start = time.perf_counter()
+
+            def forward_backward(fn=fn):
                 y = fn()
-                grads = torch.autograd.grad(y, (x, norm.weight), g)
-                torch.cuda.synchronize()
-                took[name] = time.perf_counter() - start
+                return y, torch.autograd.grad(y, (x, norm.weight), g)
+
+            for _ in range(3):  # the last timed
+                (y, grads), took[name] = timed(forward_backward, True)
             out[name] = (y.detach(), grads)
         want, got = out["transformers"], out["fused"]
         value_gap = float(((got[0] - want[0]).abs() / want[0].abs().clamp(min=1)).max())
@@ -365,11 +373,10 @@ def check_compiled_decode(setup: Setup) -> Callable[[], None]:
         step, took, out = CompiledDecodeStep(), {}, {}
         with torch.inference_mode():
             for name, kwargs in (("eager", {}), ("compiled", {"step": step}), ("compiled again", {"step": step})):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                out[name] = decode_static(model, ids, mask, greedy, None, 0, **kwargs)
-                torch.cuda.synchronize()
-                took[name] = (time.perf_counter() - start) / new * 1e3
+                out[name], seconds = timed(
+                    lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True
+                )
+                took[name] = seconds / new * 1e3
         same = [int((out[name] == out["eager"]).all(1).sum()) for name in ("compiled", "compiled again")]
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in took.items())
         return min(same) == rows, f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}"
