@@ -31,20 +31,23 @@ from alignpipe.attention import document_kwargs
 DOCUMENT_KERNELS = frozenset({"varlen", "flash_attention_2", "flash_attention_3"})
 
 
-def runs_documents(model) -> bool:
-    """Whether `model` (plain, peft, DDP- or FSDP-wrapped) attends through a kernel in `DOCUMENT_KERNELS`."""
+def _implementation(model) -> str | None:
+    """transformers' `attn_implementation` of `model` (plain, peft, DDP- or FSDP-wrapped)."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) in DOCUMENT_KERNELS
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
+
+
+def runs_documents(model) -> bool:
+    """Whether `model` attends through a kernel in `DOCUMENT_KERNELS`."""
+    return _implementation(model) in DOCUMENT_KERNELS
 
 
 def layout(model) -> str | None:
     """How `model`'s preference batches are best laid out: `shared` on our `varlen` kernel (a prompt runs once for
     all its answers, `pack_groups`), `documents` on flash-attn's (every prompt + answer its own document: its varlen
     call takes no key layout of ours), None (padded) on the others."""
-    if not runs_documents(model):
-        return None
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return "shared" if inner.config._attn_implementation == "varlen" else "documents"
+    name = _implementation(model)
+    return "shared" if name == "varlen" else "documents" if name in DOCUMENT_KERNELS else None
 
 
 def runs(packed: dict[str, Any] | None, model) -> bool:

@@ -87,7 +87,8 @@ def completion_logps(
     if not grouped:  # one prompt per row
         firsts, index = (prompt_ids, prompt_mask), torch.arange(B, device=prompt_ids.device)
     nonempty, count = None, None
-    packed = _padding_free(model, completion_ids.size(1), group, rollout, device) if mask is not None else None
+    how = layout(model) if device is not None and mask is not None and rollout is not None else None
+    packed = rollout.padding_free(how == "shared", device) if how and rollout and rollout.padding_free else None
     if device is not None:
         nonempty = rollout.prompts_nonempty if rollout else every_row_holds_a_token(firsts[1])
         if mask is not None:
@@ -110,21 +111,6 @@ def completion_logps(
     )
 
 
-def _padding_free(model, width: int, group: int, rollout: RolloutFacts | None, device):
-    """A micro-batch's rows (the rollout's host token lists, in groups of `group` samples of one prompt) as
-    `packed_rows.pack_answers` lays them out, on `device`, where `model`'s kernel runs documents; else None (the
-    padded layout)."""
-    how = layout(model)
-    if device is None or how is None or rollout is None or rollout.rows is None:
-        return None
-    prompts = [prompt for prompt, _ in rollout.rows[::group]]
-    answers = [answer for _, answer in rollout.rows]
-    index = [r // group for r in range(len(answers))]
-    if not all(prompts[g] or a for g, a in zip(index, answers, strict=True)):  # no document may be empty
-        return None
-    return send_to_device(pack_answers(prompts, answers, width, how == "shared", index), device)
-
-
 @dataclass
 class RolloutFacts:
     """What a rollout's builder knows on the host about a micro-batch of it, so `completion_logps` need not look:
@@ -133,9 +119,9 @@ class RolloutFacts:
 
     prompts_nonempty: bool
     tokens: int
-    rows: list[tuple[list[int], list[int]]] | None = None
-    """Each row's prompt tokens and completion tokens (through the first EOS), for the padding-free layout
-    (`packed_rows`)."""
+    padding_free: Callable[[bool, Any], dict | None] | None = None
+    """`(share, device) ->` the micro-batch's rows as `packed_rows.pack_answers` lays them out, on the device (None
+    where a document would be empty), built once per micro-batch and layout (`GRPORollout.padding_free`)."""
 
 
 @dataclass
@@ -174,22 +160,40 @@ class GRPORollout:
     """Whether every prompt holds a token (from the token lists, before padding)."""
     row_tokens: list[int] = field(init=False)
     """`mask`'s count per row, on the host: a micro-batch's LM head gathers its tokens without a device read."""
-    token_lists: list[tuple[list[int], list[int]]] = field(init=False)
-    """Each row's prompt and completion tokens as host lists: the padding-free layout is built from them."""
+    layouts: dict[tuple, dict | None] = field(init=False, default_factory=dict, repr=False)
+    """The padding-free layouts built so far, per (micro-batch, shared prompts): the old-policy, reference and
+    update passes over a micro-batch reuse its layout."""
     kl: float | None = None
     """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
 
     def __post_init__(self) -> None:
         self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
-        self.token_lists = [
-            (ids[keep.bool()].tolist(), row[:n].tolist())
-            for ids, keep, row, n in zip(self.prompt_ids, self.prompt_mask, self.completion_ids, self.lengths.tolist())
-        ]
 
-    def facts(self, sl: slice) -> RolloutFacts:
+    def facts(self, sl: slice, group: int) -> RolloutFacts:
         """The host facts of micro-batch `sl`, which starts and ends on group boundaries (`batch_size` is a multiple
-        of `num_generations`)."""
-        return RolloutFacts(self.prompts_nonempty, sum(self.row_tokens[sl]), self.token_lists[sl])
+        of `num_generations`, `group`)."""
+        return RolloutFacts(
+            self.prompts_nonempty,
+            sum(self.row_tokens[sl]),
+            lambda share, device: self.padding_free(sl, group, share, device),
+        )
+
+    def padding_free(self, sl: slice, group: int, share: bool, device) -> dict | None:
+        """Micro-batch `sl`'s rows (groups of `group` samples of one prompt) as `packed_rows.pack_answers` lays them
+        out, on `device`, from the host tensors; None where a document would be empty. Built once per micro-batch
+        and layout."""
+        key = (sl.start, sl.stop, share)
+        if key not in self.layouts:
+            prompts = [
+                ids[keep.bool()].tolist()
+                for ids, keep in zip(self.prompt_ids[sl][::group], self.prompt_mask[sl][::group])
+            ]
+            answers = [row[:n].tolist() for row, n in zip(self.completion_ids[sl], self.lengths[sl].tolist())]
+            index = [r // group for r in range(len(answers))]
+            whole = all(prompts[g] or a for g, a in zip(index, answers, strict=True))  # no document may be empty
+            packed = pack_answers(prompts, answers, self.completion_ids.size(1), share, index) if whole else None
+            self.layouts[key] = send_to_device(packed, device) if packed else None
+        return self.layouts[key]
 
     def stats(self, reward_names: list[str]) -> dict[str, float]:
         """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
@@ -261,7 +265,7 @@ class GRPORun:
                         group=cfg.num_generations,
                         device=device,
                         mask=batch.mask[sl],
-                        rollout=batch.facts(sl),
+                        rollout=batch.facts(sl, cfg.num_generations),
                     ).float()
                 )
         return torch.cat(parts)
@@ -280,7 +284,7 @@ class GRPORun:
             group=self.cfg.num_generations,
             device=device,
             mask=batch.mask[sl],
-            rollout=batch.facts(sl),
+            rollout=batch.facts(sl, self.cfg.num_generations),
         )
 
 
