@@ -17,7 +17,8 @@ one pass forward and one backward where the operators above take about eight of 
 keeping the input and one float32 scale per token, as Liger's norm kernel does. It normalises and scales in float32
 and rounds once, where transformers' rounds the normalised input to bf16 before the scale, so outputs differ from
 the unpatched model's by at most two bf16 rounding steps, one for each of transformers' roundings
-(`bench/gpu_checks.py` measures both on the GPU)."""
+(`bench/gpu_checks.py` measures both on the GPU). Where `fused_kernels` is on (the default), the MLP's product
+runs on CUDA as one compiled kernel each way (`fused_kernels.silu_mul`), keeping the same two tensors."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import functools
 import types
 
 import torch
+
+from alignpipe import fused_kernels
 
 NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 MLPS = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
@@ -86,12 +89,17 @@ def _norm_forward(self, hidden_states):
 
 
 def _mlp_forward(self, x):
-    return self.down_proj(_LeanSiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    # inside a compiled graph (a compiled decode step) inductor fuses the plain expression itself
+    if fused_kernels.wanted(self.alignpipe_fused_silu, gate.device) and not torch.compiler.is_compiling():
+        return self.down_proj(fused_kernels.silu_mul(gate, up))
+    return self.down_proj(_LeanSiluMul.apply(gate, up))
 
 
-def lean_activations(model: torch.nn.Module) -> int:
+def lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
     """Patch `model`'s known RMSNorms and SiLU MLPs in place (instance forwards; weights, state dict and hooks
-    unchanged); how many modules were patched."""
+    unchanged); how many modules were patched. `fused`: on a CUDA device the MLPs' products run as compiled kernels
+    (`fused_kernels.silu_mul`)."""
     patched = 0
     for module in model.modules():
         name = type(module).__name__
@@ -99,6 +107,7 @@ def lean_activations(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_norm_forward, module)
         elif name in MLPS and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"):
             module.forward = types.MethodType(_mlp_forward, module)
+            object.__setattr__(module, "alignpipe_fused_silu", fused)  # a plain flag, not a submodule or buffer
         else:
             continue
         patched += 1

@@ -37,7 +37,7 @@ from bench.cases import (
     tokens_per_sample,
     train_flops_per_token,
 )
-from bench.run_one import ATTENTION_ENV, COMPILE_ENV, IMPLS, UNFUSED_ENV
+from bench.run_one import ATTENTION_ENV, COMPILE_ENV, EAGER_KERNELS_ENV, IMPLS, UNFUSED_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,10 +90,11 @@ def measure(
     attention: str | None = None,
     compile: bool = False,
     unfused: bool = False,
+    eager_kernels: bool = False,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
-    `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`):
-    its JSON figures."""
+    `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`,
+    `fused_kernels: false` when `eager_kernels`): its JSON figures."""
     env = dict(os.environ)
     if attention:
         env[ATTENTION_ENV] = attention
@@ -101,6 +102,8 @@ def measure(
         env[COMPILE_ENV] = "1"
     if unfused and impl == "ours":
         env[UNFUSED_ENV] = "1"
+    if eager_kernels and impl == "ours":
+        env[EAGER_KERNELS_ENV] = "1"
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
@@ -313,6 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         "name the model `qwen0.5b+unfused`",
     )
     parser.add_argument(
+        "--eager-kernels",
+        action="store_true",
+        help="our side with `fused_kernels: false` (the SwiGLU product and the LM head's loss as eager kernels): "
+        "what the compiled element-wise kernels buy on a GPU; its rows name the model `qwen0.5b+eager-kernels`",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -361,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         label = model + (f"/{args.attention}" if args.attention else "") + ("+compile" if args.compile else "")
         label += "+unfused" if args.unfused else ""
+        label += "+eager-kernels" if args.eager_kernels else ""
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
@@ -372,13 +382,33 @@ def main(argv: list[str] | None = None) -> None:
             phys[(case, label)] = physics(case, model, assets, peaks)  # before the runs: a cut-short call keeps them
             for _ in range(warmup):
                 for impl in impls:
-                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile, args.unfused)
+                    r = measure(
+                        impl,
+                        case.key,
+                        model,
+                        args.steps,
+                        assets,
+                        args.attention,
+                        args.compile,
+                        args.unfused,
+                        args.eager_kernels,
+                    )
                     print(
                         f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
                 for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
-                    r = measure(impl, case.key, model, args.steps, assets, args.attention, args.compile, args.unfused)
+                    r = measure(
+                        impl,
+                        case.key,
+                        model,
+                        args.steps,
+                        assets,
+                        args.attention,
+                        args.compile,
+                        args.unfused,
+                        args.eager_kernels,
+                    )
                     runs[impl].append(r)
                     print(
                         f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "

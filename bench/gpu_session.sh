@@ -4,14 +4,15 @@
 # limit with its own per-step timeouts; the bench rewrites docs/benchmarks.md after every round of runs, so a step
 # stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
-#   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the fused heads, syncs, the compiled
-#      decode step); packed SFT 8×2048 on the varlen kernel, eager and compiled (both sides varlen: the fair
-#      comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask)
+#   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the SwiGLU and head kernels of
+#      `fused_kernels` timed against eager, syncs, the compiled decode step); packed SFT 8×2048 on the varlen kernel
+#      (both sides varlen: the fair comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask),
+#      ours with `fused_kernels` (the default) and without (`--eager-kernels`, against TRL + Liger only)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
 #   3  GRPO 8×8×256 with our compiled rollouts (CUDA graphs: what the GRPO target rests on) against TRL, PPO
 #      64×256 eager against TRL 1.12 (8 steps each), and SFT 4×4096 on varlen
-#   4  GRPO eager and PPO with compiled rollouts, compiled DPO, and a profile of our packed SFT step
+#   4  GRPO eager and PPO with compiled rollouts, compiled packed SFT, and a profile of our packed SFT step
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
@@ -40,7 +41,7 @@ case $stage in
 1)
   timeout 170 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
   bench 190 --cases sft/8x2048 --attention varlen --steps 25
-  bench 210 --cases sft/8x2048 --attention varlen --compile --steps 25
+  bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
   ;;
 2)
   bench 280 --cases dpo/8x1024 --attention varlen --steps 25
@@ -54,7 +55,7 @@ case $stage in
 4)
   bench 150 --cases grpo/8x8x256 --contenders trl --steps 8
   bench 150 --cases ppo/64x256 --compile --contenders trl --steps 8
-  bench 150 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 20
+  bench 150 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile ours sft/8x2048 qwen0.5b --steps 10 \
     --out "$out/profile" 2>&1 | tail -40 | tee -a "$out/log"
   ;;

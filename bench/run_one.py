@@ -54,6 +54,9 @@ COMPILE_ENV = "ALIGNPIPE_BENCH_COMPILE"
 # Set by `python -m bench --unfused`: our DPO with `fused_loss: false` (the chunked, recomputed LM head), to measure
 # what the fused head buys.
 UNFUSED_ENV = "ALIGNPIPE_BENCH_UNFUSED"
+# Set by `python -m bench --eager-kernels`: our side with `fused_kernels: false`, to measure what the compiled SwiGLU
+# and LM-head loss kernels buy on a GPU.
+EAGER_KERNELS_ENV = "ALIGNPIPE_BENCH_EAGER_KERNELS"
 
 
 def model_for(kind: str, assets: str, task: str):
@@ -170,6 +173,8 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         logging_every=shape.log_every or steps,
         lr_scheduler="linear",
     )
+    if os.environ.get(EAGER_KERNELS_ENV) == "1":
+        common["fused_kernels"] = False
     compiled = os.environ.get(COMPILE_ENV) == "1"
     offline = {"compile": True} if compiled else {}
     online = {"rollout": RolloutSpec(compile=True)} if compiled else {}

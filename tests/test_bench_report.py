@@ -35,7 +35,7 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
@@ -293,7 +293,7 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     `--cases` picks cases by key."""
     import bench.__main__ as bench_main
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False):
         if key.startswith("dpo/"):
             raise RuntimeError("cut short")
         return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
@@ -376,15 +376,16 @@ def test_the_decode_overhead_probe_times_each_loop(capsys):
 def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     """`python -m bench.gpu_checks`, the first call of a GPU session, runs on CPU too (float32, small sizes): varlen
     attention against SDPA's mask with every layer taking the flattened path, padding-free DPO rows against padded
-    ones, the fused heads eager and compiled against autograd; the CUDA-only checks say they were skipped. So the
+    ones, the compiled SwiGLU product against eager's, the fused heads eager and compiled against autograd; the
+    CUDA-only checks say they were skipped. So the
     script a GPU session depends on cannot rot."""
     from bench import gpu_checks
 
     gpu_checks.RESULTS.clear()
     assert gpu_checks.main(["--cpu"]) == 0
     out = capsys.readouterr().out
-    assert [ok for _, ok, _ in gpu_checks.RESULTS] == [True, True, None, True, True, None, None, None]
-    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 4 and out.count("\nskip ") == 4
+    assert [ok for _, ok, _ in gpu_checks.RESULTS] == [True, True, None, True, True, True, None, None, None]
+    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 5 and out.count("\nskip ") == 4
 
 
 def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):

@@ -350,7 +350,7 @@ class TrainLoop:
         if adapt_model and cfg.compile:
             compile_layers(model)
         elif adapt_model and cfg.lean_activations and not cfg.gradient_checkpointing:
-            lean_activations(model)
+            lean_activations(model, fused=cfg.fused_kernels)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(

@@ -67,6 +67,12 @@ class TrainingArgs(Strict):
     a float32 copy), each SwiGLU MLP gate and up (silu(gate) recomputed). The same outputs and gradients
     (`alignpipe/lean_activations.py`). At Qwen2-0.5B's shape that is about 6.7 GB less per 16k-token micro-batch.
     Off under `compile` (inductor chooses what to keep) and `gradient_checkpointing` (nothing is kept)."""
+    fused_kernels: bool = True
+    """On a CUDA device, run the element-wise work between the matmuls as kernels `torch.compile` fuses while the
+    layers stay eager: each SwiGLU product (with `lean_activations`) and the LM head's softmax and gradient per chunk
+    (SFT's loss, DPO's and KTO's fused head), one pass each instead of several over (tokens × intermediate) and
+    (tokens × vocabulary) tensors. A few seconds of compilation in the first step; no effect on CPU
+    (`alignpipe/fused_kernels.py`)."""
     compile: bool = False
     """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
     by compilation in the first steps (offline trainers: SFT, reward, DPO, KTO). SFT also compiles its loss's

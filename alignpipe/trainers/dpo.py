@@ -36,6 +36,7 @@ import torch
 from accelerate.utils import send_to_device
 
 from alignpipe import logprobs
+from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
@@ -164,7 +165,8 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
             loss = loss - cfg.rpo_alpha * sums[0::2].sum() / chosen_tokens
         return loss
 
-    fused = fused_answers_loss(model, batch, [[i, B + i] for i in range(B)], group_loss, cfg.compile)
+    kernels = loss_kernels(cfg, batch["prompt_ids"].device)
+    fused = fused_answers_loss(model, batch, [[i, B + i] for i in range(B)], group_loss, kernels)
     if fused is None:
         return None
     loss, sums = fused

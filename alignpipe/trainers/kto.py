@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
@@ -130,7 +131,11 @@ class Losses:
         if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
             units = [[i] for i in range(B)]
             fused = dpo.fused_answers_loss(
-                model, own, units, lambda s, rows: losses_of(s, rows)[0] * len(rows) / B, cfg.compile
+                model,
+                own,
+                units,
+                lambda s, rows: losses_of(s, rows)[0] * len(rows) / B,
+                loss_kernels(cfg, own["prompt_ids"].device),
             )
         if fused is not None:
             loss, logps = fused

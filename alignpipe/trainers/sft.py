@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import send_to_device
 
 from alignpipe.attention import document_kwargs, document_offsets
+from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
@@ -216,6 +217,7 @@ def train(
     acc = loop.accelerator
     if cfg.packing_strategy == "bfd" and cfg.packing and acc.device.type == "cuda":
         _suggest_varlen(loop.unwrapped)
+    kernels = loss_kernels(cfg, acc.device)
     num_tokens: int | torch.Tensor = 0
 
     def step(window: list[dict]) -> dict[str, float]:
@@ -229,7 +231,7 @@ def train(
         loss_total = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=cfg.compile)
+                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=kernels)
                 acc.backward(loss_sum * scale)
             loss_total += loss_sum.detach().float()
         num_tokens += n_global

@@ -1,0 +1,99 @@
+"""`fused_kernels: true` (the default): on a CUDA device, the element-wise work between a step's matmuls runs as
+kernels that `torch.compile` writes, each reading its inputs once and writing its outputs once, while the model's
+layers stay eager.
+
+Eager PyTorch runs every operator as its own kernel, reading and writing the whole tensor each time. Between the
+matmuls of a training step that is most of the memory traffic. Two places carry most of it:
+
+- the SwiGLU product of each MLP, over (tokens × intermediate) tensors (16k × 4864 at Qwen2-0.5B's SFT shape:
+  160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their temporaries, about 16 passes
+  over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`).
+- the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
+  5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
+  (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`).
+
+These are the kernels Liger writes by hand in Triton (its SwiGLU and fused linear cross-entropy); here inductor
+writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic sizes, a few
+seconds in the first step. `compile: true` goes further (whole layers, norms and rotary included) at the price of
+compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
+tests compare against, and inductor's CPU code would buy little for what it costs to compile.
+
+If the device cannot compile (no Triton, say), `available` finds it on its first call, says so once, and the eager
+kernels run."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from alignpipe.compiled import compiled_function
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def available(device: torch.device) -> bool:
+    """Whether `torch.compile` can build and run a kernel on `device` (tried once per device and process)."""
+    try:
+        probe = compiled_function(_silu_mul_forward)
+        x = torch.ones(8, device=device)
+        return bool(torch.equal(probe(x, x), _silu_mul_forward(x, x)))
+    except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError, RuntimeError) as err:
+        log.warning(
+            "fused_kernels: torch.compile cannot build kernels on %s (%s); eager kernels run instead", device, err
+        )
+        return False
+
+
+def wanted(enabled: bool, device: torch.device | str) -> bool:
+    """Whether a stage with `fused_kernels: enabled` runs the fused kernels on `device`: on CUDA, where they compile.
+    (The one gate every caller goes through; tests open it on CPU.)"""
+    if not enabled:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" and available(device)
+
+
+def loss_kernels(cfg, device: torch.device | str) -> bool:
+    """Whether a stage's LM-head loss runs its compiled kernels per chunk: under `compile: true` anywhere, under
+    `fused_kernels` on CUDA (`cfg`: a stage's `TrainingArgs`)."""
+    return cfg.compile or wanted(cfg.fused_kernels, device)
+
+
+def _silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    precise = torch.promote_types(gate.dtype, torch.float32)
+    return (torch.nn.functional.silu(gate.to(precise)) * up.to(precise)).to(up.dtype)
+
+
+def _silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """(d gate, d up) of silu(gate) · up: silu(g)' = σ(g) · (1 + g · (1 − σ(g))), in float32 at least, each rounded
+    once to its input's dtype."""
+    precise = torch.promote_types(gate.dtype, torch.float32)
+    g, u, dy = gate.to(precise), up.to(precise), grad.to(precise)
+    sig = torch.sigmoid(g)
+    d_gate = dy * u * sig * (1 + g * (1 - sig))
+    return d_gate.to(gate.dtype), (dy * g * sig).to(up.dtype)
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) · up keeping gate and up for backward, each direction one compiled kernel."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return compiled_function(_silu_mul_forward)(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return compiled_function(_silu_mul_backward)(grad, gate, up)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up, forward and backward each one fused kernel (any device torch.compile builds for; the
+    trainers take it on CUDA only, through `lean_activations`). The product is computed in float32 and rounded
+    once, where eager rounds silu(gate) first: results differ from eager's by at most one rounding step of the
+    inputs' dtype."""
+    return _SiluMul.apply(gate, up)

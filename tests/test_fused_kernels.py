@@ -1,0 +1,130 @@
+"""`fused_kernels`: the SwiGLU product and the LM head's loss kernels compiled while the layers stay eager. The
+trainers take them on CUDA only; here inductor builds them for the CPU, with the gate opened, and they must train
+as the eager kernels do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_split
+
+from alignpipe import fused_kernels, linear_ce, linear_sequence_loss
+from alignpipe.fused_kernels import loss_kernels, silu_mul, wanted
+from alignpipe.modeling import load_causal_lm
+from alignpipe.tracking import Tracker
+from alignpipe.trainers import dpo, sft
+from alignpipe.trainers.configs import DPOConfig, SFTConfig
+
+
+def silu_mul_and_grads(fn, gate, up, grad):
+    gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    out = fn(gate, up)
+    return (out, *torch.autograd.grad(out, (gate, up), grad))
+
+
+def eager(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_silu_mul_equals_autograd_in_float32():
+    g = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(37, 96, generator=g) * 3 for _ in range(3))
+    for got, want in zip(
+        silu_mul_and_grads(silu_mul, gate, up, grad), silu_mul_and_grads(eager, gate, up, grad), strict=True
+    ):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_rounds_once_in_bfloat16():
+    """bf16: the product and both gradients within one rounding step of their exact values on the same inputs
+    (eager rounds silu(gate) before the product, so it may be two steps away)."""
+    g = torch.Generator().manual_seed(1)
+    gate, up, grad = (torch.randn(64, 128, generator=g).bfloat16() * 3 for _ in range(3))
+    exact = silu_mul_and_grads(eager, gate.double(), up.double(), grad.double())
+    fused = silu_mul_and_grads(silu_mul, gate, up, grad)
+    for got, want in zip(fused, exact, strict=True):
+        assert got.dtype == torch.bfloat16
+        # one bf16 rounding of the float32 result: within 2^-8 of it relatively, plus float32's own error
+        assert torch.allclose(got.double(), want, rtol=2**-8 + 1e-6, atol=1e-30), (got.double() - want).abs().max()
+
+
+def test_the_kernels_are_taken_on_cuda_only():
+    assert not wanted(True, "cpu") and not wanted(False, "cpu")
+    assert not loss_kernels(SFTConfig(), "cpu"), "on CPU the eager kernels run"
+    assert loss_kernels(SFTConfig(compile=True), "cpu"), "compile: true compiles the loss kernels everywhere"
+    assert SFTConfig().fused_kernels and DPOConfig().fused_kernels
+    assert fused_kernels.available(torch.device("cpu")), "inductor builds for this CPU: the tests below run"
+
+
+@pytest.fixture
+def gate_open(monkeypatch):
+    """The trainers' gate opened on CPU, with a count of the fused kernels' calls."""
+    calls = {"silu_mul": 0, "loss": 0}
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    silu = fused_kernels.silu_mul
+
+    def counted_silu(*a):
+        calls["silu_mul"] += 1
+        return silu(*a)
+
+    monkeypatch.setattr(fused_kernels, "silu_mul", counted_silu)
+    for module in (linear_ce, linear_sequence_loss):
+        compiled = module.compiled_function
+
+        def counted(fn, compiled=compiled):
+            calls["loss"] += 1
+            return compiled(fn)
+
+        monkeypatch.setattr(module, "compiled_function", counted)
+    return calls
+
+
+def sft_series(tiny, out, fused: bool):
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=120, max_length=64)
+    torch.manual_seed(0)
+    model = load_causal_lm(str(tiny / "model"))
+    tracker = Tracker()
+    cfg = SFTConfig(learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, fused_kernels=fused)
+    sft.train(cfg, model, tok, train, [], tracker, out / f"sft-{fused}")
+    return tracker.series("train/loss"), tracker.series("train/grad_norm")
+
+
+def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_path, gate_open):
+    """The MLPs' products and the head's softmax and gradient through the compiled kernels: the same losses and
+    gradient norms as the eager kernels (float32), and the eager run takes none of them."""
+    eager_loss, eager_norm = sft_series(tiny, tmp_path, False)
+    assert gate_open == {"silu_mul": 0, "loss": 0}
+    loss, norm = sft_series(tiny, tmp_path, True)
+    layers = load_causal_lm(str(tiny / "model")).config.num_hidden_layers
+    assert gate_open["silu_mul"] >= 3 * layers and gate_open["loss"] >= 3
+    assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
+
+
+def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypatch, gate_open):
+    """DPO's fused head with its group kernels compiled (the GPU default): loss and every gradient equal eager."""
+    from alignpipe import logprobs
+    from alignpipe.lean_activations import lean_activations
+
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    model = load_causal_lm(str(tiny / "model"))
+    lean_activations(model, fused=True)
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)  # a GPU batch's logits: the fused head is taken
+
+    def run(fused):
+        for module in model.modules():
+            if hasattr(module, "alignpipe_fused_silu"):
+                module.alignpipe_fused_silu = fused
+        model.zero_grad()
+        zeros = torch.zeros(4)
+        loss, _ = dpo.batch_loss(model, batch, lambda _b: (zeros, zeros), DPOConfig(fused_kernels=fused))
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = run(False)
+    assert gate_open == {"silu_mul": 0, "loss": 0}
+    fused = run(True)
+    assert gate_open["silu_mul"] == model.config.num_hidden_layers and gate_open["loss"] >= 2
+    assert fused[0] == pytest.approx(eager[0], rel=1e-6)
+    for name, grad in eager[1].items():
+        assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name
