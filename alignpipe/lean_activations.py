@@ -90,8 +90,10 @@ def _norm_forward(self, hidden_states):
 
 def _mlp_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    # inside a compiled graph (a compiled decode step) inductor fuses the plain expression itself
-    if fused_kernels.wanted(self.alignpipe_fused_silu, gate.device) and not torch.compiler.is_compiling():
+    # Training forwards only: inside a compiled graph (a compiled decode step) inductor fuses the plain expression
+    # itself, and a decode step's rows are too few for one pass less to pay for a compiled call's guards on the host.
+    fused = self.alignpipe_fused_silu and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if fused and fused_kernels.wanted(True, gate.device):
         return self.down_proj(fused_kernels.silu_mul(gate, up))
     return self.down_proj(_LeanSiluMul.apply(gate, up))
 

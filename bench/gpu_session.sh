@@ -7,12 +7,14 @@
 #   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the SwiGLU and head kernels of
 #      `fused_kernels` timed against eager, syncs, the compiled decode step); packed SFT 8×2048 on the varlen kernel
 #      (both sides varlen: the fair comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask),
-#      ours with `fused_kernels` (the default) and without (`--eager-kernels`, against TRL + Liger only)
+#      ours (with `fused_kernels`, the default), then profiles of that step, ours and TRL + Liger's: where the time
+#      goes on each side (the figure the SFT target's gap needs)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
 #   3  GRPO 8×8×256 with our compiled rollouts (CUDA graphs: what the GRPO target rests on) against TRL, PPO
 #      64×256 eager against TRL 1.12 (8 steps each), and SFT 4×4096 on varlen
-#   4  GRPO eager and PPO with compiled rollouts, compiled packed SFT, and a profile of our packed SFT step
+#   4  packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), PPO with compiled rollouts, compiled
+#      packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
@@ -41,7 +43,10 @@ case $stage in
 1)
   timeout 170 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
   bench 190 --cases sft/8x2048 --attention varlen --steps 25
-  bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
+  for side in ours trl+liger; do
+    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" sft/8x2048 qwen0.5b --steps 10 \
+      --out "$out/profile-$side" 2>&1 | tail -40 | tee -a "$out/log"
+  done
   ;;
 2)
   bench 280 --cases dpo/8x1024 --attention varlen --steps 25
@@ -53,10 +58,8 @@ case $stage in
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   ;;
 4)
-  bench 150 --cases grpo/8x8x256 --contenders trl --steps 8
+  bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
   bench 150 --cases ppo/64x256 --compile --contenders trl --steps 8
-  bench 150 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
-  ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile ours sft/8x2048 qwen0.5b --steps 10 \
-    --out "$out/profile" 2>&1 | tail -40 | tee -a "$out/log"
+  bench 170 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac
