@@ -5,9 +5,9 @@ layers stay eager.
 Eager PyTorch runs every operator as its own kernel, reading and writing the whole tensor each time. Between the
 matmuls of a training step that is most of the memory traffic. Two places carry most of it:
 
-- the SwiGLU product of each MLP in training forwards, over (tokens × intermediate) tensors (16k × 4864 at Qwen2-0.5B's SFT shape:
-  160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their temporaries, about 16 passes
-  over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`).
+- the SwiGLU product of each MLP (decode steps aside), over (tokens × intermediate) tensors (16k × 4864 at
+  Qwen2-0.5B's SFT shape: 160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their
+  temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`).
 - the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
   5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
   (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`).

@@ -90,9 +90,12 @@ def _norm_forward(self, hidden_states):
 
 def _mlp_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    # Training forwards only: inside a compiled graph (a compiled decode step) inductor fuses the plain expression
-    # itself, and a decode step's rows are too few for one pass less to pay for a compiled call's guards on the host.
-    fused = self.alignpipe_fused_silu and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    # Not in decode steps (one position per row): inside a compiled graph (a compiled decode step) inductor fuses the
+    # plain expression itself, and an eager step's rows are too few for one pass less to pay for a compiled call's
+    # guards on the host. Every multi-token forward takes it, so a rollout's scoring passes and the update's forward
+    # round alike (a GRPO ratio of 1 stays 1).
+    decode_step = gate.dim() == 3 and gate.size(1) == 1
+    fused = self.alignpipe_fused_silu and not decode_step and not torch.compiler.is_compiling()
     if fused and fused_kernels.wanted(True, gate.device):
         return self.down_proj(fused_kernels.silu_mul(gate, up))
     return self.down_proj(_LeanSiluMul.apply(gate, up))

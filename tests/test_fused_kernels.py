@@ -128,3 +128,25 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
     assert fused[0] == pytest.approx(eager[0], rel=1e-6)
     for name, grad in eager[1].items():
         assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_frozen_reference_rounds_as_the_policy_does(tiny, gate_open):
+    """bf16 with the fused kernels (the gate opened on CPU): the frozen reference is patched as the policy is, so
+    the answers' log-probs of identical weights are equal bit for bit (DPO's step-0 rewards exactly 0); a
+    reference left as transformers builds it rounds the SwiGLU product differently."""
+    import copy
+
+    from alignpipe.lean_activations import lean_activations
+    from alignpipe.trainers.common import frozen_reference
+
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    plain = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
+    policy = copy.deepcopy(plain)
+    lean_activations(policy, fused=True)
+    reference = frozen_reference(copy.deepcopy(plain), DPOConfig(), torch.device("cpu"))
+    with torch.no_grad():
+        want = dpo.completion_logps(policy, batch)[0]
+        assert torch.equal(dpo.completion_logps(reference, batch)[0], want)
+        assert not torch.equal(dpo.completion_logps(plain, batch)[0], want)
+    assert not any(p.requires_grad for p in reference.parameters())

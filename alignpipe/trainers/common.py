@@ -75,6 +75,16 @@ def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[to
     return values, mask
 
 
+def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
+    """A frozen reference model on `device`, its norms and MLPs patched as the policy's are (`lean_activations`,
+    with `fused_kernels`): on a GPU the fused kernels round differently from transformers' modules, and a reference
+    that rounds as the policy does gives the step-0 log-ratios of identical weights exactly 0, as on CPU."""
+    ref_model = ref_model.to(device).eval().requires_grad_(False)
+    if cfg.lean_activations and not cfg.compile and not cfg.gradient_checkpointing:
+        lean_activations(ref_model, fused=cfg.fused_kernels)
+    return ref_model
+
+
 def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     """AdamW with no weight decay on biases and normalization weights (1-D parameters)."""
     decay: list[torch.nn.Parameter] = []

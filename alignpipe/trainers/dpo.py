@@ -42,7 +42,7 @@ from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, sh
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers, runs
-from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import DPOConfig
 
 log = logging.getLogger(__name__)
@@ -232,9 +232,7 @@ class _Reference:
 
     def __init__(self, cfg: DPOConfig, loop: TrainLoop, ref_model):
         self.cfg, self.loop = cfg, loop
-        self.model = (
-            ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if ref_model is not None else None
-        )
+        self.model = frozen_reference(ref_model, cfg, loop.accelerator.device) if ref_model is not None else None
 
     def _context(self):
         if self.model is None and hasattr(self.loop.unwrapped, "disable_adapter"):

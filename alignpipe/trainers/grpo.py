@@ -40,7 +40,7 @@ from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 
@@ -519,7 +519,7 @@ def train_on_samples(
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
     if cfg.beta and not cfg.lora and ref_model is None:
         raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
-    ref = ref_model.to(loop.accelerator.device).eval().requires_grad_(False) if (cfg.beta and not cfg.lora) else None
+    ref = frozen_reference(ref_model, cfg, loop.accelerator.device) if (cfg.beta and not cfg.lora) else None
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
     current: dict[str, Any] = {}
 

@@ -35,7 +35,7 @@ from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed
 from alignpipe.trainers.configs import KTOConfig
 
 
@@ -199,7 +199,7 @@ def train(
 
     loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
     acc = loop.accelerator
-    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
+    ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
 
     def reference():
         if ref is not None:

@@ -33,7 +33,7 @@ from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import OnlineDPOConfig
 from alignpipe.trainers.grpo import greedy_reward
 from alignpipe.trainers.online import extra_columns, print_samples
@@ -173,7 +173,7 @@ def train(
     packed = layout(model)  # padding-free pairs for a document-separating attention kernel
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
-    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
+    ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
 
     def encode(batch_rows: list[dict]) -> list[list[int]]:

@@ -52,7 +52,15 @@ from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import mask_positions, under_attention_kernels
 from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
-from alignpipe.trainers.common import TrainLoop, TrainResult, pad_rows, resolve_seed, save_model, seed_everything
+from alignpipe.trainers.common import (
+    TrainLoop,
+    TrainResult,
+    frozen_reference,
+    pad_rows,
+    resolve_seed,
+    save_model,
+    seed_everything,
+)
 from alignpipe.trainers.configs import PPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 from alignpipe.trainers.ppo_controls import (
@@ -498,7 +506,7 @@ def train(
         "kl_ctl": kl_ctl.state_dict(),
         **({"score_moments": moments.state_dict()} if moments else {}),
     }
-    ref = ref_model.to(acc.device).eval().requires_grad_(False) if not cfg.lora else None
+    ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, acc.unwrap_model(loop.model).policy, tokenizer)
     run = PPORun(
