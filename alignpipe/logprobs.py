@@ -66,8 +66,9 @@ def token_logprobs(
     one chunk of logits; small ones are computed in one piece.
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
-    `compiled` (a stage's `compile: true`): with gradients on, each chunk of the head runs compiled
-    (`compiled.compiled_function`). `count`: the number of true positions in `only`, where the caller knows it on
+    `compiled`: each chunk of the head runs compiled (`compiled.compiled_function`): with gradients on, its
+    forward and backward (a stage's `compile: true`); without, its log-softmax and gather as one kernel after the
+    matmul (`fused_kernels` on a GPU: the reference's and the old policy's scoring passes). `count`: the number of true positions in `only`, where the caller knows it on
     the host (no wait for the device to count them).
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
@@ -428,7 +429,9 @@ def _head_logprobs(
 ):
     B, T, _ = hidden.shape
     V = weight.shape[0]
-    chunk_logprobs = compiled_function(_chunk_logprobs) if compiled and torch.is_grad_enabled() else _chunk_logprobs
+    # compiled: with grad, the chunk's forward and backward (under `compile: true`); without, one inference kernel
+    # after the head's matmul (`fused_kernels`' scoring passes: reference and old-policy log-probs)
+    chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
         return (lp, ent.detach()) if with_entropy else lp

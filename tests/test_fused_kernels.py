@@ -8,7 +8,7 @@ import pytest
 import torch
 from support import tiny_split
 
-from alignpipe import fused_kernels, linear_ce, linear_sequence_loss
+from alignpipe import fused_kernels, linear_ce, linear_sequence_loss, logprobs
 from alignpipe.fused_kernels import loss_kernels, silu_mul, wanted
 from alignpipe.modeling import load_causal_lm
 from alignpipe.tracking import Tracker
@@ -59,7 +59,7 @@ def test_the_kernels_are_taken_on_cuda_only():
 @pytest.fixture
 def gate_open(monkeypatch):
     """The trainers' gate opened on CPU, with a count of the fused kernels' calls."""
-    calls = {"silu_mul": 0, "loss": 0}
+    calls = {"silu_mul": 0, "loss": 0, "scoring": 0}
     monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
     silu = fused_kernels.silu_mul
 
@@ -68,11 +68,11 @@ def gate_open(monkeypatch):
         return silu(*a)
 
     monkeypatch.setattr(fused_kernels, "silu_mul", counted_silu)
-    for module in (linear_ce, linear_sequence_loss):
+    for module, key in ((linear_ce, "loss"), (linear_sequence_loss, "loss"), (logprobs, "scoring")):
         compiled = module.compiled_function
 
-        def counted(fn, compiled=compiled):
-            calls["loss"] += 1
+        def counted(fn, compiled=compiled, key=key):
+            calls[key] += 1
             return compiled(fn)
 
         monkeypatch.setattr(module, "compiled_function", counted)
@@ -93,7 +93,7 @@ def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_pat
     """The MLPs' products and the head's softmax and gradient through the compiled kernels: the same losses and
     gradient norms as the eager kernels (float32), and the eager run takes none of them."""
     eager_loss, eager_norm = sft_series(tiny, tmp_path, False)
-    assert gate_open == {"silu_mul": 0, "loss": 0}
+    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0}
     loss, norm = sft_series(tiny, tmp_path, True)
     layers = load_causal_lm(str(tiny / "model")).config.num_hidden_layers
     assert gate_open["silu_mul"] >= 3 * layers and gate_open["loss"] >= 3
@@ -102,7 +102,6 @@ def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_pat
 
 def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypatch, gate_open):
     """DPO's fused head with its group kernels compiled (the GPU default): loss and every gradient equal eager."""
-    from alignpipe import logprobs
     from alignpipe.lean_activations import lean_activations
 
     tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
@@ -122,7 +121,7 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     eager = run(False)
-    assert gate_open == {"silu_mul": 0, "loss": 0}
+    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0}
     fused = run(True)
     assert gate_open["silu_mul"] == model.config.num_hidden_layers and gate_open["loss"] >= 2
     assert fused[0] == pytest.approx(eager[0], rel=1e-6)
@@ -150,3 +149,62 @@ def test_a_frozen_reference_rounds_as_the_policy_does(tiny, gate_open):
         assert torch.equal(dpo.completion_logps(reference, batch)[0], want)
         assert not torch.equal(dpo.completion_logps(plain, batch)[0], want)
     assert not any(p.requires_grad for p in reference.parameters())
+
+
+def test_scoring_passes_with_the_fused_kernels_train_as_the_eager_ones(tiny, tmp_path, gate_open):
+    """The reference's and the old policy's log-probs (no grad) with the LM head's chunks compiled: DPO against a
+    frozen reference, GRPO with a reference and two iterations, and PPO log the eager runs' losses and metrics."""
+    import copy
+
+    from support import run_ppo
+
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.trainers import grpo
+    from alignpipe.trainers.configs import GRPOConfig
+
+    tok = load_tokenizer(str(tiny / "model"))
+    _, prefs, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=24)
+    _, prompts, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=16)
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    series, scoring = {}, {}
+    for fused in (False, True):
+        before = gate_open["scoring"]
+        dpo_tracker, grpo_tracker = Tracker(), Tracker()
+        policy = load_causal_lm(str(tiny / "model"))
+        dpo_cfg = DPOConfig(learning_rate=5e-4, max_steps=2, batch_size=8, logging_every=1, fused_kernels=fused)
+        dpo.train(
+            dpo_cfg, policy, tok, prefs, [], dpo_tracker, tmp_path / f"dpo-{fused}", ref_model=copy.deepcopy(policy)
+        )
+        policy = load_causal_lm(str(tiny / "model"))
+        grpo_cfg = GRPOConfig(
+            max_steps=2,
+            batch_size=8,
+            num_generations=4,
+            max_completion_length=8,
+            beta=0.04,
+            num_iterations=2,
+            logging_every=1,
+            fused_kernels=fused,
+        )
+        rows = [{"prompt": r["prompt"]} for r in prompts]
+        grpo.train(
+            grpo_cfg,
+            policy,
+            tok,
+            rows,
+            rewards,
+            grpo_tracker,
+            tmp_path / f"grpo-{fused}",
+            ref_model=copy.deepcopy(policy),
+        )
+        _, ppo_tracker, _ = run_ppo(tiny, tmp_path / f"ppo-{fused}", max_steps=2, fused_kernels=fused)
+        series[fused] = {
+            "dpo": dpo_tracker.series("train/loss") + dpo_tracker.series("train/rewards/margins"),
+            "grpo": grpo_tracker.series("train/loss") + grpo_tracker.series("train/kl"),
+            "ppo": ppo_tracker.series("loss/policy_avg") + ppo_tracker.series("objective/kl"),
+        }
+        scoring[fused] = gate_open["scoring"] - before
+    assert scoring[False] == 0 and scoring[True] > 0
+    for key, eager in series[False].items():
+        assert len(eager) >= 4 and series[True][key] == pytest.approx(eager, rel=1e-4, abs=1e-6), key

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
-from alignpipe import logprobs
+from alignpipe import fused_kernels, logprobs
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
@@ -245,8 +245,11 @@ class _Reference:
             return zeros, zeros
         if "ref_chosen_logps" in batch:
             return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        model = self.model if self.model is not None else self.loop.model
+        # the LM head's chunks compiled on a GPU
+        kernels = fused_kernels.wanted(self.cfg.fused_kernels, batch["prompt_ids"].device)
         with torch.inference_mode(), self._context():  # no autograd bookkeeping per op, unlike no_grad
-            logps, _, _ = completion_logps(self.model if self.model is not None else self.loop.model, batch)
+            logps, _, _ = completion_logps(model, batch, compiled=kernels)
         chosen, rejected = logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
         return chosen, rejected
 

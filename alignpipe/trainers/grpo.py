@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
@@ -70,6 +71,7 @@ def completion_logps(
     device: torch.device | str | None = None,
     mask: torch.Tensor | None = None,
     rollout: RolloutFacts | None = None,
+    compiled: bool = False,
 ):
     """Log-probs (and entropies) of the completion tokens, (B, C). Rows come in groups of `group` samples of one
     prompt: each prompt's forward runs once (`shared_prompt_logprobs`). With `device`, the inputs are host tensors:
@@ -77,7 +79,8 @@ def completion_logps(
     before they move, so the device is not waited on; `rollout` gives those facts where the caller knows them
     already. `mask` (B, C): the tokens that train; the LM head runs on them alone (0 elsewhere), not on the padding
     after shorter completions. On a kernel that runs documents (`packed_rows.layout`), with `rollout`'s token lists
-    and `mask`, the rows run padding-free, each prompt once for its group (`packed_rows.pack_answers`)."""
+    and `mask`, the rows run padding-free, each prompt once for its group (`packed_rows.pack_answers`). `compiled`:
+    the LM head's chunks compiled (`logprobs.token_logprobs`)."""
     B = prompt_ids.size(0)
     firsts = prompt_ids[::group], prompt_mask[::group]
     index = torch.arange(B, device=prompt_ids.device) // group
@@ -108,6 +111,7 @@ def completion_logps(
         only=mask,
         count=count,
         packed=packed,
+        compiled=compiled,
     )
 
 
@@ -248,8 +252,10 @@ class GRPORun:
         return [x[-self.cfg.max_prompt_length :] if self.cfg.max_prompt_length else x for x in ids]
 
     def logps_of(self, model, batch: GRPORollout, context) -> torch.Tensor:
-        """Log-probs of every completion of `batch` under `model` (no grad), micro-batch by micro-batch."""
+        """Log-probs of every completion of `batch` under `model` (no grad), micro-batch by micro-batch, the LM head's
+        chunks compiled under `fused_kernels` on a GPU."""
         device, cfg = self.loop.accelerator.device, self.cfg
+        kernels = fused_kernels.wanted(cfg.fused_kernels, device)
         parts = []
         with context:
             for s in range(0, batch.completion_ids.size(0), cfg.batch_size):
@@ -266,6 +272,7 @@ class GRPORun:
                         device=device,
                         mask=batch.mask[sl],
                         rollout=batch.facts(sl, cfg.num_generations),
+                        compiled=kernels,
                     ).float()
                 )
         return torch.cat(parts)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe import fused_kernels
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
@@ -103,11 +104,12 @@ class Losses:
         B = labels.size(0)
         main = slice(0, B)
         ref_model, context = self.reference()
+        kernels = fused_kernels.wanted(cfg.fused_kernels, labels.device)  # the scoring passes' head compiled
         with torch.inference_mode(), context:
-            ref_logps, _, _ = dpo.completion_logps(ref_model, batch)
+            ref_logps, _, _ = dpo.completion_logps(ref_model, batch, compiled=kernels)
             kl = torch.zeros((), device=ref_logps.device)
             if self.with_kl:
-                kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)))
+                kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)), compiled=kernels)
                 kl = (kl_logps - ref_logps[B:]).mean()
                 if acc.num_processes > 1 and model.training:  # eval shards may differ in batch count
                     kl = acc.reduce(kl, "mean")

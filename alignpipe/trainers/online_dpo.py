@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.pairwise import judge_pairs
 from alignpipe.judges.reward_set import RewardSet
@@ -174,6 +175,7 @@ def train(
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
     ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
+    kernels = fused_kernels.wanted(cfg.fused_kernels, acc.device)  # the reference pass's head compiled
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
 
     def encode(batch_rows: list[dict]) -> list[list[int]]:
@@ -216,7 +218,7 @@ def train(
                 logps, _, _ = dpo.completion_logps(loop.model, batch)
                 ref_model, context = reference()
                 with torch.inference_mode(), context:
-                    ref_logps = dpo.completion_logps(ref_model, batch)[0]
+                    ref_logps = dpo.completion_logps(ref_model, batch, compiled=kernels)[0]
                 ref_logps = ref_logps.clone()
                 c, r = logps.chunk(2)
                 rc, rr = ref_logps.chunk(2)

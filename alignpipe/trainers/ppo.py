@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
@@ -107,9 +108,11 @@ def response_logprobs(
     with_entropy: bool = False,
     only: torch.Tensor | None = None,
     count: int | None = None,
+    compiled: bool = False,
 ):
     """Log-probs (and entropies) of the response tokens, (B, R). `only` (B, R): the LM head runs on those tokens
-    alone (0 elsewhere); `count`, their number counted on the host (`token_logprobs`)."""
+    alone (0 elsewhere); `count`, their number counted on the host; `compiled`, the head's chunks compiled
+    (`token_logprobs`)."""
     ids, mask = _episode(query, query_mask, response)
     return token_logprobs(
         policy,
@@ -121,6 +124,7 @@ def response_logprobs(
         start=query.size(1) - 1,
         only=only,
         count=count,
+        compiled=compiled,
     )
 
 
@@ -231,9 +235,12 @@ class PPORun:
                 hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, cfg.logprob_chunk_tokens
             )
         chunk = cfg.logprob_chunk_tokens
-        lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, only=only, count=count)
+        kernels = fused_kernels.wanted(cfg.fused_kernels, q.device)  # the head's chunks compiled on a GPU
+        lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, only=only, count=count, compiled=kernels)
         with ref_ctx:
-            ref_lp = response_logprobs(ref_model, q, qm, r, self.temperature, chunk, only=only, count=count)
+            ref_lp = response_logprobs(
+                ref_model, q, qm, r, self.temperature, chunk, only=only, count=count, compiled=kernels
+            )
         return lp, ref_lp, None
 
 
