@@ -10,7 +10,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`).
 - the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
   5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
-  (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`).
+  (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`). The scoring
+  passes without gradients (reference and old-policy log-probs) run each chunk's log-softmax and gather as one
+  kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers' `compiled=` argument).
 
 These are the kernels Liger writes by hand in Triton (its SwiGLU and fused linear cross-entropy); here inductor
 writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic sizes, a few
