@@ -81,6 +81,11 @@ def trl_with_ppo() -> Path:
     return TRL_PPO_DIR
 
 
+def measure_variant(impl: str, key: str, model: str, args: argparse.Namespace, assets: Path) -> dict:
+    """`measure` with the variant the command line asks for (attention kernel, compile, unfused, eager kernels)."""
+    return measure(impl, key, model, args.steps, assets, args.attention, args.compile, args.unfused, args.eager_kernels)
+
+
 def measure(
     impl: str,
     key: str,
@@ -382,33 +387,13 @@ def main(argv: list[str] | None = None) -> None:
             phys[(case, label)] = physics(case, model, assets, peaks)  # before the runs: a cut-short call keeps them
             for _ in range(warmup):
                 for impl in impls:
-                    r = measure(
-                        impl,
-                        case.key,
-                        model,
-                        args.steps,
-                        assets,
-                        args.attention,
-                        args.compile,
-                        args.unfused,
-                        args.eager_kernels,
-                    )
+                    r = measure_variant(impl, case.key, model, args, assets)
                     print(
                         f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
                 for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
-                    r = measure(
-                        impl,
-                        case.key,
-                        model,
-                        args.steps,
-                        assets,
-                        args.attention,
-                        args.compile,
-                        args.unfused,
-                        args.eager_kernels,
-                    )
+                    r = measure_variant(impl, case.key, model, args, assets)
                     runs[impl].append(r)
                     print(
                         f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "
