@@ -14,8 +14,11 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   passes without gradients (reference and old-policy log-probs) run each chunk's log-softmax and gather as one
   kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers' `compiled=` argument).
 
-These are the kernels Liger writes by hand in Triton (its SwiGLU and fused linear cross-entropy); here inductor
-writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic sizes, a few
+- the rotary embedding of each attention module's queries and keys (`rotary`): eagerly ~10 kernels forward
+  (rotate_half's negation and concatenation, two products and a sum, for each), fused one.
+
+These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy); here
+inductor writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic sizes, a few
 seconds in the first step. `compile: true` goes further (whole layers, norms and rotary included) at the price of
 compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
 tests compare against, and inductor's CPU code would buy little for what it costs to compile.
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+from contextvars import ContextVar
 
 import torch
 
@@ -99,3 +104,85 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     once, where eager rounds silu(gate) first: results differ from eager's by at most one rounding step of the
     inputs' dtype."""
     return _SiluMul.apply(gate, up)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, precise: torch.dtype) -> torch.Tensor:
+    """x · cos + rotate_half(x) · sin (transformers' rotary embedding), in `precise`."""
+    x, half = x.to(precise), x.size(-1) // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def _unrotate(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, precise: torch.dtype) -> torch.Tensor:
+    """The gradient of `_rotate` with respect to x: grad · cos + rotate_halfᵀ(grad · sin), rotate_halfᵀ(z) being
+    (z₂, −z₁)."""
+    grad, half = grad.to(precise), grad.size(-1) // 2
+    z = grad * sin
+    return grad * cos + torch.cat((z[..., half:], -z[..., :half]), -1)
+
+
+def _rotary_forward(q, k, cos, sin):
+    precise = torch.promote_types(q.dtype, torch.float32)
+    c, s = cos.unsqueeze(1).to(precise), sin.unsqueeze(1).to(precise)
+    return _rotate(q, c, s, precise).to(q.dtype), _rotate(k, c, s, precise).to(k.dtype)
+
+
+def _rotary_backward(grad_q, grad_k, cos, sin):
+    precise = torch.promote_types(grad_q.dtype, torch.float32)
+    c, s = cos.unsqueeze(1).to(precise), sin.unsqueeze(1).to(precise)
+    return _unrotate(grad_q, c, s, precise).to(grad_q.dtype), _unrotate(grad_k, c, s, precise).to(grad_k.dtype)
+
+
+class _Rotary(torch.autograd.Function):
+    """Queries and keys rotated, each direction one compiled kernel; only cos and sin are kept for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return compiled_function(_rotary_forward)(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        return (*compiled_function(_rotary_backward)(grad_q, grad_k, cos, sin), None, None)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` for (B, heads, T, head_dim) queries and keys and
+    (B, T, head_dim) cos and sin, forward and backward each one fused kernel (computed in float32, rounded once:
+    eager rounds each product and the sum)."""
+    return _Rotary.apply(q, k, cos, sin)
+
+
+ROTARY_HERE: ContextVar[bool] = ContextVar("alignpipe_fused_rotary", default=False)
+"""Set while a patched attention module runs (`lean_activations` with `fused`): the modeling module's rotary
+function then takes `rotary` on a CUDA device. Every other model in the process calls transformers' own."""
+
+
+def take_rotary(modeling_module: str) -> bool:
+    """Route `modeling_module`'s `apply_rotary_pos_emb` (transformers' Llama, Qwen2, Qwen3, Mistral modules call it
+    by its global name) through `rotary` while `ROTARY_HERE` is set, once per module; whether it has one.
+    transformers' attention forwards stay as they are, which is why the switch is the module's global and not an
+    instance's attribute."""
+    module = sys.modules.get(modeling_module)
+    original = getattr(module, "apply_rotary_pos_emb", None)
+    if original is None:
+        return False
+    if getattr(original, "alignpipe_original", None) is not None:
+        return True
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        # not while compiling (a compiled graph fuses the plain expression), nor in decode steps (one position)
+        if (
+            not torch.compiler.is_compiling()
+            and ROTARY_HERE.get()
+            and unsqueeze_dim == 1
+            and q.dim() == 4
+            and q.size(2) > 1
+            and wanted(True, q.device)
+        ):
+            return rotary(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.alignpipe_original = original  # type: ignore[attr-defined]
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb  # type: ignore[union-attr]
+    return True

@@ -18,7 +18,8 @@ keeping the input and one float32 scale per token, as Liger's norm kernel does. 
 and rounds once, where transformers' rounds the normalised input to bf16 before the scale, so outputs differ from
 the unpatched model's by at most two bf16 rounding steps, one for each of transformers' roundings
 (`bench/gpu_checks.py` measures both on the GPU). Where `fused_kernels` is on (the default), the MLP's product
-runs on CUDA as one compiled kernel each way (`fused_kernels.silu_mul`), keeping the same two tensors."""
+runs on CUDA as one compiled kernel each way (`fused_kernels.silu_mul`), keeping the same two tensors, and so does
+each attention module's rotary embedding (`fused_kernels.rotary`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from alignpipe import fused_kernels
 
 NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
 MLPS = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
+ATTENTIONS = {"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention"}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,10 +103,20 @@ def _mlp_forward(self, x):
     return self.down_proj(_LeanSiluMul.apply(gate, up))
 
 
+def _attention_forward(self, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        return type(self).forward(self, *args, **kwargs)
+    here = fused_kernels.ROTARY_HERE.set(True)  # this module's rotary call takes the fused kernel on a GPU
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        fused_kernels.ROTARY_HERE.reset(here)
+
+
 def lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
     """Patch `model`'s known RMSNorms and SiLU MLPs in place (instance forwards; weights, state dict and hooks
-    unchanged); how many modules were patched. `fused`: on a CUDA device the MLPs' products run as compiled kernels
-    (`fused_kernels.silu_mul`)."""
+    unchanged); how many modules were patched. `fused`: on a CUDA device the MLPs' products and the attention
+    modules' rotary embeddings run as compiled kernels (`fused_kernels.silu_mul`, `fused_kernels.rotary`)."""
     patched = 0
     for module in model.modules():
         name = type(module).__name__
@@ -113,6 +125,8 @@ def lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
         elif name in MLPS and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU"):
             module.forward = types.MethodType(_mlp_forward, module)
             object.__setattr__(module, "alignpipe_fused_silu", fused)  # a plain flag, not a submodule or buffer
+        elif fused and name in ATTENTIONS and fused_kernels.take_rotary(type(module).__module__):
+            module.forward = types.MethodType(_attention_forward, module)
         else:
             continue
         patched += 1

@@ -3,7 +3,8 @@
 The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
 variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
 prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
-compiled kernels on Triton (with the SwiGLU product, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
+compiled kernels on Triton (with the SwiGLU product and the rotary embedding, what `fused_kernels` compiles; each
+timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
 device alone, and the hf engine's compiled decode step (CUDA graphs) against its eager loop.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
@@ -290,6 +291,40 @@ def check_fused_silu(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_fused_rotary(setup: Setup) -> Callable[[], None]:
+    @check("fused_kernels' rotary embedding (compiled, one kernel each way) equals transformers' within bf16 rounding")
+    def run():
+        from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+        from alignpipe import fused_kernels
+
+        original = getattr(apply_rotary_pos_emb, "alignpipe_original", apply_rotary_pos_emb)
+        heads, d = setup.model_shape["num_attention_heads"], 64
+        tokens = 4 * setup.head_tokens
+        torch.manual_seed(0)
+        q = torch.randn(1, tokens, heads, d, device=setup.device).to(setup.dtype).transpose(1, 2).requires_grad_()
+        k = torch.randn(1, tokens, 2, d, device=setup.device).to(setup.dtype).transpose(1, 2).requires_grad_()
+        angles = torch.arange(tokens, device=setup.device)[:, None] * 1e-3 * torch.arange(d, device=setup.device)
+        cos, sin = angles.cos()[None].to(setup.dtype), angles.sin()[None].to(setup.dtype)
+        grads = (torch.randn_like(q), torch.randn_like(k))
+        out, took = {}, {}
+        for name, fn in (("transformers", original), ("fused", fused_kernels.rotary)):
+
+            def forward_backward(fn=fn):
+                y = fn(q, k, cos, sin)
+                return y, torch.autograd.grad(y, (q, k), grads)
+
+            for _ in range(3):  # the last timed: the first compiles
+                (y, g), took[name] = timed(forward_backward, setup.cuda)
+            out[name] = (*y, *g)
+        gap = max(relative(a, b) for a, b in zip(out["fused"], out["transformers"], strict=True))
+        times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
+        ok = gap < (1e-2 if setup.cuda else 1e-5)
+        return ok, f"{tokens} tokens × {heads} + 2 heads: value and gradient gaps {gap:.1e}; forward+backward {times}"
+
+    return run
+
+
 def _head_inputs(setup: Setup, seed: int):
     g = torch.Generator().manual_seed(seed)
     d, V, N = setup.model_shape["hidden_size"], setup.model_shape["vocab"], setup.head_tokens
@@ -485,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         check_padding_free_dpo,
         check_fused_norm,
         check_fused_silu,
+        check_fused_rotary,
         check_sft_head,
         check_dpo_head,
         check_loss_watch,

@@ -48,6 +48,61 @@ def test_silu_mul_rounds_once_in_bfloat16():
         assert torch.allclose(got.double(), want, rtol=2**-8 + 1e-6, atol=1e-30), (got.double() - want).abs().max()
 
 
+def rotary_and_grads(fn, q, k, cos, sin, grads):
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    out = fn(q, k, cos, sin)
+    return (*out, *torch.autograd.grad(out, (q, k), grads))
+
+
+def rotary_inputs(dtype, seed=2):
+    """Queries and keys as a Qwen2 attention module has them (a transposed view), cos and sin as its rotary
+    embedding gives them."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, KV, D = 2, 19, 4, 2, 16
+    q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, T, KV, D, generator=g).to(dtype).transpose(1, 2)
+    angles = torch.arange(T)[:, None] * (1e4 ** (-torch.arange(0, D, 2) / D))[None, :]
+    angles = torch.cat((angles, angles), -1).expand(B, T, D)
+    grads = (torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, KV, T, D, generator=g).to(dtype))
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype), grads
+
+
+def test_rotary_equals_transformers_in_float32_and_rounds_once_in_bfloat16():
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    original = getattr(apply_rotary_pos_emb, "alignpipe_original", apply_rotary_pos_emb)
+    inputs = rotary_inputs(torch.float32)
+    for got, want in zip(
+        rotary_and_grads(fused_kernels.rotary, *inputs), rotary_and_grads(original, *inputs), strict=True
+    ):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    q, k, cos, sin, grads = rotary_inputs(torch.bfloat16)
+    exact = rotary_and_grads(original, q.double(), k.double(), cos.double(), sin.double(), [g.double() for g in grads])
+    for got, want in zip(rotary_and_grads(fused_kernels.rotary, q, k, cos, sin, grads), exact, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.double(), want, rtol=2**-8 + 1e-6, atol=1e-30), (got.double() - want).abs().max()
+
+
+def test_only_patched_models_take_the_fused_rotary(tiny, gate_open):
+    """The modeling module's rotary function is switched for the whole process, but only a patched model's
+    attention modules route it to the fused kernel: a model left as transformers built it runs its own."""
+    from alignpipe.lean_activations import lean_activations
+
+    plain = load_causal_lm(str(tiny / "model"))
+    patched = load_causal_lm(str(tiny / "model"))
+    lean_activations(patched, fused=True)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        assert gate_open["rotary"] == 0
+        got = patched(input_ids=ids).logits
+    assert gate_open["rotary"] == plain.config.num_hidden_layers
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        plain(input_ids=ids)
+    assert gate_open["rotary"] == plain.config.num_hidden_layers
+
+
 def test_the_kernels_are_taken_on_cuda_only():
     assert not wanted(True, "cpu") and not wanted(False, "cpu")
     assert not loss_kernels(SFTConfig(), "cpu"), "on CPU the eager kernels run"
@@ -59,7 +114,7 @@ def test_the_kernels_are_taken_on_cuda_only():
 @pytest.fixture
 def gate_open(monkeypatch):
     """The trainers' gate opened on CPU, with a count of the fused kernels' calls."""
-    calls = {"silu_mul": 0, "loss": 0, "scoring": 0}
+    calls = {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
     monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
     silu = fused_kernels.silu_mul
 
@@ -68,6 +123,13 @@ def gate_open(monkeypatch):
         return silu(*a)
 
     monkeypatch.setattr(fused_kernels, "silu_mul", counted_silu)
+    rotary = fused_kernels.rotary
+
+    def counted_rotary(*a):
+        calls["rotary"] += 1
+        return rotary(*a)
+
+    monkeypatch.setattr(fused_kernels, "rotary", counted_rotary)
     for module, key in ((linear_ce, "loss"), (linear_sequence_loss, "loss"), (logprobs, "scoring")):
         compiled = module.compiled_function
 
@@ -93,37 +155,37 @@ def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_pat
     """The MLPs' products and the head's softmax and gradient through the compiled kernels: the same losses and
     gradient norms as the eager kernels (float32), and the eager run takes none of them."""
     eager_loss, eager_norm = sft_series(tiny, tmp_path, False)
-    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0}
+    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
     loss, norm = sft_series(tiny, tmp_path, True)
     layers = load_causal_lm(str(tiny / "model")).config.num_hidden_layers
-    assert gate_open["silu_mul"] >= 3 * layers and gate_open["loss"] >= 3
+    assert gate_open["silu_mul"] >= 3 * layers and gate_open["rotary"] >= 3 * layers and gate_open["loss"] >= 3
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 
 
 def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypatch, gate_open):
-    """DPO's fused head with its group kernels compiled (the GPU default): loss and every gradient equal eager."""
+    """DPO's fused head with its group kernels compiled, the MLPs' products and the rotary embeddings fused (the GPU
+    default): loss and every gradient equal eager."""
     from alignpipe.lean_activations import lean_activations
 
     tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
     batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
-    model = load_causal_lm(str(tiny / "model"))
-    lean_activations(model, fused=True)
+    models = {fused: load_causal_lm(str(tiny / "model")) for fused in (False, True)}
+    for fused, model in models.items():
+        lean_activations(model, fused=fused)
     monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)  # a GPU batch's logits: the fused head is taken
 
     def run(fused):
-        for module in model.modules():
-            if hasattr(module, "alignpipe_fused_silu"):
-                module.alignpipe_fused_silu = fused
-        model.zero_grad()
+        model = models[fused]
         zeros = torch.zeros(4)
         loss, _ = dpo.batch_loss(model, batch, lambda _b: (zeros, zeros), DPOConfig(fused_kernels=fused))
         loss.backward()
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     eager = run(False)
-    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0}
+    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
     fused = run(True)
-    assert gate_open["silu_mul"] == model.config.num_hidden_layers and gate_open["loss"] >= 2
+    layers = models[True].config.num_hidden_layers
+    assert gate_open["silu_mul"] == layers == gate_open["rotary"] and gate_open["loss"] >= 2
     assert fused[0] == pytest.approx(eager[0], rel=1e-6)
     for name, grad in eager[1].items():
         assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name
@@ -132,7 +194,7 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
 def test_a_frozen_reference_rounds_as_the_policy_does(tiny, gate_open):
     """bf16 with the fused kernels (the gate opened on CPU): the frozen reference is patched as the policy is, so
     the answers' log-probs of identical weights are equal bit for bit (DPO's step-0 rewards exactly 0); a
-    reference left as transformers builds it rounds the SwiGLU product differently."""
+    reference left as transformers builds it rounds the SwiGLU product and the rotary embedding differently."""
     import copy
 
     from alignpipe.lean_activations import lean_activations
