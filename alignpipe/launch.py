@@ -60,7 +60,7 @@ def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | 
             "--num_processes",
             str(processes),
             "--main_process_port",
-            str(_free_port()),
+            str(free_port()),
         ]
         if accelerate_config:
             cmd += ["--config_file", accelerate_config]
@@ -76,12 +76,13 @@ def stage_command(spec_path: Path, processes: int = 1, accelerate_config: str | 
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         *stage,
     ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (the OS picks it)."""
     import socket
 
     with socket.socket() as sock:

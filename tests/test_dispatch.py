@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,11 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from alignpipe.launch import free_port
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[1]
 POOL = "alignpipe-process"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd, env, log: Path) -> subprocess.Popen:
@@ -55,7 +50,7 @@ def hub():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("prefect")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from alignpipe.launch import launch
+from alignpipe.launch import free_port, launch
 from alignpipe.pipeline_run import start_pipeline_run
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
@@ -127,7 +127,7 @@ def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathere
     from pathlib import Path
 
     script = Path(__file__).with_name("wrapped_head_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [*cmd, str(script), "fsdp", str(tiny / "model")], capture_output=True, text=True, timeout=300, env=env

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from alignpipe import losses
+from alignpipe.launch import free_port
 from alignpipe.logprobs import shared_prefix_hidden, shared_prompt_logprobs, token_logprobs, worth_sharing
 from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean
 from alignpipe.trainers import grpo
@@ -53,7 +54,7 @@ def test_under_ddp_the_lm_head_runs_in_chunks_outside_the_wrapper(tiny, attentio
     from pathlib import Path
 
     script = Path(__file__).with_name("wrapped_head_check.py")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29561"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out = subprocess.run(
         [sys.executable, str(script), "ddp", str(tiny / "model"), attention],
         capture_output=True,

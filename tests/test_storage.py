@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from alignpipe.launch import free_port
 from alignpipe.manifest import Manifest
 from alignpipe.storage import CheckpointMirror, RemoteStore, localize, stage_folder
 
@@ -147,17 +147,11 @@ def test_credential_option_names_are_refused_and_look_alikes_pass():
 # --- against a real S3 API ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """`moto_server` on loopback (a local S3 API), a bucket, and the environment a worker would have."""
     log = tmp_path_factory.mktemp("s3") / "moto.log"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=log.open("w"),
