@@ -4,7 +4,7 @@
 # limit with its own per-step timeouts; the bench rewrites docs/benchmarks.md after every round of runs, so a step
 # stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
-#   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the SwiGLU and head kernels of
+#   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the SwiGLU, rotary and head kernels of
 #      `fused_kernels` timed against eager, syncs, the compiled decode step); packed SFT 8×2048 on the varlen kernel
 #      (both sides varlen: the fair comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask),
 #      ours (with `fused_kernels`, the default), then profiles of that step, ours and TRL + Liger's: where the time
