@@ -18,9 +18,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.
 
 These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy); here
-inductor writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic sizes, a few
-seconds in the first step. `compile: true` goes further (whole layers, norms and rotary included) at the price of
-compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
+inductor writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic
+sizes, a few seconds in the first step. `compile: true` goes further (whole layers, norms and rotary included) at
+the price of compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
 tests compare against, and inductor's CPU code would buy little for what it costs to compile.
 
 If the device cannot compile (no Triton, say), `available` finds it on its first call, says so once, and the eager

@@ -68,8 +68,8 @@ def token_logprobs(
     within each row only.
     `compiled`: each chunk of the head runs compiled (`compiled.compiled_function`): with gradients on, its
     forward and backward (a stage's `compile: true`); without, its log-softmax and gather as one kernel after the
-    matmul (`fused_kernels` on a GPU: the reference's and the old policy's scoring passes). `count`: the number of true positions in `only`, where the caller knows it on
-    the host (no wait for the device to count them).
+    matmul (`fused_kernels` on a GPU: the reference's and the old policy's scoring passes). `count`: the number of
+    true positions in `only`, where the caller knows it on the host (no wait for the device to count them).
     Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
     """
     labels = input_ids[:, start + 1 :]

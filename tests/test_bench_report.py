@@ -376,9 +376,9 @@ def test_the_decode_overhead_probe_times_each_loop(capsys):
 def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     """`python -m bench.gpu_checks`, the first call of a GPU session, runs on CPU too (float32, small sizes): varlen
     attention against SDPA's mask with every layer taking the flattened path, padding-free DPO rows against padded
-    ones, the compiled SwiGLU product and rotary embedding against eager's, the fused heads eager and compiled against autograd; the
-    CUDA-only checks say they were skipped. So the
-    script a GPU session depends on cannot rot."""
+    ones, the compiled SwiGLU product and rotary embedding against eager's, the fused heads eager and compiled
+    against autograd; the CUDA-only checks say they were skipped. So the script a GPU session depends on cannot
+    rot."""
     from bench import gpu_checks
 
     gpu_checks.RESULTS.clear()

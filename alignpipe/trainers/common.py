@@ -75,12 +75,18 @@ def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[to
     return values, mask
 
 
+def lean_patched(cfg: TrainingArgs) -> bool:
+    """Whether a stage's models get `lean_activations`: not under `compile` (inductor chooses what to keep) nor
+    activation checkpointing (nothing is kept)."""
+    return cfg.lean_activations and not cfg.compile and not cfg.gradient_checkpointing
+
+
 def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
     """A frozen reference model on `device`, its norms and MLPs patched as the policy's are (`lean_activations`,
     with `fused_kernels`): on a GPU the fused kernels round differently from transformers' modules, and a reference
     that rounds as the policy does gives the step-0 log-ratios of identical weights exactly 0, as on CPU."""
     ref_model = ref_model.to(device).eval().requires_grad_(False)
-    if cfg.lean_activations and not cfg.compile and not cfg.gradient_checkpointing:
+    if lean_patched(cfg):
         lean_activations(ref_model, fused=cfg.fused_kernels)
     return ref_model
 
@@ -359,7 +365,7 @@ class TrainLoop:
             model = lora_model(model, cfg.lora, task_type=lora_task)
         if adapt_model and cfg.compile:
             compile_layers(model)
-        elif adapt_model and cfg.lean_activations and not cfg.gradient_checkpointing:
+        elif adapt_model and lean_patched(cfg):
             lean_activations(model, fused=cfg.fused_kernels)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:

@@ -69,10 +69,10 @@ class TrainingArgs(Strict):
     Off under `compile` (inductor chooses what to keep) and `gradient_checkpointing` (nothing is kept)."""
     fused_kernels: bool = True
     """On a CUDA device, run the element-wise work between the matmuls as kernels `torch.compile` fuses while the
-    layers stay eager: each SwiGLU product and rotary embedding (with `lean_activations`), the LM head's softmax and gradient per chunk
-    (SFT's loss, DPO's and KTO's fused head) and its log-softmax per chunk in the reference's and old policy's
-    scoring passes, one pass each instead of several over (tokens × intermediate) and (tokens × vocabulary)
-    tensors. A few seconds of compilation in the first step; no effect on CPU
+    layers stay eager: each SwiGLU product and rotary embedding (with `lean_activations`), the LM head's softmax
+    and gradient per chunk (SFT's loss, DPO's and KTO's fused head) and its log-softmax per chunk in the
+    reference's and old policy's scoring passes, one pass each instead of several over (tokens × intermediate) and
+    (tokens × vocabulary) tensors. A few seconds of compilation in the first step; no effect on CPU
     (`alignpipe/fused_kernels.py`)."""
     compile: bool = False
     """`torch.compile` each decoder layer: fused element-wise kernels and fewer launches per step on a GPU, paid for
