@@ -15,17 +15,66 @@ benchmark) gets them derived once per forward, with one device read, as transfor
 
 Everything else runs SDPA unchanged: padded batches (a 2-D mask), decoding with a KV cache, rows without packing.
 The kernel needs a CUDA device and fp16/bf16 tensors; elsewhere (CPU, float32) the same documents run one by one
-through causal SDPA (exact, slower: for tests and CPU users)."""
+through causal SDPA (exact, slower: for tests and CPU users).
+
+`model.attention: auto` (the default) takes `varlen` where it pays and is known to be exact (`choose`): a CUDA
+device, bf16/fp16 weights, one of the model families whose attention modules hand the documents through (Llama,
+Qwen2, Qwen3, Mistral), no sliding-window layers and no attention dropout. Elsewhere it is `sdpa`.
+
+The kernel is checked once per process, at its first call of each kind (each document attending to itself;
+separate key documents), against the documents run one by one through SDPA on the same inputs (`_kernel_call`). A
+torch release whose kernel takes its arguments otherwise (2.11's lacked `enable_gqa`, for one) then costs a warning
+and the slower exact path, never a silently wrong gradient."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import itertools
+import logging
 
 import torch
 
+log = logging.getLogger(__name__)
+
 NAME = "varlen"
+
+# model families whose attention modules pass `position_ids` and the document keywords through to the attention
+# function, and whose SDPA and varlen runs the tests compare (`config.model_type`)
+AUTO_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+def kernel_available() -> bool:
+    """Whether this torch ships the variable-length flash kernel (`torch.nn.attention.varlen`, torch ≥ 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose(model) -> tuple[str, str]:
+    """(`varlen` or `sdpa`, why) for `model.attention: auto` on `model` as loaded: `varlen` on a machine with a CUDA
+    device, for bf16/fp16 weights of a family in `AUTO_FAMILIES` without sliding-window layers or attention
+    dropout, where torch has the kernel."""
+    config = model.config
+    family = getattr(config, "model_type", None)
+    if not torch.cuda.is_available():
+        return "sdpa", "no CUDA device"
+    if not kernel_available():
+        return "sdpa", f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if model.dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa", f"{model.dtype} weights (the kernel runs bf16/fp16)"
+    if family not in AUTO_FAMILIES:
+        return "sdpa", f"model type {family!r} (varlen is chosen for {', '.join(sorted(AUTO_FAMILIES))})"
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    )
+    if sliding:
+        return "sdpa", "sliding-window layers"
+    if getattr(config, "attention_dropout", 0.0):
+        return "sdpa", f"attention dropout {config.attention_dropout}"
+    return register(), "CUDA, bf16/fp16, full attention"
 
 
 @functools.cache
@@ -146,6 +195,45 @@ def _call_varlen(kernel, q, k, v, cu_q, cu_k, longest_q: int, longest_k: int, sc
     return out
 
 
+# The kernel's verdict per kind of call ("self": each document attends to itself; "keys": separate key documents),
+# from its first call in this process: True agreed with `_per_document`, False did not (that kind then runs there).
+KERNEL_VERDICTS: dict[str, bool] = {}
+
+# Worst per-token relative gap from `_per_document` the kernel may show: bf16 rounding gives ~4e-3; a kernel given
+# the wrong causal alignment, scale or head grouping is off by tens of percent.
+KERNEL_TOLERANCE = 5e-2
+
+
+def _kernel_call(kernel, q, k, v, cu_q, cu_k, longest_q: int, longest_k: int, scale: float | None) -> torch.Tensor:
+    """`_call_varlen`, checked at the first call of each kind against the documents run one by one (one device
+    read, once); a kind whose check failed runs one by one from then on, with a warning saying so. Inside a
+    compiled layer (`compile: true`) the kernel runs unchecked: a check there would break the graph."""
+    if torch.compiler.is_compiling():
+        return _call_varlen(kernel, q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
+    kind = "self" if cu_k is cu_q else "keys"
+    verdict = KERNEL_VERDICTS.get(kind)
+    if verdict is False:
+        return _per_document(q, k, v, cu_q, cu_k, scale)
+    out = _call_varlen(kernel, q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
+    if verdict is None:
+        with torch.no_grad():
+            want = _per_document(q, k, v, cu_q, cu_k, scale).float()
+            gap = ((out.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max().item()
+        KERNEL_VERDICTS[kind] = gap <= KERNEL_TOLERANCE
+        if gap > KERNEL_TOLERANCE:
+            log.warning(
+                "model.attention: varlen: torch %s's varlen_attn is off from SDPA by %.2g (per-token relative gap; "
+                "allowed %.2g) on %s documents; they run one by one through SDPA instead (exact, slower). Set "
+                "`model.attention: sdpa` to silence this, and report the torch version",
+                torch.__version__,
+                gap,
+                KERNEL_TOLERANCE,
+                "self-attending" if kind == "self" else "shared-key",
+            )
+            return _per_document(q, k, v, cu_q, cu_k, scale)
+    return out
+
+
 @functools.cache
 def _keywords(kernel) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
@@ -162,7 +250,7 @@ def _documents_attention(
 
         cu_q = cu_q.to(device=q.device, dtype=torch.int32)
         cu_k = cu_q if cu_k is cu_q else cu_k.to(device=q.device, dtype=torch.int32)
-        return _call_varlen(varlen_attn, q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
+        return _kernel_call(varlen_attn, q, k, v, cu_q, cu_k, longest_q, longest_k, scale)
     if torch.compiler.is_compiling():
         # one opaque op, as the CUDA kernel is: the loop below would break the graph at `cu.tolist()` and
         # specialise on every document boundary, a recompile per batch

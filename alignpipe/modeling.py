@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -67,12 +68,32 @@ def is_activation_checkpointing(model) -> bool:
 
 
 def implementation(attention: str | None) -> str | None:
-    """transformers' `attn_implementation` for the recipe's `model.attention`: ours (`varlen`) registered first."""
+    """transformers' `attn_implementation` to load the recipe's `model.attention` with: ours (`varlen`) registered
+    first; `auto` loads as `sdpa` and `settle_auto` chooses once the weights' dtype is known."""
     if attention == "varlen":
         from alignpipe.attention import register
 
         return register()
-    return attention
+    return "sdpa" if attention == "auto" else attention
+
+
+def settle_auto(model, attention: str | None):
+    """`model` as loaded, its attention switched to `alignpipe.attention.choose`'s pick under `model.attention:
+    auto` (logged once per pick and reason)."""
+    if attention != "auto":
+        return model
+    from alignpipe.attention import choose
+
+    name, why = choose(model)
+    if name != model.config._attn_implementation:
+        model.set_attn_implementation(name)
+    _log_choice(name, why)
+    return model
+
+
+@functools.cache
+def _log_choice(name: str, why: str) -> None:
+    log.info("model.attention: auto runs %s (%s)", name, why)
 
 
 @contextlib.contextmanager
@@ -82,7 +103,7 @@ def attention_errors(attention: str | None):
     try:
         yield
     except (ImportError, ValueError) as e:
-        if attention in (None, "sdpa", "eager") or "attention" not in str(e).lower():
+        if attention in (None, "auto", "sdpa", "eager") or "attention" not in str(e).lower():
             raise
         raise ValueError(
             f"model.attention: {attention} cannot be used on this machine ({e}). Install what it needs "
@@ -122,6 +143,7 @@ def load_causal_lm(
             trust_remote_code=trust_remote_code,
             attn_implementation=implementation(attention),
         )
+    settle_auto(model, attention)
     if adapter:
         from peft import PeftModel
 
@@ -229,6 +251,7 @@ def load_sequence_scorer(
             trust_remote_code=trust_remote_code,
             attn_implementation=implementation(attention),
         )
+    settle_auto(model, attention)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

@@ -23,18 +23,22 @@ class ModelSpec(Strict):
     """Weights dtype for training and generation. bf16 needs a GPU that supports it."""
     trust_remote_code: bool = False
     """Allow the model repo's own Python code to run. Off unless you trust the repo."""
-    attention: Literal["sdpa", "varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = "sdpa"
-    """The attention kernels every stage's models run (transformers' `attn_implementation`). `sdpa`: PyTorch's
-    scaled-dot-product attention, on CPU and GPU; packed SFT rows get a block-diagonal mask, which keeps SDPA off
-    its flash kernel and computes the whole T × T square. `varlen`: packed SFT rows run as variable-length
-    sequences through the flash kernel that ships inside PyTorch (a CUDA GPU, bf16/fp16; nothing to install), no
-    mask and no work outside each row; unpacked SFT batches and DPO, KTO, reward and online batches run padding-free
-    the same way, as one row of documents with each prompt run once (`alignpipe/packed_rows.py`); everything else
-    (decoding, generation's prefill) runs as `sdpa`
-    (`alignpipe/attention.py`). On CPU or in float32 the rows run one by one (exact, slower). `flash_attention_2`/`_3`
-    (a CUDA GPU and the `flash-attn` package): packed and padding-free rows run as variable-length sequences, no
-    mask and no work on the masked-out blocks, the fastest way to train packed rows. `flex_attention`: FlexAttention block masks (GPU;
-    its backward does not run on CPU). `eager`: plain matmuls, for debugging."""
+    attention: Literal[
+        "auto", "sdpa", "varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+    ] = "auto"
+    """The attention kernels every stage's models run (transformers' `attn_implementation`). `auto`: `varlen` where
+    it pays and is known exact (a CUDA device, bf16/fp16 weights, a Llama, Qwen2, Qwen3 or Mistral model without
+    sliding-window layers or attention dropout), `sdpa` elsewhere (CPU, float32, other models); the log says which
+    and why. `sdpa`: PyTorch's scaled-dot-product attention, on CPU and GPU; packed SFT rows get a block-diagonal
+    mask, which keeps SDPA off its flash kernel and computes the whole T × T square. `varlen`: packed SFT rows run as
+    variable-length sequences through the flash kernel that ships inside PyTorch (a CUDA GPU, bf16/fp16; nothing to
+    install), no mask and no work outside each row; unpacked SFT batches and DPO, KTO, reward and online batches run
+    padding-free the same way, as one row of documents with each prompt run once (`alignpipe/packed_rows.py`);
+    everything else (decoding, generation's prefill) runs as `sdpa` (`alignpipe/attention.py`). Its first call of
+    each kind is checked against SDPA run document by document. On CPU or in float32 the rows run one by one (exact,
+    slower). `flash_attention_2`/`_3` (a CUDA GPU and the `flash-attn` package): packed and padding-free rows run as
+    variable-length sequences, no mask and no work on the masked-out blocks. `flex_attention`: FlexAttention block
+    masks (GPU; its backward does not run on CPU). `eager`: plain matmuls, for debugging."""
 
 
 class DatasetSpec(Strict):
