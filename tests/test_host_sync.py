@@ -294,12 +294,12 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     assert bool(documents) == (attention == "varlen")
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lora):
+@pytest.mark.parametrize(("lora", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "varlen")], ids=str)
+def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lora, attention):
     """PPO's epochs over a rollout (policy and value forward and backward, gradient clipping, optimizer and schedule
     steps) read nothing back with TRL 0.7's opt-in host decisions (`ratio_threshold`, `early_stopping`) off: the
     mini-batch permutation and each micro-batch's token count are host ints. The statistics are read once after
-    the epochs."""
+    the epochs. On varlen the micro-batches' padding-free layouts come from the rollout's host token lists."""
     from support import run_ppo
 
     from alignpipe.trainers import ppo
@@ -307,5 +307,7 @@ def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lor
     passes = []
     epochs = ppo._epochs
     monkeypatch.setattr(ppo, "_epochs", lambda *a: passes.append(1) or guard(epochs)(*a))
-    _, tracker, _ = run_ppo(tiny, tmp_path, lora=lora, max_steps=2)
+    documents = varlen_on_cpu(monkeypatch, guard)
+    _, tracker, _ = run_ppo(tiny, tmp_path, lora=lora, attention=attention, max_steps=2)
     assert len(passes) == 2 and len(tracker.series("loss/policy_avg")) == 2
+    assert bool(documents) == (attention == "varlen")

@@ -310,6 +310,33 @@ def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, to
     assert layouts and all(layouts), "every padding-free micro-batch shared its prompts"
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["reference-copy", "lora"])
+def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(tiny, tmp_path, monkeypatch, lora):
+    """PPO on varlen: the rollout's policy, reference and value passes and every epoch's micro-batch run as one row
+    of documents, an episode each (left-padded prompts and the padding after short responses left out): the same
+    rollouts, KL, value predictions, losses and clip fractions as the padded run on SDPA."""
+    from support import run_ppo
+
+    from alignpipe.trainers import ppo
+
+    layouts: list[int] = []
+    pack = ppo.pack_answers
+    monkeypatch.setattr(ppo, "pack_answers", lambda *a, **k: layouts.append(len(a[1])) or pack(*a, **k))
+    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg")
+    series = {}
+    for attention in ("sdpa", "varlen"):
+        torch.manual_seed(0)  # the value model's fresh score head: the same on both sides
+        _, tracker, _ = run_ppo(tiny, tmp_path / attention, lora=lora, attention=attention, max_steps=2)
+        series[attention] = {k: tracker.series(k) for k in keys}
+        if attention == "sdpa":
+            assert not layouts, "padded on SDPA"
+    for key in keys:
+        assert len(series["sdpa"][key]) == 2
+        assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
+    # per update of 16 episodes: 2 scoring slices of 8, then 2 epochs × 2 mini-batches of one 8-episode micro-batch
+    assert layouts == [8] * 6 * 2
+
+
 @pytest.mark.parametrize("packed", ["documents", "shared"])
 def test_an_answer_cut_to_nothing_leaves_its_prompt_a_document(tiny, tok, packed):
     """A prompt as long as `max_length` leaves its answers no room (DPO cuts them to nothing): the prompt is still a

@@ -32,9 +32,10 @@ class ModelSpec(Strict):
     and why. `sdpa`: PyTorch's scaled-dot-product attention, on CPU and GPU; packed SFT rows get a block-diagonal
     mask, which keeps SDPA off its flash kernel and computes the whole T × T square. `varlen`: packed SFT rows run as
     variable-length sequences through the flash kernel that ships inside PyTorch (a CUDA GPU, bf16/fp16; nothing to
-    install), no mask and no work outside each row; unpacked SFT batches and DPO, KTO, reward and online batches run
-    padding-free the same way, as one row of documents with each prompt run once (`alignpipe/packed_rows.py`);
-    everything else (decoding, generation's prefill) runs as `sdpa` (`alignpipe/attention.py`). Its first call of
+    install), no mask and no work outside each row; unpacked SFT batches, DPO, KTO, reward and online batches and
+    PPO's episodes run padding-free the same way, as one row of documents with each prompt run once
+    (`alignpipe/packed_rows.py`); everything else (decoding, generation's prefill) runs as `sdpa`
+    (`alignpipe/attention.py`). Its first call of
     each kind is checked against SDPA run document by document. On CPU or in float32 the rows run one by one (exact,
     slower). `flash_attention_2`/`_3` (a CUDA GPU and the `flash-attn` package): packed and padding-free rows run as
     variable-length sequences, no mask and no work on the masked-out blocks. `flex_attention`: FlexAttention block

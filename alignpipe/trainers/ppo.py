@@ -18,6 +18,11 @@ a micro-batch whose mean ratio passes `ratio_threshold` is skipped, and `early_s
 policy KL passes 1.5 × `target_kl`. After the batch, `adap_kl_ctrl` moves `kl_coef` toward `target`
 (trainers/ppo_controls.py).
 
+On an attention kernel that runs documents (`model.attention: varlen`, the default on a CUDA GPU, or flash-attn's)
+every forward over episodes, the rollout's policy, reference and value passes and each epoch's micro-batch, runs
+padding-free: one row of documents, an episode each (`episode_layout`, from the rollout's host token lists), so
+neither the prompts' left padding nor the padding after short responses is computed.
+
 Departures from TRL 1.12, both as TRL 0.7 and the N+ paper do: the score lands on the last response token
 (1.12 added it one position later, `sequence_lengths + 1`, so λ discounted it), and that token is the last step
 of the episode (1.12 treated the position after EOS as a real next step, bootstrapping from its value and
@@ -39,7 +44,7 @@ import math
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +54,10 @@ import torch.nn as nn
 from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
-from alignpipe.logprobs import decoder_hidden, full_kl, token_logprobs
+from alignpipe.logprobs import decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import mask_positions, under_attention_kernels
+from alignpipe.packed_rows import pack_answers, runs, runs_documents
 from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
 from alignpipe.trainers.common import (
     TrainLoop,
@@ -109,10 +115,28 @@ def response_logprobs(
     only: torch.Tensor | None = None,
     count: int | None = None,
     compiled: bool = False,
+    packed: dict[str, Any] | None = None,
 ):
     """Log-probs (and entropies) of the response tokens, (B, R). `only` (B, R): the LM head runs on those tokens
     alone (0 elsewhere); `count`, their number counted on the host; `compiled`, the head's chunks compiled
-    (`token_logprobs`)."""
+    (`token_logprobs`). `packed`: the episodes padding-free (`episode_layout`), run as one row of documents where
+    `policy`'s attention runs documents."""
+    if runs(packed, policy):
+        index = torch.arange(query.size(0), device=query.device)
+        return shared_prompt_logprobs(
+            policy,
+            query,
+            query_mask,
+            response,
+            index,
+            temperature=temperature,
+            chunk_tokens=chunk,
+            with_entropy=with_entropy,
+            only=only,
+            count=count,
+            compiled=compiled,
+            packed=packed,
+        )
     ids, mask = _episode(query, query_mask, response)
     return token_logprobs(
         policy,
@@ -134,10 +158,33 @@ def response_hidden(policy, query, query_mask, response):
     return decoder_hidden(policy, ids, mask, start=query.size(1) - 1)
 
 
-def response_values(value_model, query, query_mask, response) -> torch.Tensor:
+def response_values(value_model, query, query_mask, response, packed: dict[str, Any] | None = None) -> torch.Tensor:
+    """The value head at the positions that score each response token, (B, R) (the prompt's last position for
+    token 0). `packed`: as `response_logprobs`'."""
+    if packed is not None and runs(packed, value_model):
+        backbone = getattr(value_model, value_model.base_model_prefix)
+        hidden = backbone(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, **packed["documents"]
+        ).last_hidden_state
+        scoring = packed["scoring"]
+        return value_model.score(hidden[0].index_select(0, scoring.flatten())).view(scoring.shape).float()
     ids, mask = _episode(query, query_mask, response)
     P = query.size(1)
     return token_values(value_model, ids, mask)[:, P - 1 : -1]
+
+
+def episode_layout(
+    prompts: list[list[int]], responses: list[list[int]], rows: list[int], width: int, device
+) -> dict[str, Any] | None:
+    """Episodes `rows` (prompt + response token lists, host) as one row of documents, one per episode
+    (`packed_rows.pack_answers`, nothing shared: each prompt has one response), on `device`; `width`: the padded
+    responses' length, which the scored positions are laid out to. None where a document would be empty."""
+    from accelerate.utils import send_to_device
+
+    chosen_prompts, chosen = [prompts[i] for i in rows], [responses[i] for i in rows]
+    if not all(p or r for p, r in zip(chosen_prompts, chosen, strict=True)):
+        return None
+    return send_to_device(pack_answers(chosen_prompts, chosen, width, share=False), device)
 
 
 def _episode(query, query_mask, response):
@@ -176,6 +223,19 @@ class Rollout:
     kl_coef: float
     lengths: torch.Tensor
     """(B,) host ints: each response's tokens (`response_mask`'s count per row), counted without a device read."""
+    prompt_tokens: list[list[int]] = field(default_factory=list, repr=False)
+    """Each episode's prompt tokens (host, unpadded), for the padding-free layouts of `layout`."""
+    response_tokens: list[list[int]] = field(default_factory=list, repr=False)
+    """Each episode's response tokens through its EOS (host, `lengths` of them)."""
+    padding_free: bool = False
+    """Whether the policy's or the value model's attention runs documents: the epochs then lay their micro-batches
+    out padding-free."""
+
+    def layout(self, rows: list[int], device) -> dict[str, Any] | None:
+        """Micro-batch `rows` padding-free (`episode_layout`), or None where no model runs documents."""
+        if not self.padding_free:
+            return None
+        return episode_layout(self.prompt_tokens, self.response_tokens, rows, self.response.size(1), device)
 
 
 @dataclass
@@ -221,10 +281,11 @@ class PPORun:
         return self.unwrapped.policy, self.unwrapped.policy.disable_adapter()
 
     def score_episodes(
-        self, q, qm, r, only: torch.Tensor | None = None, count: int | None = None
+        self, q, qm, r, only: torch.Tensor | None = None, count: int | None = None, packed: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(logprobs, ref_logprobs, full-distribution KL or None) of a slice of episodes; the log-probs on the
-        response tokens `only` alone (`response_logprobs`), 0 after them."""
+        response tokens `only` alone (`response_logprobs`), 0 after them; `packed`: the slice padding-free
+        (`episode_layout`), for the models whose attention runs documents."""
         cfg, policy = self.cfg, self.unwrapped.policy
         ref_model, ref_ctx = self.reference()
         if cfg.kl_penalty == "full":
@@ -236,11 +297,10 @@ class PPORun:
             )
         chunk = cfg.logprob_chunk_tokens
         kernels = fused_kernels.wanted(cfg.fused_kernels, q.device)  # the head's chunks compiled on a GPU
-        lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, only=only, count=count, compiled=kernels)
+        options: dict[str, Any] = dict(only=only, count=count, compiled=kernels, packed=packed)
+        lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, **options)
         with ref_ctx:
-            ref_lp = response_logprobs(
-                ref_model, q, qm, r, self.temperature, chunk, only=only, count=count, compiled=kernels
-            )
+            ref_lp = response_logprobs(ref_model, q, qm, r, self.temperature, chunk, **options)
         return lp, ref_lp, None
 
 
@@ -261,6 +321,8 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     query, query_mask = pad_rows(prompts, tok.pad_token_id, left=True)
     response, _ = pad_rows([g.completion_ids for g in gens], tok.pad_token_id)
     lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
+    responses = [row[:n] for row, n in zip(response.tolist(), lengths.tolist(), strict=True)]  # host, through EOS
+    padding_free = runs_documents(unwrapped.policy) or runs_documents(unwrapped.value_model)
     query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
     total, per_fn = run.rewards(
         [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
@@ -277,12 +339,14 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     for s in range(0, len(gens), cfg.batch_size):
         sl = slice(s, s + cfg.batch_size)
         count = int(lengths[sl].sum())  # host ints
-        lp, ref_lp, full = run.score_episodes(query[sl], query_mask[sl], response[sl], ~padding[sl], count)
+        rows = list(range(len(gens)))[sl]
+        packed = episode_layout(prompts, responses, rows, response.size(1), device) if padding_free else None
+        lp, ref_lp, full = run.score_episodes(query[sl], query_mask[sl], response[sl], ~padding[sl], count, packed)
         lp_parts.append(lp)
         ref_parts.append(ref_lp)
         if full is not None:
             kl_parts.append(full)
-        value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl]))
+        value_parts.append(response_values(unwrapped.value_model, query[sl], query_mask[sl], response[sl], packed))
     logprobs = torch.cat(lp_parts).float().masked_fill(padding, INVALID_LOGPROB)
     ref_logprobs = torch.cat(ref_parts).float().masked_fill(padding, INVALID_LOGPROB)
     values = torch.cat(value_parts).masked_fill(padding, 0)
@@ -309,6 +373,9 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
         non_score=non_score.masked_fill(padding, 0),
         kl_coef=run.kl_ctl.value,
         lengths=lengths,
+        prompt_tokens=prompts,
+        response_tokens=responses,
+        padding_free=padding_free,
     )
     return batch, gens, per_fn
 
@@ -365,6 +432,7 @@ def _epochs(
                 rows = mb[s : s + cfg.batch_size]
                 ix = torch.tensor(rows, device=acc.device)
                 mask = b.response_mask[ix]
+                packed = b.layout(rows, acc.device)
                 sync = j == cfg.gradient_accumulation_steps - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(model):
                     new_lp, entropy = response_logprobs(
@@ -377,9 +445,12 @@ def _epochs(
                         with_entropy=True,
                         only=mask,  # the head on response tokens alone, not on the padding after short ones
                         count=sum(lengths[i] for i in rows),
+                        packed=packed,
                     )
                     new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
-                    vpred = response_values(unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix])
+                    vpred = response_values(
+                        unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix], packed
+                    )
                     vpred = vpred.masked_fill(~mask, 0)
                     pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
                     vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
