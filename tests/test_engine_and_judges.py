@@ -263,8 +263,11 @@ def test_static_cache_decoding_gives_the_same_tokens(trained, n, temperature):
 
 def test_compiled_decode_steps_give_the_same_tokens(trained):
     """`rollout: {compile: true}`: the decode step compiled (on a GPU a CUDA graph; here inductor's CPU code), prompts
-    left-padded to a multiple of 64. The same tokens as the eager loop, greedy and sampled, one sample or three; a
-    second rollout of another width reuses the compiled step, and training the weights in place reaches it."""
+    left-padded to 64 tokens. The same tokens as the eager loop, greedy and sampled, one sample or three, the first
+    replay's check against the eager step passing; a second rollout of another width reuses the compiled step, and
+    training the weights in place reaches it."""
+    from alignpipe.engine.hf import CHECK_CALL
+
     model, tok = trained
     prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
     engine = HFEngine(model, tok, 8, compile=True)
@@ -274,6 +277,7 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
         compiled = engine.generate(prompts, n, sampling, seed=3)
         assert [g.completion_ids for g in compiled] == [g.completion_ids for g in eager], (n, temperature)
     assert engine.step is not None and len(engine.step.caches) == 2, "one static cache per rows × length, reused"
+    assert engine.step.failed is None and min(engine.step.calls.values()) >= CHECK_CALL, "checked, never given up"
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     with torch.no_grad():
         for p in model.parameters():  # an optimizer step, in place
@@ -286,6 +290,55 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
         with torch.no_grad():
             for p in model.parameters():
                 p.div_(1.01)
+
+
+def test_compiled_decode_widths_only_grow_in_powers_of_two_and_drop_the_narrower_caches(trained):
+    """A run compiles the step once per shape: prompt widths round up to a power of two, at least 64, and never fall
+    below the widest so far; a wider rollout's cache replaces the narrower ones, which are never run again."""
+    from alignpipe.engine.hf import CompiledDecodeStep
+
+    model, _ = trained
+    step = CompiledDecodeStep()
+    assert [step.width(w) for w in (5, 64, 65, 40, 130, 7)] == [64, 64, 128, 128, 256, 256]
+    step.cache(model, 4, 64 + 12), step.cache(model, 8, 64 + 12)
+    assert len(step.caches) == 2
+    step.cache(model, 4, 128 + 12)
+    assert [k[1:] for k in step.caches] == [(4, 140)]
+
+
+@pytest.mark.parametrize("how", ["not compiling", "wrong logits"])
+def test_a_compiled_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager_one(trained, caplog, how):
+    """A compilation that raises, or a compiled step whose logits at its first replay are off from the eager step's,
+    is reported once and replaced by the eager step: greedy tokens equal the eager loop's when it never ran, and the
+    compiled step is not called again."""
+    import logging
+
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A"]
+    greedy = SamplingParams(temperature=0, max_new_tokens=10)
+    engine = HFEngine(model, tok, 8, compile=True)
+    calls = []
+
+    def broken(model, token, full_mask, pos, cache, cache_position):
+        calls.append(1)
+        if how == "not compiling":
+            raise torch._dynamo.exc.TorchDynamoException("no Triton here")
+        logits = hf._decode_step(model, token, full_mask, pos, cache, cache_position)
+        return logits.flip(-1)  # a graph that read the wrong buffers
+
+    from alignpipe.engine import hf
+
+    engine.step.fn = broken
+    with caplog.at_level(logging.WARNING, logger="alignpipe.engine.hf"):
+        got = engine.generate(prompts, 1, greedy)
+        engine.generate(prompts, 1, greedy)
+    assert len(caplog.records) == 1 and "the eager static-cache step runs instead" in caplog.text
+    if how == "not compiling":
+        assert calls == [1] and "did not compile (TorchDynamoException: no Triton here)" in engine.step.failed
+        want = HFEngine(model, tok, 8).generate(prompts, 1, greedy)
+        assert [g.completion_ids for g in got] == [g.completion_ids for g in want]
+    else:
+        assert len(calls) == hf.CHECK_CALL and "logits are off from the eager step's" in engine.step.failed
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.modeling import mask_positions, under_attention_kernels
+
+log = logging.getLogger(__name__)
 
 
 class HFEngine:
@@ -207,13 +210,13 @@ def decode_static(
     `CHECK_EVERY` steps to stop early, so it is not held up by the host between steps. Same tokens
     as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
     repeated after prefill). With `step` (a `CompiledDecodeStep`) each decode step runs compiled, prompts left-padded
-    to a multiple of `WIDTH_BUCKET` so that a few shapes serve every rollout."""
+    to the step's width (`CompiledDecodeStep.width`) so that a few shapes serve every rollout."""
     from transformers import StaticCache
 
     if n > 1:
         ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-    if step is not None and ids.size(1) % WIDTH_BUCKET:
-        extra = WIDTH_BUCKET - ids.size(1) % WIDTH_BUCKET  # left padding: masked, positions unchanged
+    extra = step.width(ids.size(1)) - ids.size(1) if step is not None else 0
+    if extra:  # left padding: masked, positions unchanged
         ids = torch.cat([ids.new_full((ids.size(0), extra), pad), ids], dim=1)
         mask = torch.cat([mask.new_zeros((mask.size(0), extra)), mask], dim=1)
     rows, width = ids.shape
@@ -262,21 +265,47 @@ def _decode_step(model, token, full_mask, pos, cache, cache_position) -> torch.T
     ).logits[:, -1]
 
 
-# Prompt widths of a compiled decode are rounded up to a multiple of this, so a few shapes serve every rollout.
+# The narrowest prompt width of a compiled decode; wider prompts round up to a power of two.
 WIDTH_BUCKET = 64
+
+# The compiled step's logits are compared with the eager step's at this call of each shape: the first replay of its
+# CUDA graph (torch.compile's reduce-overhead mode runs a shape once to warm up and once to record it).
+CHECK_CALL = 3
+
+# Worst per-row relative gap of the compiled step's logits from the eager step's: bf16 rounding in another order
+# gives ~1e-2; a graph reading stale inputs or cache entries is off by order one.
+CHECK_TOLERANCE = 5e-2
 
 
 class CompiledDecodeStep:
     """`rollout: {compile: true}`: the decode step compiled with `torch.compile(mode="reduce-overhead")`, which on a
     GPU captures it as a CUDA graph and replays it for every token (one launch instead of a few hundred kernel
     launches per token); on CPU it is inductor's compiled code. The model is an input of the graph, not a constant:
-    optimizer steps update its weights in place and the next rollout replays the same graph on them. The static
-    caches are kept per (model, rows, length) and reset between rollouts, since a new cache object would be a new
-    graph."""
+    optimizer steps update its weights in place and the next rollout replays the same graph on them.
+
+    Every new shape compiles the step again, so shapes are kept few: prompt widths round up to a power of two and
+    never fall below the widest one run so far (`width`). The static caches are kept per (model, rows, length) and
+    reset between rollouts, since a new cache object would be a new graph; once the width grows, the narrower
+    caches (and graphs) are never run again and are dropped.
+
+    Two guards keep a rollout right where the compiled step is not: a compilation that fails (no Triton, an operator
+    inductor cannot lower) warns once and the eager step runs from then on; and at the first replay of each shape
+    (`CHECK_CALL`) the step's logits are compared with the eager step's on the same inputs, a gap beyond
+    `CHECK_TOLERANCE` doing the same."""
 
     def __init__(self):
         self.fn = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
         self.caches: dict[tuple[int, int, int], Any] = {}
+        self.widest = WIDTH_BUCKET
+        self.calls: dict[tuple, int] = {}
+        self.failed: str | None = None
+        """Why the compiled step was given up for the eager one, once it was."""
+
+    def width(self, width: int) -> int:
+        """The prompt width a rollout of prompts `width` tokens wide decodes at: a power of two, at least
+        `WIDTH_BUCKET` and the widest so far."""
+        self.widest = max(self.widest, 1 << max(0, width - 1).bit_length())
+        return self.widest
 
     def cache(self, model, rows: int, length: int):
         from transformers import StaticCache
@@ -284,15 +313,51 @@ class CompiledDecodeStep:
         key = (id(model), rows, length)
         cache = self.caches.get(key)
         if cache is None:
+            self.caches = {k: c for k, c in self.caches.items() if k[2] == length}  # narrower widths: never again
             cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
         else:
             cache.reset()
         return cache
 
     def __call__(self, model, token, full_mask, pos, cache, cache_position) -> torch.Tensor:
+        args = (model, token, full_mask, pos, cache, cache_position)
+        if self.failed:
+            return _decode_step(*args)
+        shape = (id(model), *token.shape, full_mask.size(1))
+        self.calls[shape] = calls = self.calls.get(shape, 0) + 1
+        counters = _cache_counters(cache) if calls == CHECK_CALL else []
+        before = [c.clone() for c in counters]
         # a new replay: the last step's logits (read by `next_token` already) may be overwritten
         torch.compiler.cudagraph_mark_step_begin()
-        return self.fn(model, token, full_mask, pos, cache, cache_position)
+        try:
+            logits = self.fn(*args)
+        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
+            return self._give_up(f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0]})", args)
+        if calls == CHECK_CALL:
+            # the eager step from the same cache state: it writes the same entries again (to rounding)
+            for counter, value in zip(counters, before, strict=True):
+                counter.copy_(value)
+            want = _decode_step(*args).float()
+            gap = ((logits.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max().item()
+            if gap > CHECK_TOLERANCE:
+                return self._give_up(f"its logits are off from the eager step's by {gap:.2g}", args)
+        return logits
+
+    def _give_up(self, why: str, args) -> torch.Tensor:
+        self.failed = why
+        log.warning(
+            "rollout compile: the compiled decode step is given up because %s; the eager static-cache step runs "
+            "instead (the same tokens, slower on a GPU). Set `rollout: {compile: false}` to skip the attempt",
+            why,
+        )
+        return _decode_step(*args)
+
+
+def _cache_counters(cache) -> list[torch.Tensor]:
+    """The tokens-written counters of a static cache's layers (transformers 5's `StaticLayer.cumulative_length`, a
+    device tensor each step advances in place and writes its entries at), where it keeps them."""
+    layers = getattr(cache, "layers", None) or []
+    return [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
 
 
 def _takes_padding_mask(model) -> bool:

@@ -214,9 +214,11 @@ class RolloutSpec(Strict):
     ended.) Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
     compile: bool = False
     """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")`: on a GPU a CUDA graph
-    replayed for every token. Implies `static_cache`. The first rollout pays the compilation; prompts are left-padded
-    to a multiple of 64 tokens so that a few graphs serve every rollout. Same tokens as the eager loop (tested on CPU);
-    its GPU speed is not measured yet."""
+    replayed for every token. Implies `static_cache`. The first rollout of each shape pays the compilation; prompts
+    are left-padded to a power of two (64 at least) never below the widest so far, so a run compiles for a few
+    shapes. Same tokens as the eager loop (tested on CPU). A compilation that fails, or logits at a shape's first
+    replay off from the eager step's, warns once and runs the eager static step from then on. Its GPU speed is not
+    measured yet."""
 
     @model_validator(mode="after")
     def _check(self):
