@@ -423,3 +423,25 @@ def test_a_warning_is_traced_to_the_caller_outside_torch_and_the_warnings_module
         line = sys._getframe().f_lineno - 1
         warnings.warn("something else", stacklevel=1)
     assert seen == [(f"test_bench_report.py:{line}", f"{__file__}:{line}")]
+
+
+def test_the_activation_count_separates_layers_tokens_and_the_heads_gradient(capsys):
+    """`python -m bench.activation_memory` (small widths here): the bytes each variant keeps split into per token per
+    layer, per token outside the layers and fixed. transformers' own loss keeps the float32 logits (4 bytes per
+    vocabulary entry per token) and our fused loss none, holding the head's gradient instead (vocabulary × hidden in
+    bf16, fixed); `lean_activations` keeps less per layer; the projection is their sum at the asked shape."""
+    import json
+
+    from bench import activation_memory
+
+    assert activation_memory.main(["--tiny", "--tokens", "1000", "--layers", "3"]) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])}
+    plain, eager, fused = (rows[v] for v in activation_memory.VARIANTS)
+    vocab, hidden = 512, 64
+    assert plain["outside_per_token"] >= 4 * vocab > eager["outside_per_token"]
+    assert eager["fixed"] == pytest.approx(2 * vocab * hidden, rel=0.01) and plain["fixed"] < 100
+    assert eager["layer_per_token"] < plain["layer_per_token"]
+    assert fused["layer_per_token"] == eager["layer_per_token"] + 8  # the CUDA norm's float32 scale per row
+    for r in rows.values():
+        want = (3 * r["layer_per_token"] + r["outside_per_token"]) * 1000 + r["fixed"]
+        assert r["projected_gb"] == pytest.approx(want / 1e9, rel=1e-3)
