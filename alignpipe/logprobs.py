@@ -42,6 +42,12 @@ def _chunk_logprobs(
 # one chunk, so a 150k vocabulary gets chunks of ~440 positions, a 512 one chunks of `chunk_tokens`.
 WHOLE_LOGITS_MAX = 64 * 2**20
 
+# SFT's fused head with its compiled chunk kernel (`compiled`) takes chunks this many times larger: the kernel keeps
+# no float32 copy of a chunk's logits, only the logits and their gradient in bf16, and every chunk reads the head's
+# weight twice and reads and writes its gradient once (~1.1 GB at Qwen2-0.5B's 151,936 × 896). At 16k tokens that is
+# 19 chunks instead of 37, ~20 GB less traffic per step (~6 ms of an H100's) for ~270 MB more at the memory peak.
+FUSED_CHUNK_GROWTH = 2
+
 
 def token_logprobs(
     model,
@@ -141,7 +147,7 @@ def token_nll_sum(
         weight,
         getattr(head, "bias", None),
         input_ids[:, 1:].flatten().index_select(0, index),
-        WHOLE_LOGITS_MAX // weight.size(0),
+        WHOLE_LOGITS_MAX * (FUSED_CHUNK_GROWTH if compiled else 1) // weight.size(0),
         compiled,
     )
 

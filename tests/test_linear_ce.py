@@ -112,6 +112,26 @@ def test_sft_loss_equals_the_summed_token_logprobs(tiny, monkeypatch, whole_max,
         assert float((a - b).norm() / b.norm().clamp(min=1e-12)) < 1e-5
 
 
+def test_the_compiled_chunk_kernel_takes_larger_chunks(tiny, monkeypatch):
+    """With the compiled chunk kernel (`fused_kernels` on a GPU, `compile: true`) SFT's head runs chunks
+    `FUSED_CHUNK_GROWTH` times larger than the eager head's (no float32 copy of a chunk's logits to bound), so each
+    step reads the head's weight and its gradient fewer times; the loss is the same (the chunking is tested
+    above)."""
+    from alignpipe import logprobs
+    from alignpipe.modeling import load_causal_lm
+
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 16 * 512)  # 16 rows of the tiny model's vocabulary
+    chunks, real = [], logprobs.linear_nll_sum
+    monkeypatch.setattr(logprobs, "linear_nll_sum", lambda *a: chunks.append(a[4]) or real(*a[:5], False))
+    model = load_causal_lm(str(tiny / "model"))
+    ids = torch.randint(2, 500, (2, 40), generator=torch.Generator().manual_seed(5))
+    only = torch.ones(2, 39, dtype=torch.bool)
+    mask = torch.ones_like(ids)
+    losses = [float(logprobs.token_nll_sum(model, ids, mask, only, compiled=c).detach()) for c in (False, True)]
+    assert chunks == [16, 16 * logprobs.FUSED_CHUNK_GROWTH] and logprobs.FUSED_CHUNK_GROWTH > 1
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_chunk_kernel_gives_the_eager_softmax_and_gradient(dtype):
     """`compile: true`: each chunk's NLL and softmax − one-hot come from one compiled kernel (inductor's CPU code
