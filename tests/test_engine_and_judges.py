@@ -367,3 +367,24 @@ def test_on_a_gpu_the_decode_loop_reads_the_device_every_8_steps_with_the_same_r
     every_8, reads_8 = run(8)
     assert torch.equal(every_8, every_step) and every_step.size(1) < 24, "rows ended early, and alike"
     assert 4 * reads_8 <= reads_1, (reads_8, reads_1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_reward_model_scores_in_the_dtype_it_was_saved_in(tiny, tmp_path, dtype):
+    """A reward model scores in its checkpoint's dtype (a bf16 reward stage's model in bf16), with the scores the
+    classifier itself gives prompt + completion + EOS."""
+    from alignpipe.judges.reward_model import RewardModelScorer
+    from alignpipe.modeling import load_sequence_scorer
+
+    tok = load_tokenizer(str(tiny / "model"))
+    model = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id, seed=0).to(dtype)
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    scorer = RewardModelScorer(str(tmp_path / "rm"), device="cpu")
+    assert scorer.model.dtype == dtype
+    got = scorer(["good", "a bad"], [" day", " film"])
+    with torch.no_grad():
+        want = [
+            float(model(**tok(t + tok.eos_token, return_tensors="pt")).logits[0, 0]) for t in ("good day", "a bad film")
+        ]
+    assert got == pytest.approx(want, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -8,9 +8,11 @@ from alignpipe.modeling import load_sequence_scorer, load_tokenizer, under_atten
 
 
 class RewardModelScorer:
-    """`scorer(prompts, completions) -> [float]`, batched, on `device` (the GPU when there is one)."""
+    """`scorer(prompts, completions) -> [float]`, batched, on `device` (the GPU when there is one). `dtype`: by
+    default the checkpoint's own (`auto`), the one the reward stage trained it in: a bf16 reward model scores in bf16
+    on a GPU's tensor cores, where float32 would take ~8× the time of every rollout's scoring."""
 
-    def __init__(self, path: str, batch_size: int = 32, dtype: str = "float32", device: str | None = None):
+    def __init__(self, path: str, batch_size: int = 32, dtype: str = "auto", device: str | None = None):
         self.tok = load_tokenizer(path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_sequence_scorer(path, dtype, pad_token_id=self.tok.pad_token_id).to(device).eval()
