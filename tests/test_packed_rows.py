@@ -328,6 +328,7 @@ def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(tiny
         torch.manual_seed(0)  # the value model's fresh score head: the same on both sides
         _, tracker, _ = run_ppo(tiny, tmp_path / attention, lora=lora, attention=attention, max_steps=2)
         series[attention] = {k: tracker.series(k) for k in keys}
+        assert tracker.params["model.attention"] == attention  # the run's parameters say which kernel ran
         if attention == "sdpa":
             assert not layouts, "padded on SDPA"
     for key in keys:

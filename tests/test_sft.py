@@ -41,6 +41,7 @@ def test_lora_sft_saves_only_the_adapter(tiny, data, tmp_path):
     assert result.adapter and is_adapter_dir(result.model_dir)
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
     assert tracker.params["model.trainable_params"] < 0.2 * tracker.params["model.total_params"]
+    assert tracker.params["model.attention"] == "sdpa" and tracker.params["model.fused_kernels"] is False
     merged = load_causal_lm(str(tiny / "model"), adapter=str(result.model_dir), merge=True)
     base = load_causal_lm(str(tiny / "model"))
     diff = sum(float((a - b).abs().sum().detach()) for a, b in zip(merged.parameters(), base.parameters()))

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from alignpipe import fused_kernels
 from alignpipe.compiled import compile_layers
 from alignpipe.lean_activations import lean_activations
 from alignpipe.trainers.configs import TrainingArgs
@@ -73,6 +74,16 @@ def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[to
             values[i, cols] = torch.tensor(r, dtype=torch.long)
             mask[i, cols] = 1
     return values, mask
+
+
+def kernels_run(model, cfg: TrainingArgs, device) -> dict[str, object]:
+    """What the stage's model really runs, for the run's parameters (the recipe may say `auto`): its attention
+    implementation (`model.attention`, from the first module holding a transformers config: the policy of PPO's
+    pair) and whether the fused element-wise kernels are on (`model.fused_kernels`: `fused_kernels` on a device
+    that compiles them)."""
+    names = (getattr(getattr(m, "config", None), "_attn_implementation", None) for m in model.modules())
+    attention = next((name for name in names if name is not None), None)
+    return {"model.attention": attention, "model.fused_kernels": fused_kernels.wanted(cfg.fused_kernels, device)}
 
 
 def lean_patched(cfg: TrainingArgs) -> bool:
@@ -370,7 +381,12 @@ class TrainLoop:
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(
-                {name: config_params(cfg), "model.trainable_params": trainable, "model.total_params": total}
+                {
+                    name: config_params(cfg),
+                    "model.trainable_params": trainable,
+                    "model.total_params": total,
+                    **kernels_run(model, cfg, self.accelerator.device),
+                }
             )
 
         def loader(epoch: int):
