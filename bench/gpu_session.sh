@@ -12,7 +12,8 @@
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
 #   3  GRPO 8×8×256 with our compiled rollouts (CUDA graphs: what the GRPO target rests on) against TRL, PPO
-#      64×256 eager against TRL 1.12 (8 steps each), and SFT 4×4096 on varlen
+#      64×256 eager against TRL 1.12 (8 steps each), both on varlen (what `model.attention: auto` runs on a GPU:
+#      our updates padding-free; TRL's padded batches go to SDPA), and SFT 4×4096 on varlen
 #   4  packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), PPO with compiled rollouts, compiled
 #      packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
@@ -53,13 +54,13 @@ case $stage in
   bench 280 --cases reward/8x1024 --attention varlen --steps 25
   ;;
 3)
-  bench 200 --cases grpo/8x8x256 --compile --contenders trl --steps 8
-  bench 200 --cases ppo/64x256 --steps 8
+  bench 200 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 8
+  bench 200 --cases ppo/64x256 --attention varlen --steps 8
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   ;;
 4)
   bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
-  bench 150 --cases ppo/64x256 --compile --contenders trl --steps 8
+  bench 150 --cases ppo/64x256 --attention varlen --compile --contenders trl --steps 8
   bench 170 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac
