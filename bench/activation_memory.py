@@ -25,15 +25,8 @@ import json
 
 import torch
 
-QWEN_0_5B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+from bench.cases import QWEN_05B
+
 VARIANTS = ("transformers", "ours, eager kernels", "ours, fused kernels")
 
 
@@ -41,7 +34,7 @@ def model(layers: int, shape: dict):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(num_hidden_layers=layers, **shape)
+    cfg = Qwen2Config(**{**shape, "num_hidden_layers": layers})
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(True)
 
 
@@ -112,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="128,256", help="the two lengths measured")
     parser.add_argument("--tiny", action="store_true", help="a small model (the tests)")
     args = parser.parse_args(argv)
-    shape = QWEN_0_5B
+    shape = QWEN_05B
     if args.tiny:
-        shape = dict(QWEN_0_5B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+        shape = dict(QWEN_05B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     rows = []
     for variant in VARIANTS:
