@@ -77,18 +77,17 @@ def implementation(attention: str | None) -> str | None:
     return "sdpa" if attention == "auto" else attention
 
 
-def settle_auto(model, attention: str | None):
-    """`model` as loaded, its attention switched to `alignpipe.attention.choose`'s pick under `model.attention:
-    auto` (logged once per pick and reason)."""
+def settle_auto(model, attention: str | None) -> None:
+    """Under `model.attention: auto`, switch `model`'s attention (as loaded) to `alignpipe.attention.choose`'s pick
+    (logged once per pick and reason)."""
     if attention != "auto":
-        return model
+        return
     from alignpipe.attention import choose
 
     name, why = choose(model)
     if name != model.config._attn_implementation:
         model.set_attn_implementation(name)
     _log_choice(name, why)
-    return model
 
 
 @functools.cache

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# A short GRPO/RLOO run on the tiny model: 2 updates of 8 completions (2 prompts × 4), a KL term and 2 iterations
+# per rollout, so the old-policy and reference passes both run.
+SHORT_GROUPS = dict(
+    max_steps=2, batch_size=8, num_generations=4, max_completion_length=8, beta=0.04, num_iterations=2, logging_every=1
+)
+
 
 def tiny_split(tiny: Path, name: str, fmt: str, rows: int | None = None, **kwargs):
     """(tokenizer, train rows, eval rows) of the tiny data file `name`.jsonl, formatted as `fmt` (10% held out)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import tiny_split
+from support import SHORT_GROUPS, tiny_split
 
 from alignpipe import fused_kernels, linear_ce, linear_sequence_loss, logprobs
 from alignpipe.fused_kernels import loss_kernels, silu_mul, wanted
@@ -239,16 +239,7 @@ def test_scoring_passes_with_the_fused_kernels_train_as_the_eager_ones(tiny, tmp
             dpo_cfg, policy, tok, prefs, [], dpo_tracker, tmp_path / f"dpo-{fused}", ref_model=copy.deepcopy(policy)
         )
         policy = load_causal_lm(str(tiny / "model"))
-        grpo_cfg = GRPOConfig(
-            max_steps=2,
-            batch_size=8,
-            num_generations=4,
-            max_completion_length=8,
-            beta=0.04,
-            num_iterations=2,
-            logging_every=1,
-            fused_kernels=fused,
-        )
+        grpo_cfg = GRPOConfig(**SHORT_GROUPS, fused_kernels=fused)
         rows = [{"prompt": r["prompt"]} for r in prompts]
         grpo.train(
             grpo_cfg,

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 from accelerate import Accelerator
-from support import tiny_split
+from support import SHORT_GROUPS, tiny_split
 
 from alignpipe import attention as varlen
 from alignpipe import logprobs
@@ -291,15 +291,7 @@ def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, to
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
     series = {}
     for attention in ("sdpa", "varlen"):
-        cfg = config(
-            max_steps=2,
-            batch_size=8,
-            num_generations=4,
-            max_completion_length=8,
-            beta=0.04,
-            num_iterations=2,
-            logging_every=1,
-        )
+        cfg = config(**SHORT_GROUPS)
         tracker = Tracker()
         policy = load_causal_lm(str(tiny / "model"), attention=attention)
         module.train(cfg, policy, tok, rows, rewards, tracker, tmp_path / attention, ref_model=copy.deepcopy(policy))

@@ -224,16 +224,14 @@ class Rollout:
     lengths: torch.Tensor
     """(B,) host ints: each response's tokens (`response_mask`'s count per row), counted without a device read."""
     prompt_tokens: list[list[int]] = field(default_factory=list, repr=False)
-    """Each episode's prompt tokens (host, unpadded), for the padding-free layouts of `layout`."""
+    """Each episode's prompt tokens (host, unpadded), for the padding-free layouts of `layout`; kept only where the
+    policy's or the value model's attention runs documents (empty otherwise)."""
     response_tokens: list[list[int]] = field(default_factory=list, repr=False)
-    """Each episode's response tokens through its EOS (host, `lengths` of them)."""
-    padding_free: bool = False
-    """Whether the policy's or the value model's attention runs documents: the epochs then lay their micro-batches
-    out padding-free."""
+    """Each episode's response tokens through its EOS (host, `lengths` of them), kept as `prompt_tokens` is."""
 
     def layout(self, rows: list[int], device) -> dict[str, Any] | None:
         """Micro-batch `rows` padding-free (`episode_layout`), or None where no model runs documents."""
-        if not self.padding_free:
+        if not self.response_tokens:
             return None
         return episode_layout(self.prompt_tokens, self.response_tokens, rows, self.response.size(1), device)
 
@@ -321,8 +319,9 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     query, query_mask = pad_rows(prompts, tok.pad_token_id, left=True)
     response, _ = pad_rows([g.completion_ids for g in gens], tok.pad_token_id)
     lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
-    responses = [row[:n] for row, n in zip(response.tolist(), lengths.tolist(), strict=True)]  # host, through EOS
     padding_free = runs_documents(unwrapped.policy) or runs_documents(unwrapped.value_model)
+    # host token lists for the padding-free layouts, through each EOS; SDPA runs build none
+    responses = [row[:n] for row, n in zip(response.tolist(), lengths.tolist(), strict=True)] if padding_free else []
     query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
     total, per_fn = run.rewards(
         [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
@@ -373,9 +372,8 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
         non_score=non_score.masked_fill(padding, 0),
         kl_coef=run.kl_ctl.value,
         lengths=lengths,
-        prompt_tokens=prompts,
+        prompt_tokens=prompts if padding_free else [],
         response_tokens=responses,
-        padding_free=padding_free,
     )
     return batch, gens, per_fn
 
