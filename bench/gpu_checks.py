@@ -5,7 +5,8 @@ variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, 
 prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
 compiled kernels on Triton (with the SwiGLU product and the rotary embedding, what `fused_kernels` compiles; each
 timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
-device alone, and the hf engine's compiled decode step (CUDA graphs) against its eager loop.
+device alone, and the hf engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against
+its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
 
@@ -460,6 +461,79 @@ def check_compiled_decode(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_graphed_decode(setup: Setup) -> Callable[[], None]:
+    @check("the CUDA-graph decode step (the GPU default) samples the eager static-cache loop's greedy tokens")
+    def run():
+        from alignpipe.engine.decode_steps import GraphedDecodeStep
+        from alignpipe.engine.hf import decode_static
+        from alignpipe.engine.sampling import SamplingParams
+
+        if not setup.cuda:
+            return None, "no CUDA device (tests/test_engine_and_judges.py checks the recording's plumbing on CPU)"
+        model = setup.model("sdpa").float().eval()  # float32: greedy ties are not decided by rounding
+        rows, width, new = 16, 64, 48
+        ids = torch.randint(2, setup.model_shape["vocab"], (rows, width), generator=torch.Generator().manual_seed(3))
+        ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
+        greedy = SamplingParams(temperature=0, max_new_tokens=new)
+        step, took, out = GraphedDecodeStep(), {}, {}
+        with torch.inference_mode():
+            for name, kwargs in (("eager", {}), ("graphed", {"step": step}), ("graphed again", {"step": step})):
+                out[name], seconds = timed(
+                    lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True
+                )
+                took[name] = seconds / new * 1e3
+        same = [int((out[name] == out["eager"]).all(1).sum()) for name in ("graphed", "graphed again")]
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in took.items())
+        fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
+        return (
+            min(same) == rows and not step.failed,
+            f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}{fell_back}",
+        )
+
+    return run
+
+
+def check_rollout_speed(setup: Setup) -> Callable[[], None]:
+    @check("hf engine rollouts at GRPO's user shape: the CUDA-graph step beats the eager loops, same tokens")
+    def run():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from alignpipe.engine.decode_steps import GraphedDecodeStep
+        from alignpipe.engine.hf import decode, decode_static
+        from alignpipe.engine.sampling import SamplingParams
+        from bench.cases import QWEN_05B, decode_bytes_per_step
+        from bench.peaks import copy_tb_per_s
+
+        if not setup.cuda:
+            return None, "no CUDA device"
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).to(setup.device, torch.bfloat16).eval()
+        rows, width, new = 64, 128, 256  # grpo/8x8x256: 8 prompts × 8 samples, 256 new tokens
+        ids = torch.randint(2, QWEN_05B["vocab_size"], (rows, width), generator=torch.Generator().manual_seed(3))
+        ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
+        step, rate, out = GraphedDecodeStep(), {}, {}
+        loops = (("eager", decode, {}), ("eager static", decode_static, {}), ("graphed", decode_static, {"step": step}))
+        with torch.inference_mode():
+            for name, loop, kwargs in (*loops, ("graphed again", decode_static, {"step": step})):
+                seed = torch.Generator(device=setup.device).manual_seed(5)
+                out[name], seconds = timed(
+                    lambda f=loop, kw=kwargs, g=seed: f(model, ids, mask, sampling, None, 0, g, **kw), True
+                )
+                rate[name] = rows * new / seconds
+        bound = copy_tb_per_s() * 1e12 * rows / decode_bytes_per_step("qwen0.5b", rows, width + new / 2)
+        same = int((out["graphed again"] == out["eager static"]).all(1).sum())
+        rates = ", ".join(f"{name} {r / 1e3:.1f}k" for name, r in rate.items())
+        fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
+        return (
+            not step.failed and rate["graphed again"] > max(rate["eager"], rate["eager static"]),
+            f"{rows} rows × {new} tokens, Qwen2-0.5B bf16: generated tokens/s {rates} (bound {bound / 1e3:.0f}k at "
+            f"the measured copy rate); sampled rows equal to the eager static loop's {same}/{rows}{fell_back}",
+        )
+
+    return run
+
+
 def innermost_caller() -> str:
     """ "file:line" of the innermost frame of the calling stack outside torch and the warnings machinery: whose call
     a warning raised inside torch (a synchronising operator) came from."""
@@ -533,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         check_loss_watch,
         check_step_syncs,
         check_compiled_decode,
+        check_graphed_decode,
+        check_rollout_speed,
     ):
         make(setup)()
     failed = [name for name, ok, _ in RESULTS if ok is False]

@@ -5,17 +5,19 @@
 # stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
 #   1  gpu_checks (varlen and padding-free DPO against SDPA, the fused norm, the SwiGLU, rotary and head kernels of
-#      `fused_kernels` timed against eager, syncs, the compiled decode step); packed SFT 8×2048 on the varlen kernel
+#      `fused_kernels` timed against eager, syncs, the compiled and CUDA-graph decode steps, rollout tokens/s at
+#      GRPO's shape); packed SFT 8×2048 on the varlen kernel
 #      (both sides varlen: the fair comparison, since TRL's padding-free rows under SDPA get a dense 16k × 16k mask),
 #      ours (with `fused_kernels`, the default), then profiles of that step, ours and TRL + Liger's: where the time
 #      goes on each side (the figure the SFT target's gap needs)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
-#   3  GRPO 8×8×256 with our compiled rollouts (CUDA graphs: what the GRPO target rests on) against TRL, PPO
-#      64×256 eager against TRL 1.12 (8 steps each), both on varlen (what `model.attention: auto` runs on a GPU:
-#      our updates padding-free; TRL's padded batches go to SDPA), and SFT 4×4096 on varlen
-#   4  packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), PPO with compiled rollouts, compiled
-#      packed SFT
+#   3  GRPO 8×8×256 against TRL and PPO 64×256 against TRL 1.12 (8 steps each), ours as a recipe runs them on a GPU
+#      by default: rollouts decoded by the eager step recorded as a CUDA graph (`rollout: {cuda_graphs: true}`, what
+#      the GRPO target rests on; gpu_checks of stage 1 gives its tokens/s beside the eager loops'), updates on varlen
+#      (what `model.attention: auto` runs: padding-free; TRL's padded batches go to SDPA); and SFT 4×4096 on varlen
+#   4  packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), GRPO with compiled rollouts (inductor's
+#      kernels in the graph, paid by a compilation per shape), compiled packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
@@ -54,13 +56,13 @@ case $stage in
   bench 280 --cases reward/8x1024 --attention varlen --steps 25
   ;;
 3)
-  bench 200 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 8
+  bench 200 --cases grpo/8x8x256 --attention varlen --contenders trl --steps 8
   bench 200 --cases ppo/64x256 --attention varlen --steps 8
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   ;;
 4)
   bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
-  bench 150 --cases ppo/64x256 --attention varlen --compile --contenders trl --steps 8
+  bench 150 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 8
   bench 170 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac

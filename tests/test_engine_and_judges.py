@@ -266,7 +266,7 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
     left-padded to 64 tokens. The same tokens as the eager loop, greedy and sampled, one sample or three, the first
     replay's check against the eager step passing; a second rollout of another width reuses the compiled step, and
     training the weights in place reaches it."""
-    from alignpipe.engine.hf import CHECK_CALL
+    from alignpipe.engine.decode_steps import CHECK_CALL
 
     model, tok = trained
     prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
@@ -295,7 +295,7 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
 def test_compiled_decode_widths_only_grow_in_powers_of_two_and_drop_the_narrower_caches(trained):
     """A run compiles the step once per shape: prompt widths round up to a power of two, at least 64, and never fall
     below the widest so far; a wider rollout's cache replaces the narrower ones, which are never run again."""
-    from alignpipe.engine.hf import CompiledDecodeStep
+    from alignpipe.engine.decode_steps import CompiledDecodeStep
 
     model, _ = trained
     step = CompiledDecodeStep()
@@ -323,13 +323,13 @@ def test_a_compiled_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager
         calls.append(1)
         if how == "not compiling":
             raise torch._dynamo.exc.TorchDynamoException("no Triton here")
-        logits = hf._decode_step(model, token, full_mask, pos, cache, cache_position)
+        logits = decode_steps.decode_step(model, token, full_mask, pos, cache, cache_position)
         return logits.flip(-1)  # a graph that read the wrong buffers
 
-    from alignpipe.engine import hf
+    from alignpipe.engine import decode_steps
 
     engine.step.fn = broken
-    with caplog.at_level(logging.WARNING, logger="alignpipe.engine.hf"):
+    with caplog.at_level(logging.WARNING, logger="alignpipe.engine.decode_steps"):
         got = engine.generate(prompts, 1, greedy)
         engine.generate(prompts, 1, greedy)
     assert len(caplog.records) == 1 and "the eager static-cache step runs instead" in caplog.text
@@ -338,7 +338,126 @@ def test_a_compiled_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager
         want = HFEngine(model, tok, 8).generate(prompts, 1, greedy)
         assert [g.completion_ids for g in got] == [g.completion_ids for g in want]
     else:
-        assert len(calls) == hf.CHECK_CALL and "logits are off from the eager step's" in engine.step.failed
+        assert len(calls) == decode_steps.CHECK_CALL and "logits are off from the eager step's" in engine.step.failed
+
+
+def replayed_on_cpu(step):
+    """What recording a CUDA graph amounts to, on CPU: the warm-up runs the step (and writes the cache); each replay
+    runs it again on the same input buffers and writes the same output tensor."""
+    out = step()
+    return (lambda: out.copy_(step())), out
+
+
+def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
+    """`rollout: {cuda_graphs: true}`, the GPU default: the eager step recorded once per (model, rows, length) and
+    replayed on input buffers the loop copies each token's inputs into (here with a CPU stand-in for the recording).
+    The same tokens as the eager loop, greedy and sampled, one sample or three; one recording per shape, reused by a
+    second rollout with the weights trained in place; weights that moved are recorded again. On CPU the engine
+    itself never records."""
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
+    assert HFEngine(model, tok, 8)._decode_step(torch.device("cpu")) is None
+    engine = HFEngine(model, tok, 8)
+    recorded = []
+    engine.step = step = GraphedDecodeStep(capture=lambda fn: recorded.append(1) or replayed_on_cpu(fn))
+    for n, temperature in ((1, 0), (3, 1.0), (1, 0)):
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=12)
+        eager = HFEngine(model, tok, 8).generate(prompts, n, sampling, seed=3)
+        graphed = engine.generate(prompts, n, sampling, seed=3)
+        assert [g.completion_ids for g in graphed] == [g.completion_ids for g in eager], (n, temperature)
+    assert step.failed is None and len(recorded) == 2 and len(step.recordings) == 2, "one recording per rows"
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    first = step.recordings[(id(model), 5, 64 + 12)]
+    with torch.no_grad():
+        for p in model.parameters():  # an optimizer step, in place: the same recording
+            p.mul_(1.01)
+    try:
+        want = [g.completion_ids for g in HFEngine(model, tok, 8).generate(prompts, 1, greedy)]
+        assert [g.completion_ids for g in engine.generate(prompts, 1, greedy)] == want
+        assert step.recordings[(id(model), 5, 64 + 12)] is first and len(recorded) == 2
+    finally:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(1.01)
+    moved = {name: p.data for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.data = p.data.clone()  # a reload in place of the old tensors
+    try:
+        engine.generate(prompts, 1, greedy)
+        assert len(recorded) == 3 and step.recordings[(id(model), 5, 64 + 12)] is not first
+    finally:
+        for name, p in model.named_parameters():
+            p.data = moved[name]
+
+
+@pytest.mark.parametrize("how", ["not recording", "wrong replay"])
+def test_a_cuda_graph_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager_one(trained, caplog, how):
+    """A recording that raises (an operator a CUDA graph cannot hold), or a replay whose logits are off from the
+    eager step's on the same inputs, is reported once; the eager step decodes from the same cache state, so the
+    tokens equal the eager loop's, and nothing is recorded again."""
+    import logging
+
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A"]
+    greedy = SamplingParams(temperature=0, max_new_tokens=10)
+    calls = []
+
+    def capture(step):
+        calls.append(1)
+        if how == "not recording":
+            step()  # a warm-up ran (and advanced the cache's counters) before the failure
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        replay, out = replayed_on_cpu(step)
+        return (lambda: (replay(), out.copy_(out.flip(-1)))), out  # a graph that read the wrong buffers
+
+    engine = HFEngine(model, tok, 8)
+    engine.step = GraphedDecodeStep(capture=capture)
+    with caplog.at_level(logging.WARNING, logger="alignpipe.engine.decode_steps"):
+        got = engine.generate(prompts, 1, greedy)
+        engine.generate(prompts, 1, greedy)
+    want = HFEngine(model, tok, 8).generate(prompts, 1, greedy)
+    assert [g.completion_ids for g in got] == [g.completion_ids for g in want]
+    assert len(caplog.records) == 1 and "`rollout: {cuda_graphs: false}`" in caplog.text
+    assert calls == [1] and not engine.step.recordings
+    if how == "not recording":
+        assert "could not be recorded (RuntimeError: CUDA error: operation not permitted" in engine.step.failed
+    else:
+        assert "logits are off from the eager step's" in engine.step.failed
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, lean):
+    """What a CUDA graph can hold, checked on CPU: the static-cache decode step with its ready padding mask traces as
+    one graph (`fullgraph=True`), so it has no `.item()`, no data-dependent branch and no mask built from the values
+    on the host; any of them would be a read of the device, which a recording cannot contain. On both attention
+    kernels a GPU decodes with, for a plain model and for a policy patched as the trainers patch it."""
+    from transformers import StaticCache
+
+    from alignpipe.engine.decode_steps import decode_step
+    from alignpipe.lean_activations import lean_activations
+    from alignpipe.modeling import attention_kernels, implementation
+
+    model = copy.deepcopy(trained[0])
+    model.set_attn_implementation(implementation(attention))
+    if lean:
+        assert lean_activations(model, fused=True) > 0
+    rows, width = 3, 8
+    ids = torch.randint(3, 100, (rows, width))
+    cache = StaticCache(config=model.config, max_cache_len=width + 4)
+    keys = torch.zeros(rows, width + 4, dtype=torch.bool)
+    keys[:, : width + 1] = True
+    traced = torch.compile(decode_step, backend="eager", fullgraph=True)
+    with torch.inference_mode(), attention_kernels():
+        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(width), use_cache=True)
+        args = (ids[:, -1:], keys[:, None, None, :], torch.full((rows, 1), width), cache, torch.tensor([width]))
+        got = traced(model, *args)
+    assert got.shape == (rows, model.config.vocab_size) and torch.isfinite(got).all()
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -7,7 +7,14 @@ def hf_engine(spec, model, tokenizer):
     """The hf engine on `model` itself (a trainer's policy), with `spec`'s hf options."""
     from alignpipe.engine.hf import HFEngine
 
-    return HFEngine(model, tokenizer, spec.batch_size, static_cache=spec.static_cache, compile=spec.compile)
+    return HFEngine(
+        model,
+        tokenizer,
+        spec.batch_size,
+        static_cache=spec.static_cache,
+        compile=spec.compile,
+        cuda_graphs=spec.cuda_graphs,
+    )
 
 
 def make_engine(spec, model, tokenizer):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from alignpipe.engine.base import FinishReason, Generation
+from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.modeling import mask_positions, under_attention_kernels
 
@@ -22,12 +22,29 @@ class HFEngine:
     criteria, kwargs bookkeeping) costs more than the forward itself. Greedy output equals
     `model.generate`'s token for token (tested)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, static_cache: bool = False, compile: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 32,
+        static_cache: bool = False,
+        compile: bool = False,
+        cuda_graphs: bool = True,
+    ):
         self.model = model
         self.tok = tokenizer
         self.batch_size = batch_size
         self.static_cache = static_cache or compile
-        self.step = CompiledDecodeStep() if compile else None
+        self.step: FixedShapeStep | None = CompiledDecodeStep() if compile else None
+        self.cuda_graphs = cuda_graphs and not compile
+
+    def _decode_step(self, device: torch.device) -> FixedShapeStep | None:
+        """The replayed step this rollout decodes with: the compiled one under `compile`; on a GPU, unless
+        `cuda_graphs` is off, the eager step recorded as a CUDA graph (for models whose decode steps take a ready
+        padding mask: a step that builds its mask reads the device); else none (the eager loop)."""
+        if self.step is None and self.cuda_graphs and device.type == "cuda" and _takes_padding_mask(self.model):
+            self.step = GraphedDecodeStep()
+        return self.step
 
     @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
     @under_attention_kernels
@@ -41,6 +58,7 @@ class HFEngine:
         sampling = sampling or SamplingParams()
         generator = None
         device = next(self.model.parameters()).device
+        step = self._decode_step(device)
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         eos = self.tok.eos_token_id
@@ -60,8 +78,8 @@ class HFEngine:
                     self.tok.pad_token_id,
                     generator,
                 )
-                if self.static_cache:
-                    new = decode_static(*args, n=n, step=self.step).tolist()
+                if self.static_cache or step is not None:
+                    new = decode_static(*args, n=n, step=step).tolist()
                 else:
                     new = decode(*args, n=n).tolist()
                 for k, row in enumerate(new):
@@ -89,7 +107,7 @@ class HFEngine:
         return BatchEncoding({"input_ids": input_ids, "attention_mask": mask})
 
     def update_weights(self, model) -> None:
-        """Rollouts use the policy object itself: nothing to copy."""
+        """Rollouts use the policy object itself: nothing to copy (a replayed step records a new model again)."""
         self.model = model
 
     def _finish(self, prompt_index: int, ids: list[int], eos: int) -> Generation:
@@ -202,15 +220,15 @@ def decode_static(
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
-    step: CompiledDecodeStep | None = None,
+    step: FixedShapeStep | None = None,
 ) -> torch.Tensor:
     """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
     written) and the cache position as a tensor. Nothing is re-allocated per token, and a GPU is read only every
     `CHECK_EVERY` steps to stop early, so it is not held up by the host between steps. Same tokens
     as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
-    repeated after prefill). With `step` (a `CompiledDecodeStep`) each decode step runs compiled, prompts left-padded
-    to the step's width (`CompiledDecodeStep.width`) so that a few shapes serve every rollout."""
+    repeated after prefill). With `step` (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA
+    graph, compiled or not), prompts left-padded to the step's width so that a few shapes serve every rollout."""
     from transformers import StaticCache
 
     if n > 1:
@@ -236,6 +254,10 @@ def decode_static(
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
+    keys = step_mask = full_mask  # which cache entries the next step attends to; what the step is given
+    if _takes_padding_mask(model):  # (rows, 1, 1, keys), a view: the steps build no mask (which reads the device)
+        keys = full_mask.bool()
+        step_mask = keys[:, None, None, :]
     new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
     ends = RowEnds(rows, steps, ids.device)
     pos = position[:, -1:] + 1
@@ -246,118 +268,11 @@ def decode_static(
         ends.record(token, t, eos)
         if ends.finished(t):
             return new[:, : ends.width()]
-        full_mask[:, width + t] = 1
-        logits = (step or _decode_step)(model, token[:, None], full_mask, pos, cache, cache_position)
+        keys[:, width + t] = 1
+        logits = (step or decode_step)(model, token[:, None], step_mask, pos, cache, cache_position)
         pos = pos + 1
         cache_position = cache_position + 1
     return new
-
-
-def _decode_step(model, token, full_mask, pos, cache, cache_position) -> torch.Tensor:
-    """One token per row through the model with a static cache: the next-token logits, (rows, V)."""
-    return model(
-        input_ids=token,
-        attention_mask=full_mask,
-        position_ids=pos,
-        past_key_values=cache,
-        cache_position=cache_position,
-        use_cache=True,
-    ).logits[:, -1]
-
-
-# The narrowest prompt width of a compiled decode; wider prompts round up to a power of two.
-WIDTH_BUCKET = 64
-
-# The compiled step's logits are compared with the eager step's at this call of each shape: the first replay of its
-# CUDA graph (torch.compile's reduce-overhead mode runs a shape once to warm up and once to record it).
-CHECK_CALL = 3
-
-# Worst per-row relative gap of the compiled step's logits from the eager step's: bf16 rounding in another order
-# gives ~1e-2; a graph reading stale inputs or cache entries is off by order one.
-CHECK_TOLERANCE = 5e-2
-
-
-class CompiledDecodeStep:
-    """`rollout: {compile: true}`: the decode step compiled with `torch.compile(mode="reduce-overhead")`, which on a
-    GPU captures it as a CUDA graph and replays it for every token (one launch instead of a few hundred kernel
-    launches per token); on CPU it is inductor's compiled code. The model is an input of the graph, not a constant:
-    optimizer steps update its weights in place and the next rollout replays the same graph on them.
-
-    Every new shape compiles the step again, so shapes are kept few: prompt widths round up to a power of two and
-    never fall below the widest one run so far (`width`). The static caches are kept per (model, rows, length) and
-    reset between rollouts, since a new cache object would be a new graph; once the width grows, the narrower
-    caches (and graphs) are never run again and are dropped.
-
-    Two guards keep a rollout right where the compiled step is not: a compilation that fails (no Triton, an operator
-    inductor cannot lower) warns once and the eager step runs from then on; and at the first replay of each shape
-    (`CHECK_CALL`) the step's logits are compared with the eager step's on the same inputs, a gap beyond
-    `CHECK_TOLERANCE` doing the same."""
-
-    def __init__(self):
-        self.fn = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
-        self.caches: dict[tuple[int, int, int], Any] = {}
-        self.widest = WIDTH_BUCKET
-        self.calls: dict[tuple, int] = {}
-        self.failed: str | None = None
-        """Why the compiled step was given up for the eager one, once it was."""
-
-    def width(self, width: int) -> int:
-        """The prompt width a rollout of prompts `width` tokens wide decodes at: a power of two, at least
-        `WIDTH_BUCKET` and the widest so far."""
-        self.widest = max(self.widest, 1 << max(0, width - 1).bit_length())
-        return self.widest
-
-    def cache(self, model, rows: int, length: int):
-        from transformers import StaticCache
-
-        key = (id(model), rows, length)
-        cache = self.caches.get(key)
-        if cache is None:
-            self.caches = {k: c for k, c in self.caches.items() if k[2] == length}  # narrower widths: never again
-            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
-        else:
-            cache.reset()
-        return cache
-
-    def __call__(self, model, token, full_mask, pos, cache, cache_position) -> torch.Tensor:
-        args = (model, token, full_mask, pos, cache, cache_position)
-        if self.failed:
-            return _decode_step(*args)
-        shape = (id(model), *token.shape, full_mask.size(1))
-        self.calls[shape] = calls = self.calls.get(shape, 0) + 1
-        counters = _cache_counters(cache) if calls == CHECK_CALL else []
-        before = [c.clone() for c in counters]
-        # a new replay: the last step's logits (read by `next_token` already) may be overwritten
-        torch.compiler.cudagraph_mark_step_begin()
-        try:
-            logits = self.fn(*args)
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
-            return self._give_up(f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0]})", args)
-        if calls == CHECK_CALL:
-            # the eager step from the same cache state: it writes the same entries again (to rounding)
-            for counter, value in zip(counters, before, strict=True):
-                counter.copy_(value)
-            want = _decode_step(*args).float()
-            gap = ((logits.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max().item()
-            if gap > CHECK_TOLERANCE:
-                return self._give_up(f"its logits are off from the eager step's by {gap:.2g}", args)
-        return logits
-
-    def _give_up(self, why: str, args) -> torch.Tensor:
-        self.failed = why
-        log.warning(
-            "rollout compile: the compiled decode step is given up because %s; the eager static-cache step runs "
-            "instead (the same tokens, slower on a GPU). Set `rollout: {compile: false}` to skip the attempt",
-            why,
-        )
-        return _decode_step(*args)
-
-
-def _cache_counters(cache) -> list[torch.Tensor]:
-    """The tokens-written counters of a static cache's layers (transformers 5's `StaticLayer.cumulative_length`, a
-    device tensor each step advances in place and writes its entries at), where it keeps them."""
-    layers = getattr(cache, "layers", None) or []
-    return [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
 
 
 def _takes_padding_mask(model) -> bool:

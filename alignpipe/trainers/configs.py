@@ -211,14 +211,23 @@ class RolloutSpec(Strict):
     """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache): nothing
     re-allocated per token; the same tokens as the default loop (tested). It prefills each of a prompt's
     `num_generations` samples separately. (Both loops read the GPU once every 8 steps, to stop when every row has
-    ended.) Its speed on a GPU is not measured yet (docs/benchmarks.md)."""
+    ended.) On a GPU `cuda_graphs` implies it."""
+    cuda_graphs: bool = True
+    """hf on a CUDA device: the static-cache decode step recorded as a CUDA graph (`torch.cuda.CUDAGraph`) once per
+    shape and replayed for every token: one launch per token instead of a few hundred kernels issued from Python
+    (~8 ms of host work per token for a 24-layer model, more than a 0.5B model's GPU work). A recording costs two
+    eager steps, no compilation; prompts are left-padded to a power of two (64 at least) never below the widest so
+    far, so a run records a few shapes, each holding a static KV cache of rows × (width + `max_completion_length`).
+    Same tokens as the eager loop (the recording's plumbing is tested on CPU; `bench.gpu_checks` compares it on a
+    GPU). A step that cannot be recorded, or whose first replay's logits are off from the eager step's, warns once
+    and the eager static step runs from then on. Needs a model whose decode steps take a ready padding mask (SDPA or
+    `varlen` attention, no sliding-window layers); others decode eagerly. No effect on CPU."""
     compile: bool = False
-    """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")`: on a GPU a CUDA graph
-    replayed for every token. Implies `static_cache`. The first rollout of each shape pays the compilation; prompts
-    are left-padded to a power of two (64 at least) never below the widest so far, so a run compiles for a few
-    shapes. Same tokens as the eager loop (tested on CPU). A compilation that fails, or logits at a shape's first
-    replay off from the eager step's, warns once and runs the eager static step from then on. Its GPU speed is not
-    measured yet."""
+    """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")` (inductor's fused
+    kernels, on a GPU recorded as a CUDA graph) instead of `cuda_graphs`' recording of the eager step. Implies
+    `static_cache`. The first rollout of each shape pays the compilation (tens of seconds or more on a GPU). Same
+    tokens as the eager loop (tested on CPU), with the same fallback as `cuda_graphs`. Its GPU speed is not measured
+    yet."""
 
     @model_validator(mode="after")
     def _check(self):

@@ -1,0 +1,280 @@
+"""The hf engine's fixed-shape decode steps: one token per row through the model with a static KV cache, replayed
+instead of issued op by op.
+
+An eager decode step of a 24-layer model issues a few hundred kernels from Python, ~8 ms of host work per token
+(`python -m bench.decode_overhead`), while a 0.5B model's step needs ~1 ms of an H100. Both steps here replay the
+whole step as one CUDA graph:
+
+- `GraphedDecodeStep` (the default on a GPU, `rollout: {cuda_graphs: true}`) records the eager step itself with
+  `torch.cuda.CUDAGraph`: a capture costs two eager steps, no compilation.
+- `CompiledDecodeStep` (`rollout: {compile: true}`) compiles the step with `torch.compile(mode="reduce-overhead")`
+  first: inductor's fused kernels inside the graph, paid for by a compilation per shape.
+
+Shared by both (`FixedShapeStep`): prompt widths round up to a power of two that never falls below the widest so far,
+so a run records a few shapes; static caches are kept per (model, rows, length) and reset between rollouts, since a
+graph reads the cache it was recorded with; the first replay of each recording is checked against the eager step on
+the same inputs, and a step that fails to record or replays wrong logits warns once and the eager step runs from then
+on (the same tokens, slower).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The narrowest prompt width of a fixed-shape decode; wider prompts round up to a power of two.
+WIDTH_BUCKET = 64
+
+# The compiled step's logits are compared with the eager step's at this call of each shape: the first replay of its
+# CUDA graph (torch.compile's reduce-overhead mode runs a shape once to warm up and once to record it).
+CHECK_CALL = 3
+
+# Worst per-row relative gap of a replayed step's logits from the eager step's: bf16 rounding in another order
+# gives ~1e-2; a graph reading stale inputs or cache entries is off by order one.
+CHECK_TOLERANCE = 5e-2
+
+
+def decode_step(model, token, mask, pos, cache, cache_position) -> torch.Tensor:
+    """One token per row through the model with a static cache: the next-token logits, (rows, V)."""
+    return model(
+        input_ids=token,
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=cache,
+        cache_position=cache_position,
+        use_cache=True,
+    ).logits[:, -1]
+
+
+class FixedShapeStep:
+    """What the replayed decode steps share: the widths and static caches that keep their shapes few, the check of
+    each recording's first replay against the eager step, and the fallback to the eager step. Subclasses say how a
+    step is run (`_run`) and which call of a shape is its first replay (`_first_replay`)."""
+
+    what = "replayed decode step"
+    off_switch = ""
+
+    def __init__(self):
+        self.caches: dict[tuple[int, int, int], Any] = {}
+        self.widest = WIDTH_BUCKET
+        self.calls: dict[tuple, int] = {}
+        self.failed: str | None = None
+        """Why the step was given up for the eager one, once it was."""
+
+    def width(self, width: int) -> int:
+        """The prompt width a rollout of prompts `width` tokens wide decodes at: a power of two, at least
+        `WIDTH_BUCKET` and the widest so far."""
+        self.widest = max(self.widest, 1 << max(0, width - 1).bit_length())
+        return self.widest
+
+    def cache(self, model, rows: int, length: int):
+        """The static cache of (model, rows, length), emptied for a new rollout (a new cache object would be a new
+        recording); once the width grows, the narrower caches are never run again and are dropped."""
+        from transformers import StaticCache
+
+        key = (id(model), rows, length)
+        cache = self.caches.get(key)
+        if cache is None:
+            self.caches = {k: c for k, c in self.caches.items() if k[2] == length}
+            self._forget(lambda k: k[2] != length)
+            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    def __call__(self, model, token, mask, pos, cache, cache_position) -> torch.Tensor:
+        args = (model, token, mask, pos, cache, cache_position)
+        if self.failed:
+            return decode_step(*args)
+        shape = (id(model), *token.shape, mask.size(-1))
+        self.calls[shape] = self.calls.get(shape, 0) + 1
+        check = self._first_replay(shape)
+        counters = _cache_counters(cache) if check else []
+        before = [c.clone() for c in counters]
+        try:
+            logits = self._run(args, shape)
+        except Unrecorded as err:
+            self._give_up(str(err))
+            return decode_step(*args)
+        if check:
+            # the eager step from the same cache state: it writes the same entries again (to rounding)
+            for counter, value in zip(counters, before, strict=True):
+                counter.copy_(value)
+            eager = decode_step(*args)
+            want = eager.float()
+            gap = ((logits.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max().item()
+            if gap > CHECK_TOLERANCE:  # the eager step has run this token already: its logits are the ones
+                self._give_up(f"its logits are off from the eager step's by {gap:.2g}")
+                return eager
+        return logits
+
+    def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _first_replay(self, shape: tuple) -> bool:
+        raise NotImplementedError
+
+    def _forget(self, narrower: Callable[[tuple], bool]) -> None:
+        """Drop what was recorded for the caches keyed `narrower` (they were just dropped)."""
+
+    def _give_up(self, why: str) -> None:
+        self.failed = why
+        log.warning(
+            "rollout: the %s is given up because %s; the eager static-cache step runs instead (the same tokens, "
+            "slower on a GPU). Set `rollout: {%s}` to skip the attempt",
+            self.what,
+            why,
+            self.off_switch,
+        )
+        self.caches.clear()
+        self._forget(lambda key: True)
+
+
+class Unrecorded(RuntimeError):
+    """A decode step could not be compiled or recorded as a graph; the message says why."""
+
+
+class CompiledDecodeStep(FixedShapeStep):
+    """`rollout: {compile: true}`: the decode step compiled with `torch.compile(mode="reduce-overhead")`, which on a
+    GPU records it as a CUDA graph of inductor's kernels and replays it for every token; on CPU it is inductor's
+    compiled code. The model is an input of the graph, not a constant: optimizer steps update its weights in place and
+    the next rollout replays the same graph on them. Every new shape compiles again."""
+
+    what = "compiled decode step"
+    off_switch = "compile: false"
+
+    def __init__(self):
+        super().__init__()
+        self.fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+
+    def _first_replay(self, shape: tuple) -> bool:
+        return self.calls[shape] == CHECK_CALL
+
+    def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
+        # a new replay: the last step's logits (read by `next_token` already) may be overwritten
+        torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return self.fn(*args)
+        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
+            raise Unrecorded(f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0]})") from err
+
+
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+"""Records a step: takes a function of no arguments that runs the step on fixed input buffers, returns a function
+that replays the recording and the tensor each replay writes the step's output into."""
+
+
+def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """Record `step` as a CUDA graph. It runs twice first on a side stream (lazy initialisation, cuBLAS workspaces and
+    any compiled kernels happen outside the recording), the second time with synchronising operations made errors,
+    so a step that reads the device fails here with a clear message rather than inside the capture."""
+    if torch.is_autocast_enabled("cuda"):
+        raise RuntimeError("autocast is on: the weights' casts it caches would be freed under the recording")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph.replay, out
+
+
+class Recording:
+    """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them),
+    the output it writes, and the weights' addresses it read, which must not move."""
+
+    def __init__(self, args: tuple, capture: Capture):
+        model, token, mask, pos, cache, cache_position = args
+        self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
+        self.weights = weight_addresses(model)
+        counters = _cache_counters(cache)
+        before = [c.clone() for c in counters]
+        token_in, mask_in, pos_in, cache_position_in = self.inputs
+        try:
+            self.replay, self.out = capture(
+                lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
+            )
+        finally:  # the warm-up runs wrote this step's entries and advanced the counters; the replay does it again
+            for counter, value in zip(counters, before, strict=True):
+                counter.copy_(value)
+
+    def __call__(self, token, mask, pos, cache_position) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, (token, mask, pos, cache_position), strict=True):
+            buffer.copy_(value)
+        self.replay()
+        return self.out
+
+
+def weight_addresses(model) -> tuple[int, ...]:
+    """Where the model's parameters and buffers live: a recording reads them there, so a model whose tensors were
+    replaced (not updated in place, as optimizer steps do) needs a new recording."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+class GraphedDecodeStep(FixedShapeStep):
+    """`rollout: {cuda_graphs: true}` (the default on a GPU): the eager decode step recorded once per (model, rows,
+    length) as a CUDA graph and replayed for every token. A recording costs two eager steps and no compilation, so
+    it pays from the first rollout; what inductor's fusion would add on top is `compile: true`'s.
+
+    Optimizer steps update the weights in place, which the graph reads; a model whose tensors moved (reloaded, or
+    moved between devices) is recorded again at its next rollout. `capture` records a step (`cuda_graph_capture` on a
+    GPU)."""
+
+    what = "CUDA-graph decode step"
+    off_switch = "cuda_graphs: false"
+
+    def __init__(self, capture: Capture = cuda_graph_capture):
+        super().__init__()
+        self.capture = capture
+        self.recordings: dict[tuple[int, int, int], Recording] = {}
+
+    def cache(self, model, rows: int, length: int):
+        cache = super().cache(model, rows, length)
+        key = (id(model), rows, length)
+        recording = self.recordings.get(key)
+        if recording is not None and recording.weights != weight_addresses(model):
+            del self.recordings[key]
+        return cache
+
+    def _first_replay(self, shape: tuple) -> bool:
+        return _recording_key(shape) not in self.recordings
+
+    def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
+        key = _recording_key(shape)
+        recording = self.recordings.get(key)
+        if recording is None:
+            try:
+                recording = self.recordings[key] = Recording(args, self.capture)
+            except RuntimeError as err:
+                why = f"it could not be recorded ({type(err).__name__}: {str(err).splitlines()[0]})"
+                raise Unrecorded(why) from err
+        _, token, mask, pos, _, cache_position = args
+        return recording(token, mask, pos, cache_position)
+
+    def _forget(self, narrower: Callable[[tuple], bool]) -> None:
+        self.recordings = {k: r for k, r in self.recordings.items() if not narrower(k)}
+
+
+def _recording_key(shape: tuple) -> tuple[int, int, int]:
+    """(model, rows, length) of a step's (model, rows, 1, length) shape: the key of its cache and recording."""
+    return shape[0], shape[1], shape[-1]
+
+
+def _cache_counters(cache) -> list[torch.Tensor]:
+    """The tokens-written counters of a static cache's layers (transformers 5's `StaticLayer.cumulative_length`, a
+    device tensor each step advances in place and writes its entries at), where it keeps them."""
+    layers = getattr(cache, "layers", None) or []
+    return [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
