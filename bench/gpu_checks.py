@@ -513,13 +513,18 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
         step, rate, out = GraphedDecodeStep(), {}, {}
+
+        def rollout(loop, kwargs, seed):  # as the engine runs it: recorded at the start, released at the end
+            try:
+                return loop(model, ids, mask, sampling, None, 0, seed, **kwargs)
+            finally:
+                step.release()
+
         loops = (("eager", decode, {}), ("eager static", decode_static, {}), ("graphed", decode_static, {"step": step}))
         with torch.inference_mode():
             for name, loop, kwargs in (*loops, ("graphed again", decode_static, {"step": step})):
                 seed = torch.Generator(device=setup.device).manual_seed(5)
-                out[name], seconds = timed(
-                    lambda f=loop, kw=kwargs, g=seed: f(model, ids, mask, sampling, None, 0, g, **kw), True
-                )
+                out[name], seconds = timed(lambda f=loop, kw=kwargs, g=seed: rollout(f, kw, g), True)
                 rate[name] = rows * new / seconds
         bound = copy_tb_per_s() * 1e12 * rows / decode_bytes_per_step("qwen0.5b", rows, width + new / 2)
         same = int((out["graphed again"] == out["eager static"]).all(1).sum())

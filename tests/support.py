@@ -117,3 +117,19 @@ def run_ppo(tiny: Path, tmp_path: Path, tracker=None, lora: bool = False, attent
     tracker = tracker or Tracker()
     result = ppo.train(cfg, policy, value, tok, rows, rewards, tracker, tmp_path, ref_model=ref)
     return result, tracker, policy
+
+
+def replayed_on_cpu(step):
+    """What recording a CUDA graph amounts to, on CPU (a `GraphedDecodeStep`'s `capture`): the warm-up runs the step
+    (and writes the cache); each replay runs it again on the same input buffers and writes the same output tensor."""
+    out = step()
+    return (lambda: out.copy_(step())), out
+
+
+def graphed_on_cpu(engine, device):
+    """`HFEngine._decode_step` as on a GPU with `cuda_graphs` on, its recordings made by `replayed_on_cpu`."""
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+
+    if engine.step is None and engine.cuda_graphs:
+        engine.step = GraphedDecodeStep(capture=replayed_on_cpu)
+    return engine.step

@@ -341,19 +341,14 @@ def test_a_compiled_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager
         assert len(calls) == decode_steps.CHECK_CALL and "logits are off from the eager step's" in engine.step.failed
 
 
-def replayed_on_cpu(step):
-    """What recording a CUDA graph amounts to, on CPU: the warm-up runs the step (and writes the cache); each replay
-    runs it again on the same input buffers and writes the same output tensor."""
-    out = step()
-    return (lambda: out.copy_(step())), out
-
-
 def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
-    """`rollout: {cuda_graphs: true}`, the GPU default: the eager step recorded once per (model, rows, length) and
-    replayed on input buffers the loop copies each token's inputs into (here with a CPU stand-in for the recording).
-    The same tokens as the eager loop, greedy and sampled, one sample or three; one recording per shape, reused by a
-    second rollout with the weights trained in place; weights that moved are recorded again. On CPU the engine
-    itself never records."""
+    """`rollout: {cuda_graphs: true}`, the GPU default: the eager step recorded for each rollout and replayed on input
+    buffers the loop copies each token's inputs into (here with a CPU stand-in for the recording). The same tokens as
+    the eager loop, greedy and sampled, one sample or three, and after the weights were trained in place; the
+    prompts keep their width; the static cache and the recording are freed when the rollout ends; each shape's
+    first replay is checked against the eager step once. On CPU the engine itself never records."""
+    from support import replayed_on_cpu
+
     from alignpipe.engine.decode_steps import GraphedDecodeStep
 
     model, tok = trained
@@ -362,34 +357,25 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
     engine = HFEngine(model, tok, 8)
     recorded = []
     engine.step = step = GraphedDecodeStep(capture=lambda fn: recorded.append(1) or replayed_on_cpu(fn))
+    width = engine._encode(prompts)["input_ids"].size(1)
     for n, temperature in ((1, 0), (3, 1.0), (1, 0)):
         sampling = SamplingParams(temperature=temperature, max_new_tokens=12)
         eager = HFEngine(model, tok, 8).generate(prompts, n, sampling, seed=3)
         graphed = engine.generate(prompts, n, sampling, seed=3)
         assert [g.completion_ids for g in graphed] == [g.completion_ids for g in eager], (n, temperature)
-    assert step.failed is None and len(recorded) == 2 and len(step.recordings) == 2, "one recording per rows"
+        assert not step.caches and not step.recordings, "freed for the training step"
+    assert step.failed is None and len(recorded) == 3 and step.checked == {(5, width + 12), (15, width + 12)}
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
-    first = step.recordings[(id(model), 5, 64 + 12)]
     with torch.no_grad():
-        for p in model.parameters():  # an optimizer step, in place: the same recording
+        for p in model.parameters():  # an optimizer step
             p.mul_(1.01)
     try:
         want = [g.completion_ids for g in HFEngine(model, tok, 8).generate(prompts, 1, greedy)]
         assert [g.completion_ids for g in engine.generate(prompts, 1, greedy)] == want
-        assert step.recordings[(id(model), 5, 64 + 12)] is first and len(recorded) == 2
     finally:
         with torch.no_grad():
             for p in model.parameters():
                 p.div_(1.01)
-    moved = {name: p.data for name, p in model.named_parameters()}
-    for p in model.parameters():
-        p.data = p.data.clone()  # a reload in place of the old tensors
-    try:
-        engine.generate(prompts, 1, greedy)
-        assert len(recorded) == 3 and step.recordings[(id(model), 5, 64 + 12)] is not first
-    finally:
-        for name, p in model.named_parameters():
-            p.data = moved[name]
 
 
 @pytest.mark.parametrize("how", ["not recording", "wrong replay"])
@@ -398,6 +384,8 @@ def test_a_cuda_graph_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eag
     eager step's on the same inputs, is reported once; the eager step decodes from the same cache state, so the
     tokens equal the eager loop's, and nothing is recorded again."""
     import logging
+
+    from support import replayed_on_cpu
 
     from alignpipe.engine.decode_steps import GraphedDecodeStep
 

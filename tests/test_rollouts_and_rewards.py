@@ -175,14 +175,24 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     assert len(kls) == 4 and kls[0] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(k) for k in kls)
 
 
-def test_grpo_with_static_cache_rollouts_trains_identically(reversal_sft, tmp_path):
-    """`rollout: {static_cache: true}` samples the same tokens, so GRPO takes the same steps: identical metrics."""
+def test_grpo_with_static_cache_and_cuda_graph_rollouts_trains_identically(reversal_sft, tmp_path, monkeypatch):
+    """`rollout: {static_cache: true}`, and the CUDA-graph step a GPU decodes with by default (its recording made by a
+    CPU stand-in: recorded at each rollout, released before each update), sample the same tokens, so GRPO takes the
+    same steps: identical metrics."""
+    import support
+
+    from alignpipe.engine.hf import HFEngine
     from alignpipe.trainers.configs import RolloutSpec
 
     tok, start, train, _ = reversal_sft
     rewards = RewardSet([LoadedReward("exact_match", exact_match)])
     series = {}
-    for static in (False, True):
+    recorded: list[int] = []
+    replay = support.replayed_on_cpu
+    for static in (False, True, "graphed"):
+        if static == "graphed":
+            monkeypatch.setattr(support, "replayed_on_cpu", lambda step: recorded.append(1) or replay(step))
+            monkeypatch.setattr(HFEngine, "_decode_step", support.graphed_on_cpu)
         tracker = Tracker()
         cfg = GRPOConfig(
             learning_rate=3e-4,
@@ -192,13 +202,15 @@ def test_grpo_with_static_cache_rollouts_trains_identically(reversal_sft, tmp_pa
             max_completion_length=10,
             logging_every=1,
             sample_every=100,
-            rollout=RolloutSpec(static_cache=static),
+            rollout=RolloutSpec(static_cache=static is True),
         )
         grpo.train(cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, tmp_path / str(static))
         series[static] = {k: tracker.series(f"train/{k}") for k in ("reward", "completions/mean_length", "loss")}
-    assert series[True]["reward"] == series[False]["reward"]
-    assert series[True]["completions/mean_length"] == series[False]["completions/mean_length"]
-    assert series[True]["loss"] == pytest.approx(series[False]["loss"], abs=1e-6)
+    assert len(recorded) >= 3, "a recording per rollout"
+    for other in (True, "graphed"):
+        assert series[other]["reward"] == series[False]["reward"], other
+        assert series[other]["completions/mean_length"] == series[False]["completions/mean_length"], other
+        assert series[other]["loss"] == pytest.approx(series[False]["loss"], abs=1e-6), other
 
 
 def test_grpo_refuses_a_batch_that_does_not_split_into_groups(reversal_sft, tmp_path):

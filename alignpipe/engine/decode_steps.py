@@ -6,15 +6,16 @@ An eager decode step of a 24-layer model issues a few hundred kernels from Pytho
 whole step as one CUDA graph:
 
 - `GraphedDecodeStep` (the default on a GPU, `rollout: {cuda_graphs: true}`) records the eager step itself with
-  `torch.cuda.CUDAGraph`: a capture costs two eager steps, no compilation.
+  `torch.cuda.CUDAGraph`: about two eager steps of host time per rollout, no compilation, and the static cache and
+  graph freed when the rollout ends.
 - `CompiledDecodeStep` (`rollout: {compile: true}`) compiles the step with `torch.compile(mode="reduce-overhead")`
-  first: inductor's fused kernels inside the graph, paid for by a compilation per shape.
+  first: inductor's fused kernels inside the graph, paid for by a compilation per shape. So that shapes are few, its
+  prompt widths round up to a power of two that never falls below the widest so far, and its static caches are kept
+  per (model, rows, length) and reset between rollouts (a graph reads the cache it was recorded with).
 
-Shared by both (`FixedShapeStep`): prompt widths round up to a power of two that never falls below the widest so far,
-so a run records a few shapes; static caches are kept per (model, rows, length) and reset between rollouts, since a
-graph reads the cache it was recorded with; the first replay of each recording is checked against the eager step on
-the same inputs, and a step that fails to record or replays wrong logits warns once and the eager step runs from then
-on (the same tokens, slower).
+Shared by both (`FixedShapeStep`): the first replay of each shape is checked against the eager step on the same
+inputs, and a step that fails to record or replays wrong logits warns once and the eager step runs from then on (the
+same tokens, slower).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def decode_step(model, token, mask, pos, cache, cache_position) -> torch.Tensor:
 
 
 class FixedShapeStep:
-    """What the replayed decode steps share: the widths and static caches that keep their shapes few, the check of
-    each recording's first replay against the eager step, and the fallback to the eager step. Subclasses say how a
-    step is run (`_run`) and which call of a shape is its first replay (`_first_replay`)."""
+    """What the replayed decode steps share: prompt widths and static caches per (model, rows, length), the check of a
+    shape's first replay against the eager step, and the fallback to the eager step. Subclasses say how a step is
+    run (`_run`), which call of a shape is checked (`_first_replay`), and what a rollout's end frees (`release`)."""
 
     what = "replayed decode step"
     off_switch = ""
@@ -113,6 +114,10 @@ class FixedShapeStep:
                 return eager
         return logits
 
+    def release(self) -> None:
+        """A rollout ended: free what only it needs (the compiled step keeps its caches: a new one is a new
+        compilation)."""
+
     def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
         raise NotImplementedError
 
@@ -170,36 +175,35 @@ that replays the recording and the tensor each replay writes the step's output i
 
 
 def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """Record `step` as a CUDA graph. It runs twice first on a side stream (lazy initialisation, cuBLAS workspaces and
-    any compiled kernels happen outside the recording), the second time with synchronising operations made errors,
-    so a step that reads the device fails here with a clear message rather than inside the capture."""
+    """Record `step` as a CUDA graph. It runs once first on a side stream (lazy initialisation and cuBLAS workspaces
+    happen outside the recording) with synchronising operations made errors, so a step that reads the device fails
+    there with a clear message rather than inside the capture."""
     if torch.is_autocast_enabled("cuda"):
         raise RuntimeError("autocast is on: the weights' casts it caches would be freed under the recording")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
             step()
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # other threads' CUDA calls (a data loader's pinned copies) do not invalidate this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = step()
     return graph.replay, out
 
 
 class Recording:
-    """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them),
-    the output it writes, and the weights' addresses it read, which must not move."""
+    """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them)
+    and the output it writes. The weights and the static cache are read where they lie."""
 
     def __init__(self, args: tuple, capture: Capture):
         model, token, mask, pos, cache, cache_position = args
         self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
-        self.weights = weight_addresses(model)
         counters = _cache_counters(cache)
         before = [c.clone() for c in counters]
         token_in, mask_in, pos_in, cache_position_in = self.inputs
@@ -207,7 +211,7 @@ class Recording:
             self.replay, self.out = capture(
                 lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
             )
-        finally:  # the warm-up runs wrote this step's entries and advanced the counters; the replay does it again
+        finally:  # the warm-up wrote this step's entries and advanced the counters; the replay does it again
             for counter, value in zip(counters, before, strict=True):
                 counter.copy_(value)
 
@@ -218,20 +222,14 @@ class Recording:
         return self.out
 
 
-def weight_addresses(model) -> tuple[int, ...]:
-    """Where the model's parameters and buffers live: a recording reads them there, so a model whose tensors were
-    replaced (not updated in place, as optimizer steps do) needs a new recording."""
-    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-
-
 class GraphedDecodeStep(FixedShapeStep):
-    """`rollout: {cuda_graphs: true}` (the default on a GPU): the eager decode step recorded once per (model, rows,
-    length) as a CUDA graph and replayed for every token. A recording costs two eager steps and no compilation, so
-    it pays from the first rollout; what inductor's fusion would add on top is `compile: true`'s.
-
-    Optimizer steps update the weights in place, which the graph reads; a model whose tensors moved (reloaded, or
-    moved between devices) is recorded again at its next rollout. `capture` records a step (`cuda_graph_capture` on a
-    GPU)."""
+    """`rollout: {cuda_graphs: true}` (the default on a GPU): the eager decode step recorded as a CUDA graph and
+    replayed for every token. A recording costs about two eager steps of host time and no compilation, so each
+    rollout records its own (prompts at their own width, no padding to a bucket) and `release` frees its static cache
+    and graph when the rollout ends: the training step that follows gets that memory back, and a model reloaded or
+    moved between rollouts is simply recorded again. Optimizer steps between the tokens of one rollout do not happen.
+    The first replay of each (rows, length) is checked against the eager step, once per process. `capture` records
+    a step (`cuda_graph_capture` on a GPU)."""
 
     what = "CUDA-graph decode step"
     off_switch = "cuda_graphs: false"
@@ -240,17 +238,20 @@ class GraphedDecodeStep(FixedShapeStep):
         super().__init__()
         self.capture = capture
         self.recordings: dict[tuple[int, int, int], Recording] = {}
+        self.checked: set[tuple[int, int]] = set()
 
-    def cache(self, model, rows: int, length: int):
-        cache = super().cache(model, rows, length)
-        key = (id(model), rows, length)
-        recording = self.recordings.get(key)
-        if recording is not None and recording.weights != weight_addresses(model):
-            del self.recordings[key]
-        return cache
+    def width(self, width: int) -> int:
+        return width
+
+    def release(self) -> None:
+        self.caches.clear()
+        self.recordings.clear()
 
     def _first_replay(self, shape: tuple) -> bool:
-        return _recording_key(shape) not in self.recordings
+        rows_length = (shape[1], shape[-1])
+        first = rows_length not in self.checked
+        self.checked.add(rows_length)
+        return first
 
     def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
         key = _recording_key(shape)

@@ -86,6 +86,8 @@ class HFEngine:
                     out.append(self._finish(start + k // n, row, eos))
         finally:
             self.model.train(was_training)
+            if step is not None:
+                step.release()
         return out
 
     def _encode(self, chunk: list):

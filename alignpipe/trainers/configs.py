@@ -215,19 +215,19 @@ class RolloutSpec(Strict):
     cuda_graphs: bool = True
     """hf on a CUDA device: the static-cache decode step recorded as a CUDA graph (`torch.cuda.CUDAGraph`) once per
     shape and replayed for every token: one launch per token instead of a few hundred kernels issued from Python
-    (~8 ms of host work per token for a 24-layer model, more than a 0.5B model's GPU work). A recording costs two
-    eager steps, no compilation; prompts are left-padded to a power of two (64 at least) never below the widest so
-    far, so a run records a few shapes, each holding a static KV cache of rows × (width + `max_completion_length`).
-    Same tokens as the eager loop (the recording's plumbing is tested on CPU; `bench.gpu_checks` compares it on a
+    (~8 ms of host work per token for a 24-layer model, more than a 0.5B model's GPU work). A recording costs about
+    two eager steps of host time and no compilation, so each rollout records its own and frees its static KV cache
+    and graph when it ends (the training step gets the memory back). Same tokens as the eager loop (the recording's plumbing is tested on CPU; `bench.gpu_checks` compares it on a
     GPU). A step that cannot be recorded, or whose first replay's logits are off from the eager step's, warns once
     and the eager static step runs from then on. Needs a model whose decode steps take a ready padding mask (SDPA or
     `varlen` attention, no sliding-window layers); others decode eagerly. No effect on CPU."""
     compile: bool = False
     """hf: the static-cache decode step compiled with `torch.compile(mode="reduce-overhead")` (inductor's fused
     kernels, on a GPU recorded as a CUDA graph) instead of `cuda_graphs`' recording of the eager step. Implies
-    `static_cache`. The first rollout of each shape pays the compilation (tens of seconds or more on a GPU). Same
-    tokens as the eager loop (tested on CPU), with the same fallback as `cuda_graphs`. Its GPU speed is not measured
-    yet."""
+    `static_cache`. The first rollout of each shape pays the compilation (tens of seconds or more on a GPU); prompts
+    are left-padded to a power of two (64 at least) never below the widest so far, so a run compiles for a few
+    shapes, and their static caches stay allocated between rollouts. Same tokens as the eager loop (tested on CPU),
+    with the same fallback as `cuda_graphs`. Its GPU speed is not measured yet."""
 
     @model_validator(mode="after")
     def _check(self):
