@@ -175,9 +175,9 @@ that replays the recording and the tensor each replay writes the step's output i
 
 
 def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """Record `step` as a CUDA graph. It runs once first on a side stream (lazy initialisation and cuBLAS workspaces
-    happen outside the recording) with synchronising operations made errors, so a step that reads the device fails
-    there with a clear message rather than inside the capture."""
+    """Record `step` as a CUDA graph. It runs once first, on the side stream the capture then uses (lazy
+    initialisation and that stream's cuBLAS workspace happen outside the recording), with synchronising operations
+    made errors, so a step that reads the device fails there with a clear message rather than inside the capture."""
     if torch.is_autocast_enabled("cuda"):
         raise RuntimeError("autocast is on: the weights' casts it caches would be freed under the recording")
     stream = torch.cuda.Stream()
@@ -192,7 +192,7 @@ def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], N
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     # other threads' CUDA calls (a data loader's pinned copies) do not invalidate this capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         out = step()
     return graph.replay, out
 
