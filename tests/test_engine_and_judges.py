@@ -261,6 +261,26 @@ def test_static_cache_decoding_gives_the_same_tokens(trained, n, temperature):
     assert "stop" in reasons and "length" in reasons, reasons
 
 
+def test_static_cache_decoding_prefills_each_prompt_once(trained, monkeypatch):
+    """GRPO samples `n` completions per prompt: the static loop runs each prompt through the model once and writes its
+    keys and values into its samples' rows (the same tokens as above), where it used to prefill every sample."""
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A"]
+    widths = []
+    forward = model.forward
+
+    def counting(*args, **kwargs):
+        ids = kwargs["input_ids"]
+        if ids.size(1) > 1:
+            widths.append(ids.size(0))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    got = HFEngine(model, tok, 8, static_cache=True).generate(prompts, 4, sampling, seed=1)
+    assert widths == [3] and len(got) == 12
+
+
 def test_compiled_decode_steps_give_the_same_tokens(trained):
     """`rollout: {compile: true}`: the decode step compiled (on a GPU a CUDA graph; here inductor's CPU code), prompts
     left-padded to 64 tokens. The same tokens as the eager loop, greedy and sampled, one sample or three, the first

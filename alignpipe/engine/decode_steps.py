@@ -63,7 +63,6 @@ class FixedShapeStep:
     def __init__(self):
         self.caches: dict[tuple[int, int, int], Any] = {}
         self.widest = WIDTH_BUCKET
-        self.calls: dict[tuple, int] = {}
         self.failed: str | None = None
         """Why the step was given up for the eager one, once it was."""
 
@@ -93,7 +92,6 @@ class FixedShapeStep:
         if self.failed:
             return decode_step(*args)
         shape = (id(model), *token.shape, mask.size(-1))
-        self.calls[shape] = self.calls.get(shape, 0) + 1
         check = self._first_replay(shape)
         counters = _cache_counters(cache) if check else []
         before = [c.clone() for c in counters]
@@ -122,6 +120,7 @@ class FixedShapeStep:
         raise NotImplementedError
 
     def _first_replay(self, shape: tuple) -> bool:
+        """Whether this call, the next of `shape`'s, is to be checked against the eager step."""
         raise NotImplementedError
 
     def _forget(self, narrower: Callable[[tuple], bool]) -> None:
@@ -156,8 +155,10 @@ class CompiledDecodeStep(FixedShapeStep):
     def __init__(self):
         super().__init__()
         self.fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+        self.calls: dict[tuple, int] = {}
 
     def _first_replay(self, shape: tuple) -> bool:
+        self.calls[shape] = self.calls.get(shape, 0) + 1
         return self.calls[shape] == CHECK_CALL
 
     def _run(self, args: tuple, shape: tuple) -> torch.Tensor:

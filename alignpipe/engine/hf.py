@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from typing import Any
 
 import torch
 
@@ -10,8 +10,6 @@ from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.modeling import mask_positions, under_attention_kernels
-
-log = logging.getLogger(__name__)
 
 
 class HFEngine:
@@ -228,34 +226,41 @@ def decode_static(
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
     written) and the cache position as a tensor. Nothing is re-allocated per token, and a GPU is read only every
     `CHECK_EVERY` steps to stop early, so it is not held up by the host between steps. Same tokens
-    as `decode` (tested). The `n` samples of a prompt are prefilled as separate rows (a static cache cannot be
-    repeated after prefill). With `step` (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA
-    graph, compiled or not), prompts left-padded to the step's width so that a few shapes serve every rollout."""
+    as `decode` (tested). Each prompt is prefilled once and its keys and values written into the rows of its `n`
+    samples (models with sliding-window layers prefill each sample's row). With `step`
+    (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA graph, compiled or not), prompts
+    left-padded to the step's width so that a few shapes serve every rollout."""
     from transformers import StaticCache
 
-    if n > 1:
-        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
     extra = step.width(ids.size(1)) - ids.size(1) if step is not None else 0
     if extra:  # left padding: masked, positions unchanged
         ids = torch.cat([ids.new_full((ids.size(0), extra), pad), ids], dim=1)
         mask = torch.cat([mask.new_zeros((mask.size(0), extra)), mask], dim=1)
-    rows, width = ids.shape
+    shared = n > 1 and not _sliding(model)
+    if n > 1 and not shared:
+        ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+    width = ids.size(1)
+    rows = ids.size(0) * (n if shared else 1)
     steps = sampling.max_new_tokens
     if step is not None:
         cache = step.cache(model, rows, width + steps)
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + steps)
-    full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
     position = mask_positions(mask)
-    logits = model(
-        input_ids=ids,
-        attention_mask=full_mask,
-        position_ids=position,
-        past_key_values=cache,
-        cache_position=torch.arange(width, device=ids.device),
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]
+    if shared:
+        logits = _prefill_once(model, ids, mask, position, cache, n)
+        mask, position = mask.repeat_interleave(n, 0), position.repeat_interleave(n, 0)
+    full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
+    if not shared:
+        logits = model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=position,
+            past_key_values=cache,
+            cache_position=torch.arange(width, device=ids.device),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
     keys = step_mask = full_mask  # which cache entries the next step attends to; what the step is given
     if _takes_padding_mask(model):  # (rows, 1, 1, keys), a view: the steps build no mask (which reads the device)
         keys = full_mask.bool()
@@ -275,6 +280,35 @@ def decode_static(
         pos = pos + 1
         cache_position = cache_position + 1
     return new
+
+
+def _prefill_once(model, ids, mask, position, cache, n: int) -> torch.Tensor:
+    """Run each prompt row once and write its keys and values into `cache` (a static cache of `n` × the rows) for
+    each of its `n` samples, a prompt's rows adjacent: the next-token logits, (rows × n, V). The prompt's share of
+    the prefill is paid once, not `n` times (GRPO's 8 or 16 samples per prompt)."""
+    from transformers import DynamicCache
+
+    once = DynamicCache(config=model.config)
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=once,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    layers: list[Any] = once.layers  # dense layers here (`_sliding` models prefill each sample's row)
+    for index, layer in enumerate(layers):
+        cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), index)
+    return logits.repeat_interleave(n, 0)
+
+
+def _sliding(model) -> bool:
+    """Whether some of the model's layers attend within a sliding window (their caches keep the window only)."""
+    config = model.config
+    return "sliding_attention" in (getattr(config, "layer_types", None) or []) or bool(
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    )
 
 
 def _takes_padding_mask(model) -> bool:

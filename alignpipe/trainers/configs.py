@@ -209,16 +209,16 @@ class RolloutSpec(Strict):
     """hf: prompts per `generate` call."""
     static_cache: bool = False
     """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache): nothing
-    re-allocated per token; the same tokens as the default loop (tested). It prefills each of a prompt's
-    `num_generations` samples separately. (Both loops read the GPU once every 8 steps, to stop when every row has
-    ended.) On a GPU `cuda_graphs` implies it."""
+    re-allocated per token; the same tokens as the default loop (tested). Like it, it prefills each prompt once for
+    its `num_generations` samples. (Both loops read the GPU once every 8 steps, to stop when every row has ended.) On
+    a GPU `cuda_graphs` implies it."""
     cuda_graphs: bool = True
-    """hf on a CUDA device: the static-cache decode step recorded as a CUDA graph (`torch.cuda.CUDAGraph`) once per
-    shape and replayed for every token: one launch per token instead of a few hundred kernels issued from Python
+    """hf on a CUDA device: the static-cache decode step recorded as a CUDA graph (`torch.cuda.CUDAGraph`) at each
+    rollout and replayed for every token: one launch per token instead of a few hundred kernels issued from Python
     (~8 ms of host work per token for a 24-layer model, more than a 0.5B model's GPU work). A recording costs about
     two eager steps of host time and no compilation, so each rollout records its own and frees its static KV cache
-    and graph when it ends (the training step gets the memory back). Same tokens as the eager loop (the recording's plumbing is tested on CPU; `bench.gpu_checks` compares it on a
-    GPU). A step that cannot be recorded, or whose first replay's logits are off from the eager step's, warns once
+    and graph when it ends (the training step gets the memory back). Same tokens as the eager loop (the recording's
+    plumbing is tested on CPU; `bench.gpu_checks` compares it on a GPU). A step that cannot be recorded, or whose first replay's logits are off from the eager step's, warns once
     and the eager static step runs from then on. Needs a model whose decode steps take a ready padding mask (SDPA or
     `varlen` attention, no sliding-window layers); others decode eagerly. No effect on CPU."""
     compile: bool = False
