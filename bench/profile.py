@@ -10,9 +10,12 @@ It runs exactly what `python -m bench` times for that case (same model, data and
 
 - `ops.txt`: operators by self time (device time on a GPU, CPU time otherwise), the top 60;
 - `trace.json`: a Chrome / Perfetto trace of the run (open it in https://ui.perfetto.dev);
-- `summary.json`: the case's figures, the profiled total and the share of it spent in matrix multiplies.
+- `summary.json`: the case's figures, the profiled total and the share of it spent in matrix multiplies; on a GPU
+  also the device time by kind of kernel (matmul, attention, Triton, norm, element-wise, copy, optimizer), from
+  the kernels themselves, so that ours and TRL + Liger's (whose Triton kernels run outside aten's operators) add up
+  alike.
 
-It prints the top operators and the matrix-multiply share: the figure that says whether a case is bound by
+It prints the top operators (kernels, on a GPU) and the matrix-multiply share: the figure that says whether a case is bound by
 its FLOPs (a high share: only fewer FLOPs help) or by everything around them (a low share: overhead to remove).
 """
 
@@ -41,25 +44,71 @@ GEMM_OPS = (
 )
 
 
+# Device kernels by what they do, from their names: cuBLAS/CUTLASS matmuls, flash and memory-efficient attention,
+# the fused optimizer, then the element-wise work around the matmuls by what it computes (torch's, inductor's
+# `triton_*` and Liger's Triton kernels alike: a Liger norm and a fused torch norm both count as norm), copies, and
+# what is left of inductor's and torch's kernels.
+KERNEL_KINDS = (
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("norm", ("rms", "layer_norm", "norm_")),
+    ("rotary", ("rope", "rotary")),
+    ("swiglu", ("swiglu", "silu", "geglu")),
+    ("loss", ("cross_entropy", "log_softmax", "logsumexp", "nll", "softmax")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+    ("triton, other", ("triton",)),
+    ("element-wise", ("elementwise", "vectorized", "reduce", "mul", "add", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a device kernel does, by its name: the first of `KERNEL_KINDS` whose words it contains, else other."""
+    lowered = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(word in lowered for word in words):
+            return kind
+    return "other"
+
+
 def self_time_us(event, device: bool) -> float:
-    """An operator's own time (children excluded) in microseconds, on the device or the CPU."""
+    """An event's own time (children excluded) in microseconds, on the device or the CPU."""
     if device:
         return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
     return float(event.self_cpu_time_total)
 
 
+def is_kernel(event) -> bool:
+    """A device-side event (a kernel, copy or memset), not an operator on the host: an operator's own device time is
+    its kernels' again, so a device total sums kernels only (as torch's own table does), and the kernels Liger's
+    Triton functions launch outside any operator are counted too."""
+    kind = getattr(getattr(event, "device_type", None), "name", "CPU")
+    return kind in ("CUDA", "PrivateUse1", "XPU", "MTIA") and not getattr(event, "is_user_annotation", False)
+
+
 def summarize(events, device: bool) -> dict:
     """Total self time, the matrix-multiply share (attention kernels and their backward included) and the top
-    operators of a profiler's `key_averages()`."""
-    rows = sorted(((e.key, self_time_us(e, device), e.count) for e in events), key=lambda r: -r[1])
+    entries of a profiler's `key_averages()`: operators on CPU; on a device, its kernels, with their time by kind
+    (`kernel_kind`), so two sides whose kernels come from different places (aten, inductor, Liger) compare alike."""
+    if device:
+        rows = sorted(((e.key, self_time_us(e, True), e.count) for e in events if is_kernel(e)), key=lambda r: -r[1])
+        kinds: dict[str, float] = {}
+        for key, t, _ in rows:
+            kinds[kernel_kind(key)] = kinds.get(kernel_kind(key), 0.0) + t
+        gemm = kinds.get("matmul", 0.0) + kinds.get("attention", 0.0)
+    else:
+        rows = sorted(((e.key, self_time_us(e, False), e.count) for e in events), key=lambda r: -r[1])
+        kinds = {}
+        gemm = sum(t for key, t, _ in rows if key.removesuffix("_backward") in GEMM_OPS)
     total = sum(t for _, t, _ in rows)
-    gemm = sum(t for key, t, _ in rows if key.removesuffix("_backward") in GEMM_OPS)
     return {
         "clock": "device" if device else "cpu",
         "total_ms": total / 1e3,
         "gemm_share": gemm / total if total else 0.0,
+        "kinds": {k: {"ms": t / 1e3, "share": t / total} for k, t in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "top": [
-            {"op": key, "ms": t / 1e3, "share": t / total if total else 0.0, "calls": n} for key, t, n in rows[:15]
+            {"op": key[:120], "ms": t / 1e3, "share": t / total if total else 0.0, "calls": n}
+            for key, t, n in rows[:15]
         ],
     }
 
@@ -114,8 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.impl} {key} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
         f"{p['total_ms']:.0f} ms of {p['clock']} self time, {100 * p['gemm_share']:.0f}% in matrix multiplies"
     )
+    for kind, row in p["kinds"].items():
+        print(f"  {kind:<14} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%")
     for row in p["top"]:
-        print(f"  {row['op']:<50} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%  {row['calls']:>7} calls")
+        print(f"  {row['op'][:60]:<60} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%  {row['calls']:>7} calls")
     print(f"wrote {out}/ops.txt, trace.json, summary.json")
     return summary
 

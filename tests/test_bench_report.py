@@ -187,6 +187,59 @@ def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
     assert [r["op"] for r in s["top"]][:2] == ["aten::mm", "aten::add"] and s["top"][-1]["op"] == "aten::linear"
 
 
+def test_on_a_gpu_the_summary_adds_up_kernels_only_and_sorts_them_by_kind():
+    """The device clock: an operator's own device time is its kernels' time again (aten::mm and its GEMM kernel), and
+    a Triton kernel that Liger launches outside any operator has no operator row; so the total, the matrix-multiply
+    share and the kinds come from kernel rows alone, and both sides of a comparison add up alike."""
+    from types import SimpleNamespace
+
+    from bench.profile import kernel_kind, summarize
+
+    def row(key, us, device, count=1):
+        return SimpleNamespace(
+            key=key, self_device_time_total=us, count=count, device_type=SimpleNamespace(name=device)
+        )
+
+    events = [
+        row("aten::mm", 500.0, "CPU", 3),
+        row("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 500.0, "CUDA", 3),
+        row("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", 100.0, "CUDA"),
+        row("_rms_norm_forward_kernel", 150.0, "CUDA", 49),  # Liger's Triton norm: no operator row
+        row("triton_poi_fused_mul_silu_0", 100.0, "CUDA", 24),
+        row(
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+            80.0,
+            "CUDA",
+        ),
+        row("Memcpy DtoD (Device -> Device)", 20.0, "CUDA"),
+        row("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 50.0, "CUDA"),
+        SimpleNamespace(
+            key="ProfilerStep#1",
+            self_device_time_total=1000.0,
+            count=1,
+            device_type=SimpleNamespace(name="CUDA"),
+            is_user_annotation=True,
+        ),
+    ]
+    s = summarize(events, device=True)
+    assert s["clock"] == "device" and s["total_ms"] == 1.0
+    assert abs(s["gemm_share"] - 0.6) < 1e-12
+    assert {k: round(v["ms"], 3) for k, v in s["kinds"].items()} == {
+        "matmul": 0.5,
+        "norm": 0.15,
+        "attention": 0.1,
+        "swiglu": 0.1,
+        "element-wise": 0.08,
+        "optimizer": 0.05,
+        "copy": 0.02,
+    }
+    assert "aten::mm" not in [r["op"] for r in s["top"]]
+    assert kernel_kind("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn") == "matmul"
+    assert kernel_kind("_swiglu_forward_kernel") == "swiglu" and kernel_kind("_triton_rope") == "rotary"
+    assert kernel_kind("triton_red_fused__log_softmax_exp_1") == "loss"
+    assert kernel_kind("triton_poi_fused_add_0") == "triton, other" and kernel_kind("some_unknown_kernel") == "other"
+
+
 def test_the_user_suite_runs_the_shapes_people_train_with():
     """Issue 18's shapes: SFT packed 8×2048 and 4×4096, reward and DPO 8 pairs of ~1024 tokens, GRPO 8 prompts × 8
     completions × 256 new tokens, PPO 64 episodes × 256 new tokens; the GPU default, the latency suite beside it."""
