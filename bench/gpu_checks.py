@@ -430,33 +430,40 @@ def check_loss_watch(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def _replayed_against_eager(setup: Setup, step, name: str) -> tuple[bool, str]:
+    """Greedy decoding of random prompts through `step` (a replayed decode step), twice, against the eager
+    static-cache loop: (every row equal both times and the step not given up, the line to print)."""
+    from alignpipe.engine.hf import decode_static
+    from alignpipe.engine.sampling import SamplingParams
+
+    model = setup.model("sdpa").float().eval()  # float32: greedy ties are not decided by rounding
+    rows, width, new = 16, 64, 48
+    ids = torch.randint(2, setup.model_shape["vocab"], (rows, width), generator=torch.Generator().manual_seed(3))
+    ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
+    greedy = SamplingParams(temperature=0, max_new_tokens=new)
+    took, out = {}, {}
+    with torch.inference_mode():
+        for run, kwargs in (("eager", {}), (name, {"step": step}), (f"{name} again", {"step": step})):
+            out[run], seconds = timed(lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True)
+            step.release()
+            took[run] = seconds / new * 1e3
+    same = [int((out[run] == out["eager"]).all(1).sum()) for run in (name, f"{name} again")]
+    times = ", ".join(f"{run} {ms:.2f} ms" for run, ms in took.items())
+    fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
+    return (
+        min(same) == rows and not step.failed,
+        f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}{fell_back}",
+    )
+
+
 def check_compiled_decode(setup: Setup) -> Callable[[], None]:
     @check("the compiled decode step (CUDA graphs) samples the eager static-cache loop's greedy tokens")
     def run():
-        from alignpipe.engine.hf import CompiledDecodeStep, decode_static
-        from alignpipe.engine.sampling import SamplingParams
+        from alignpipe.engine.decode_steps import CompiledDecodeStep
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_engine_and_judges.py compares them on CPU, inductor's code)"
-        model = setup.model("sdpa").float().eval()  # float32: greedy ties are not decided by rounding
-        rows, width, new = 16, 64, 48
-        ids = torch.randint(2, setup.model_shape["vocab"], (rows, width), generator=torch.Generator().manual_seed(3))
-        ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
-        greedy = SamplingParams(temperature=0, max_new_tokens=new)
-        step, took, out = CompiledDecodeStep(), {}, {}
-        with torch.inference_mode():
-            for name, kwargs in (("eager", {}), ("compiled", {"step": step}), ("compiled again", {"step": step})):
-                out[name], seconds = timed(
-                    lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True
-                )
-                took[name] = seconds / new * 1e3
-        same = [int((out[name] == out["eager"]).all(1).sum()) for name in ("compiled", "compiled again")]
-        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in took.items())
-        fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
-        return (
-            min(same) == rows and not step.failed,
-            f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}{fell_back}",
-        )
+        return _replayed_against_eager(setup, CompiledDecodeStep(), "compiled")
 
     return run
 
@@ -465,30 +472,10 @@ def check_graphed_decode(setup: Setup) -> Callable[[], None]:
     @check("the CUDA-graph decode step (the GPU default) samples the eager static-cache loop's greedy tokens")
     def run():
         from alignpipe.engine.decode_steps import GraphedDecodeStep
-        from alignpipe.engine.hf import decode_static
-        from alignpipe.engine.sampling import SamplingParams
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_engine_and_judges.py checks the recording's plumbing on CPU)"
-        model = setup.model("sdpa").float().eval()  # float32: greedy ties are not decided by rounding
-        rows, width, new = 16, 64, 48
-        ids = torch.randint(2, setup.model_shape["vocab"], (rows, width), generator=torch.Generator().manual_seed(3))
-        ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
-        greedy = SamplingParams(temperature=0, max_new_tokens=new)
-        step, took, out = GraphedDecodeStep(), {}, {}
-        with torch.inference_mode():
-            for name, kwargs in (("eager", {}), ("graphed", {"step": step}), ("graphed again", {"step": step})):
-                out[name], seconds = timed(
-                    lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True
-                )
-                took[name] = seconds / new * 1e3
-        same = [int((out[name] == out["eager"]).all(1).sum()) for name in ("graphed", "graphed again")]
-        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in took.items())
-        fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
-        return (
-            min(same) == rows and not step.failed,
-            f"{rows} rows × {new} tokens: rows equal to eager {same}; per token {times}{fell_back}",
-        )
+        return _replayed_against_eager(setup, GraphedDecodeStep(), "graphed")
 
     return run
 

@@ -136,18 +136,8 @@ def decode(
     (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
     times. Stops once every row has ended, looking every `check_every` steps; the columns after the last row's
     end are cut, so the result does not depend on when it looked."""
-    from transformers import DynamicCache
-
     position = mask_positions(mask)
-    cache = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]
+    logits, cache = prefill(model, ids, mask, position)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
@@ -282,21 +272,27 @@ def decode_static(
     return new
 
 
+def prefill(model, ids, mask, position):
+    """Left-padded prompt rows through the model into a new dynamic KV cache: (next-token logits (rows, V), cache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1], cache
+
+
 def _prefill_once(model, ids, mask, position, cache, n: int) -> torch.Tensor:
     """Run each prompt row once and write its keys and values into `cache` (a static cache of `n` × the rows) for
     each of its `n` samples, a prompt's rows adjacent: the next-token logits, (rows × n, V). The prompt's share of
     the prefill is paid once, not `n` times (GRPO's 8 or 16 samples per prompt)."""
-    from transformers import DynamicCache
-
-    once = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position,
-        past_key_values=once,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]
+    logits, once = prefill(model, ids, mask, position)
     layers: list[Any] = once.layers  # dense layers here (`_sliding` models prefill each sample's row)
     for index, layer in enumerate(layers):
         cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), index)
