@@ -20,6 +20,8 @@ same tokens, slower).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -175,10 +177,15 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch
 that replays the recording and the tensor each replay writes the step's output into."""
 
 
-def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """Record `step` as a CUDA graph. It runs once first, on the side stream the capture then uses (lazy
-    initialisation and that stream's cuBLAS workspace happen outside the recording), with synchronising operations
-    made errors, so a step that reads the device fails there with a clear message rather than inside the capture."""
+def cuda_graph_capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[Callable[[], None], torch.Tensor]:
+    """Record `step` as a CUDA graph, its temporaries in memory pool `pool`. It runs once first, on the side stream the
+    capture then uses (lazy initialisation and that stream's cuBLAS workspace happen outside the recording), with
+    synchronising operations made errors, so a step that reads the device fails there with a clear message rather
+    than inside the capture.
+
+    The capture is begun and ended directly rather than through `torch.cuda.graph`, whose entry empties the CUDA
+    caching allocator (and the pinned host cache): once per rollout, that would hand every block the training step
+    keeps cached back to the driver, and the step would allocate them again."""
     if torch.is_autocast_enabled("cuda"):
         raise RuntimeError("autocast is on: the weights' casts it caches would be freed under the recording")
     stream = torch.cuda.Stream()
@@ -190,11 +197,18 @@ def cuda_graph_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], N
             step()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # other threads' CUDA calls (a data loader's pinned copies) do not invalidate this capture
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        out = step()
+    with torch.cuda.stream(stream):
+        # other threads' CUDA calls (a data loader's pinned copies) do not invalidate this capture
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = step()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture is invalid anyway: report the step's error
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     return graph.replay, out
 
 
@@ -230,12 +244,12 @@ class GraphedDecodeStep(FixedShapeStep):
     and graph when the rollout ends: the training step that follows gets that memory back, and a model reloaded or
     moved between rollouts is simply recorded again. Optimizer steps between the tokens of one rollout do not happen.
     The first replay of each (rows, length) is checked against the eager step, once per process. `capture` records
-    a step (`cuda_graph_capture` on a GPU)."""
+    a step (by default `cuda_graph_capture`, every recording in one memory pool)."""
 
     what = "CUDA-graph decode step"
     off_switch = "cuda_graphs: false"
 
-    def __init__(self, capture: Capture = cuda_graph_capture):
+    def __init__(self, capture: Capture | None = None):
         super().__init__()
         self.capture = capture
         self.recordings: dict[tuple[int, int, int], Recording] = {}
@@ -258,6 +272,11 @@ class GraphedDecodeStep(FixedShapeStep):
         key = _recording_key(shape)
         recording = self.recordings.get(key)
         if recording is None:
+            # One recording alive at a time, all in one memory pool: a graph's temporaries may then share memory
+            # with a dropped graph's, and none is replayed after another was recorded.
+            self.recordings.clear()
+            if self.capture is None:
+                self.capture = functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle())
             try:
                 recording = self.recordings[key] = Recording(args, self.capture)
             except RuntimeError as err:
