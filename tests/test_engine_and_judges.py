@@ -385,6 +385,15 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
         assert [g.completion_ids for g in graphed] == [g.completion_ids for g in eager], (n, temperature)
         assert not step.caches and not step.recordings, "freed for the training step"
     assert step.failed is None and len(recorded) == 3 and step.checked == {(5, width + 12), (15, width + 12)}
+    chunked = HFEngine(model, tok, 2)  # chunks of 2, 2 and 1 prompts: each recorded with no other alive
+    alive = []
+    chunked.step = in_chunks = GraphedDecodeStep(
+        capture=lambda fn: alive.append(len(in_chunks.recordings)) or replayed_on_cpu(fn)
+    )
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    want = [g.completion_ids for g in HFEngine(model, tok, 2).generate(prompts, 2, sampling, seed=4)]
+    assert [g.completion_ids for g in chunked.generate(prompts, 2, sampling, seed=4)] == want
+    assert alive == [0, 0, 0], alive
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     with torch.no_grad():
         for p in model.parameters():  # an optimizer step
