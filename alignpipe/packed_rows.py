@@ -164,12 +164,16 @@ def pack_answers(
 
 
 def pack_scored(
-    prefixes: list[list[int]], suffixes: list[list[int]], pad_id: int | None, share: bool = False
+    prefixes: list[list[int]],
+    suffixes: list[list[int]],
+    pad_id: int | None,
+    share: bool = False,
+    index: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Sequence r, `prefixes[r % len(prefixes)] + suffixes[r]`, in `pack_groups`' layout, plus `last` (R,): where a
-    sequence classifier reads its score, its last token that is not `pad_id`, as transformers' classifiers read a
-    padded row (a sequence of padding only: its first)."""
-    groups, slots = _groups(prefixes, suffixes, None)
+    """Sequence r, `prefixes[index[r]] + suffixes[r]` (default index: r % len(prefixes)), in `pack_groups`' layout,
+    plus `last` (R,): where a sequence classifier reads its score, its last token that is not `pad_id`, as
+    transformers' classifiers read a padded row (a sequence of padding only: its first)."""
+    groups, slots = _groups(prefixes, suffixes, index)
     packed = pack_groups(groups, share)
     where = packed.pop("where")
     last = []
@@ -203,3 +207,32 @@ def answers_part(packed: dict[str, Any], part: slice) -> dict[str, Any]:
         "offsets": [o - lo for o in offsets],
         "scoring": packed["scoring"][part] - lo,
     }
+
+
+def classifier_scores(classifier, packed: dict[str, Any]) -> torch.Tensor:
+    """A sequence classifier's (transformers' `*ForSequenceClassification`, unwrapped) float scores of a
+    `pack_scored` layout: its body over the one row of documents, its `score` head at each sequence's `last`."""
+    body = getattr(classifier, classifier.base_model_prefix)
+    hidden = body(
+        input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, **packed["documents"]
+    ).last_hidden_state
+    return classifier.score(hidden[0].index_select(0, packed["last"])).squeeze(-1).float()
+
+
+def common_prefixes(seqs: list[list[int]], groups: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per group of `seqs` (`groups[r]`: sequence r's group, numbered from 0), the longest token prefix all its
+    sequences share, each keeping at least its last token out of it; and each sequence's rest. A group of one
+    shares nothing (its prefix is empty)."""
+    members: dict[int, list[list[int]]] = {}
+    for seq, g in zip(seqs, groups, strict=True):
+        members.setdefault(g, []).append(seq)
+    prefixes = []
+    for g in range(len(members)):
+        rows = members[g]
+        k = 0
+        if len(rows) > 1:
+            limit = min(len(r) for r in rows) - 1
+            while k < limit and all(r[k] == rows[0][k] for r in rows):
+                k += 1
+        prefixes.append(rows[0][:k])
+    return prefixes, [seq[len(prefixes[g]) :] for seq, g in zip(seqs, groups, strict=True)]

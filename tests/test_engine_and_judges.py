@@ -524,3 +524,37 @@ def test_a_reward_model_scores_in_the_dtype_it_was_saved_in(tiny, tmp_path, dtyp
             float(model(**tok(t + tok.eos_token, return_tensors="pt")).logits[0, 0]) for t in ("good day", "a bad film")
         ]
     assert got == pytest.approx(want, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flash_attention_2"])
+def test_a_reward_model_on_a_document_kernel_scores_padding_free_as_padded(tiny, monkeypatch, attention):
+    """On a kernel that runs documents (what `auto` picks on a GPU), the scorer runs a batch as one row of real
+    tokens; on `varlen` the completions of one prompt (GRPO's group) share their common token prefix, run once. The
+    scores equal the padded batch's through SDPA. (flash-attn's kernel itself needs CUDA: its layout, every text its
+    own document, runs here through `varlen`'s exact per-document path.)"""
+    from alignpipe.judges import reward_model
+    from alignpipe.judges.reward_model import RewardModelScorer
+    from alignpipe.modeling import implementation
+
+    scorer = RewardModelScorer(str(tiny / "model"), batch_size=5, device="cpu")
+    torch.manual_seed(0)
+    torch.nn.init.normal_(scorer.model.score.weight, std=0.5)
+    prompts = ["The film was", "The film was", "The film was", "I watched it and", "I watched it and", "A"]
+    completions = [" great", " dull and long", " ok", " left", " loved every minute", " fine"]
+    padded = scorer(prompts, completions)
+    layouts = []
+    scores = reward_model.classifier_scores
+    monkeypatch.setattr(
+        reward_model, "classifier_scores", lambda m, packed: layouts.append(packed) or scores(m, packed)
+    )
+    if attention == "flash_attention_2":  # its layout, run by our varlen forward (flash-attn needs CUDA)
+        monkeypatch.setattr(reward_model, "layout", lambda model: "documents")
+    scorer.model.set_attn_implementation(implementation("varlen"))
+    assert scorer(prompts, completions) == pytest.approx(padded, abs=1e-5)
+    texts = sum(len(scorer.tok(p + c + scorer.tok.eos_token)["input_ids"]) for p, c in zip(prompts, completions))
+    assert len(layouts) == 2, "batches of 5 and 1"
+    ran = sum(p["input_ids"].size(1) for p in layouts)
+    if attention == "varlen":
+        assert "key_rows" in layouts[0]["documents"] and ran < texts, (ran, texts)
+    else:
+        assert "key_rows" not in layouts[0]["documents"] and ran == texts

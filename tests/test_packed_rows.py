@@ -16,7 +16,7 @@ from support import SHORT_GROUPS, tiny_split
 from alignpipe import attention as varlen
 from alignpipe import logprobs
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
-from alignpipe.packed_rows import answers_part, pack, pack_answers, pack_scored, runs_documents
+from alignpipe.packed_rows import answers_part, common_prefixes, pack, pack_answers, pack_scored, runs_documents
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import dpo, kto, reward
 from alignpipe.trainers.configs import DPOConfig, KTOConfig, LoraSpec, RewardConfig
@@ -416,3 +416,13 @@ def test_unpacked_sft_on_varlen_runs_each_batch_as_one_block_and_trains_as_padde
         assert all((rows_ == 1) == (attention == "varlen") for rows_, _ in shapes), shapes
     for key, values in series["sdpa"].items():
         assert series["varlen"][key] == pytest.approx(values, rel=1e-5), key
+
+
+def test_common_prefixes_keep_each_sequence_s_last_token_and_share_nothing_alone():
+    """A group's prefix is the longest one all its sequences share, short of each one's last token; a group of one
+    shares nothing; the rests put the sequences back together."""
+    seqs = [[1, 2, 3, 4], [1, 2, 3], [1, 2, 5], [7, 8], [9, 9, 9], [9, 9]]
+    groups = [0, 0, 0, 1, 2, 2]
+    prefixes, rests = common_prefixes(seqs, groups)
+    assert prefixes == [[1, 2], [], [9]]
+    assert [prefixes[g] + r for g, r in zip(groups, rests)] == seqs and all(rests)

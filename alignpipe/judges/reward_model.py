@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import torch
+from accelerate.utils import send_to_device
 
 from alignpipe.modeling import load_sequence_scorer, load_tokenizer, under_attention_kernels
+from alignpipe.packed_rows import classifier_scores, common_prefixes, layout, pack_scored
 
 
 class RewardModelScorer:
     """`scorer(prompts, completions) -> [float]`, batched, on `device` (the GPU when there is one). `dtype`: by
     default the checkpoint's own (`auto`), the one the reward stage trained it in: a bf16 reward model scores in bf16
-    on a GPU's tensor cores, where float32 would take ~8× the time of every rollout's scoring."""
+    on a GPU's tensor cores, where float32 would take ~8× the time of every rollout's scoring.
+
+    On a kernel that runs documents (`model.attention: auto` on a GPU picks `varlen`) a batch is scored padding-free,
+    as the reward stage trains (`packed_rows`): one row of the texts' real tokens, and on `varlen` the token prefix
+    that the completions of one prompt share (GRPO's group, the judge's candidates) run once for all of them."""
 
     def __init__(self, path: str, batch_size: int = 32, dtype: str = "auto", device: str | None = None):
         self.tok = load_tokenizer(path)
@@ -24,13 +30,27 @@ class RewardModelScorer:
         eos = self.tok.eos_token or ""
         texts = [p + c if (p + c).endswith(eos) else p + c + eos for p, c in zip(prompts, completions)]
         device = next(self.model.parameters()).device
+        how = layout(self.model) if hasattr(self.model, "score") else None
         side = self.tok.padding_side
         self.tok.padding_side = "right"
         scores: list[float] = []
         try:
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tok(texts[i : i + self.batch_size], return_tensors="pt", padding=True).to(device)
+                chunk = texts[i : i + self.batch_size]
+                if how is not None:
+                    scores += self._packed(chunk, prompts[i : i + self.batch_size], how == "shared", device)
+                    continue
+                enc = self.tok(chunk, return_tensors="pt", padding=True).to(device)
                 scores += self.model(**enc).logits.squeeze(-1).float().tolist()
         finally:
             self.tok.padding_side = side
         return scores
+
+    def _packed(self, texts: list[str], prompts: list[str], share: bool, device) -> list[float]:
+        """`texts` scored as one row of documents; with `share`, those of one prompt after their common prefix."""
+        seqs = self.tok(texts)["input_ids"]
+        group = {p: g for g, p in enumerate(dict.fromkeys(prompts))}
+        index = [group[p] for p in prompts]
+        prefixes, rests = common_prefixes(seqs, index) if share else ([[] for _ in seqs], seqs)
+        packed = pack_scored(prefixes, rests, self.tok.pad_token_id, share, index if share else None)
+        return classifier_scores(self.model, send_to_device(packed, device)).tolist()

@@ -25,7 +25,7 @@ from accelerate.utils import send_to_device
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
-from alignpipe.packed_rows import layout, pack_scored, runs
+from alignpipe.packed_rows import classifier_scores, layout, pack_scored, runs
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
@@ -119,11 +119,7 @@ def _packed_scores(model, batch: dict) -> torch.Tensor | None:
     packed, base = batch.get("packed"), unwrapped(model)
     if packed is None or base is None or not hasattr(base, "score") or not runs(packed, base):
         return None
-    body = getattr(base, base.base_model_prefix)
-    hidden = body(
-        input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, **packed["documents"]
-    ).last_hidden_state
-    return base.score(hidden[0].index_select(0, packed["last"])).squeeze(-1).float()
+    return classifier_scores(base, packed)
 
 
 def _shared_scores(model, batch: dict) -> torch.Tensor | None:
