@@ -447,12 +447,13 @@ def test_a_cuda_graph_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eag
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
-def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, lean):
+@pytest.mark.parametrize("policy", ["plain", "lean", "lora"])
+def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, policy):
     """What a CUDA graph can hold, checked on CPU: the static-cache decode step with its ready padding mask traces as
     one graph (`fullgraph=True`), so it has no `.item()`, no data-dependent branch and no mask built from the values
     on the host; any of them would be a read of the device, which a recording cannot contain. On both attention
-    kernels a GPU decodes with, for a plain model and for a policy patched as the trainers patch it."""
+    kernels a GPU decodes with, for a plain model, a policy patched as the trainers patch it, and a LoRA policy."""
+    from peft import LoraConfig, get_peft_model
     from transformers import StaticCache
 
     from alignpipe.engine.decode_steps import decode_step
@@ -461,8 +462,11 @@ def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, 
 
     model = copy.deepcopy(trained[0])
     model.set_attn_implementation(implementation(attention))
-    if lean:
+    if policy == "lean":
         assert lean_activations(model, fused=True) > 0
+    if policy == "lora":
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.1)
+        model = get_peft_model(model, config).eval()
     rows, width = 3, 8
     ids = torch.randint(3, 100, (rows, width))
     cache = StaticCache(config=model.config, max_cache_len=width + 4)
