@@ -222,10 +222,13 @@ class Recording:
         counters = _cache_counters(cache)
         before = [c.clone() for c in counters]
         token_in, mask_in, pos_in, cache_position_in = self.inputs
+        # streams and graphs belong to the current device: the model's, also where another one is current
+        on_device = torch.cuda.device(token.device) if token.is_cuda else contextlib.nullcontext()
         try:
-            self.replay, self.out = capture(
-                lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
-            )
+            with on_device:
+                self.replay, self.out = capture(
+                    lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
+                )
         finally:  # the warm-up wrote this step's entries and advanced the counters; the replay does it again
             for counter, value in zip(counters, before, strict=True):
                 counter.copy_(value)
