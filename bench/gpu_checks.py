@@ -481,7 +481,7 @@ def check_graphed_decode(setup: Setup) -> Callable[[], None]:
 
 
 def check_rollout_speed(setup: Setup) -> Callable[[], None]:
-    @check("hf engine rollouts at GRPO's user shape: the CUDA-graph step beats the eager loops, same tokens")
+    @check("hf engine rollouts at GRPO's user shape: the CUDA-graph step generates faster than the eager loops")
     def run():
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
