@@ -18,7 +18,9 @@ class HFEngine:
     A plain decode loop rather than `model.generate`: for the small models rollouts train on CPU (and
     for short completions anywhere) generate()'s per-token machinery (processor lists, stopping
     criteria, kwargs bookkeeping) costs more than the forward itself. Greedy output equals
-    `model.generate`'s token for token (tested)."""
+    `model.generate`'s token for token (tested). On a GPU the decode step is replayed as a CUDA graph (`cuda_graphs`,
+    `decode_steps.GraphedDecodeStep`) or compiled (`compile`); on CPU the eager loop runs (`static_cache` for the
+    fixed-shape one)."""
 
     def __init__(
         self,
