@@ -12,18 +12,21 @@
 #      goes on each side (the figure the SFT target's gap needs)
 #   2  DPO and reward 8×1024, eager, on the varlen kernel (ours then runs its batches padding-free; TRL's have no
 #      padding-free mode for these trainers and run padded, which the kernel hands to SDPA)
-#   3  GRPO 8×8×256 against TRL and PPO 64×256 against TRL 1.12 (8 steps each), ours as a recipe runs them on a GPU
-#      by default: rollouts decoded by the eager step recorded as a CUDA graph (`rollout: {cuda_graphs: true}`, what
-#      the GRPO target rests on; gpu_checks of stage 1 gives its tokens/s beside the eager loops'), updates on varlen
-#      (what `model.attention: auto` runs: padding-free; TRL's padded batches go to SDPA); and SFT 4×4096 on varlen
-#   4  packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), GRPO with compiled rollouts (inductor's
-#      kernels in the graph, paid by a compilation per shape), compiled packed SFT
+#   3  GRPO 8×8×256 against TRL and PPO 64×256 against TRL 1.12 (7 steps each: the steady window is steps 6 and
+#      7), ours as a recipe runs them on a GPU by default: rollouts decoded by the eager step recorded as a CUDA
+#      graph (`rollout: {cuda_graphs: true}`, what the GRPO target rests on; gpu_checks of stage 1 gives its tokens/s
+#      beside the eager loops'), updates on varlen (what `model.attention: auto` runs: padding-free; TRL's padded
+#      batches go to SDPA). A round of fresh runs (ours, then TRL's ~6 s steps) takes ~2 minutes, so each case has
+#      the stage's half to reach 2 rounds or more
+#   4  SFT 4×4096 on varlen, packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), GRPO with
+#      compiled rollouts (inductor's kernels in the graph, paid by a compilation per shape)
+#   5  compiled packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 4)"}
-case $stage in 1 | 2 | 3 | 4) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 4)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5)"}
+case $stage in 1 | 2 | 3 | 4 | 5) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5)" >&2
   exit 2
   ;;
 esac
@@ -56,13 +59,15 @@ case $stage in
   bench 280 --cases reward/8x1024 --attention varlen --steps 25
   ;;
 3)
-  bench 200 --cases grpo/8x8x256 --attention varlen --contenders trl --steps 8
-  bench 200 --cases ppo/64x256 --attention varlen --steps 8
-  bench 160 --cases sft/4x4096 --attention varlen --steps 20
+  bench 280 --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7
+  bench 280 --cases ppo/64x256 --attention varlen --steps 7
   ;;
 4)
+  bench 160 --cases sft/4x4096 --attention varlen --steps 20
   bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
-  bench 150 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 8
-  bench 170 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
+  bench 200 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 7
+  ;;
+5)
+  bench 200 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac

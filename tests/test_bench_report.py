@@ -451,7 +451,7 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     script = Path(__file__).parents[1] / "bench" / "gpu_session.sh"
     text = script.read_text()
     stages = dict(re.findall(r"^(\d)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
-    assert sorted(stages) == ["1", "2", "3", "4"]
+    assert sorted(stages) == ["1", "2", "3", "4", "5"]
     known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
     for stage, body in stages.items():
         limits = [int(n) for n in re.findall(r"(?:bench|timeout) (\d+)", body)]
