@@ -20,6 +20,7 @@ same tokens, slower).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import logging
@@ -54,7 +55,7 @@ def decode_step(model, token, mask, pos, cache, cache_position) -> torch.Tensor:
     ).logits[:, -1]
 
 
-class FixedShapeStep:
+class FixedShapeStep(abc.ABC):
     """What the replayed decode steps share: prompt widths and static caches per (model, rows, length), the check of a
     shape's first replay against the eager step, and the fallback to the eager step. Subclasses say how a step is
     run (`_run`), which call of a shape is checked (`_first_replay`), and what a rollout's end frees (`release`)."""
@@ -64,15 +65,12 @@ class FixedShapeStep:
 
     def __init__(self):
         self.caches: dict[tuple[int, int, int], Any] = {}
-        self.widest = WIDTH_BUCKET
         self.failed: str | None = None
         """Why the step was given up for the eager one, once it was."""
 
     def width(self, width: int) -> int:
-        """The prompt width a rollout of prompts `width` tokens wide decodes at: a power of two, at least
-        `WIDTH_BUCKET` and the widest so far."""
-        self.widest = max(self.widest, 1 << max(0, width - 1).bit_length())
-        return self.widest
+        """The prompt width a rollout of prompts `width` tokens wide decodes at (left-padded to it)."""
+        return width
 
     def cache(self, model, rows: int, length: int):
         """The static cache of (model, rows, length), emptied for a new rollout (a new cache object would be a new
@@ -95,17 +93,14 @@ class FixedShapeStep:
             return decode_step(*args)
         shape = (id(model), *token.shape, mask.size(-1))
         check = self._first_replay(shape)
-        counters = _cache_counters(cache) if check else []
-        before = [c.clone() for c in counters]
+        restore = _counters_restorer(cache) if check else None
         try:
             logits = self._run(args, shape)
         except Unrecorded as err:
             self._give_up(str(err))
             return decode_step(*args)
-        if check:
-            # the eager step from the same cache state: it writes the same entries again (to rounding)
-            for counter, value in zip(counters, before, strict=True):
-                counter.copy_(value)
+        if restore is not None:
+            restore()  # the eager step from the same cache state: it writes the same entries again (to rounding)
             eager = decode_step(*args)
             want = eager.float()
             gap = ((logits.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)).max().item()
@@ -114,18 +109,19 @@ class FixedShapeStep:
                 return eager
         return logits
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027  (a hook: nothing to free by default)
         """A rollout ended: free what only it needs (the compiled step keeps its caches: a new one is a new
         compilation)."""
 
+    @abc.abstractmethod
     def _run(self, args: tuple, shape: tuple) -> torch.Tensor:
-        raise NotImplementedError
+        """The step's logits for `args`, replayed; `Unrecorded` where it cannot be."""
 
+    @abc.abstractmethod
     def _first_replay(self, shape: tuple) -> bool:
         """Whether this call, the next of `shape`'s, is to be checked against the eager step."""
-        raise NotImplementedError
 
-    def _forget(self, narrower: Callable[[tuple], bool]) -> None:
+    def _forget(self, narrower: Callable[[tuple], bool]) -> None:  # noqa: B027  (a hook: nothing recorded here)
         """Drop what was recorded for the caches keyed `narrower` (they were just dropped)."""
 
     def _give_up(self, why: str) -> None:
@@ -158,6 +154,12 @@ class CompiledDecodeStep(FixedShapeStep):
         super().__init__()
         self.fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
         self.calls: dict[tuple, int] = {}
+        self.widest = WIDTH_BUCKET
+
+    def width(self, width: int) -> int:
+        """A power of two, at least `WIDTH_BUCKET` and the widest so far: every new width is a new compilation."""
+        self.widest = max(self.widest, 1 << max(0, width - 1).bit_length())
+        return self.widest
 
     def _first_replay(self, shape: tuple) -> bool:
         self.calls[shape] = self.calls.get(shape, 0) + 1
@@ -219,8 +221,7 @@ class Recording:
     def __init__(self, args: tuple, capture: Capture):
         model, token, mask, pos, cache, cache_position = args
         self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
-        counters = _cache_counters(cache)
-        before = [c.clone() for c in counters]
+        restore = _counters_restorer(cache)
         token_in, mask_in, pos_in, cache_position_in = self.inputs
         # streams and graphs belong to the current device: the model's, also where another one is current
         on_device = torch.cuda.device(token.device) if token.is_cuda else contextlib.nullcontext()
@@ -230,8 +231,7 @@ class Recording:
                     lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
                 )
         finally:  # the warm-up wrote this step's entries and advanced the counters; the replay does it again
-            for counter, value in zip(counters, before, strict=True):
-                counter.copy_(value)
+            restore()
 
     def __call__(self, token, mask, pos, cache_position) -> torch.Tensor:
         for buffer, value in zip(self.inputs, (token, mask, pos, cache_position), strict=True):
@@ -257,9 +257,6 @@ class GraphedDecodeStep(FixedShapeStep):
         self.capture = capture
         self.recordings: dict[tuple[int, int, int], Recording] = {}
         self.checked: set[tuple[int, int]] = set()
-
-    def width(self, width: int) -> int:
-        return width
 
     def release(self) -> None:
         self.caches.clear()
@@ -295,6 +292,18 @@ class GraphedDecodeStep(FixedShapeStep):
 def _recording_key(shape: tuple) -> tuple[int, int, int]:
     """(model, rows, length) of a step's (model, rows, 1, length) shape: the key of its cache and recording."""
     return shape[0], shape[1], shape[-1]
+
+
+def _counters_restorer(cache) -> Callable[[], None]:
+    """A function that puts the cache's write counters (`_cache_counters`) back to their values now."""
+    counters = _cache_counters(cache)
+    before = [c.clone() for c in counters]
+
+    def restore() -> None:
+        for counter, value in zip(counters, before, strict=True):
+            counter.copy_(value)
+
+    return restore
 
 
 def _cache_counters(cache) -> list[torch.Tensor]:
