@@ -7,7 +7,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
 
 - the SwiGLU product of each MLP (decode steps aside), over (tokens × intermediate) tensors (16k × 4864 at
   Qwen2-0.5B's SFT shape: 160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their
-  temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`).
+  temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`). Where the
+  down projection is a plain trained `nn.Linear` (full fine-tuning), the product is not kept for it either: the
+  backward's kernel writes it again (`silu_mul_down`, one pass more, a quarter of a layer's kept bytes less).
 - the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
   5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
   (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`). The scoring
@@ -104,6 +106,54 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     once, where eager rounds silu(gate) first: results differ from eager's by at most one rounding step of the
     inputs' dtype."""
     return _SiluMul.apply(gate, up)
+
+
+def _silu_mul_backward_and_product(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """`_silu_mul_backward`'s two gradients and the product `_silu_mul_forward` gave, from one read of the three
+    inputs."""
+    return (*_silu_mul_backward(grad, gate, up), _silu_mul_forward(gate, up))
+
+
+class _SiluMulDown(torch.autograd.Function):
+    """down(silu(gate) · up) through a bias-free down projection `weight`, keeping gate, up and the weight for
+    backward but not the product: the backward's one kernel writes the product again beside the two gradients, for
+    the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return torch.nn.functional.linear(compiled_function(_silu_mul_forward)(gate, up), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight = ctx.saved_tensors
+        grad_product = grad @ weight
+        if not ctx.needs_input_grad[2]:
+            return (*compiled_function(_silu_mul_backward)(grad_product, gate, up), None)
+        d_gate, d_up, product = compiled_function(_silu_mul_backward_and_product)(grad_product, gate, up)
+        grad_weight = grad.reshape(-1, grad.size(-1)).t() @ product.reshape(-1, product.size(-1))
+        return d_gate, d_up, grad_weight
+
+
+def silu_mul_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear(silu_mul(gate, up), weight)`, the SwiGLU MLP's product and down projection, with the same values and
+    gradients but not keeping the product for backward (at Qwen2-0.5B's SFT shape 9.7 kB per token per layer, a
+    quarter of what a layer keeps: ~3.8 GB at 16k tokens). What it costs is one more write of the product in the
+    backward's fused kernel: 3.8 GB of traffic a step at that shape, ~1.3 ms at an H100's ~3 TB/s."""
+    return _SiluMulDown.apply(gate, up, weight)
+
+
+def recomputes_product(down_proj: torch.nn.Module) -> bool:
+    """Whether an MLP's down projection can take `silu_mul_down`: a plain bias-free `nn.Linear` with no hooks of its
+    own (a LoRA layer's adapter needs the product kept anyway) whose weight trains, with gradients on (without, the
+    projection keeps nothing)."""
+    return (
+        type(down_proj) is torch.nn.Linear
+        and down_proj.bias is None
+        and down_proj.weight.requires_grad
+        and torch.is_grad_enabled()
+        and not (down_proj._forward_hooks or down_proj._forward_pre_hooks)
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, precise: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,9 @@ and rounds once, where transformers' rounds the normalised input to bf16 before 
 the unpatched model's by at most two bf16 rounding steps, one for each of transformers' roundings
 (`bench/gpu_checks.py` measures both on the GPU). Where `fused_kernels` is on (the default), the MLP's product
 runs on CUDA as one compiled kernel each way (`fused_kernels.silu_mul`), keeping the same two tensors, and so does
-each attention module's rotary embedding (`fused_kernels.rotary`)."""
+each attention module's rotary embedding (`fused_kernels.rotary`). With a plain trained down projection (full
+fine-tuning) the product itself is not kept for it: the backward's kernel writes it again
+(`fused_kernels.silu_mul_down`)."""
 
 from __future__ import annotations
 
@@ -99,6 +101,8 @@ def _mlp_forward(self, x):
     decode_step = gate.dim() == 3 and gate.size(1) == 1
     fused = self.alignpipe_fused_silu and not decode_step and not torch.compiler.is_compiling()
     if fused and fused_kernels.wanted(True, gate.device):
+        if fused_kernels.recomputes_product(self.down_proj):
+            return fused_kernels.silu_mul_down(gate, up, self.down_proj.weight)
         return self.down_proj(fused_kernels.silu_mul(gate, up))
     return self.down_proj(_LeanSiluMul.apply(gate, up))
 

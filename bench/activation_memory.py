@@ -38,9 +38,10 @@ def model(layers: int, shape: dict):
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(True)
 
 
-def kept_bytes(net, step) -> int:
-    """Bytes of the distinct storages autograd keeps for backward in `step()`, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+def kept_bytes(step, leave_out) -> int:
+    """Bytes of the distinct storages autograd keeps for backward in `step()`, those of the tensors `leave_out`
+    (a model's parameters, a function's inputs) left out."""
+    params = {p.untyped_storage().data_ptr() for p in leave_out}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -75,12 +76,12 @@ def measure(variant: str, layers: int, tokens: int, shape: dict) -> int:
     net = model(layers, shape)
     ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(1))
     if variant == "transformers":
-        return kept_bytes(net, lambda: net(input_ids=ids, labels=ids).loss)
+        return kept_bytes(lambda: net(input_ids=ids, labels=ids).loss, net.parameters())
     fused = variant == "ours, fused kernels"
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     with fused_path() if fused else contextlib.nullcontext():
         lean_activations(net, fused=fused)
-        return kept_bytes(net, lambda: sft.token_loss_sum(net, batch))
+        return kept_bytes(lambda: sft.token_loss_sum(net, batch), net.parameters())
 
 
 def breakdown(variant: str, shape: dict, lengths: tuple[int, int]) -> dict[str, float]:

@@ -266,31 +266,47 @@ def check_fused_norm(setup: Setup) -> Callable[[], None]:
 
 
 def check_fused_silu(setup: Setup) -> Callable[[], None]:
-    @check("fused_kernels' SwiGLU product (compiled, one kernel each way) equals the eager one within bf16 rounding")
+    @check(
+        "fused_kernels' SwiGLU product and down projection (compiled, one kernel each way; `silu_mul_down` keeping no "
+        "product) equal the eager ones within bf16 rounding"
+    )
     def run():
         from alignpipe import fused_kernels
         from alignpipe.lean_activations import _LeanSiluMul
+        from bench.activation_memory import kept_bytes
 
         tokens, inner = 4 * setup.head_tokens, setup.model_shape["intermediate_size"]
+        hidden = setup.model_shape["hidden_size"]
         torch.manual_seed(0)
         gate, up = (torch.randn(tokens, inner, device=setup.device).to(setup.dtype).requires_grad_() for _ in range(2))
-        g = torch.randn_like(gate)
-        out, took = {}, {}
-        for name, fn in (("eager", _LeanSiluMul.apply), ("fused", fused_kernels.silu_mul)):
+        weight = (torch.randn(hidden, inner, device=setup.device) / inner**0.5).to(setup.dtype).requires_grad_()
+        g = torch.randn(tokens, hidden, device=setup.device).to(setup.dtype)
+        variants = {
+            "eager": lambda: torch.nn.functional.linear(_LeanSiluMul.apply(gate, up), weight),
+            "fused": lambda: torch.nn.functional.linear(fused_kernels.silu_mul(gate, up), weight),
+            "fused, product recomputed": lambda: fused_kernels.silu_mul_down(gate, up, weight),
+        }
+        out, took, kept = {}, {}, {}
+        for name, fn in variants.items():
 
             def forward_backward(fn=fn):
-                y = fn(gate, up)
-                return y, torch.autograd.grad(y, (gate, up), g)
+                y = fn()
+                return y, torch.autograd.grad(y, (gate, up, weight), g)
 
             for _ in range(3):  # the last timed: the first compiles
                 (y, grads), took[name] = timed(forward_backward, setup.cuda)
-            out[name] = (y.detach(), grads)
+            out[name] = (y.detach(), *grads)
+            kept[name] = kept_bytes(fn, (gate, up, weight))
         gaps = [
-            relative(a, b) for a, b in zip((out["fused"][0], *out["fused"][1]), (out["eager"][0], *out["eager"][1]))
+            max(relative(a, b) for a, b in zip(out[name], out["eager"], strict=True)) for name in list(variants)[1:]
         ]
-        ok = max(gaps) < (1e-2 if setup.cuda else 1e-5)
+        ok = max(gaps) < (1e-2 if setup.cuda else 1e-5) and kept["fused, product recomputed"] == 0 < kept["fused"]
         times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
-        return ok, f"{tokens} × {inner}: value and gradient gaps {max(gaps):.1e}; forward+backward {times}"
+        held = ", ".join(f"{name} {b / 1e6:.1f} MB" for name, b in kept.items())
+        return ok, (
+            f"{tokens} × {inner} → {hidden}: value and gradient gaps {max(gaps):.1e}; forward+backward {times}; "
+            f"kept for backward beyond the inputs: {held}"
+        )
 
     return run
 

@@ -48,6 +48,65 @@ def test_silu_mul_rounds_once_in_bfloat16():
         assert torch.allclose(got.double(), want, rtol=2**-8 + 1e-6, atol=1e-30), (got.double() - want).abs().max()
 
 
+def down_and_grads(fn, gate, up, weight, grad):
+    gate, up, weight = (t.detach().requires_grad_() for t in (gate, up, weight))
+    out = fn(gate, up, weight)
+    return (out, *torch.autograd.grad(out, (gate, up, weight), grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_down_equals_the_product_then_the_projection_and_keeps_no_product(dtype):
+    """`silu_mul_down` (the MLP's product and down projection, the product written again in backward): the values
+    and the gradients of gate, up and the weight equal `linear(silu_mul(gate, up), weight)` bit for bit, and what
+    it keeps for backward is gate, up and the weight alone."""
+    from alignpipe.fused_kernels import silu_mul_down
+
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(2, 19, 96, generator=g).to(dtype) * 3 for _ in range(2))
+    weight = (torch.randn(40, 96, generator=g) / 10).to(dtype)
+    grad = torch.randn(2, 19, 40, generator=g).to(dtype)
+
+    def unfused(gate, up, weight):
+        return torch.nn.functional.linear(silu_mul(gate, up), weight)
+
+    for got, want in zip(
+        down_and_grads(silu_mul_down, gate, up, weight, grad), down_and_grads(unfused, gate, up, weight, grad)
+    ):
+        assert torch.equal(got, want)
+    kept: list[torch.Tensor] = []
+    inputs = [t.detach().requires_grad_() for t in (gate, up, weight)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        silu_mul_down(*inputs)
+    assert {t.data_ptr() for t in kept} == {t.data_ptr() for t in inputs}
+    # a frozen weight: gate's and up's gradients alone (no product written), the same
+    frozen = {}
+    for name, fn in (("fused", silu_mul_down), ("unfused", unfused)):
+        a, b = gate.detach().requires_grad_(), up.detach().requires_grad_()
+        frozen[name] = torch.autograd.grad(fn(a, b, weight), (a, b), grad)
+    assert all(torch.equal(x, y) for x, y in zip(frozen["fused"], frozen["unfused"]))
+
+
+def test_only_a_plain_trained_projection_recomputes_the_product(tiny):
+    """The product is dropped only where the down projection is a plain bias-free `nn.Linear` that trains, with
+    gradients on and no hooks on it: a LoRA layer, a frozen weight, `no_grad` and a hooked module keep the plain
+    path."""
+    from peft import LoraConfig, get_peft_model
+
+    from alignpipe.fused_kernels import recomputes_product
+
+    down = load_causal_lm(str(tiny / "model")).model.layers[0].mlp.down_proj
+    assert recomputes_product(down)
+    with torch.no_grad():
+        assert not recomputes_product(down)
+    handle = down.register_forward_hook(lambda *a: None)
+    assert not recomputes_product(down)
+    handle.remove()
+    down.weight.requires_grad_(False)
+    assert not recomputes_product(down)
+    lora = get_peft_model(load_causal_lm(str(tiny / "model")), LoraConfig(r=4, target_modules=["down_proj"]))
+    assert not recomputes_product(lora.base_model.model.model.layers[0].mlp.down_proj)
+
+
 def rotary_and_grads(fn, q, k, cos, sin, grads):
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     out = fn(q, k, cos, sin)
@@ -114,15 +173,16 @@ def test_the_kernels_are_taken_on_cuda_only():
 @pytest.fixture
 def gate_open(monkeypatch):
     """The trainers' gate opened on CPU, with a count of the fused kernels' calls."""
-    calls = {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
+    calls = {"silu_mul": 0, "silu_mul_down": 0, "loss": 0, "scoring": 0, "rotary": 0}
     monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
-    silu = fused_kernels.silu_mul
+    for name in ("silu_mul", "silu_mul_down"):
+        kernel = getattr(fused_kernels, name)
 
-    def counted_silu(*a):
-        calls["silu_mul"] += 1
-        return silu(*a)
+        def counted_silu(*a, kernel=kernel, name=name):
+            calls[name] += 1
+            return kernel(*a)
 
-    monkeypatch.setattr(fused_kernels, "silu_mul", counted_silu)
+        monkeypatch.setattr(fused_kernels, name, counted_silu)
     rotary = fused_kernels.rotary
 
     def counted_rotary(*a):
@@ -155,10 +215,11 @@ def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_pat
     """The MLPs' products and the head's softmax and gradient through the compiled kernels: the same losses and
     gradient norms as the eager kernels (float32), and the eager run takes none of them."""
     eager_loss, eager_norm = sft_series(tiny, tmp_path, False)
-    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
+    assert gate_open == {"silu_mul": 0, "silu_mul_down": 0, "loss": 0, "scoring": 0, "rotary": 0}
     loss, norm = sft_series(tiny, tmp_path, True)
     layers = load_causal_lm(str(tiny / "model")).config.num_hidden_layers
-    assert gate_open["silu_mul"] >= 3 * layers and gate_open["rotary"] >= 3 * layers and gate_open["loss"] >= 3
+    # every training forward's MLPs take the product-recomputing kernel (full fine-tuning: a plain down projection)
+    assert gate_open["silu_mul_down"] >= 3 * layers and gate_open["rotary"] >= 3 * layers and gate_open["loss"] >= 3
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 
 
@@ -182,10 +243,10 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     eager = run(False)
-    assert gate_open == {"silu_mul": 0, "loss": 0, "scoring": 0, "rotary": 0}
+    assert gate_open == {"silu_mul": 0, "silu_mul_down": 0, "loss": 0, "scoring": 0, "rotary": 0}
     fused = run(True)
     layers = models[True].config.num_hidden_layers
-    assert gate_open["silu_mul"] == layers == gate_open["rotary"] and gate_open["loss"] >= 2
+    assert gate_open["silu_mul_down"] == layers == gate_open["rotary"] and gate_open["loss"] >= 2
     assert fused[0] == pytest.approx(eager[0], rel=1e-6)
     for name, grad in eager[1].items():
         assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name

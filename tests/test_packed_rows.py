@@ -302,11 +302,16 @@ def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, to
     assert layouts and all(layouts), "every padding-free micro-batch shared its prompts"
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["reference-copy", "lora"])
-def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(tiny, tmp_path, monkeypatch, lora):
+@pytest.mark.parametrize(
+    "lora, kl_penalty", [(False, "kl"), (True, "kl"), (False, "full")], ids=["reference-copy", "lora", "full-kl"]
+)
+def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(
+    tiny, tmp_path, monkeypatch, lora, kl_penalty
+):
     """PPO on varlen: the rollout's policy, reference and value passes and every epoch's micro-batch run as one row
     of documents, an episode each (left-padded prompts and the padding after short responses left out): the same
-    rollouts, KL, value predictions, losses and clip fractions as the padded run on SDPA."""
+    rollouts, KL, value predictions, losses and clip fractions as the padded run on SDPA. With `kl_penalty: full`
+    the rollout's full-distribution KL is taken from the padding-free hidden states too."""
     from support import run_ppo
 
     from alignpipe.trainers import ppo
@@ -314,11 +319,18 @@ def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(tiny
     layouts: list[int] = []
     pack = ppo.pack_answers
     monkeypatch.setattr(ppo, "pack_answers", lambda *a, **k: layouts.append(len(a[1])) or pack(*a, **k))
+    full_kl_layouts: list[bool] = []
+    hidden = ppo.completion_hidden
+    monkeypatch.setattr(
+        ppo, "completion_hidden", lambda *a, **k: full_kl_layouts.append(k["packed"] is not None) or hidden(*a, **k)
+    )
     keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg")
     series = {}
     for attention in ("sdpa", "varlen"):
         torch.manual_seed(0)  # the value model's fresh score head: the same on both sides
-        _, tracker, _ = run_ppo(tiny, tmp_path / attention, lora=lora, attention=attention, max_steps=2)
+        _, tracker, _ = run_ppo(
+            tiny, tmp_path / attention, lora=lora, attention=attention, max_steps=2, kl_penalty=kl_penalty
+        )
         series[attention] = {k: tracker.series(k) for k in keys}
         assert tracker.params["model.attention"] == attention  # the run's parameters say which kernel ran
         if attention == "sdpa":
@@ -328,6 +340,8 @@ def test_ppo_on_varlen_runs_its_episodes_padding_free_and_trains_as_on_sdpa(tiny
         assert series["varlen"][key] == pytest.approx(series["sdpa"][key], rel=1e-4, abs=1e-6), key
     # per update of 16 episodes: 2 scoring slices of 8, then 2 epochs × 2 mini-batches of one 8-episode micro-batch
     assert layouts == [8] * 6 * 2
+    # the full KL's policy and reference passes of each scoring slice (2 updates × 2 slices) ran padding-free
+    assert full_kl_layouts == ([True] * 2 * 2 * 2 if kl_penalty == "full" else [])
 
 
 @pytest.mark.parametrize("packed", ["documents", "shared"])

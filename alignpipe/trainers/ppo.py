@@ -19,9 +19,9 @@ policy KL passes 1.5 × `target_kl`. After the batch, `adap_kl_ctrl` moves `kl_c
 (trainers/ppo_controls.py).
 
 On an attention kernel that runs documents (`model.attention: varlen`, the default on a CUDA GPU, or flash-attn's)
-every forward over episodes, the rollout's policy, reference and value passes and each epoch's micro-batch, runs
-padding-free: one row of documents, an episode each (`episode_layout`, from the rollout's host token lists), so
-neither the prompts' left padding nor the padding after short responses is computed.
+every forward over episodes, the rollout's policy, reference and value passes (`kl_penalty: full`'s too) and each
+epoch's micro-batch, runs padding-free: one row of documents, an episode each (`episode_layout`, from the rollout's
+host token lists), so neither the prompts' left padding nor the padding after short responses is computed.
 
 Departures from TRL 1.12, both as TRL 0.7 and the N+ paper do: the score lands on the last response token
 (1.12 added it one position later, `sequence_lengths + 1`, so λ discounted it), and that token is the last step
@@ -54,7 +54,7 @@ import torch.nn as nn
 from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
-from alignpipe.logprobs import decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
+from alignpipe.logprobs import completion_hidden, decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import mask_positions, under_attention_kernels
 from alignpipe.packed_rows import pack_answers, runs, runs_documents
@@ -152,8 +152,14 @@ def response_logprobs(
     )
 
 
-def response_hidden(policy, query, query_mask, response):
-    """Decoder hidden states at the positions that score the response tokens, and the LM head (`decoder_hidden`)."""
+def response_hidden(policy, query, query_mask, response, packed: dict[str, Any] | None = None):
+    """Decoder hidden states at the positions that score the response tokens, (B, R, d), and the LM head's weight
+    and bias (`decoder_hidden`). `packed`: as `response_logprobs`'."""
+    if runs(packed, policy):
+        index = torch.arange(query.size(0), device=query.device)
+        hidden, head = completion_hidden(policy, query, query_mask, response, index, packed=packed)
+        if hidden is not None:
+            return hidden, head.weight, getattr(head, "bias", None)
     ids, mask = _episode(query, query_mask, response)
     return decoder_hidden(policy, ids, mask, start=query.size(1) - 1)
 
@@ -287,9 +293,9 @@ class PPORun:
         cfg, policy = self.cfg, self.unwrapped.policy
         ref_model, ref_ctx = self.reference()
         if cfg.kl_penalty == "full":
-            hidden, *head = response_hidden(policy, q, qm, r)
+            hidden, *head = response_hidden(policy, q, qm, r, packed)
             with ref_ctx:
-                ref_hidden, *ref_head = response_hidden(ref_model, q, qm, r)
+                ref_hidden, *ref_head = response_hidden(ref_model, q, qm, r, packed)
             return full_kl(
                 hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, cfg.logprob_chunk_tokens
             )
