@@ -3,8 +3,8 @@
 The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
 variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
 prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
-compiled kernels on Triton (with the SwiGLU product and the rotary embedding, what `fused_kernels` compiles; each
-timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
+compiled kernels on Triton (with the SwiGLU product, its down projection keeping no product, and the rotary
+embedding, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
 device alone, and the hf engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against
 its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it

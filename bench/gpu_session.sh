@@ -20,7 +20,8 @@
 #      the stage's half to reach 2 rounds or more
 #   4  SFT 4×4096 on varlen, packed SFT without `fused_kernels` (`--eager-kernels`: what they buy), GRPO with
 #      compiled rollouts (inductor's kernels in the graph, paid by a compilation per shape)
-#   5  compiled packed SFT
+#   5  profiles of a DPO 8×1024 step on varlen, ours and TRL + Liger's (where the DPO target's gap is), then compiled
+#      packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 set -uo pipefail
@@ -68,6 +69,10 @@ case $stage in
   bench 200 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 7
   ;;
 5)
+  for side in ours trl+liger; do
+    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
+      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
+  done
   bench 200 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac
