@@ -40,9 +40,12 @@ def make_accelerator():
     process."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DataLoaderConfiguration, DistributedType, FullyShardedDataParallelPlugin
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    # Batches go to the GPU without a wait: a blocking copy drains the device's queue at every batch, and the host
+    # then collates the batch after next while the device idles (the loaders pin their batches on CUDA).
+    acc = Accelerator(cpu=not cuda, dataloader_config=DataLoaderConfiguration(non_blocking=cuda))
     if fsdp_requested() and acc.distributed_type == DistributedType.MULTI_CPU:
         # accelerate turns FSDP on only for accelerator devices, but `fully_shard` runs on CPU with gloo too: this is
         # how FSDP is tested against one process on machines without a GPU. Both shared states carry the type (the

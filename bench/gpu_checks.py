@@ -89,20 +89,24 @@ class Setup:
         model.set_attn_implementation(implementation(attention))
         return model
 
-    def packed_batch(self) -> dict:
-        """`sft.collate` of blocks holding rows of random lengths (each row its own document)."""
+    def packed_blocks(self, rows_per_block: int = 6) -> list[dict]:
+        """`sft.pack`'s blocks of `length` tokens holding rows of random lengths (each row its own document)."""
         from alignpipe.trainers import sft
 
         g = torch.Generator().manual_seed(1)
         vocab = self.model_shape["vocab"]
         rows = []
-        for _ in range(self.rows * 6):
+        for _ in range(self.rows * rows_per_block):
             n = int(torch.randint(self.length // 16, self.length // 2, (1,), generator=g))
             ids = torch.randint(0, vocab, (n,), generator=g).tolist()
             rows.append({"input_ids": ids, "labels": ids})
-        blocks = sft.pack(rows, self.length)[: self.rows]
-        batch = sft.collate(blocks, 0)
-        return batch
+        return sft.pack(rows, self.length)
+
+    def packed_batch(self) -> dict:
+        """`sft.collate` of `rows` packed blocks."""
+        from alignpipe.trainers import sft
+
+        return sft.collate(self.packed_blocks()[: self.rows], 0)
 
 
 def timed(fn: Callable, cuda: bool):
@@ -598,6 +602,39 @@ def check_step_syncs(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_batch_transfer(setup: Setup) -> Callable[[], None]:
+    @check("a stage's loader hands over packed SFT batches without waiting for the device (pinned, non-blocking)")
+    def run():
+        from alignpipe.distributed import make_accelerator
+        from alignpipe.trainers import sft
+        from alignpipe.trainers.common import batch_loader
+
+        if not setup.cuda:
+            return None, "no CUDA device (tests/test_host_sync.py checks the loop collates before a log point waits)"
+        blocks = setup.packed_blocks(rows_per_block=24)  # 8 batches of one block or more
+        loader = batch_loader(make_accelerator(), blocks, 1, lambda b: sft.collate(b, 0))
+        batches = iter(loader)
+        next(batches)  # the first batch: pinned memory is allocated
+        busy = torch.randn(8192, 8192, device=setup.device, dtype=setup.dtype)
+        seen: list[tuple[str, str]] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = sync_recorder(seen)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(20):  # ~30 ms of device work queued, so that a wait would be seen
+                    busy = busy @ busy / 8192**0.5
+                _, took = timed(lambda: [next(batches) for _ in range(3)], cuda=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return not seen, (
+            f"3 batches in {took * 1e3:.1f} ms of host time with ~30 ms of matmuls queued; synchronising calls: "
+            f"{len(seen)} ({sorted({caller for _, caller in seen}) or 'none'})"
+        )
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
@@ -614,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         check_dpo_head,
         check_loss_watch,
         check_step_syncs,
+        check_batch_transfer,
         check_compiled_decode,
         check_graphed_decode,
         check_rollout_speed,

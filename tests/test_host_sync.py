@@ -311,3 +311,30 @@ def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lor
     _, tracker, _ = run_ppo(tiny, tmp_path, lora=lora, attention=attention, max_steps=2)
     assert len(passes) == 2 and len(tracker.series("loss/policy_avg")) == 2
     assert bool(documents) == (attention == "varlen")
+
+
+def test_the_next_window_is_collated_before_a_log_point_waits_for_the_device(tiny, tmp_path, monkeypatch):
+    """A log point reads the step's metrics, so it waits for the device. The loop collates the next step's batches
+    (and queues their copies, non-blocking on a GPU) before that wait, while the device still runs the step: at the
+    log of step k the batches of step k + 1 are already collated, and accelerate's loader has collated one more, as it
+    always does. Before, the host collated after the wait, with the device idle. The run trains as before."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=120, max_length=64)
+    collated: list[int] = []
+    at_log: list[tuple[int, int]] = []
+    original = sft.collate
+    monkeypatch.setattr(sft, "collate", lambda *a, **k: collated.append(1) or original(*a, **k))
+    tracker = Tracker()
+    log_metrics = tracker.log_metrics
+
+    def logged(metrics, step):
+        if "train/loss" in metrics:
+            at_log.append((step, len(collated)))
+        return log_metrics(metrics, step)
+
+    tracker.log_metrics = logged  # type: ignore[method-assign]
+    cfg = SFTConfig(learning_rate=1e-3, max_steps=4, batch_size=4, gradient_accumulation_steps=2, logging_every=1)
+    sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, [], tracker, tmp_path / "sft")
+    # 2 batches a step: at step k's log, steps 1 … k + 1 collated (2k + 2) and the loader one ahead; the last step
+    # fetches nothing more
+    assert at_log == [(1, 5), (2, 7), (3, 9), (4, 9)]
+    assert len(tracker.series("train/loss")) == 4

@@ -315,6 +315,24 @@ def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]
     return out
 
 
+def batch_loader(accelerator, examples: list, batch_size: int, collate, generator=None, drop_last: bool = False):
+    """The shuffled, prepared loader of a stage's examples. On a GPU its batches are page-locked and copied without a
+    wait (`make_accelerator`): a blocking copy would drain the device's queue at every batch."""
+    from torch.utils.data import DataLoader, Dataset
+
+    return accelerator.prepare_data_loader(
+        DataLoader(
+            cast("Dataset", examples),
+            batch_size=batch_size,
+            shuffle=True,
+            generator=generator,
+            collate_fn=collate,
+            drop_last=drop_last,
+            pin_memory=accelerator.device.type == "cuda",
+        )
+    )
+
+
 class TrainLoop:
     """The optimisation loop every offline trainer shares.
 
@@ -350,8 +368,6 @@ class TrainLoop:
         metric_prefix: str = "train/",
         summary_keys: tuple[str, ...] = ("loss",),
     ):
-        from torch.utils.data import DataLoader, Dataset
-
         from alignpipe.distributed import make_accelerator
         from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
 
@@ -391,16 +407,7 @@ class TrainLoop:
 
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
-            return self.accelerator.prepare_data_loader(
-                DataLoader(
-                    cast("Dataset", examples),
-                    batch_size=rows_per_batch or cfg.batch_size,
-                    shuffle=True,
-                    generator=g,
-                    collate_fn=collate,
-                    drop_last=drop_last,
-                )
-            )
+            return batch_loader(self.accelerator, examples, rows_per_batch or cfg.batch_size, collate, g, drop_last)
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))
@@ -489,8 +496,11 @@ class TrainLoop:
         try:
             self.model.train()
             window: list = []
+            upcoming: list | None = None
             while self.step < self.steps:
-                if self.step % self.repeat == 0 or not window:
+                if upcoming is not None:
+                    window, upcoming = upcoming, None
+                elif self.step % self.repeat == 0 or not window:
                     window = [next(batches) for _ in range(self.batches_per_step)]
                 metrics = dict(step_fn(window))
                 self._check_finite(metrics)
@@ -502,6 +512,10 @@ class TrainLoop:
                 for b in window:
                     if isinstance(b, dict) and "attention_mask" in b:
                         meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
+                if self.step < self.steps and self.step % self.repeat == 0:
+                    # The next window is collated and its copies queued now, while the device still runs this step:
+                    # a log point below waits for the device, and the host would otherwise collate after it.
+                    upcoming = [next(batches) for _ in range(self.batches_per_step)]
                 window_metrics.append(metrics)
                 bar.update(1)
                 if self.step % cfg.logging_every == 0 or self.step == self.steps:
