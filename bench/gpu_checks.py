@@ -17,6 +17,7 @@ what `tests/test_bench_report.py` does so that the script cannot rot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -568,6 +569,20 @@ def sync_recorder(seen: list[tuple[str, str]]) -> Callable[..., None]:
     return record
 
 
+@contextlib.contextmanager
+def recorded_syncs(seen: list[tuple[str, str]]):
+    """Within: every synchronising CUDA call warns (`torch.cuda.set_sync_debug_mode("warn")`) and is appended to
+    `seen` (`sync_recorder`) instead of printed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = sync_recorder(seen)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def check_step_syncs(setup: Setup) -> Callable[[], None]:
     @check("an SFT micro-step (packed, varlen) waits for the device only in transformers' packed-mask check")
     def run():
@@ -583,15 +598,9 @@ def check_step_syncs(setup: Setup) -> Callable[[], None]:
         torch.cuda.synchronize()
         seen: list[tuple[str, str]] = []  # (the warning's own line, the innermost caller outside torch)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = sync_recorder(seen)
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                loss, _ = sft.token_loss_sum(model, batch)
-                loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        with recorded_syncs(seen):
+            loss, _ = sft.token_loss_sum(model, batch)
+            loss.backward()
         ours = sorted({caller for _, caller in seen if "transformers" not in caller})
         where = sorted({f"{line} from {caller.rsplit('/', 1)[-1]}" for line, caller in seen})
         return (
@@ -617,16 +626,10 @@ def check_batch_transfer(setup: Setup) -> Callable[[], None]:
         next(batches)  # the first batch: pinned memory is allocated
         busy = torch.randn(8192, 8192, device=setup.device, dtype=setup.dtype)
         seen: list[tuple[str, str]] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = sync_recorder(seen)
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(20):  # ~30 ms of device work queued, so that a wait would be seen
-                    busy = busy @ busy / 8192**0.5
-                _, took = timed(lambda: [next(batches) for _ in range(3)], cuda=False)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        with recorded_syncs(seen):
+            for _ in range(20):  # ~30 ms of device work queued, so that a wait would be seen
+                busy = busy @ busy / 8192**0.5
+            _, took = timed(lambda: [next(batches) for _ in range(3)], cuda=False)
         return not seen, (
             f"3 batches in {took * 1e3:.1f} ms of host time with ~30 ms of matmuls queued; synchronising calls: "
             f"{len(seen)} ({sorted({caller for _, caller in seen}) or 'none'})"

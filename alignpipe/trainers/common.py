@@ -496,12 +496,16 @@ class TrainLoop:
         try:
             self.model.train()
             window: list = []
-            upcoming: list | None = None
+            upcoming: list | None = None  # the next step's window, fetched while this step's work was queued
+
+            def next_window() -> list:
+                return [next(batches) for _ in range(self.batches_per_step)]
+
             while self.step < self.steps:
                 if upcoming is not None:
                     window, upcoming = upcoming, None
                 elif self.step % self.repeat == 0 or not window:
-                    window = [next(batches) for _ in range(self.batches_per_step)]
+                    window = next_window()
                 metrics = dict(step_fn(window))
                 self._check_finite(metrics)
                 self._check_losses()  # the previous step's, landed on the host while this one was queued
@@ -515,7 +519,7 @@ class TrainLoop:
                 if self.step < self.steps and self.step % self.repeat == 0:
                     # The next window is collated and its copies queued now, while the device still runs this step:
                     # a log point below waits for the device, and the host would otherwise collate after it.
-                    upcoming = [next(batches) for _ in range(self.batches_per_step)]
+                    upcoming = next_window()
                 window_metrics.append(metrics)
                 bar.update(1)
                 if self.step % cfg.logging_every == 0 or self.step == self.steps:
