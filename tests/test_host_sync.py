@@ -1,7 +1,9 @@
 """An offline training step reads nothing back from the device: each read would stall a GPU until its queue drains
 (`float(loss)` per micro-batch is the classic, a boolean index of a device tensor another). The step runs with tensor-to-host conversions made to fail; metrics
 stay device tensors until the loop reads them at a log point. (Reads inside transformers, e.g. its check of an SDPA
-padding mask, are outside this test: they are the same for every trainer built on it.)"""
+padding mask, are outside this test: they are the same for every trainer built on it.) Nor does a step copy from the
+host in a way that waits: a plain `.to("cuda")` of a host tensor synchronises the stream too (`HostCopies`); the
+online trainers' updates, which build their micro-batches' pieces on the host, queue them (`common.to_device`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 import pytest
 import torch
 from support import tiny_split
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer
@@ -49,10 +52,17 @@ def _syncs(func, args, kwargs) -> bool:
 
 def _from_transformers() -> bool:
     """Whether the innermost frame outside torch is transformers' (its SDPA padding-mask check, say)."""
-    frame = sys._getframe(2)
-    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
-        frame = frame.f_back
+    frame = _outside_torch(sys._getframe(2))
     return frame is not None and f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename
+
+
+def _outside_torch(frame):
+    """The innermost frame from `frame` outward that is neither torch's nor this file's (`HostCopies`' mode)."""
+    while frame is not None and (
+        f"{os.sep}torch{os.sep}" in frame.f_code.co_filename or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    return frame
 
 
 class DeviceReads(TorchDispatchMode):
@@ -66,10 +76,51 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _names_a_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a `Tensor.to` call moves to a device (rather than only changing the dtype)."""
+    return kwargs.get("device") is not None or any(isinstance(a, (str, torch.device, torch.Tensor)) for a in args)
+
+
+def _waits(args: tuple, kwargs: dict) -> bool:
+    """Whether a `Tensor.to(device, dtype, non_blocking, copy)` call leaves `non_blocking` off."""
+    flags = [a for a in args if isinstance(a, bool)]
+    return not kwargs.get("non_blocking", flags[0] if flags else False)
+
+
+def _from_alignpipe() -> bool:
+    """Whether the move is alignpipe's own: the innermost frame outside torch (and outside accelerate's
+    `send_to_device`, which moves what it is handed) is alignpipe's code. torch's, transformers' and accelerate's
+    own moves (of tensors already on the device: gradient norms, rotary tables) are not copies from the host."""
+    frame = _outside_torch(sys._getframe(2))
+    while frame is not None and frame.f_code.co_filename.endswith(f"accelerate{os.sep}utils{os.sep}operations.py"):
+        frame = frame.f_back
+    return frame is not None and f"{os.sep}alignpipe{os.sep}" in frame.f_code.co_filename
+
+
+class BlockingCopy(AssertionError):
+    pass
+
+
+class HostCopies(TorchFunctionMode):
+    """Raises at a copy from the host that would make the host wait on a GPU: alignpipe's `t.to(device)` without
+    `non_blocking=True`, or `torch.tensor(..., device=...)` / `torch.as_tensor(..., device=...)` (a copy from pageable
+    memory synchronises the stream; `common.to_device` stages and queues it instead)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "to" and _names_a_device(args[1:], kwargs) and _waits(args[1:], kwargs) and _from_alignpipe():
+            raise BlockingCopy(f"a training step copied a tensor with .to{args[1:]}, which waits on a GPU")
+        if name in ("tensor", "as_tensor") and kwargs.get("device") is not None and _from_alignpipe():
+            raise BlockingCopy(f"a training step built torch.{name}(..., device=...), which waits on a GPU")
+        return func(*args, **kwargs)
+
+
 @pytest.fixture
 def guard(monkeypatch):
-    """`guard(fn)`: fn wrapped so that inside it `float(t)`, `int(t)`, `t.item()`, `t.tolist()` and every operator
-    that waits for a CUDA device (`DeviceReads`) raise. The loop's loss check and optimizer step are guarded too."""
+    """`guard(fn)`: fn wrapped so that inside it `float(t)`, `int(t)`, `t.item()`, `t.tolist()`, every operator
+    that waits for a CUDA device (`DeviceReads`) and every copy from the host that would (`HostCopies`) raise. The
+    loop's loss check and optimizer step are guarded too."""
     inside = {"step": False}
     for name in READS:
         original = getattr(torch.Tensor, name)
@@ -85,7 +136,7 @@ def guard(monkeypatch):
         def run(*args, **kwargs):
             inside["step"] = True
             try:
-                with DeviceReads():
+                with DeviceReads(), HostCopies():
                     return fn(*args, **kwargs)
             finally:
                 inside["step"] = False
@@ -271,8 +322,9 @@ def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, 
 def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, algorithm, attention):
     """GRPO's and RLOO's update (forward and backward over the rollout, loss check, optimizer step) reads nothing
     back: the training tokens are counted on the host when the rollout is built, and on varlen its padding-free
-    layout is built from the host token lists the rollout keeps. Rollouts read by design (the decode loop looks
-    every 8 tokens on a GPU), so only the update is guarded."""
+    layout is built from the host token lists the rollout keeps; masks, advantages and layouts are queued to the
+    device, not copied with a wait. Rollouts read by design (the decode loop looks every 8 tokens on a GPU), so only
+    the update is guarded."""
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.trainers import grpo, rloo
     from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -299,7 +351,8 @@ def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lor
     """PPO's epochs over a rollout (policy and value forward and backward, gradient clipping, optimizer and schedule
     steps) read nothing back with TRL 0.7's opt-in host decisions (`ratio_threshold`, `early_stopping`) off: the
     mini-batch permutation and each micro-batch's token count are host ints. The statistics are read once after
-    the epochs. On varlen the micro-batches' padding-free layouts come from the rollout's host token lists."""
+    the epochs. On varlen the micro-batches' padding-free layouts come from the rollout's host token lists; each
+    micro-batch's episode index and layout are queued to the device, not copied with a wait."""
     from support import run_ppo
 
     from alignpipe.trainers import ppo
@@ -338,3 +391,33 @@ def test_the_next_window_is_collated_before_a_log_point_waits_for_the_device(tin
     # fetches nothing more
     assert at_log == [(1, 5), (2, 7), (3, 9), (4, 9)]
     assert len(tracker.series("train/loss")) == 4
+
+
+def test_to_device_stages_host_tensors_in_pinned_memory_and_queues_their_copies():
+    """On CUDA each host tensor of a nest is page-locked, then copied `non_blocking` (queued behind the device's work
+    instead of synchronising the stream); other values pass through; elsewhere it is a plain move. Recorded on a CPU
+    by a mode that answers `pin_memory` and `to` itself (the GPU side is `bench/gpu_checks.py`'s host-copies line)."""
+    calls: list = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name == "pin_memory":
+                calls.append("pin")
+                return args[0]
+            if name == "to":
+                calls.append(("to", str(args[1]), kwargs.get("non_blocking")))
+                return args[0]
+            return func(*args, **kwargs)
+
+    data = {"mask": torch.ones(2, 3), "rows": [torch.arange(2), 5], "longest": 7, "name": "x"}
+    with Record():
+        moved = common.to_device(data, "cuda")
+    assert calls == ["pin", ("to", "cuda", True)] * 2
+    assert moved["rows"][1] == 5 and moved["longest"] == 7 and moved["name"] == "x"
+    assert torch.equal(moved["mask"], data["mask"]) and torch.equal(moved["rows"][0], data["rows"][0])
+    calls.clear()
+    with Record():
+        common.to_device(data, torch.device("cpu"))
+    assert calls == [("to", "cpu", True)] * 2, "no page-locking off CUDA"

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe import fused_kernels, logprobs
 from alignpipe.fused_kernels import loss_kernels
@@ -42,7 +41,15 @@ from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, sh
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers, runs
-from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, frozen_reference, pad_rows, resolve_seed
+from alignpipe.trainers.common import (
+    TrainLoop,
+    TrainResult,
+    accumulate,
+    frozen_reference,
+    pad_rows,
+    resolve_seed,
+    to_device,
+)
 from alignpipe.trainers.configs import DPOConfig
 
 log = logging.getLogger(__name__)
@@ -272,9 +279,7 @@ class _Reference:
             for name, examples in splits.items():
                 values = []
                 for i in range(0, len(examples), self.cfg.batch_size):
-                    batch = send_to_device(
-                        collate_fn(examples[i : i + self.cfg.batch_size]), self.loop.accelerator.device
-                    )
+                    batch = to_device(collate_fn(examples[i : i + self.cfg.batch_size]), self.loop.accelerator.device)
                     c, r = self.compute(batch)
                     values.append(torch.stack([c, r], 1).cpu())
                 cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
@@ -402,7 +407,7 @@ def train(
         sums: dict[str, torch.Tensor] = {}
         for i in range(0, len(shard), cfg.batch_size):
             ex = shard[i : i + cfg.batch_size]
-            batch = send_to_device(collate_fn(ex), acc.device)
+            batch = to_device(collate_fn(ex), acc.device)
             _, stats = batch_loss(loop.model, batch, reference.compute, cfg)
             accumulate(sums, {k: v.float() for k, v in stats.items()}, len(ex))
         keys = sorted(sums)

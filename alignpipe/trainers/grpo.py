@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
@@ -41,7 +40,7 @@ from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
 
@@ -96,9 +95,7 @@ def completion_logps(
         nonempty = rollout.prompts_nonempty if rollout else every_row_holds_a_token(firsts[1])
         if mask is not None:
             count = rollout.tokens if rollout else int(mask.sum())
-            mask = mask.to(device)
-        firsts = tuple(x.to(device) for x in firsts)
-        index, completion_ids = index.to(device), completion_ids.to(device)
+        mask, firsts, index, completion_ids = to_device((mask, firsts, index, completion_ids), device)
     return shared_prompt_logprobs(
         model,
         *firsts,
@@ -196,7 +193,7 @@ class GRPORollout:
             index = [r // group for r in range(len(answers))]
             whole = all(prompts[g] or a for g, a in zip(index, answers, strict=True))  # no document may be empty
             packed = pack_answers(prompts, answers, self.completion_ids.size(1), share, index) if whole else None
-            self.layouts[key] = send_to_device(packed, device) if packed else None
+            self.layouts[key] = to_device(packed, device) if packed else None
         return self.layouts[key]
 
     def stats(self, reward_names: list[str]) -> dict[str, float]:
@@ -412,12 +409,11 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
 
     for j, s in enumerate(micro):
         sl = slice(s, s + cfg.batch_size)
-        mask = batch.mask[sl].to(device)
-        adv = batch.advantages[sl].to(device)
+        mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
         with loop.no_sync_unless(j == len(micro) - 1):
             logps, entropy = run.micro_logps(batch, sl)
-            old = batch.old_logps[sl].to(device) if batch.old_logps is not None else None
-            ref = batch.ref_logps[sl].to(device) if batch.ref_logps is not None else None
+            old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
+            ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
             ptl, ratio, kl = per_token_loss(
                 logps.float(), old, ref, adv, cfg.epsilon, eps_high, cfg.beta, cfg.kl_importance_correction
             )

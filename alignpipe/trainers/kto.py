@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe import fused_kernels
 from alignpipe.fused_kernels import loss_kernels
@@ -36,7 +35,7 @@ from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
 
 
@@ -225,7 +224,7 @@ def train(
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         for i in range(0, len(shard), cfg.batch_size):
-            batch = send_to_device(collate_rows(shard[i : i + cfg.batch_size]), acc.device)
+            batch = to_device(collate_rows(shard[i : i + cfg.batch_size]), acc.device)
             losses(loop.model, batch, sums, counts)
         if acc.num_processes > 1:
             sums = {k: acc.reduce(v.float(), "sum") for k, v in sums.items()}

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
@@ -34,7 +33,7 @@ from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import OnlineDPOConfig
 from alignpipe.trainers.grpo import greedy_reward
 from alignpipe.trainers.online import extra_columns, print_samples
@@ -132,9 +131,9 @@ def pair_metrics(parts: dict[str, list[torch.Tensor]], ranking: Ranking, eos: to
     if ranking.scores is not None:
         B = len(ranking.prefer_first)
         # the scores (computed on the host) go to the log-probs' device, not the other way: no device read here
-        scores = ranking.scores.to(kl.device)
+        scores = to_device(ranking.scores, kl.device)
         first, second = scores.split(B)
-        prefer_first = ranking.prefer_first.to(kl.device)
+        prefer_first = to_device(ranking.prefer_first, kl.device)
         chosen_s = torch.where(prefer_first, first, second)
         rejected_s = torch.where(prefer_first, second, first)
         # TRL's rlhf_reward pairs each completion's score with its own non-score reward, in chosen/rejected order
@@ -199,7 +198,7 @@ def train(
         chosen = [f if p else s for f, s, p in zip(first, second, ranking.prefer_first.tolist())]
         rejected = [s if p else f for f, s, p in zip(first, second, ranking.prefer_first.tolist())]
         loop.count(sum(len(g.completion_ids) for g in gens) + 2 * sum(map(len, prompt_ids)), len(gens))
-        decided = ranking.decided.to(acc.device)
+        decided = to_device(ranking.decided, acc.device)
         denominator = decided.sum().clamp(min=1)
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected")}
         loss_sum = torch.zeros((), device=acc.device)
@@ -213,7 +212,7 @@ def train(
                 pad_id,
                 packed,
             )
-            batch = send_to_device(batch, acc.device)
+            batch = to_device(batch, acc.device)
             with loop.no_sync_unless(j == len(micro) - 1):
                 logps, _, _ = dpo.completion_logps(loop.model, batch)
                 ref_model, context = reference()

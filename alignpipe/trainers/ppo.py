@@ -67,6 +67,7 @@ from alignpipe.trainers.common import (
     resolve_seed,
     save_model,
     seed_everything,
+    to_device,
 )
 from alignpipe.trainers.configs import PPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples
@@ -185,12 +186,10 @@ def episode_layout(
     """Episodes `rows` (prompt + response token lists, host) as one row of documents, one per episode
     (`packed_rows.pack_answers`, nothing shared: each prompt has one response), on `device`; `width`: the padded
     responses' length, which the scored positions are laid out to. None where a document would be empty."""
-    from accelerate.utils import send_to_device
-
     chosen_prompts, chosen = [prompts[i] for i in rows], [responses[i] for i in rows]
     if not all(p or r for p, r in zip(chosen_prompts, chosen, strict=True)):
         return None
-    return send_to_device(pack_answers(chosen_prompts, chosen, width, share=False), device)
+    return to_device(pack_answers(chosen_prompts, chosen, width, share=False), device)
 
 
 def _episode(query, query_mask, response):
@@ -328,7 +327,7 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     padding_free = runs_documents(unwrapped.policy) or runs_documents(unwrapped.value_model)
     # host token lists for the padding-free layouts, through each EOS; SDPA runs build none
     responses = [row[:n] for row, n in zip(response.tolist(), lengths.tolist(), strict=True)] if padding_free else []
-    query, query_mask, response = query.to(device), query_mask.to(device), response.to(device)
+    query, query_mask, response = to_device((query, query_mask, response), device)
     total, per_fn = run.rewards(
         [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
     )
@@ -434,7 +433,7 @@ def _epochs(
             skipped_here = 0
             for j, s in enumerate(range(0, run.mini_batch, cfg.batch_size)):
                 rows = mb[s : s + cfg.batch_size]
-                ix = torch.tensor(rows, device=acc.device)
+                ix = to_device(torch.tensor(rows), acc.device)
                 mask = b.response_mask[ix]
                 packed = b.layout(rows, acc.device)
                 sync = j == cfg.gradient_accumulation_steps - 1

@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, layout, pack_scored, runs
-from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import RewardConfig
 
 
@@ -175,7 +174,7 @@ def evaluate(
     with torch.no_grad():
         for i in range(0, len(shard), cfg.batch_size):
             ex = shard[i : i + cfg.batch_size]
-            batch = send_to_device(collate(ex, pad_id, packed), accelerator.device)
+            batch = to_device(collate(ex, pad_id, packed), accelerator.device)
             _, st = forward(model, batch, cfg)
             n = len(ex)
             sums += torch.stack([st["accuracy"], st["margin"], st["loss"]]) * n

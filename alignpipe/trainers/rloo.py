@@ -24,7 +24,7 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.losses import rloo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import kl_penalized_rewards, leave_one_out_advantages, masked_mean, nanstd
-from alignpipe.trainers.common import TrainResult
+from alignpipe.trainers.common import TrainResult, to_device
 from alignpipe.trainers.configs import RLOOConfig
 from alignpipe.trainers.grpo import (
     GRPORollout,
@@ -94,13 +94,12 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
 
     for j, s in enumerate(micro):
         sl = slice(s, s + cfg.batch_size)
-        mask = batch.mask[sl].to(device)
-        adv = batch.advantages[sl].to(device)
+        mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
         with loop.no_sync_unless(j == len(micro) - 1):
             logps, entropy = run.micro_logps(batch, sl)
             seq_logps = (logps.float() * mask).sum(1)
             if batch.old_logps is not None and cfg.num_iterations > 1:
-                old = (batch.old_logps[sl].to(device) * mask).sum(1)
+                old = (to_device(batch.old_logps[sl], device) * mask).sum(1)
             else:
                 old = seq_logps.detach()
             loss, ratio = rloo_loss(seq_logps, old, adv, cfg.epsilon, eps_high)

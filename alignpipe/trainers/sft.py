@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
 
 from alignpipe.attention import document_kwargs, document_offsets
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
-from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
+from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device
 from alignpipe.trainers.configs import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -186,7 +185,7 @@ def evaluate(
     total = torch.zeros(2, device=accelerator.device)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
-            batch = send_to_device(collate(shard[i : i + batch_size], pad_id, padding_free), accelerator.device)
+            batch = to_device(collate(shard[i : i + batch_size], pad_id, padding_free), accelerator.device)
             loss, n = token_loss_sum(model, batch)
             total += torch.stack([loss.detach().float(), n.float()])
     if accelerator.num_processes > 1:
