@@ -2,45 +2,36 @@
 
 from __future__ import annotations
 
-from alignpipe.engine.factory import make_engine
 from alignpipe.judges.reward_set import load_rewards
-from alignpipe.plots import curves_figure
-from alignpipe.recipe.stages import GRPOStage
+from alignpipe.recipe.stages import GRPOStage, RLOOStage
 from alignpipe.stages.context import StageContext, StageResult
+from alignpipe.stages.online import finish, prompt_rows, start_policy
 from alignpipe.trainers import grpo
 
-
-def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
-    """Prompt + extra columns (e.g. `answer`); completions are dropped: the policy writes its own."""
-    return [
-        {k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)
-    ]
+CURVES = ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png"))
 
 
-def run(ctx: StageContext[GRPOStage]) -> StageResult:
+def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, title: str) -> StageResult:
+    """A stage whose trainer samples groups of completions and scores them with the recipe's rewards (GRPO's and
+    RLOO's wiring): `train` is `grpo.train` or `rloo.train`."""
     s = ctx.stage
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
-    model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
-    ref = ctx.load_model(s.model, merge=True) if s.beta and not s.lora else None
-    engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
-    result = grpo.train(
+    p = start_policy(ctx, reference=bool(s.beta))
+    result = train(
         s,
-        model,
-        tokenizer,
+        p.model,
+        p.tokenizer,
         prompt_rows(ctx, s.data, "train"),
         rewards,
         ctx.tracker,
         ctx.dir,
         ctx.seed,
-        ref_model=ref,
-        engine=engine,
+        ref_model=p.ref,
+        engine=p.engine,
         eval_rows=prompt_rows(ctx, s.data, "eval"),
     )
-    for keys, name in ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png")):
-        fig = curves_figure(ctx.tracker, keys, f"GRPO {s.id}")
-        if fig is not None:
-            ctx.tracker.log_figure(fig, name)
-    out = ctx.causal_lm_result(result, base_path)
-    if "eval/reward" in result.metrics:
-        out.key_metric = "eval/reward"
-    return out
+    return finish(ctx, title, CURVES, result, p.base_path, "eval/reward")
+
+
+def run(ctx: StageContext[GRPOStage]) -> StageResult:
+    return run_sampled(ctx, grpo.train, "GRPO")

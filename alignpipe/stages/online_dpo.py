@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from alignpipe.engine.factory import make_engine
 from alignpipe.judges.reward_set import load_rewards
-from alignpipe.plots import curves_figure
 from alignpipe.recipe.stages import OnlineDPOStage
 from alignpipe.stages.context import StageContext, StageResult
-from alignpipe.stages.grpo import prompt_rows
 from alignpipe.stages.judge import local_or_endpoint_judge
+from alignpipe.stages.online import finish, prompt_rows, start_policy
 from alignpipe.trainers import online_dpo
 
 
@@ -23,32 +21,24 @@ def run(ctx: StageContext[OnlineDPOStage]) -> StageResult:
         assert s.llm_judge is not None  # validation: exactly one ranker
         _, judge = local_or_endpoint_judge(ctx, s.llm_judge)
         ranker = online_dpo.JudgeRanker(judge, s.llm_judge.template)
-    model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
-    ref = ctx.load_model(s.model, merge=True) if not s.lora else None
-    engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
+    p = start_policy(ctx, reference=True)
     result = online_dpo.train(
         s,
-        model,
-        tokenizer,
+        p.model,
+        p.tokenizer,
         prompt_rows(ctx, s.data, "train"),
         ranker,
         ctx.tracker,
         ctx.dir,
         ctx.seed,
-        ref_model=ref,
-        engine=engine,
+        ref_model=p.ref,
+        engine=p.engine,
         eval_rows=prompt_rows(ctx, s.data, "eval"),
         rewards=rewards,
     )
-    for keys, name in (
+    curves = (
         (["train/rewards/margins"], "reward_margin_curve.png"),
         (["train/objective/scores", "eval/reward"], "score_curve.png"),
         (["train/objective/kl"], "kl_curve.png"),
-    ):
-        fig = curves_figure(ctx.tracker, keys, f"online DPO {s.id}")
-        if fig is not None:
-            ctx.tracker.log_figure(fig, name)
-    out = ctx.causal_lm_result(result, base_path)
-    if "eval/reward" in result.metrics:
-        out.key_metric = "eval/reward"
-    return out
+    )
+    return finish(ctx, "online DPO", curves, result, p.base_path, "eval/reward")

@@ -1,0 +1,58 @@
+"""What the online stages (grpo, rloo, online_dpo, ppo) share: their prompts, the policy they start from with its
+reference and rollout engine, the curves they plot and the result they hand back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from alignpipe.engine.factory import make_engine
+from alignpipe.plots import curves_figure
+from alignpipe.stages.context import StageContext, StageResult
+
+Curves = tuple[tuple[list[str], str], ...]
+"""(metric names drawn together, file name of the figure) per figure."""
+
+
+def prompt_rows(ctx: StageContext, data_ref: str, split: str) -> list[dict]:
+    """Prompt + extra columns (e.g. `answer`); completions are dropped: the policy writes its own."""
+    return [
+        {k: v for k, v in r.items() if k not in ("completion", "chosen", "rejected")} for r in ctx.rows(data_ref, split)
+    ]
+
+
+@dataclass
+class Policy:
+    """What an online trainer starts from."""
+
+    model: Any
+    tokenizer: Any
+    base_path: str
+    """Where the weights a new adapter trains over are (`StageContext.start_model`)."""
+    ref: Any
+    """A frozen copy of the starting model, or None (LoRA: the adapter-disabled policy is the reference)."""
+    engine: Any
+    """The recipe's rollout engine, or None for the hf engine, which the trainer builds on the policy itself."""
+
+
+def start_policy(ctx: StageContext, reference: bool) -> Policy:
+    """The stage's policy, its tokenizer, a frozen reference where `reference` asks for one and no LoRA adapter
+    stands in, and the rollout engine."""
+    s: Any = ctx.stage
+    model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
+    ref = ctx.load_model(s.model, merge=True) if reference and not s.lora else None
+    engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
+    return Policy(model, tokenizer, base_path, ref, engine)
+
+
+def finish(ctx: StageContext, title: str, curves: Curves, result, base_path: str, key_metric: str) -> StageResult:
+    """Log the stage's curves as figures and hand back its model, with `key_metric` as the manifest's key metric
+    where the run reported it."""
+    for keys, name in curves:
+        fig = curves_figure(ctx.tracker, keys, f"{title} {ctx.stage.id}")
+        if fig is not None:
+            ctx.tracker.log_figure(fig, name)
+    out = ctx.causal_lm_result(result, base_path)
+    if key_metric in result.metrics:
+        out.key_metric = key_metric
+    return out
