@@ -346,6 +346,32 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     assert bool(documents) == (attention == "varlen")
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_an_online_dpo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, attention):
+    """Online DPO's update (policy and reference log-probs of each micro-batch of ranked pairs, loss, backward, and
+    the step's statistics) reads nothing back and copies without a wait: the pairs are ranked and laid out on the host
+    (`sample_pairs`) before it, tied pairs are masked on the device, the ranker's scores queued to it."""
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.trainers import online_dpo
+    from alignpipe.trainers.configs import OnlineDPOConfig
+
+    updates = []
+    update = online_dpo.update
+    monkeypatch.setattr(online_dpo, "update", lambda *a: updates.append(1) or guard(update)(*a))
+    tok, train, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=40)
+    rows = [{"prompt": r["prompt"]} for r in train]
+    cfg = OnlineDPOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, max_completion_length=6)
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    tracker = Tracker()
+    documents = varlen_on_cpu(monkeypatch, guard)
+    policy = load_causal_lm(str(tiny / "model"), attention=attention)
+    ranker = online_dpo.RewardRanker(rewards, 1.0)
+    online_dpo.train(cfg, policy, tok, rows, ranker, tracker, tmp_path, ref_model=copy.deepcopy(policy))
+    assert len(updates) == 2 and tracker.last("train/loss") is not None
+    assert tracker.last("train/objective/scores") is not None
+    assert bool(documents) == (attention == "varlen")
+
+
 @pytest.mark.parametrize(("lora", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "varlen")], ids=str)
 def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lora, attention):
     """PPO's epochs over a rollout (policy and value forward and backward, gradient clipping, optimizer and schedule

@@ -144,6 +144,126 @@ def pair_metrics(parts: dict[str, list[torch.Tensor]], ranking: Ranking, eos: to
     return out
 
 
+@dataclass
+class OnlineDPORun:
+    """What `sample_pairs` and `update` read: the config, the loop (model, optimizer, accelerator), the ranker, the
+    engine, the reference (a frozen copy, or none under LoRA: the adapter-disabled policy) and how batches run."""
+
+    cfg: OnlineDPOConfig
+    loop: TrainLoop
+    tokenizer: Any
+    ranker: Any
+    engine: Any
+    ref: Any
+    packed: str | None
+    """`packed_rows.layout` of the policy: its pairs run padding-free on a document-separating attention kernel."""
+    kernels: bool
+    """The reference pass's LM head compiled (`fused_kernels`)."""
+    seed: int
+
+    def encode(self, batch_rows: list[dict]) -> list[list[int]]:
+        ids = self.tokenizer([r["prompt"] for r in batch_rows])["input_ids"]
+        return [x[-self.cfg.max_prompt_length :] if self.cfg.max_prompt_length else x for x in ids]
+
+    def reference(self):
+        """The reference model and the context it runs in."""
+        if self.ref is not None:
+            return self.ref, contextlib.nullcontext()
+        return self.loop.model, self.loop.unwrapped.disable_adapter()
+
+
+@dataclass
+class RankedPairs:
+    """One step's prompts, two sampled completions of each, the ranker's verdict, and the micro-batches of
+    (chosen, rejected) pairs laid out on the host (`pair_batch`), so that `update` only moves them."""
+
+    rows: list[dict]
+    generations: list
+    """Two per prompt: the first sample of prompt i at 2i, the second at 2i + 1."""
+    ranking: Ranking
+    chosen: list
+    rejected: list
+    batches: list[dict]
+
+    @property
+    def prompts(self) -> list[str]:
+        return [r["prompt"] for r in self.rows]
+
+
+@torch.no_grad()
+def sample_pairs(run: OnlineDPORun, batch_rows: list[dict]) -> RankedPairs:
+    """Sample two completions of each prompt, rank them, and lay out the (chosen, rejected) micro-batches."""
+    cfg, loop = run.cfg, run.loop
+    prompt_ids = run.encode(batch_rows)
+    run.engine.update_weights(loop.unwrapped)
+    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    gens = run.engine.generate(prompt_ids, 2, sampling, seed=run.seed + loop.step)
+    first, second = gens[0::2], gens[1::2]
+    prompts = [r["prompt"] for r in batch_rows]
+    ranking = run.ranker(prompts, first, second, batch_rows)
+    prefer = ranking.prefer_first.tolist()
+    chosen = [f if p else s for f, s, p in zip(first, second, prefer)]
+    rejected = [s if p else f for f, s, p in zip(first, second, prefer)]
+    loop.count(sum(len(g.completion_ids) for g in gens) + 2 * sum(map(len, prompt_ids)), len(gens))
+    batches = [
+        pair_batch(
+            prompt_ids[s : s + cfg.batch_size],
+            [g.completion_ids for g in chosen[s : s + cfg.batch_size]],
+            [g.completion_ids for g in rejected[s : s + cfg.batch_size]],
+            run.tokenizer.pad_token_id,
+            run.packed,
+        )
+        for s in range(0, len(batch_rows), cfg.batch_size)
+    ]
+    return RankedPairs(batch_rows, gens, ranking, chosen, rejected, batches)
+
+
+def update(run: OnlineDPORun, pairs: RankedPairs) -> dict:
+    """One optimizer step's forward and backward over the step's pairs, micro-batch by micro-batch (the loop then
+    clips and steps); pairs the ranker left tied do not train. Returns the loss and TRL's statistics as device
+    tensors, read when logged."""
+    cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
+    decided = to_device(pairs.ranking.decided, acc.device)
+    denominator = decided.sum().clamp(min=1)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected")}
+    loss_sum = torch.zeros((), device=acc.device)
+    for j, host_batch in enumerate(pairs.batches):
+        sl = slice(j * cfg.batch_size, (j + 1) * cfg.batch_size)
+        batch = to_device(host_batch, acc.device)
+        with loop.no_sync_unless(j == len(pairs.batches) - 1):
+            logps, _, _ = dpo.completion_logps(loop.model, batch)
+            ref_model, context = run.reference()
+            with torch.inference_mode(), context:
+                ref_logps = dpo.completion_logps(ref_model, batch, compiled=run.kernels)[0]
+            ref_logps = ref_logps.clone()
+            c, r = logps.chunk(2)
+            rc, rr = ref_logps.chunk(2)
+            ones = torch.ones_like(c)  # ipo on summed log-ratios, as TRL's online trainer
+            losses, _, _ = dpo_loss(c, r, rc, rr, cfg.beta, cfg.loss_type, 0.0, ones, ones)
+            loss = (losses * decided[sl]).sum() / denominator
+            acc.backward(loss)
+        loss_sum += loss.detach()
+        for key, value in zip(parts, (c, r, rc, rr)):
+            parts[key].append(value.detach())
+    eos = torch.tensor([g.finish_reason == "stop" for g in pairs.generations])
+    return {"loss": loss_sum, **pair_metrics(parts, pairs.ranking, eos, cfg.beta)}
+
+
+def log_samples(run: OnlineDPORun, pairs: RankedPairs) -> None:
+    """Every `sample_every` steps, a table of (prompt, chosen, rejected, decided) in the tracker and the log."""
+    loop = run.loop
+    if loop.step % run.cfg.sample_every == 0 and loop.accelerator.is_main_process:
+        table = [
+            {"prompt": p, "chosen": ch.completion, "rejected": rj.completion, "decided": bool(d)}
+            for p, ch, rj, d in zip(pairs.prompts[:8], pairs.chosen[:8], pairs.rejected[:8], pairs.ranking.decided[:8])
+        ]
+        loop.tracker.log_table(table, f"samples/step_{loop.step:06d}")
+        print_samples(
+            [{"prompt": t["prompt"], "completion": t["chosen"], "reward": 1.0} for t in table],
+            f"online_dpo chosen samples at step {loop.step}",
+        )
+
+
 @under_attention_kernels
 def train(
     cfg: OnlineDPOConfig,
@@ -169,82 +289,23 @@ def train(
     if rewards is not None:
         rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
     loop = TrainLoop("online_dpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed)
-    acc, pad_id = loop.accelerator, tokenizer.pad_token_id
-    packed = layout(model)  # padding-free pairs for a document-separating attention kernel
+    device = loop.accelerator.device
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
-    ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
-    kernels = fused_kernels.wanted(cfg.fused_kernels, acc.device)  # the reference pass's head compiled
-    sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
-
-    def encode(batch_rows: list[dict]) -> list[list[int]]:
-        ids = tokenizer([r["prompt"] for r in batch_rows])["input_ids"]
-        return [x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x for x in ids]
-
-    def reference():
-        if ref is not None:
-            return ref, contextlib.nullcontext()
-        return loop.model, loop.unwrapped.disable_adapter()
+    ref = frozen_reference(ref_model, cfg, device) if not cfg.lora else None
+    run = OnlineDPORun(
+        cfg, loop, tokenizer, ranker, engine, ref, layout(model), fused_kernels.wanted(cfg.fused_kernels, device), seed
+    )
 
     def step(window: list[list[dict]]) -> dict:
-        batch_rows = [r for micro in window for r in micro]
-        prompts = [r["prompt"] for r in batch_rows]
-        prompt_ids = encode(batch_rows)
-        engine.update_weights(loop.unwrapped)
-        with torch.no_grad():
-            gens = engine.generate(prompt_ids, 2, sampling, seed=seed + loop.step)
-        first, second = gens[0::2], gens[1::2]
-        ranking = ranker(prompts, first, second, batch_rows)
-        chosen = [f if p else s for f, s, p in zip(first, second, ranking.prefer_first.tolist())]
-        rejected = [s if p else f for f, s, p in zip(first, second, ranking.prefer_first.tolist())]
-        loop.count(sum(len(g.completion_ids) for g in gens) + 2 * sum(map(len, prompt_ids)), len(gens))
-        decided = to_device(ranking.decided, acc.device)
-        denominator = decided.sum().clamp(min=1)
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected")}
-        loss_sum = torch.zeros((), device=acc.device)
-        micro = range(0, len(batch_rows), cfg.batch_size)
-        for j, s in enumerate(micro):
-            sl = slice(s, s + cfg.batch_size)
-            batch = pair_batch(
-                prompt_ids[sl],
-                [g.completion_ids for g in chosen[sl]],
-                [g.completion_ids for g in rejected[sl]],
-                pad_id,
-                packed,
-            )
-            batch = to_device(batch, acc.device)
-            with loop.no_sync_unless(j == len(micro) - 1):
-                logps, _, _ = dpo.completion_logps(loop.model, batch)
-                ref_model, context = reference()
-                with torch.inference_mode(), context:
-                    ref_logps = dpo.completion_logps(ref_model, batch, compiled=kernels)[0]
-                ref_logps = ref_logps.clone()
-                c, r = logps.chunk(2)
-                rc, rr = ref_logps.chunk(2)
-                ones = torch.ones_like(c)  # ipo on summed log-ratios, as TRL's online trainer
-                losses, _, _ = dpo_loss(c, r, rc, rr, cfg.beta, cfg.loss_type, 0.0, ones, ones)
-                loss = (losses * decided[sl]).sum() / denominator
-                acc.backward(loss)
-            loss_sum += loss.detach()
-            for key, value in zip(parts, (c, r, rc, rr)):
-                parts[key].append(value.detach())
-        eos = torch.tensor([g.finish_reason == "stop" for g in gens])
-        if loop.step % cfg.sample_every == 0 and acc.is_main_process:
-            table = [
-                {"prompt": p, "chosen": ch.completion, "rejected": rj.completion, "decided": bool(d)}
-                for p, ch, rj, d in zip(prompts[:8], chosen[:8], rejected[:8], ranking.decided[:8])
-            ]
-            tracker.log_table(table, f"samples/step_{loop.step:06d}")
-            print_samples(
-                [{"prompt": t["prompt"], "completion": t["chosen"], "reward": 1.0} for t in table],
-                f"online_dpo chosen samples at step {loop.step}",
-            )
-        return {"loss": loss_sum, **pair_metrics(parts, ranking, eos, cfg.beta)}
+        pairs = sample_pairs(run, [r for micro in window for r in micro])
+        log_samples(run, pairs)
+        return update(run, pairs)
 
     def evaluate() -> dict[str, float]:
         assert rewards is not None
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
-        return {"reward": greedy_reward(engine, loop, rewards, encode, eval_rows or [], greedy)}
+        return {"reward": greedy_reward(engine, loop, rewards, run.encode, eval_rows or [], greedy)}
 
     result = loop.run(step, evaluate if (eval_rows and rewards is not None) else None)
     result.model_dir, result.adapter = loop.save(tokenizer)
