@@ -583,6 +583,19 @@ def recorded_syncs(seen: list[tuple[str, str]]):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def behind_queued_work(setup: Setup, fn: Callable) -> tuple[list[tuple[str, str]], float]:
+    """(the synchronising calls `fn` made, its host seconds), run with ~30 ms of matmuls queued on the device, so that
+    a call that waits for the device is seen and costs time; the queue is drained after."""
+    busy = torch.randn(8192, 8192, device=setup.device, dtype=setup.dtype)
+    seen: list[tuple[str, str]] = []
+    with recorded_syncs(seen):
+        for _ in range(20):
+            busy = busy @ busy / 8192**0.5
+        _, took = timed(fn, cuda=False)
+    torch.cuda.synchronize()
+    return seen, took
+
+
 def check_step_syncs(setup: Setup) -> Callable[[], None]:
     @check("an SFT micro-step (packed, varlen) waits for the device only in transformers' packed-mask check")
     def run():
@@ -624,12 +637,7 @@ def check_batch_transfer(setup: Setup) -> Callable[[], None]:
         loader = batch_loader(make_accelerator(), blocks, 1, lambda b: sft.collate(b, 0))
         batches = iter(loader)
         next(batches)  # the first batch: pinned memory is allocated
-        busy = torch.randn(8192, 8192, device=setup.device, dtype=setup.dtype)
-        seen: list[tuple[str, str]] = []
-        with recorded_syncs(seen):
-            for _ in range(20):  # ~30 ms of device work queued, so that a wait would be seen
-                busy = busy @ busy / 8192**0.5
-            _, took = timed(lambda: [next(batches) for _ in range(3)], cuda=False)
+        seen, took = behind_queued_work(setup, lambda: [next(batches) for _ in range(3)])
         return not seen, (
             f"3 batches in {took * 1e3:.1f} ms of host time with ~30 ms of matmuls queued; synchronising calls: "
             f"{len(seen)} ({sorted({caller for _, caller in seen}) or 'none'})"
@@ -655,25 +663,13 @@ def check_host_copies(setup: Setup) -> Callable[[], None]:
             "packed": pack_answers(prompts, answers, 256, True, list(range(8))),
         }
         to_device(piece, setup.device)  # the first call: pinned memory is allocated
-        busy = torch.randn(8192, 8192, device=setup.device, dtype=setup.dtype)
-        found = {}
-        for name, move in (("to_device", lambda: to_device(piece, setup.device)), ("plain .to", None)):
-            seen: list[tuple[str, str]] = []
-            with recorded_syncs(seen):
-                for _ in range(20):  # ~30 ms of device work queued, so that a wait would be seen
-                    busy = busy @ busy / 8192**0.5
-                if move is None:
-                    _, took = timed(
-                        lambda: [t.to(setup.device) for t in (piece["mask"], piece["advantages"])], cuda=False
-                    )
-                else:
-                    _, took = timed(move, cuda=False)
-            found[name] = (len(seen), took)
-            torch.cuda.synchronize()
-        (ours, ours_took), (plain, plain_took) = found["to_device"], found["plain .to"]
-        return ours == 0 and plain > 0, (
-            f"to_device: {ours} synchronising calls, {ours_took * 1e3:.2f} ms of host time; plain .to (the control): "
-            f"{plain} synchronising calls, {plain_took * 1e3:.1f} ms, with ~30 ms of matmuls queued"
+        ours, ours_took = behind_queued_work(setup, lambda: to_device(piece, setup.device))
+        plain, plain_took = behind_queued_work(
+            setup, lambda: [t.to(setup.device) for t in (piece["mask"], piece["advantages"])]
+        )
+        return not ours and bool(plain), (
+            f"to_device: {len(ours)} synchronising calls, {ours_took * 1e3:.2f} ms of host time; plain .to (the "
+            f"control): {len(plain)} synchronising calls, {plain_took * 1e3:.1f} ms, with ~30 ms of matmuls queued"
         )
 
     return run
