@@ -534,6 +534,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
                 seed = torch.Generator(device=setup.device).manual_seed(5)
                 out[name], seconds = timed(lambda f=loop, kw=kwargs, g=seed: rollout(f, kw, g), True)
                 rate[name] = rows * new / seconds
+        sampling_ms = _sampling_ms(setup, rows, QWEN_05B["vocab_size"], sampling)
         bound = copy_tb_per_s() * 1e12 * rows / decode_bytes_per_step("qwen0.5b", rows, width + new / 2)
         same = int((out["graphed again"] == out["eager static"]).all(1).sum())
         rates = ", ".join(f"{name} {r / 1e3:.1f}k" for name, r in rate.items())
@@ -541,10 +542,25 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         return (
             not step.failed and rate["graphed again"] > max(rate["eager"], rate["eager static"]),
             f"{rows} rows × {new} tokens, Qwen2-0.5B bf16: generated tokens/s {rates} (bound {bound / 1e3:.0f}k at "
-            f"the measured copy rate); sampled rows equal to the eager static loop's {same}/{rows}{fell_back}",
+            f"the measured copy rate); sampled rows equal to the eager static loop's {same}/{rows}{fell_back}; "
+            f"sampling, outside the graph: {sampling_ms:.3f} ms of each {rows * 1e3 / rate['graphed again']:.3f} ms "
+            "graphed step",
         )
 
     return run
+
+
+def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
+    """Milliseconds per decode step of the hf engine's token choice (`next_token`, run eagerly after each replayed
+    step) on (rows, vocab) bf16 logits: the share of a graphed step that moving sampling into the graph would save."""
+    from alignpipe.engine.hf import next_token
+
+    logits = torch.randn(rows, vocab, device=setup.device, dtype=torch.bfloat16)
+    generator = torch.Generator(device=setup.device).manual_seed(7)
+    with torch.inference_mode():
+        next_token(logits, sampling, generator)
+        _, seconds = timed(lambda: [next_token(logits, sampling, generator) for _ in range(100)], setup.cuda)
+    return seconds * 10
 
 
 def innermost_caller() -> str:

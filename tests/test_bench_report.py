@@ -442,6 +442,17 @@ def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 6 and out.count("\nskip ") == 8
 
 
+def test_the_rollout_line_times_the_engine_s_own_token_choice():
+    """The rollout-speed line's sampling share times the hf engine's `next_token` itself (sampled and greedy), so the
+    figure a GPU session reads is the step the graph leaves out."""
+    from alignpipe.engine.sampling import SamplingParams
+    from bench.gpu_checks import Setup, _sampling_ms
+
+    setup = Setup(force_cpu=True)
+    for sampling in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0)):
+        assert 0 < _sampling_ms(setup, 8, 512, sampling) < 1e3
+
+
 def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     """`bench/gpu_session.sh`: every stage's cases exist in the GPU suite, its steps' time limits add up to less
     than one device call (600 s, with room for the install), and an unknown stage is refused."""
