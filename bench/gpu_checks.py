@@ -559,8 +559,9 @@ def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
     generator = torch.Generator(device=setup.device).manual_seed(7)
     with torch.inference_mode():
         next_token(logits, sampling, generator)
-        _, seconds = timed(lambda: [next_token(logits, sampling, generator) for _ in range(100)], setup.cuda)
-    return seconds * 10
+        calls = 100
+        _, seconds = timed(lambda: [next_token(logits, sampling, generator) for _ in range(calls)], setup.cuda)
+    return seconds / calls * 1e3
 
 
 def innermost_caller() -> str:
