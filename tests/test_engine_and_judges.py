@@ -482,9 +482,10 @@ def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, 
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_on_a_gpu_the_decode_loop_reads_the_device_every_8_steps_with_the_same_result(trained, monkeypatch, static):
-    """On a GPU "have all rows ended?" is read every 8 steps (each read stalls the host until the GPU catches up);
-    the columns decoded past the last row's end are cut, so the tokens and the width equal reading every step."""
+def test_on_a_gpu_the_decode_loop_asks_every_4_steps_reads_late_and_returns_the_same(trained, monkeypatch, static):
+    """On a GPU "have all rows ended?" is asked every 4 steps and each answer read at the next ask (a read at once
+    would stall the host until the GPU caught up); the columns decoded past the last row's end are cut, so the tokens
+    and the width equal reading every step, and at most 7 steps more are decoded."""
     from alignpipe.engine import hf
 
     model, tok = trained
@@ -492,21 +493,46 @@ def test_on_a_gpu_the_decode_loop_reads_the_device_every_8_steps_with_the_same_r
     loop = hf.decode_static if static else hf.decode
     sampling = SamplingParams(temperature=1.0, max_new_tokens=24)
 
-    def run(every: int) -> tuple[torch.Tensor, int]:
+    def run(every: int, late: bool) -> tuple[torch.Tensor, int, int]:
         monkeypatch.setattr(hf, "check_every", lambda device: every)
-        reads = []
+        monkeypatch.setattr(hf, "late_reads", lambda device: late)
+        reads, forwards = [], []
         original = torch.Tensor.__bool__
         monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or original(t))
+        hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
         args = (model, enc["input_ids"], enc["attention_mask"], sampling, tok.eos_token_id, tok.pad_token_id)
-        with torch.inference_mode():
-            out = loop(*args, torch.Generator().manual_seed(5), n=2)
-        monkeypatch.setattr(torch.Tensor, "__bool__", original)
-        return out, len(reads)
+        try:
+            with torch.inference_mode():
+                out = loop(*args, torch.Generator().manual_seed(5), n=2)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "__bool__", original)
+            hook.remove()
+        return out, len(reads), len(forwards)
 
-    every_step, reads_1 = run(1)
-    every_8, reads_8 = run(8)
-    assert torch.equal(every_8, every_step) and every_step.size(1) < 24, "rows ended early, and alike"
-    assert 4 * reads_8 <= reads_1, (reads_8, reads_1)
+    every_step, reads_1, forwards_1 = run(1, late=False)
+    every_4, reads_4, forwards_4 = run(4, late=True)
+    assert torch.equal(every_4, every_step) and every_step.size(1) < 20, "rows ended early, and alike"
+    assert 2 * reads_4 <= reads_1, (reads_4, reads_1)
+    assert 0 < forwards_4 - forwards_1 <= 7, (forwards_1, forwards_4)
+
+
+def test_row_ends_read_late_stop_at_the_check_after_the_one_that_saw_every_row_end(monkeypatch):
+    """One row ends at step 3, the others at step 5; asked every 4 steps, the ask after step 7 is the first to see
+    them all ended. Read late, the ask after step 11 reads that answer and stops; read at once, the ask after step 7
+    stops. The width is 6 either way."""
+    from alignpipe.engine import hf
+
+    monkeypatch.setattr(hf, "check_every", lambda device: 4)
+    stops = {}
+    for late in (False, True):
+        monkeypatch.setattr(hf, "late_reads", lambda device, late=late: late)
+        ends = hf.RowEnds(rows=3, steps=32, device=torch.device("cpu"))
+        for t in range(32):
+            ends.record(torch.tensor({3: [2, 9, 9], 5: [9, 2, 2]}.get(t, [9, 9, 9])), t, eos=2)  # EOS is 2
+            if ends.finished(t):
+                stops[late] = (t, ends.width())
+                break
+    assert stops == {False: (7, 6), True: (11, 6)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -290,6 +290,18 @@ def test_the_loss_watch_reports_the_first_bad_step_and_forgets():
     assert watch.first_bad() is None
 
 
+def test_a_host_read_keeps_the_value_it_was_given():
+    """`HostRead` off a GPU reads the value as it was when taken, as the GPU's stream-ordered copy does: an in-place
+    change after it (the decode loop's `done |= now`) does not reach it."""
+    from alignpipe.host_reads import HostRead
+
+    done = torch.tensor([True, False])
+    read = HostRead(done.all())
+    flags = HostRead(done)
+    done |= torch.tensor([False, True])
+    assert not bool(read.get()) and flags.get().tolist() == [True, False] and bool(done.all())
+
+
 @pytest.mark.parametrize("save_every", [None, 2])
 def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, tmp_path, monkeypatch, save_every):
     """Step 2's loss is read while step 3 is queued (no wait for the device in step 2), and never after a
@@ -323,7 +335,7 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     """GRPO's and RLOO's update (forward and backward over the rollout, loss check, optimizer step) reads nothing
     back: the training tokens are counted on the host when the rollout is built, and on varlen its padding-free
     layout is built from the host token lists the rollout keeps; masks, advantages and layouts are queued to the
-    device, not copied with a wait. Rollouts read by design (the decode loop looks every 8 tokens on a GPU), so only
+    device, not copied with a wait. Rollouts read by design (the decode loop looks every 4 tokens on a GPU), so only
     the update is guarded."""
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.trainers import grpo, rloo

@@ -9,6 +9,7 @@ import torch
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.host_reads import HostRead
 from alignpipe.modeling import mask_positions, under_attention_kernels
 
 
@@ -169,26 +170,34 @@ def decode(
     return new
 
 
-# How often a decode loop on a GPU reads "have all rows ended?" back from the device (the only read inside the
-# loop): each read waits for the queued steps to finish, so the host stops running ahead of the GPU; up to this
-# many steps are decoded past the end in exchange.
-CHECK_EVERY = 8
+# How often a decode loop on a GPU asks "have all rows ended?". Each answer is read one check late (`RowEnds`), so
+# the steps queued in between keep the GPU busy while the host waits for it; up to twice this many steps are decoded
+# past the last row's end in exchange (and cut from the result).
+CHECK_EVERY = 4
 
 
 def check_every(device: torch.device) -> int:
-    """Steps between "have all rows ended?" reads: every step on CPU, where a read waits for nothing."""
+    """Steps between "have all rows ended?" checks: every step on CPU, where a read waits for nothing."""
     return 1 if device.type == "cpu" else CHECK_EVERY
 
 
+def late_reads(device: torch.device) -> bool:
+    """Whether each check's answer is read at the next check: on a GPU, where reading it at once would wait for
+    every step queued before it and leave the GPU idle while the host queues the next."""
+    return device.type == "cuda"
+
+
 class RowEnds:
-    """Which rows of a decode loop have sampled EOS, and at which step, kept on the device. `finished(t)` reads it
-    back only every `check_every` steps (or at the last step); `width()` is the columns up to the step the last row
-    ended at, so the result does not depend on when the loop looked."""
+    """Which rows of a decode loop have sampled EOS, and at which step, kept on the device. `finished(t)` asks
+    only every `check_every` steps (or at the last step), on a GPU reading the answer of the check before
+    (`HostRead`); `width()` is the columns up to the step the last row ended at, so the result does not depend on
+    when the loop looked."""
 
     def __init__(self, rows: int, steps: int, device: torch.device):
-        self.steps, self.every = steps, check_every(device)
+        self.steps, self.every, self.late = steps, check_every(device), late_reads(device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.ended = torch.full((rows,), steps - 1, dtype=torch.long, device=device)
+        self.asked: HostRead | None = None
 
     def record(self, token: torch.Tensor, t: int, eos: int | None) -> None:
         if eos is not None:
@@ -197,7 +206,15 @@ class RowEnds:
             self.done |= now
 
     def finished(self, t: int) -> bool:
-        return t + 1 == self.steps or ((t + 1) % self.every == 0 and bool(self.done.all()))
+        if t + 1 == self.steps:
+            return True
+        if (t + 1) % self.every:
+            return False
+        ask = HostRead(self.done.all())
+        if not self.late:
+            return bool(ask.get())
+        answer, self.asked = self.asked, ask
+        return answer is not None and bool(answer.get())
 
     def width(self) -> int:
         return int(self.ended.max()) + 1
@@ -216,11 +233,11 @@ def decode_static(
 ) -> torch.Tensor:
     """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
-    written) and the cache position as a tensor. Nothing is re-allocated per token, and a GPU is read only every
-    `CHECK_EVERY` steps to stop early, so it is not held up by the host between steps. Same tokens
-    as `decode` (tested). Each prompt is prefilled once and its keys and values written into the rows of its `n`
-    samples (models with sliding-window layers prefill each sample's row). With `step`
-    (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA graph, compiled or not), prompts
+    written) and the cache position as a tensor. Nothing is re-allocated per token, and "have all rows ended?" is
+    asked every `CHECK_EVERY` steps on a GPU and read a check late (`RowEnds`), so the GPU is not held up by the
+    host between steps. Same tokens as `decode` (tested). Each prompt is prefilled once and its keys and values
+    written into the rows of its `n` samples (models with sliding-window layers prefill each sample's row). With
+    `step` (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA graph, compiled or not), prompts
     left-padded to the step's width so that a few shapes serve every rollout."""
     from transformers import StaticCache
 

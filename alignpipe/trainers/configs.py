@@ -210,8 +210,8 @@ class RolloutSpec(Strict):
     static_cache: bool = False
     """hf: decode with a KV cache of fixed size and the same shapes at every step (transformers' StaticCache): nothing
     re-allocated per token; the same tokens as the default loop (tested). Like it, it prefills each prompt once for
-    its `num_generations` samples. (Both loops read the GPU once every 8 steps, to stop when every row has ended.) On
-    a GPU `cuda_graphs` implies it."""
+    its `num_generations` samples. (Both loops ask the GPU every 4 steps whether every row has ended and read each
+    answer at the next ask, so a check does not leave the GPU idle.) On a GPU `cuda_graphs` implies it."""
     cuda_graphs: bool = True
     """hf on a CUDA device: the static-cache decode step recorded as a CUDA graph (`torch.cuda.CUDAGraph`) at each
     rollout and replayed for every token: one launch per token instead of a few hundred kernels issued from Python

@@ -2,8 +2,8 @@
 
 Reading a step's loss on the host at once (`float(loss)`) makes the host wait until the device has finished the
 step: the next step's kernels are queued only after, and the GPU idles for the host's share of a step (collation,
-launches). `LossWatch` instead copies the loss to pinned host memory asynchronously, marks the copy with a CUDA
-event, and looks at it when the next step has been queued, by which time the copy has landed.
+launches). `LossWatch` instead takes the loss as a `HostRead` (copied to pinned host memory asynchronously, the copy
+marked with a CUDA event) and looks at it when the next step has been queued, by which time the copy has landed.
 
 The price is one step of lag: a diverged step's update is applied before the run stops. So the loop settles the
 watch at once wherever a diverged model would be used: log points (which read the metrics anyway), evaluations,
@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from alignpipe.host_reads import HostRead
+
 
 @dataclass
 class _Pending:
     step: int
-    value: torch.Tensor  # on the host, or (on a GPU) a pinned buffer the copy lands in
-    landed: torch.cuda.Event | None
+    loss: HostRead
 
 
 class LossWatch:
@@ -37,27 +38,15 @@ class LossWatch:
         reading it."""
         if loss is None:
             return
-        if not isinstance(loss, torch.Tensor):
-            self._pending.append(_Pending(step, torch.tensor(float(loss)), None))
-            return
-        loss = loss.detach()
-        if loss.device.type != "cuda":
-            self._pending.append(_Pending(step, loss, None))
-            return
-        host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)
-        host.copy_(loss, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record()
-        self._pending.append(_Pending(step, host, landed))
+        value = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self._pending.append(_Pending(step, HostRead(value)))
 
     def first_bad(self) -> tuple[int, float] | None:
         """(step, value) of the earliest watched loss that is NaN or infinite, else None; every watched loss is
         checked and forgotten."""
         pending, self._pending = self._pending, []
         for p in pending:
-            if p.landed is not None:
-                p.landed.synchronize()
-            value = float(p.value)
+            value = float(p.loss.get())
             if not math.isfinite(value):
                 return p.step, value
         return None
