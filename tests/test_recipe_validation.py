@@ -270,6 +270,29 @@ def test_reward_spec_needs_exactly_one_source(tiny):
     assert "stages[2].rewards[0]" in msg and "exactly one of function, reward_model, url" in msg
 
 
+def test_a_misspelt_reward_function_is_named_with_the_built_in_it_resembles(tiny):
+    """Caught by `validate`, not when the RL stage starts after SFT has run."""
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", "{function: exact_mach}")
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if "exact_mach}" in row)
+    msg = problems_of(text)
+    assert f"stages[2].rewards[0].function (stage 'grpo'), line {line}: unknown reward function 'exact_mach'" in msg
+    assert "did you mean 'exact_match'?" in msg and "`package.module:function`" in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [("my_pkg.rewards:score", True), ("score:fn", True), ("my-pkg:score", False), ("pkg:", False), (":fn", False)],
+)
+def test_a_judge_reward_is_a_built_in_or_module_function_not_imported_at_validation(tiny, value, ok):
+    """`module:function` is checked for its form only: the module may exist only on the worker that runs the stage."""
+    text = rl_recipe(tiny, "tiny-grpo.yaml").replace("reward: exact_match ", f"reward: '{value}' ")
+    assert f"'{value}'" in text
+    if ok:
+        assert parse_recipe(text).stage("judge").reward == value
+    else:
+        assert "is not `package.module:function`" in problems_of(text)
+
+
 def test_reward_model_entry_must_name_a_reward_stage(tiny):
     msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("{reward_model: rm}", "{reward_model: sft}"))
     assert "stages[5].rewards.0.reward_model" in msg or "stages[5].rewards[0].reward_model" in msg

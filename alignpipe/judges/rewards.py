@@ -6,6 +6,7 @@ dataset's extra columns, e.g. `answer`) and returns one float (or None = not app
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from collections.abc import Callable
@@ -64,6 +65,24 @@ BUILTINS: dict[str, RewardFn] = {
 
 class RewardFunctionError(ValueError):
     pass
+
+
+def check_reward_name(spec: str) -> str:
+    """`spec` if it names a built-in or has the form `package.module:function`, else a ValueError saying what is
+    wrong (a near built-in's name, if any). The module is not imported: it may exist only where the stage runs."""
+    if spec in BUILTINS:
+        return spec
+    module_name, sep, attr = spec.partition(":")
+    if sep:
+        if all(part.isidentifier() for part in module_name.split(".")) and attr.isidentifier():
+            return spec
+        raise ValueError(f"{spec!r} is not `package.module:function` (a dotted module path, a colon, a function name)")
+    near = difflib.get_close_matches(spec, BUILTINS, n=1)
+    guess = f"did you mean {near[0]!r}? " if near else ""
+    raise ValueError(
+        f"unknown reward function {spec!r}: {guess}the built-ins are {', '.join(BUILTINS)}; a function of your own "
+        "is written `package.module:function`"
+    )
 
 
 def load_reward_fn(spec: str) -> RewardFn:

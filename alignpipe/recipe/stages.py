@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
+from alignpipe.judges.rewards import check_reward_name
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
 from alignpipe.trainers.configs import (
@@ -199,6 +200,11 @@ class RewardFunctionSpec(Strict):
     """Extra keyword arguments for `function` (e.g. `{words: [great]}` for keyword)."""
     name: str | None = None
     """Label in metrics (rewards/<name>/mean); defaults to the function or stage name."""
+
+    @field_validator("function")
+    @classmethod
+    def _known_function(cls, v: str | None) -> str | None:
+        return v if v is None else check_reward_name(v)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -383,6 +389,11 @@ class JudgeStage(StageBase):
         if self.llm_judge and self.llm_judge.model and not is_model_path(self.llm_judge.model):
             own.append((("llm_judge", "model"), self.llm_judge.model, CAUSAL_LM))
         return own
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, v: str) -> str:
+        return check_reward_name(v)
 
     @model_validator(mode="after")
     def _prompts_source(self):
