@@ -293,6 +293,40 @@ def test_a_judge_reward_is_a_built_in_or_module_function_not_imported_at_validat
         assert "is not `package.module:function`" in problems_of(text)
 
 
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        (
+            "{function: keyword, kwargs: {word: [great]}}",
+            "unknown option 'word' (did you mean 'words'?); 'words' is required",
+        ),
+        ("{function: keyword}", "'words' is required; `keyword` takes kwargs words, case_sensitive"),
+        ("{function: keyword, kwargs: {words: great}}", "words: Input should be a valid list (got 'great')"),
+        ("{function: regex, kwargs: {pattern: 'a(b'}}", "pattern: not a valid regular expression"),
+        ("{function: exact_match, kwargs: {answer: x}}", "unknown option 'answer'; `exact_match` takes no kwargs"),
+        ("{url: 'http://x', kwargs: {k: 1}}", "kwargs are passed to a `function` only"),
+    ],
+    ids=["misspelt", "missing", "not-a-list", "bad-regex", "none-taken", "url"],
+)
+def test_a_built_in_reward_s_kwargs_are_checked(tiny, entry, says):
+    """The built-ins take dataset columns as keyword arguments too, so a misspelt option would be swallowed and the
+    reward silently constant (`keyword` with no words scores 0 everywhere): `validate` says so instead."""
+    msg = problems_of(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", entry))
+    assert "stages[2].rewards[0].kwargs (stage 'grpo')" in msg and says in msg, msg
+
+
+def test_built_in_reward_kwargs_that_fit_validate(tiny):
+    entries = "{function: keyword, kwargs: {words: [great], case_sensitive: true}}\n      - {function: length_penalty}"
+    recipe = parse_recipe(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", entries))
+    assert [r.label for r in recipe.stage("grpo").rewards] == ["keyword", "length_penalty"]
+
+
+def test_two_rewards_logged_under_one_name_are_an_error(tiny):
+    entries = "{function: exact_match}\n      - {function: exact_match, weight: 2}"
+    msg = problems_of(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", entries))
+    assert "stages[2].rewards (stage 'grpo')" in msg and "two rewards would be logged as 'exact_match'" in msg
+
+
 def test_reward_model_entry_must_name_a_reward_stage(tiny):
     msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("{reward_model: rm}", "{reward_model: sft}"))
     assert "stages[5].rewards.0.reward_model" in msg or "stages[5].rewards[0].reward_model" in msg

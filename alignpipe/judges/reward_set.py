@@ -57,14 +57,14 @@ def load_rewards(specs, model_path_of: Callable[[str], str], batch_size: int = 3
     loaded = []
     for spec in specs:
         if spec.function:
-            fn, default = load_reward_fn(spec.function), spec.function.split(":")[-1]
+            fn = load_reward_fn(spec.function)
         elif spec.reward_model:
             from alignpipe.judges.reward_model import RewardModelScorer
 
-            fn, default = RewardModelScorer(model_path_of(spec.reward_model), batch_size), spec.reward_model
+            fn = RewardModelScorer(model_path_of(spec.reward_model), batch_size)
         else:
-            fn, default = HTTPScorer(spec.url), "remote"
-        loaded.append(LoadedReward(spec.name or default, fn, spec.weight, dict(spec.kwargs)))
+            fn = HTTPScorer(spec.url)
+        loaded.append(LoadedReward(spec.label, fn, spec.weight, dict(spec.kwargs)))
     names = [r.name for r in loaded]
     if len(set(names)) != len(names):
         raise RewardFunctionError(f"reward names must be unique, got {names}; set `name:` on each")

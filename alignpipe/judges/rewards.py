@@ -10,8 +10,12 @@ import difflib
 import importlib
 import re
 from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
 
 from alignpipe.data.synthetic import sentiment_score
+from alignpipe.strict import Strict
 
 RewardFn = Callable[..., list]
 
@@ -61,6 +65,78 @@ BUILTINS: dict[str, RewardFn] = {
     "regex": regex,
     "length_penalty": length_penalty,
 }
+
+
+class KeywordOptions(Strict):
+    """`kwargs` of the `keyword` reward."""
+
+    words: list[str] = Field(min_length=1)
+    """Words or phrases whose occurrences are counted."""
+    case_sensitive: bool = False
+    """Match case exactly."""
+
+
+class RegexOptions(Strict):
+    """`kwargs` of the `regex` reward."""
+
+    pattern: str = Field(min_length=1)
+    """A Python regular expression searched for anywhere in the completion."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression: {e}") from e
+        return v
+
+
+class LengthPenaltyOptions(Strict):
+    """`kwargs` of the `length_penalty` reward."""
+
+    target: float = Field(20, ge=0)
+    """Preferred completion length in words."""
+    scale: float = Field(0.05, gt=0)
+    """Reward lost per word away from `target`."""
+
+
+class NoOptions(Strict):
+    """The built-in takes no `kwargs` (its inputs are the completions and dataset columns)."""
+
+
+BUILTIN_OPTIONS: dict[str, type[Strict]] = {
+    "sentiment_lexicon": NoOptions,
+    "length": NoOptions,
+    "exact_match": NoOptions,
+    "keyword": KeywordOptions,
+    "regex": RegexOptions,
+    "length_penalty": LengthPenaltyOptions,
+}
+"""What each built-in's `kwargs` may hold. The built-ins take dataset columns as keyword arguments too, so a
+misspelt option would otherwise be swallowed and the reward silently constant."""
+
+
+def check_builtin_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """A ValueError naming what is wrong with `kwargs` for built-in `name`: an unknown option (with the option it
+    resembles), a missing required one, or a value of the wrong kind."""
+    options = BUILTIN_OPTIONS[name]
+    try:
+        options.model_validate(kwargs)
+    except ValidationError as e:
+        known = list(options.model_fields)
+        takes = f"`{name}` takes kwargs {', '.join(known)}" if known else f"`{name}` takes no kwargs"
+        problems = []
+        for err in sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden"):  # misspellings first
+            key = ".".join(str(part) for part in err["loc"])
+            if err["type"] == "extra_forbidden":
+                near = difflib.get_close_matches(key, known, n=1)
+                problems.append(f"unknown option {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            elif err["type"] == "missing":
+                problems.append(f"{key!r} is required")
+            else:
+                problems.append(f"{key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+        raise ValueError(f"{'; '.join(problems)}; {takes}") from None
 
 
 class RewardFunctionError(ValueError):

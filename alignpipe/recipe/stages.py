@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
-from alignpipe.judges.rewards import check_reward_name
+from alignpipe.judges.rewards import BUILTIN_OPTIONS, check_builtin_kwargs, check_reward_name
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
 from alignpipe.trainers.configs import (
@@ -196,8 +196,10 @@ class RewardFunctionSpec(Strict):
     """A remote scorer: POST {"prompts", "completions", "columns"} → {"rewards": [...]}."""
     weight: float = 1.0
     """Weight in the summed reward."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments for `function` (e.g. `{words: [great]}` for keyword)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True)  # a built-in may require some
+    """Extra keyword arguments for `function` (e.g. `{words: [great]}` for keyword); a built-in's are checked:
+    `keyword` takes `words` (required) and `case_sensitive`, `regex` `pattern` (required), `length_penalty` `target`
+    and `scale`, the others none."""
     name: str | None = None
     """Label in metrics (rewards/<name>/mean); defaults to the function or stage name."""
 
@@ -206,12 +208,44 @@ class RewardFunctionSpec(Strict):
     def _known_function(cls, v: str | None) -> str | None:
         return v if v is None else check_reward_name(v)
 
+    @field_validator("kwargs")
+    @classmethod
+    def _options_of_the_function(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "function" not in info.data:  # it failed its own check, reported on its own
+            return v
+        function = info.data["function"]
+        if function in BUILTIN_OPTIONS:
+            check_builtin_kwargs(function, v)
+        elif v and not function:
+            raise ValueError("kwargs are passed to a `function` only; a reward model or URL takes none")
+        return v
+
     @model_validator(mode="after")
     def _one_source(self):
         given = [k for k in ("function", "reward_model", "url") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"give exactly one of function, reward_model, url (got {given or 'none'})")
         return self
+
+    @property
+    def label(self) -> str:
+        """The name its values are logged under: `name`, else the function's, the reward stage's, or `remote`."""
+        if self.name:
+            return self.name
+        if self.function:
+            return self.function.split(":")[-1]
+        return self.reward_model or "remote"
+
+
+def _distinct_labels(rewards: list[RewardFunctionSpec]) -> list[RewardFunctionSpec]:
+    labels = [r.label for r in rewards]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(
+            f"two rewards would be logged as {', '.join(map(repr, twice))} (rewards/<name>/mean); give each its own "
+            "`name:`"
+        )
+    return rewards
 
 
 class _RLStage(StageBase):
@@ -223,6 +257,8 @@ class _RLStage(StageBase):
     """Id of a `format` stage whose prompts are used (prompt_only, or any format with a prompt)."""
     rewards: list[RewardFunctionSpec] = Field(min_length=1)
     """Reward functions, summed with their weights."""
+
+    _distinct_rewards = field_validator("rewards")(_distinct_labels)
 
     produces: ClassVar[str] = CAUSAL_LM
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
@@ -301,6 +337,8 @@ class OnlineDPOStage(StageBase, OnlineDPOConfig):
     """Id of a `format` stage whose prompts are used (prompt_only, or any format with a prompt)."""
     rewards: list[RewardFunctionSpec] = Field(default_factory=list)
     """Rank the two completions by these reward functions' weighted sum (a reward model, a function, a URL)."""
+
+    _distinct_rewards = field_validator("rewards")(_distinct_labels)
     llm_judge: LLMJudgeSpec | None = None
     """Rank them with a pairwise LLM judge instead (both orders; a disagreement is a tie, which does not train)."""
 
