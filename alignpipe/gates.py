@@ -123,12 +123,17 @@ def parse(text: str):
     return _Parser(text).parse()
 
 
-def stages_in(node) -> set[str]:
+def refs_in(node) -> list[Ref]:
+    """The metric references of a parsed condition, in the order they are written."""
     if node[0] == "ref":
-        return {node[1].stage}
+        return [node[1]]
     if node[0] == "num":
-        return set()
-    return set().union(*(stages_in(n) for n in node[1:] if isinstance(n, tuple)))
+        return []
+    return [ref for n in node[1:] if isinstance(n, tuple) for ref in refs_in(n)]
+
+
+def stages_in(node) -> set[str]:
+    return {ref.stage for ref in refs_in(node)}
 
 
 def lookup(metrics: dict[str, dict[str, float]], ref: Ref) -> float:

@@ -75,6 +75,8 @@ def test_three_models_give_a_consistent_win_rate_matrix(models, tmp_path):
                 assert grid[i][j] + grid[j][i] == pytest.approx(1.0)
     assert len(result.info["win_rates"]) == 3, "2 candidate×baseline pairs + the candidates against each other"
     assert f"judge/{paths[1]}_vs_{paths[0]}/win_rate" in result.metrics
+    assert all(ctx.stage.reports_metric(key) for key in result.metrics), "what `validate` lets a gate read"
+    assert f"judge/score/{paths[2]}" in result.metrics
     saved = json.loads((tmp_path / "results.json").read_text())
     assert len(saved["examples"]) == 3 * 6 and {
         "prompt",
@@ -122,6 +124,8 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
         assert r["verdict"] == ("win" if c > b else "loss" if c < b else "tie")
     wr = result.info["win_rates"][0]
     assert wr["wins"] + wr["ties"] + wr["losses"] == 6 and wr["judge"].startswith("LLM judge")
+    assert all(ctx.stage.reports_metric(key) for key in result.metrics), "what `validate` lets a gate read"
+    assert "judge/candidate_score" not in result.metrics and not ctx.stage.reports_metric("candidate_score")
 
 
 def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):

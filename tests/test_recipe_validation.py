@@ -80,6 +80,44 @@ def test_gate_syntax_and_stages_are_checked(demo_text):
     assert "bad condition" in msg
 
 
+@pytest.mark.parametrize(
+    ("condition", "says"),
+    [
+        ("judge.winrate >= 0.55", "judge stage 'judge' reports no metric 'winrate'; did you mean 'win_rate'?"),
+        ("judge.base_vs_sft/win_rate > 0.5", "reports no metric 'base_vs_sft/win_rate'"),
+        ("judge.score/dpo > 0", "reports no metric 'score/dpo'"),
+    ],
+)
+def test_a_gate_on_a_metric_the_judge_never_reports_fails_validation(demo_text, condition, says):
+    """Caught before any stage runs, not when the gate is evaluated after the judge: the hint lists what it reports."""
+    msg = problems_of(demo_text.replace("when: judge.win_rate >= 0.55 and judge.ci_low > 0.5", f"when: {condition}"))
+    assert "stages[4].when (stage 'publish')" in msg and says in msg, msg
+    assert "name one it reports: win_rate, ci_low, ci_high, wins, ties, losses, candidate_score" in msg
+    assert "or a pair's rate: sft_vs_base/win_rate" in msg
+
+
+@pytest.mark.parametrize(
+    "condition",
+    [
+        "judge.judge/win_rate >= 0.5",
+        "judge.sft_vs_base/ci_low > 0.5",
+        "judge.score/sft > 0 and judge.candidate_score > judge.baseline_score",
+        "judge.losses < 10 or not (judge.wins > 3)",
+    ],
+)
+def test_gates_on_what_the_judge_reports_validate(demo_text, condition):
+    recipe = parse_recipe(
+        demo_text.replace("when: judge.win_rate >= 0.55 and judge.ci_low > 0.5", f"when: {condition}")
+    )
+    assert recipe.stage("publish").when == condition
+
+
+def test_a_gate_reads_a_judge_s_scores_only_where_a_function_scores(demo_text):
+    text = demo_text.replace("when: judge.win_rate >= 0.55 and judge.ci_low > 0.5", "when: judge.candidate_score > 0.5")
+    text = text.replace("    reward: sentiment_lexicon ", "    llm_judge: {url: 'http://127.0.0.1:9'} ")
+    assert "reports no metric 'candidate_score'" in problems_of(text)
+
+
 def test_cyclic_needs(demo_text):
     text = demo_text.replace("    data: sft-data\n", "    data: sft-data\n    needs: [publish]\n")
     msg = problems_of(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
@@ -142,6 +143,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                         f"name one of: {ids}",
                     )
                 )
+        problems += _check_gate_metrics(s, i, by_id)
         problems += _check_generation_groups(s, i)
         problems += _check_strategy(s, i)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
@@ -160,6 +162,30 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                     f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}",
                 )
             )
+    return problems
+
+
+def _check_gate_metrics(s, i: int, by_id: dict) -> list[Problem]:
+    """A `when:` reference to a metric a judge stage never reports would fail only once that stage has run; a
+    judge's metrics are known from the recipe (`JudgeStage.reports_metric`). Training stages' metrics depend on
+    their settings (eval split, logging) and are looked up when the gate runs."""
+    problems = []
+    for stage, metric in s.gate_refs():
+        judge = by_id.get(stage)
+        if not isinstance(judge, JudgeStage) or judge.reports_metric(metric):
+            continue
+        names = [m for m in (*judge.RATES, *judge.COUNTS, *judge.SCORES) if judge.reports_metric(m)]
+        near = difflib.get_close_matches(metric.removeprefix("judge/"), names, n=1)
+        guess = f"; did you mean {near[0]!r}?" if near else ""
+        pairs = ", ".join(f"{c}_vs_{b}/win_rate" for c, b in judge.pairs)
+        problems.append(
+            Problem(
+                ("stages", i, "when"),
+                f"judge stage {stage!r} reports no metric {metric!r}{guess}",
+                f"name one it reports: {', '.join(names)} (of its first pair), or a pair's rate: {pairs} (or "
+                "/ci_low, /ci_high)",
+            )
+        )
     return problems
 
 

@@ -12,6 +12,7 @@ made for every kind).
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -76,11 +77,15 @@ class StageBase(Strict):
 
     def gate_stages(self) -> set[str]:
         """Stages whose metrics the `when` condition reads."""
-        if not self.when:
-            return set()
-        from alignpipe.gates import parse, stages_in
+        return {stage for stage, _ in self.gate_refs()}
 
-        return stages_in(parse(self.when))
+    def gate_refs(self) -> list[tuple[str, str]]:
+        """(stage id, metric) of each reference in the `when` condition."""
+        if not self.when:
+            return []
+        from alignpipe.gates import parse, refs_in
+
+        return [(ref.stage, ref.metric) for ref in refs_in(parse(self.when))]
 
     refs: ClassVar[dict[str, str]] = {}
 
@@ -408,6 +413,10 @@ class JudgeStage(StageBase):
 
     produces: ClassVar[str] = EVALUATION
     refs: ClassVar[dict[str, str]] = {"prompts": DATASET, "reward_model": REWARD_MODEL}
+    # The metrics of its first pair (`judge/<name>`); the rates are also reported per pair.
+    RATES: ClassVar[tuple[str, ...]] = ("win_rate", "ci_low", "ci_high")
+    COUNTS: ClassVar[tuple[str, ...]] = ("wins", "ties", "losses")
+    SCORES: ClassVar[tuple[str, ...]] = ("candidate_score", "baseline_score")  # scoring functions only
 
     @property
     def candidates(self) -> list[str]:
@@ -416,6 +425,32 @@ class JudgeStage(StageBase):
     @property
     def baselines(self) -> list[str]:
         return _as_list(self.baseline)
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        """(candidate, baseline) pairs judged: every candidate against every baseline, and with more than two models
+        in all every other pair too (the win-rate matrix needs them)."""
+        models = list(dict.fromkeys(self.candidates + self.baselines))
+        pairs = [(c, b) for c in self.candidates for b in self.baselines if c != b]
+        if len(models) > 2:
+            pairs += [(a, b) for a, b in combinations(models, 2) if (a, b) not in pairs and (b, a) not in pairs]
+        return pairs
+
+    def reports_metric(self, metric: str) -> bool:
+        """Whether a run of this stage reports `metric` as a `when:` condition names it: `win_rate` (or
+        `judge/win_rate`), `ci_low`, `ci_high`, `wins`, `ties`, `losses`; with a scoring function (not an LLM judge)
+        `candidate_score`, `baseline_score` and `score/<model>`; per pair `<candidate>_vs_<baseline>/win_rate`,
+        `.../ci_low`, `.../ci_high`."""
+        name = metric.removeprefix("judge/")
+        if name in (*self.RATES, *self.COUNTS):
+            return True
+        scored = self.llm_judge is None
+        if name in self.SCORES:
+            return scored
+        if name.startswith("score/"):  # a model may be a path, slashes and all
+            return scored and name.removeprefix("score/") in self.candidates + self.baselines
+        head, _, leaf = name.rpartition("/")
+        return leaf in self.RATES and head in {f"{c}_vs_{b}" for c, b in self.pairs}
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
         own = super().reference_fields()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from itertools import combinations
 from pathlib import Path
 from typing import cast
 
@@ -81,9 +80,7 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
     columns = extra_columns(rows)
     models = list(dict.fromkeys(s.candidates + s.baselines))
     outputs = {m: generate(ctx, m, prompts) for m in models}
-    pairs = [(c, b) for c in s.candidates for b in s.baselines if c != b]
-    if len(models) > 2:  # the matrix needs every pair
-        pairs += [(a, b) for a, b in combinations(models, 2) if (a, b) not in pairs and (b, a) not in pairs]
+    pairs = s.pairs
     scores = {} if s.llm_judge else {m: score(judge_fn, judge_name, prompts, outputs[m], columns) for m in models}
     results: dict[tuple[str, str], WinRate] = {}
     table = []
