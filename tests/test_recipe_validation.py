@@ -365,6 +365,39 @@ def test_two_rewards_logged_under_one_name_are_an_error(tiny):
     assert "stages[2].rewards (stage 'grpo')" in msg and "two rewards would be logged as 'exact_match'" in msg
 
 
+@pytest.mark.parametrize(
+    ("recipe", "sampling"),
+    [
+        ("tiny-grpo.yaml", "    sampling: {temperature: 1.0}"),
+        ("tiny-rloo.yaml", "    sampling: {temperature: 1.0}"),
+        ("tiny-online-dpo.yaml", "    sampling: {temperature: 0.7}"),
+    ],
+)
+def test_greedy_rollouts_are_an_error_where_a_prompt_s_completions_are_compared(tiny, recipe, sampling):
+    """GRPO, RLOO and online DPO learn from differences between a prompt's completions; greedy ones are identical."""
+    text = rl_recipe(tiny, recipe)
+    assert sampling + "\n" in text
+    msg = problems_of(text.replace(sampling + "\n", "    sampling: {temperature: 0}\n"))
+    assert "sampling.temperature: 0 decodes greedily, so a prompt's completions are all the same" in msg
+
+
+def test_greedy_ppo_rollouts_validate(tiny):
+    text = rl_recipe(tiny, "tiny-ppo.yaml").replace(
+        "    sampling: {temperature: 0.7}\n", "    sampling: {temperature: 0}\n"
+    )
+    assert parse_recipe(text).stage("ppo").sampling.greedy
+
+
+def test_a_sampling_length_rollouts_would_ignore_is_an_error(tiny):
+    text = rl_recipe(tiny, "tiny-grpo.yaml")
+    msg = problems_of(text.replace("sampling: {temperature: 1.0}", "sampling: {temperature: 1.0, max_new_tokens: 32}"))
+    assert "sampling.max_new_tokens (32) is not what rollouts use: their length is max_completion_length (10)" in msg
+    same = parse_recipe(
+        text.replace("sampling: {temperature: 1.0}", "sampling: {temperature: 1.0, max_new_tokens: 10}")
+    )
+    assert same.stage("grpo").sampling.max_new_tokens == 10
+
+
 def test_reward_model_entry_must_name_a_reward_stage(tiny):
     msg = problems_of(rl_recipe(tiny, "tiny-ppo.yaml").replace("{reward_model: rm}", "{reward_model: sft}"))
     assert "stages[5].rewards.0.reward_model" in msg or "stages[5].rewards[0].reward_model" in msg

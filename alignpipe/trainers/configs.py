@@ -6,7 +6,7 @@ plus the stage's wiring (id, needs, which model and data it reads), see `alignpi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -243,6 +243,10 @@ class RolloutSpec(Strict):
 class OnlineRLArgs(TrainingArgs):
     """Knobs GRPO and PPO share."""
 
+    compares_samples: ClassVar[bool] = False
+    """Whether the trainer learns from differences between several completions of one prompt (GRPO, RLOO, online
+    DPO): greedy sampling makes them identical."""
+
     @model_validator(mode="after")
     def _no_compile(self):
         if self.compile:
@@ -250,6 +254,23 @@ class OnlineRLArgs(TrainingArgs):
                 "compile: true is for offline stages (sft, reward, dpo, kto): rollouts run the same layers with a "
                 "KV cache that grows every token, which would recompile them; for faster rollouts set "
                 "`rollout: {static_cache: true}` or `rollout: {backend: vllm}`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_fits_rollouts(self):
+        s = self.sampling
+        if "max_new_tokens" in s.model_fields_set and s.max_new_tokens != self.max_completion_length:
+            raise ValueError(
+                f"sampling.max_new_tokens ({s.max_new_tokens}) is not what rollouts use: their length is "
+                f"max_completion_length ({self.max_completion_length}); set max_completion_length and drop "
+                "sampling.max_new_tokens"
+            )
+        if s.greedy and self.compares_samples:
+            raise ValueError(
+                "sampling.temperature: 0 decodes greedily, so a prompt's completions are all the same and there is "
+                "no difference between them to learn from (every advantage or preference is void); use a "
+                "temperature above 0 (TRL's default is 1.0)"
             )
         return self
 
@@ -269,6 +290,8 @@ class OnlineRLArgs(TrainingArgs):
 
 class GRPOConfig(OnlineRLArgs):
     """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
+
+    compares_samples: ClassVar[bool] = True
 
     learning_rate: float = Field(1e-6, gt=0)
     """Peak learning rate of AdamW (TRL's default)."""
@@ -300,6 +323,8 @@ class GRPOConfig(OnlineRLArgs):
 class RLOOConfig(OnlineRLArgs):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024; the design of TRL 1.16's RLOOTrainer): k completions per prompt,
     each one's baseline the mean reward of its k − 1 siblings, no value model."""
+
+    compares_samples: ClassVar[bool] = True
 
     learning_rate: float = Field(1e-6, gt=0)
     """Peak learning rate of AdamW (TRL's default)."""
@@ -425,6 +450,8 @@ class PPOConfig(OnlineRLArgs):
 class OnlineDPOConfig(OnlineRLArgs):
     """Online DPO (Guo et al. 2024; the design of TRL's OnlineDPOTrainer): each step samples two completions per
     prompt from the current policy, a ranker picks the better one, and the DPO loss trains on that fresh pair."""
+
+    compares_samples: ClassVar[bool] = True
 
     learning_rate: float = Field(5e-7, gt=0)
     """Peak learning rate of AdamW (TRL's default)."""
