@@ -147,9 +147,15 @@ def find_run_summary(run_id: str, workdir: str, storage: str | None = None) -> t
 
 def cmd_deploy(args) -> int:
     """Deploy the single-stage flow on each work pool (and, with --recipe, the pipeline flow for it)."""
-    from flows.deploy import deploy_pipeline, deploy_stage_flow
+    from flows.deploy import deploy_pipeline, deploy_problems, deploy_stage_flow
     from tasks.dispatch import STAGE_FLOW
 
+    if args.recipe:
+        load_recipe(args.recipe, args.overrides)  # a bad recipe fails before anything is deployed
+    problems = deploy_problems(args.pool + ([args.pipeline_pool] if args.recipe else []), args.cron)
+    if problems:
+        print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 2
     for pool in args.pool:
         deploy_stage_flow(pool)
         print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")

@@ -12,6 +12,39 @@ from flows.stage import stage
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
+def deploy_problems(pools: list[str], cron: str | None) -> list[str]:
+    """What would stop `alignpipe deploy` part-way, found before anything is deployed: a cron string Prefect
+    rejects, and work pools the Prefect server (PREFECT_API_URL, else the local one) does not have. Each problem
+    is one line with its fix."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+    from pydantic import ValidationError
+
+    problems = []
+    if cron is not None:
+        try:
+            CronSchedule(cron=cron)
+        except ValidationError:
+            problems.append(
+                f"--cron {cron!r} is not a cron schedule; write five fields, minute hour day-of-month month "
+                "day-of-week, e.g. '0 3 * * 1' for Mondays 03:00 (or @daily, @weekly)"
+            )
+    where = f"the Prefect server at {url}" if (url := PREFECT_API_URL.value()) else "the local Prefect server"
+    with get_client(sync_client=True) as client:
+        for pool in dict.fromkeys(pools):
+            try:
+                client.read_work_pool(pool)
+            except ObjectNotFound:
+                problems.append(
+                    f"work pool {pool!r} does not exist on {where}; create it first, "
+                    f"e.g. `prefect work-pool create {pool} --type process` (see infra/README.md for docker and "
+                    "kubernetes pools)"
+                )
+    return problems
+
+
 def deploy_stage_flow(pool: str) -> None:
     """Deploy `alignpipe-stage/<pool>`, which workers of `pool` run for dispatched stages."""
     flow = cast(Any, stage.from_source(source=ROOT, entrypoint="flows/stage.py:stage"))  # sync call: the Flow itself

@@ -277,6 +277,32 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
     assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
 
 
+def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server, tiny, tmp_path):
+    """A missing work pool or a bad cron string is found before the first deployment: exit 2, each problem with its
+    fix, and the pools that do exist get no half of the deployment."""
+    from support import demo_recipe
+
+    api, env, _ = server
+    recipe = tmp_path / "tiny-demo.yaml"
+    recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    args = ["deploy", "--pool", POOL, "--pool", "no-such-pool", "--recipe", str(recipe), "--name", "half-demo"]
+    out = subprocess.run(
+        [str(BIN / "alignpipe"), *args, "--pipeline-pool", POOL, "--cron", "61 3 * *"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "error: nothing was deployed" in out.stderr and "Traceback" not in out.stderr
+    assert "--cron '61 3 * *' is not a cron schedule" in out.stderr
+    assert f"work pool 'no-such-pool' does not exist on the Prefect server at {api}" in out.stderr
+    assert "prefect work-pool create no-such-pool --type process" in out.stderr
+    assert f"'{POOL}' does not exist" not in out.stderr
+    assert httpx.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
+
+
 def _stage_process(spec_marker: str) -> int | None:
     """pid of the running `python -m alignpipe.stage …spec_marker…` process, if any."""
     for proc in Path("/proc").iterdir():
