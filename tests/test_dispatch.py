@@ -238,32 +238,30 @@ def test_resume_reruns_nothing_that_finished(server, pool_run):
     assert set(statuses.values()) == {"cached"}, statuses
 
 
+def alignpipe_deploy(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "alignpipe"), "deploy", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+
+
 def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, tmp_path):
     from support import demo_recipe
 
     api, env, _ = server
     recipe = tmp_path / "tiny-demo.yaml"  # the shipped recipe, pointed at this session's tiny assets
     recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
-    out = subprocess.run(
-        [
-            str(BIN / "alignpipe"),
-            "deploy",
-            "--pool",
-            POOL,
-            "--recipe",
-            str(recipe),
-            "--name",
-            "weekly-demo",
-            "--pipeline-pool",
-            POOL,
-            "--cron",
-            "0 3 * * 1",
-        ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    out = alignpipe_deploy(
+        env,
+        "--pool",
+        POOL,
+        "--recipe",
+        str(recipe),
+        "--name",
+        "weekly-demo",
+        "--pipeline-pool",
+        POOL,
+        "--cron",
+        "0 3 * * 1",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
@@ -285,15 +283,8 @@ def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server
     api, env, _ = server
     recipe = tmp_path / "tiny-demo.yaml"
     recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
-    args = ["deploy", "--pool", POOL, "--pool", "no-such-pool", "--recipe", str(recipe), "--name", "half-demo"]
-    out = subprocess.run(
-        [str(BIN / "alignpipe"), *args, "--pipeline-pool", POOL, "--cron", "61 3 * *"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    args = ["--pool", POOL, "--pool", "no-such-pool", "--recipe", str(recipe), "--name", "half-demo"]
+    out = alignpipe_deploy(env, *args, "--pipeline-pool", POOL, "--cron", "61 3 * *")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "error: nothing was deployed" in out.stderr and "Traceback" not in out.stderr
     assert "--cron '61 3 * *' is not a cron schedule" in out.stderr
