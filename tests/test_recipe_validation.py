@@ -218,6 +218,17 @@ def test_missing_recipe_file_exits_2(tmp_path):
     assert out.returncode == 2 and "not found" in out.stderr
 
 
+def test_every_shipped_recipe_validates_again_from_its_dump(tiny):
+    """What a stage process does: the plan hands it `recipe.model_dump(mode="json")`, which it validates again, every
+    default now written out."""
+    from alignpipe.recipe.schema import Recipe
+
+    for path in sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml")):
+        recipe = parse_recipe(path.read_text().replace("assets/tiny", str(tiny)), check_files=False)
+        again = Recipe.model_validate(recipe.model_dump(mode="json"))
+        assert again.model_dump(mode="json") == recipe.model_dump(mode="json"), path.name
+
+
 def test_shipped_recipes_validate(tiny, tmp_path):
     """Every recipe in pipelines/ parses; those on the tiny assets also pass the file checks."""
     for path in sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml")):

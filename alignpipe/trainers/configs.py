@@ -260,7 +260,10 @@ class OnlineRLArgs(TrainingArgs):
     @model_validator(mode="after")
     def _sampling_fits_rollouts(self):
         s = self.sampling
-        if "max_new_tokens" in s.model_fields_set and s.max_new_tokens != self.max_completion_length:
+        # Compared with the default, not with the fields the user set: a stage process validates the recipe again
+        # from its dump, where every field is set.
+        default = SamplingParams.model_fields["max_new_tokens"].default
+        if s.max_new_tokens not in (default, self.max_completion_length):
             raise ValueError(
                 f"sampling.max_new_tokens ({s.max_new_tokens}) is not what rollouts use: their length is "
                 f"max_completion_length ({self.max_completion_length}); set max_completion_length and drop "
