@@ -150,8 +150,7 @@ def cmd_deploy(args) -> int:
     from flows.deploy import deploy_pipeline, deploy_problems, deploy_stage_flow
     from tasks.dispatch import STAGE_FLOW
 
-    if args.recipe:
-        load_recipe(args.recipe, args.overrides)  # a bad recipe fails before anything is deployed
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None  # a bad one fails before any deploy
     problems = deploy_problems(args.pool + ([args.pipeline_pool] if args.recipe else []), args.cron)
     if problems:
         print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
@@ -159,8 +158,7 @@ def cmd_deploy(args) -> int:
     for pool in args.pool:
         deploy_stage_flow(pool)
         print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")
-    if args.recipe:
-        recipe = load_recipe(args.recipe, args.overrides)
+    if recipe is not None:
         name = args.name or recipe.name
         deploy_pipeline(args.recipe, name, args.pipeline_pool, args.overrides, args.cron)
         print(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, pool_exists
 from flows.stage import stage
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -18,7 +18,6 @@ def deploy_problems(pools: list[str], cron: str | None) -> list[str]:
     is one line with its fix."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.schedules import CronSchedule
-    from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
     from pydantic import ValidationError
 
@@ -34,9 +33,7 @@ def deploy_problems(pools: list[str], cron: str | None) -> list[str]:
     where = f"the Prefect server at {url}" if (url := PREFECT_API_URL.value()) else "the local Prefect server"
     with get_client(sync_client=True) as client:
         for pool in dict.fromkeys(pools):
-            try:
-                client.read_work_pool(pool)
-            except ObjectNotFound:
+            if not pool_exists(client, pool):
                 problems.append(
                     f"work pool {pool!r} does not exist on {where}; create it first, "
                     f"e.g. `prefect work-pool create {pool} --type process` (see infra/README.md for docker and "

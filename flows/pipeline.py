@@ -113,6 +113,17 @@ def _flow_run_id() -> str:
         return uuid.uuid4().hex
 
 
+def pool_exists(client, pool: str) -> bool:
+    """Whether the Prefect server `client` talks to has work pool `pool`."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        client.read_work_pool(pool)
+    except ObjectNotFound:
+        return False
+    return True
+
+
 def check_pools(recipe) -> None:
     """Every work pool a stage names must exist, with the single-stage flow deployed on it, before anything runs."""
     from prefect.client.orchestration import get_client
@@ -126,9 +137,7 @@ def check_pools(recipe) -> None:
             pool = s.resources.pool
             if not pool:
                 continue
-            try:
-                client.read_work_pool(pool)
-            except ObjectNotFound:
+            if not pool_exists(client, pool):
                 problems.append(
                     Problem(
                         ("stages", i, "resources", "pool"),
