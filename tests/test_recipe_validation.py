@@ -542,3 +542,15 @@ def test_fsdp_strategy_is_checked(demo_text, overrides, says):
 def test_fsdp_strategy_on_two_processes_is_valid(demo_text):
     recipe = parse_recipe(demo_text, ["stages.sft.resources.strategy=fsdp", "stages.sft.resources.processes=2"])
     assert recipe.stage("sft").resources.strategy == "fsdp"
+
+
+def test_more_data_parallel_ranks_than_gpus_is_an_error(demo_text):
+    msg = problems_of(demo_text, ["stages.sft.resources.processes=4", "stages.sft.resources.gpus=2"])
+    assert "stages[2].resources.processes (stage 'sft')" in msg
+    assert "processes: 4 data-parallel ranks need a GPU each, but the stage asks for gpus: 2" in msg
+    assert "fix: set gpus: 4 (or more), or processes: 2" in msg
+    for fine in (
+        ["stages.sft.resources.processes=2"],
+        ["stages.sft.resources.processes=2", "stages.sft.resources.gpus=4"],
+    ):
+        assert parse_recipe(demo_text, fine).stage("sft").resources.processes == 2  # CPU ranks, or a GPU to spare

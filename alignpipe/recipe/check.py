@@ -146,6 +146,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
         problems += _check_gate_metrics(s, i, by_id)
         problems += _check_generation_groups(s, i)
         problems += _check_strategy(s, i)
+        problems += _check_devices(s, i)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
             problems.append(
                 Problem(
@@ -224,6 +225,21 @@ def _check_strategy(s, i: int) -> list[Problem]:
             )
         ]
     return []
+
+
+def _check_devices(s, i: int) -> list[Problem]:
+    """Data-parallel ranks each take a GPU of their own (rank r on `cuda:r`): more processes than the GPUs the
+    stage asks for would fail at launch, after the stages before it have run."""
+    r = s.resources
+    if not r.gpus or r.processes <= r.gpus or r.accelerate_config:
+        return []
+    return [
+        Problem(
+            ("stages", i, "resources", "processes"),
+            f"processes: {r.processes} data-parallel ranks need a GPU each, but the stage asks for gpus: {r.gpus}",
+            f"set gpus: {r.processes} (or more), or processes: {r.gpus}",
+        )
+    ]
 
 
 def _check_generation_groups(s, i: int) -> list[Problem]:
