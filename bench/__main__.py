@@ -241,16 +241,18 @@ def _generated(case: Case, rate: float, mean_length: float | None, ph: Physics) 
 
 
 def merge_rows(old: list[str], new: list[str]) -> list[str]:
-    """Table `new` with the rows of table `old` (same columns) whose case and contender it does not measure kept:
-    a GPU session that can afford only some trainers per invocation still ends with one table."""
+    """Table `old` (same columns) with its rows of the cases and contenders `new` measures replaced where they stand
+    and `new`'s other rows after them: a GPU session that can afford only some trainers per invocation still ends
+    with one table, in the order it was first written."""
 
     def key(line: str) -> tuple[str, ...]:  # trainer, model, shape, contender
         return tuple(c.strip() for c in line.strip("|").split("|")[:4])
 
     if not old or old[0] != new[0]:
         return new
-    fresh = {key(line) for line in new[2:]}
-    return new[:2] + [line for line in old[2:] if key(line) not in fresh] + new[2:]
+    fresh = {key(line): line for line in new[2:]}
+    kept = [fresh.pop(key(line), line) for line in old[2:]]
+    return new[:2] + kept + list(fresh.values())
 
 
 def read_table(path: Path, name: str) -> list[str]:

@@ -94,6 +94,11 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
     assert "| 1 × 20 | rows/s | 10.0 |" in rows[0]
     assert "| 1 × 10 | pairs/s | 20.0 |" in rows[1] and "| 1 × 10 | completions/s | 20.0 |" in rows[2]
+    speed["value"] = 30.0
+    bench_main.main(["--trainers", "sft", "--steps", "10", "--merge", *common])  # replaced where it stands
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["sft", "dpo", "grpo"]
+    assert "| 1 × 10 | rows/s | 30.0 |" in rows[0] and "| 1 × 10 | pairs/s | 20.0 |" in rows[1]
     bench_main.main(["--trainers", "grpo", *common])  # without --merge the table is this invocation's alone
     assert next(
         line for line in out.read_text().splitlines() if line.startswith("| ") and "trainer" not in line

@@ -6,6 +6,7 @@ import difflib
 from pathlib import Path
 
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
+from alignpipe.positions import config_position_limit, local_config, stage_window, window_problem
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.stages import (
     BASE,
@@ -354,6 +355,21 @@ def _check_model(recipe) -> list[Problem]:
                     "fix the path, run `alignpipe make-tiny assets/tiny` for the demo assets, or give a Hub id like org/name",
                 )
             )
+    return problems + _check_position_windows(recipe)
+
+
+def _check_position_windows(recipe) -> list[Problem]:
+    """Every trainer stage's token window against the base model's learned position table (GPT-2's 1024), read
+    from its `config.json` where that is on disk; a stage's own model derives from the base."""
+    config = local_config(recipe.model.path, recipe.model.revision)
+    limit = config_position_limit(config) if config else None
+    problems = []
+    for i, s in enumerate(recipe.stages):
+        window = stage_window(s)
+        problem = window_problem(limit, window)
+        if problem and window:
+            field = window[1].split(" + ")[0]
+            problems.append(Problem(("stages", i, field), f"{problem[0]} ({recipe.model.path})", problem[1]))
     return problems
 
 

@@ -90,8 +90,11 @@ class StageContext(Generic[S]):
         """(model, tokenizer, base path) for a trainer starting from `ref`: an upstream adapter is
         merged; when a *new* adapter will be trained over merged weights, those weights are saved in
         the stage folder so the new adapter has a base on disk."""
+        from alignpipe.positions import check_model_window
+
         src = self.model_source(ref)
         model = self.load_model(ref, merge=True)
+        check_model_window(model, self.stage)
         tokenizer = self.tokenizer(ref)
         base_path = src.base_path if src.adapter else src.path
         if lora and src.adapter:

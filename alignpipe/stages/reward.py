@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from alignpipe.modeling import load_sequence_scorer
 from alignpipe.plots import curves_figure
+from alignpipe.positions import check_model_window
 from alignpipe.recipe.stages import RewardStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers import reward
@@ -25,6 +26,7 @@ def run(ctx: StageContext[RewardStage]) -> StageResult:
         seed=ctx.seed,
         attention=ctx.recipe.model.attention,
     )
+    check_model_window(model, s)
     result = reward.train(
         s, model, tokenizer, ctx.rows(s.data, "train"), ctx.rows(s.data, "eval"), ctx.tracker, ctx.dir, ctx.seed
     )

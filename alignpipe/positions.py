@@ -1,0 +1,100 @@
+"""How many token positions a model can take, and how many a stage will feed it.
+
+Models with a learned position table (GPT-2, OPT, GPT-Neo, ...) index it with each token's position: a sequence
+longer than the table fails inside the first forward with an index error on CPU and a device-side assert on a GPU,
+after the stages before have run. Rotary models (Llama, Qwen, Mistral) have no such table and no hard limit here.
+Torch-free, so `alignpipe validate` can use it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# model_type → the config key holding the size of its learned position table.
+LEARNED_TABLES = {
+    "gpt2": "n_positions",
+    "gpt_bigcode": "n_positions",
+    "openai-gpt": "n_positions",
+    "gpt_neo": "max_position_embeddings",
+    "opt": "max_position_embeddings",
+    "biogpt": "max_position_embeddings",
+}
+TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def config_position_limit(config: dict[str, Any]) -> int | None:
+    """Positions a model of this `config.json` can index, or None where it has no learned table we know."""
+    key = LEARNED_TABLES.get(config.get("model_type", ""))
+    value = config.get(key) if key else None
+    return int(value) if isinstance(value, int) else None
+
+
+def model_position_limit(model) -> int | None:
+    """Positions a loaded model's learned position table holds (OPT's table carries an offset of 2), or None."""
+    import torch
+
+    base = getattr(model, "base_model", model)
+    for name, module in base.named_modules():
+        if name.rsplit(".", 1)[-1] in TABLE_NAMES and isinstance(module, torch.nn.Embedding):
+            return module.num_embeddings - int(getattr(module, "offset", 0))
+    return None
+
+
+def local_config(path: str, revision: str | None = None) -> dict[str, Any] | None:
+    """The `config.json` of a model directory, or of a Hub model already in the local cache (nothing is
+    downloaded); None where neither is at hand or it cannot be read."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json", revision=revision)
+        except Exception:  # not a repo id
+            return None
+        if not isinstance(cached, str):
+            return None
+        file = Path(cached)
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stage_window(stage) -> tuple[int, str] | None:
+    """(tokens, the fields that set it): the longest sequence a training stage feeds its model; None for stages
+    that train nothing or whose prompts are not cut (`max_prompt_length: null` in an RL stage)."""
+    from alignpipe.trainers.configs import OnlineRLArgs, TrainingArgs
+
+    if isinstance(stage, OnlineRLArgs):
+        if stage.max_prompt_length is None:
+            return None
+        return (
+            stage.max_prompt_length + stage.max_completion_length,
+            "max_prompt_length + max_completion_length",
+        )
+    if isinstance(stage, TrainingArgs):
+        return stage.max_length, "max_length"
+    return None
+
+
+def window_problem(limit: int | None, window: tuple[int, str] | None) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) where the stage's window does not fit the model's position table."""
+    if limit is None or window is None or window[0] <= limit:
+        return None
+    tokens, fields = window
+    first = fields.split(" + ")[0]
+    return (
+        f"{fields} is {tokens} tokens, but the model's learned position table holds {limit} positions: "
+        "longer sequences fail in the first forward pass",
+        f"lower {first} so the window is at most {limit} tokens",
+    )
+
+
+def check_model_window(model, stage) -> None:
+    """Raise before training when `stage` would feed `model` more positions than its table holds."""
+    problem = window_problem(model_position_limit(model), stage_window(stage))
+    if problem:
+        what, fix = problem
+        raise ValueError(f"stage {stage.id!r}: {what}; {fix}")

@@ -1,0 +1,90 @@
+"""A stage whose token window outgrows the model's learned position table (GPT-2's 1024) fails at validate time,
+or before the first step, with the fields to change; rotary models have no such limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
+
+from alignpipe.positions import check_model_window, config_position_limit, model_position_limit, stage_window
+from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.trainers.configs import DPOConfig, GRPOConfig, SFTConfig
+from tests.support import demo_recipe
+
+SMALL = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64}
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path) -> Path:
+    """A GPT-2-shaped model folder with 64 positions (config only: validation reads nothing else)."""
+    path = tmp_path / "gpt2-64"
+    GPT2Config(n_positions=64, **SMALL).save_pretrained(path)
+    return path
+
+
+def test_limits_come_from_the_config_and_from_the_loaded_table():
+    assert config_position_limit(GPT2Config(n_positions=64).to_dict()) == 64
+    assert config_position_limit({"model_type": "opt", "max_position_embeddings": 96}) == 96
+    assert config_position_limit(LlamaConfig().to_dict()) is None  # rotary: no table
+    torch.manual_seed(0)
+    assert model_position_limit(GPT2LMHeadModel(GPT2Config(n_positions=64, **SMALL))) == 64
+    assert model_position_limit(GPT2ForSequenceClassification(GPT2Config(n_positions=48, **SMALL))) == 48
+    opt = OPTConfig(max_position_embeddings=96, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32)
+    assert model_position_limit(OPTForCausalLM(opt)) == 96  # its table has 2 rows more (the offset)
+    llama = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    assert model_position_limit(LlamaForCausalLM(llama)) is None
+
+
+def test_a_stage_window_is_what_its_trainer_feeds_the_model():
+    assert stage_window(SFTConfig(max_length=300)) == (300, "max_length")
+    assert stage_window(DPOConfig(max_length=700, max_prompt_length=200)) == (700, "max_length")
+    window = stage_window(GRPOConfig(max_prompt_length=900, max_completion_length=256))
+    assert window == (1156, "max_prompt_length + max_completion_length")
+    assert stage_window(GRPOConfig(max_prompt_length=None)) is None  # prompts not cut: unknown until data
+
+
+def test_validate_rejects_a_window_longer_than_the_position_table(tiny, tmp_path, gpt2_dir):
+    text = demo_recipe(tiny, tmp_path / "runs").replace(f"path: {tiny}/model", f"path: {gpt2_dir}", 1)
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(text, ["stages.sft.max_length=128"])
+    msg = str(e.value)
+    assert "stages[2].max_length (stage 'sft')" in msg
+    assert "max_length is 128 tokens, but the model's learned position table holds 64 positions" in msg
+    assert "fix: lower max_length so the window is at most 64 tokens" in msg
+    assert parse_recipe(text, ["stages.sft.max_length=64"]).stage("sft").max_length == 64
+
+
+def test_validate_counts_prompt_and_completion_in_rl_stages(tiny, gpt2_dir):
+    text = (Path(__file__).parents[1] / "pipelines" / "tiny-grpo.yaml").read_text().replace("assets/tiny", str(tiny))
+    text = text.replace(f"path: {tiny}/model", f"path: {gpt2_dir}", 1)
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(text, ["stages.sft.max_length=64"])  # grpo: 256 prompt tokens (the default) + 10
+    msg = str(e.value)
+    assert "stages[2].max_prompt_length (stage 'grpo')" in msg
+    assert "max_prompt_length + max_completion_length is 266 tokens" in msg
+    assert "stage 'sft'" not in msg
+    fits = parse_recipe(text, ["stages.sft.max_length=64", "stages.grpo.max_prompt_length=54"])
+    assert fits.stage("grpo").max_prompt_length == 54
+
+
+def test_rotary_base_models_have_no_window_limit(demo_text):
+    assert parse_recipe(demo_text, ["stages.sft.max_length=100000"]).stage("sft").max_length == 100000
+
+
+def test_a_loaded_model_is_checked_before_training(demo_text):
+    stage = parse_recipe(demo_text, ["stages.sft.max_length=128"]).stage("sft")
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, **SMALL))
+    with pytest.raises(ValueError, match=r"stage 'sft': max_length is 128 tokens, but .* holds 64 positions"):
+        check_model_window(model, stage)
+    check_model_window(model, parse_recipe(demo_text, ["stages.sft.max_length=64"]).stage("sft"))
