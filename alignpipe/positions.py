@@ -79,14 +79,16 @@ def stage_window(stage) -> tuple[int, str] | None:
     return None
 
 
-def window_problem(limit: int | None, window: tuple[int, str] | None) -> tuple[str, str] | None:
-    """(what is wrong, how to fix it) where the stage's window does not fit the model's position table."""
+def window_problem(
+    limit: int | None, window: tuple[int, str] | None, model: str = "the model"
+) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) where the stage's window does not fit `model`'s position table."""
     if limit is None or window is None or window[0] <= limit:
         return None
     tokens, fields = window
     first = fields.split(" + ")[0]
     return (
-        f"{fields} is {tokens} tokens, but the model's learned position table holds {limit} positions: "
+        f"{fields} is {tokens} tokens, but {model}'s learned position table holds {limit} positions: "
         "longer sequences fail in the first forward pass",
         f"lower {first} so the window is at most {limit} tokens",
     )

@@ -60,7 +60,7 @@ def test_validate_rejects_a_window_longer_than_the_position_table(tiny, tmp_path
         parse_recipe(text, ["stages.sft.max_length=128"])
     msg = str(e.value)
     assert "stages[2].max_length (stage 'sft')" in msg
-    assert "max_length is 128 tokens, but the model's learned position table holds 64 positions" in msg
+    assert f"max_length is 128 tokens, but {gpt2_dir}'s learned position table holds 64 positions" in msg
     assert "fix: lower max_length so the window is at most 64 tokens" in msg
     assert parse_recipe(text, ["stages.sft.max_length=64"]).stage("sft").max_length == 64
 
@@ -88,3 +88,20 @@ def test_a_loaded_model_is_checked_before_training(demo_text):
     with pytest.raises(ValueError, match=r"stage 'sft': max_length is 128 tokens, but .* holds 64 positions"):
         check_model_window(model, stage)
     check_model_window(model, parse_recipe(demo_text, ["stages.sft.max_length=64"]).stage("sft"))
+
+
+def test_a_hub_model_in_the_local_cache_is_checked_without_a_download(tiny, tmp_path, monkeypatch):
+    """The cache layout `huggingface_hub` writes: models--org--name/refs/main names a snapshot holding config.json."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--openai-community--gpt2"
+    commit = "0" * 40
+    GPT2Config(n_positions=64, **SMALL).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    text = demo_recipe(tiny, tmp_path / "runs").replace(f"path: {tiny}/model", "path: openai-community/gpt2", 1)
+    with pytest.raises(RecipeError, match=r"128 tokens, but openai-community/gpt2's learned position table holds 64"):
+        parse_recipe(text, ["stages.sft.max_length=128"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))  # not cached: checked at stage start
+    assert parse_recipe(text, ["stages.sft.max_length=128"]).stage("sft").max_length == 128

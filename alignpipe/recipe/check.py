@@ -366,10 +366,9 @@ def _check_position_windows(recipe) -> list[Problem]:
     problems = []
     for i, s in enumerate(recipe.stages):
         window = stage_window(s)
-        problem = window_problem(limit, window)
+        problem = window_problem(limit, window, recipe.model.path)
         if problem and window:
-            field = window[1].split(" + ")[0]
-            problems.append(Problem(("stages", i, field), f"{problem[0]} ({recipe.model.path})", problem[1]))
+            problems.append(Problem(("stages", i, window[1].split(" + ")[0]), *problem))
     return problems
 
 
