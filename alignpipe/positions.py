@@ -100,3 +100,19 @@ def check_model_window(model, stage) -> None:
     if problem:
         what, fix = problem
         raise ValueError(f"stage {stage.id!r}: {what}; {fix}")
+
+
+def check_generation_window(model, tokenizer, prompts: list[str], max_new_tokens: int, name: str) -> None:
+    """Raise before generating when the longest prompt plus `max_new_tokens` outgrows `model`'s position table
+    (a judge's prompts are not cut: a format stage's `max_length` drops longer rows)."""
+    limit = model_position_limit(model)
+    if limit is None or not prompts:
+        return
+    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"{name}: the longest prompt is {longest} tokens, and with sampling.max_new_tokens ({max_new_tokens}) "
+            f"generation needs {longest + max_new_tokens} positions, but the model's learned position table holds "
+            f"{limit}; keep prompts to at most {limit - max_new_tokens} tokens (the prompts' format stage drops "
+            "longer rows with `max_length`) or lower sampling.max_new_tokens"
+        )

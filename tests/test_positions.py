@@ -105,3 +105,26 @@ def test_a_hub_model_in_the_local_cache_is_checked_without_a_download(tiny, tmp_
         parse_recipe(text, ["stages.sft.max_length=128"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))  # not cached: checked at stage start
     assert parse_recipe(text, ["stages.sft.max_length=128"]).stage("sft").max_length == 128
+
+
+def test_a_judge_checks_its_prompts_against_each_model_it_generates_from(tiny):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from alignpipe.engine.sampling import SamplingParams
+    from alignpipe.stages.judge import generate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, **{**SMALL, "vocab_size": len(tokenizer)}))
+    stage = SimpleNamespace(id="judge", batch_size=4, sampling=SamplingParams(temperature=0.0, max_new_tokens=8))
+    ctx = SimpleNamespace(stage=stage, seed=0, load_model=lambda ref, merge: model, tokenizer=lambda ref: tokenizer)
+    long_prompt = " ".join(["great"] * 60)
+    n = len(tokenizer(long_prompt)["input_ids"])
+    with pytest.raises(ValueError) as e:
+        generate(ctx, "sft", ["a short one", long_prompt])  # type: ignore[arg-type]
+    assert f"judge 'judge', model 'sft': the longest prompt is {n} tokens" in str(e.value)
+    assert f"needs {n + 8} positions, but the model's learned position table holds 64" in str(e.value)
+    assert "keep prompts to at most 56 tokens" in str(e.value)
+    assert len(generate(ctx, "sft", ["a short one", "the film was"])) == 2  # type: ignore[arg-type]
