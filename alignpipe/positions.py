@@ -3,7 +3,7 @@
 Models with a learned position table (GPT-2, OPT, GPT-Neo, ...) index it with each token's position: a sequence
 longer than the table fails inside the first forward with an index error on CPU and a device-side assert on a GPU,
 after the stages before have run. Rotary models (Llama, Qwen, Mistral) have no such table and no hard limit here.
-Torch-free, so `alignpipe validate` can use it.
+Importing it imports no torch: `alignpipe validate` reads configs only.
 """
 
 from __future__ import annotations
