@@ -102,17 +102,24 @@ def check_model_window(model, stage) -> None:
         raise ValueError(f"stage {stage.id!r}: {what}; {fix}")
 
 
-def check_generation_window(model, tokenizer, prompts: list[str], max_new_tokens: int, name: str) -> None:
-    """Raise before generating when the longest prompt plus `max_new_tokens` outgrows `model`'s position table
-    (a judge's prompts are not cut: a format stage's `max_length` drops longer rows)."""
+def check_generation_window(
+    model,
+    tokenizer,
+    prompts: list[str],
+    new_tokens: int,
+    name: str,
+    new_field: str = "sampling.max_new_tokens",
+    prompt_fix: str = "keep prompts to at most {n} tokens (the prompts' format stage drops longer rows with `max_length`)",
+) -> None:
+    """Raise before generating when the longest prompt plus `new_tokens` (the `new_field` setting) outgrows `model`'s
+    position table; `prompt_fix` says how to shorten the prompts to `{n}` tokens."""
     limit = model_position_limit(model)
     if limit is None or not prompts:
         return
     longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
-    if longest + max_new_tokens > limit:
+    if longest + new_tokens > limit:
         raise ValueError(
-            f"{name}: the longest prompt is {longest} tokens, and with sampling.max_new_tokens ({max_new_tokens}) "
-            f"generation needs {longest + max_new_tokens} positions, but the model's learned position table holds "
-            f"{limit}; keep prompts to at most {limit - max_new_tokens} tokens (the prompts' format stage drops "
-            "longer rows with `max_length`) or lower sampling.max_new_tokens"
+            f"{name}: the longest prompt is {longest} tokens, and with {new_field} ({new_tokens}) generation needs "
+            f"{longest + new_tokens} positions, but the model's learned position table holds {limit}; "
+            f"{prompt_fix.format(n=limit - new_tokens)} or lower {new_field}"
         )

@@ -128,3 +128,33 @@ def test_a_judge_checks_its_prompts_against_each_model_it_generates_from(tiny):
     assert f"needs {n + 8} positions, but the model's learned position table holds 64" in str(e.value)
     assert "keep prompts to at most 56 tokens" in str(e.value)
     assert len(generate(ctx, "sft", ["a short one", "the film was"])) == 2  # type: ignore[arg-type]
+
+
+def test_an_rl_stage_with_whole_prompts_checks_its_data_before_the_first_rollout(tiny):
+    """`max_prompt_length: null` keeps whole prompts, so validation cannot know the window: the stage measures its
+    longest prompt (train and eval) against the policy's table at start."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from alignpipe.stages.online import start_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "model")
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, **{**SMALL, "vocab_size": len(tokenizer)}))
+    long_prompt = " ".join(["great"] * 60)
+    n = len(tokenizer(long_prompt)["input_ids"])
+    splits = {"train": [{"prompt": "short"}], "eval": [{"prompt": long_prompt}]}
+    stage = GRPOConfig(max_prompt_length=None, max_completion_length=10).model_copy(
+        update={"id": "grpo", "model": "sft", "data": "data"}
+    )
+    ctx = SimpleNamespace(
+        stage=stage,
+        start_model=lambda ref, lora: (model, tokenizer, "sft"),
+        rows=lambda data, split: splits[split],
+    )
+    with pytest.raises(ValueError) as e:
+        start_policy(ctx, reference=False)  # type: ignore[arg-type]
+    assert f"stage 'grpo': the longest prompt is {n} tokens, and with max_completion_length (10)" in str(e.value)
+    assert "set max_prompt_length: 54 (prompts keep their last tokens) or lower max_completion_length" in str(e.value)
+    splits["eval"] = [{"prompt": "the film was"}]
+    assert start_policy(ctx, reference=False).model is model  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from typing import Any
 
 from alignpipe.engine.factory import make_engine
 from alignpipe.plots import curves_figure
+from alignpipe.positions import check_generation_window, model_position_limit
 from alignpipe.stages.context import StageContext, StageResult
 
 Curves = tuple[tuple[list[str], str], ...]
@@ -40,6 +41,16 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
     stands in, and the rollout engine."""
     s: Any = ctx.stage
     model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
+    if s.max_prompt_length is None and model_position_limit(model):  # whole prompts: the data sets the window
+        check_generation_window(
+            model,
+            tokenizer,
+            [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)],
+            s.max_completion_length,
+            f"stage {s.id!r}",
+            "max_completion_length",
+            "set max_prompt_length: {n} (prompts keep their last tokens)",
+        )
     ref = ctx.load_model(s.model, merge=True) if reference and not s.lora else None
     engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
     return Policy(model, tokenizer, base_path, ref, engine)
