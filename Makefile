@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # No telemetry from Prefect's server or MLflow: these machines reach no outside service.
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
-export MLFLOW_ENABLE_TELEMETRY ?= false
+export MLFLOW_DISABLE_TELEMETRY ?= true
 
 .PHONY: install demo test test-slow bench clean lint lock
 

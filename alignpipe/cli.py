@@ -225,16 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    # The ephemeral Prefect server and MLflow send usage telemetry by default; off unless the user turns it on, so
-    # a machine without internet access shows no "Failed to send telemetry" error on every run.
-    for key, value in (
-        ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-        ("MLFLOW_ENABLE_TELEMETRY", "false"),
-        ("DO_NOT_TRACK", "1"),
-        # Prefect's temporary server gets 20 s to start by default; a busy machine (another run training) needs more
-        ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"),
-    ):
-        os.environ.setdefault(key, value)
+    # Telemetry is turned off on importing alignpipe (alignpipe/__init__.py). Prefect's temporary server gets 20 s
+    # to start by default; a busy machine (another run training) needs more.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -43,7 +43,7 @@ def measure(recipe: Path) -> dict:
         **os.environ,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
-        "MLFLOW_ENABLE_TELEMETRY": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         "PREFECT_HOME": tempfile.mkdtemp(prefix="prefect-home-"),
     }
     workdir = Path(tempfile.mkdtemp(prefix="orchestration-"))

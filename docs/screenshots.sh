@@ -5,7 +5,7 @@
 set -euo pipefail
 WORK=${WORK:-/tmp/alignpipe-screenshots}
 BIN=.venv/bin
-export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_ENABLE_TELEMETRY=false
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true
 rm -rf "$WORK" && mkdir -p "$WORK"
 $BIN/alignpipe run pipelines/tiny-demo.yaml --set "workdir=$WORK/runs" | tee "$WORK/run.log"
 FLOW_RUN=$(grep -o 'alignpipe · tiny-demo · run [0-9a-f-]*' "$WORK/run.log" | awk '{print $NF}')

@@ -33,3 +33,25 @@ def test_show_schema_into_a_closed_pipe_exits_quietly():
         f"{BIN / 'alignpipe'} show --schema | head -1", shell=True, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == "{" and "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr
+
+
+def test_importing_alignpipe_turns_mlflow_telemetry_off_unless_the_user_set_it():
+    """MLflow reads MLFLOW_DISABLE_TELEMETRY (and DO_NOT_TRACK only when "true"). With telemetry on, its client
+    fetches a config from a background thread that, offline, removes an environment variable while the stage may be
+    reading the environment: here no client and no such thread."""
+    code = (
+        "import alignpipe, mlflow, os, threading; from mlflow.telemetry import get_telemetry_client; "
+        "print(os.environ['MLFLOW_DISABLE_TELEMETRY'], get_telemetry_client(), "
+        "any(t.name == 'GetTelemetryConfig' for t in threading.enumerate()))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["true", "None", "False"]
+    run = subprocess.run(
+        [sys.executable, "-c", "import alignpipe, os; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"],
+        env={**env, "MLFLOW_DISABLE_TELEMETRY": "false"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.strip() == "false"  # the user's choice stands

@@ -5,6 +5,7 @@ set -euo pipefail
 workdir=${1:-./runs}
 port=${2:-5000}
 mkdir -p "$workdir/mlartifacts"
+export MLFLOW_DISABLE_TELEMETRY=${MLFLOW_DISABLE_TELEMETRY:-true}   # no usage data sent; set false to send it
 exec "${VENV:-.venv}/bin/mlflow" server \
   --backend-store-uri "sqlite:///$(cd "$workdir" && pwd)/mlflow.db" \
   --artifacts-destination "$(cd "$workdir" && pwd)/mlartifacts" \
