@@ -215,6 +215,20 @@ def merged_state_dict(model) -> dict:
     return state
 
 
+def disable_dropout(model) -> None:
+    """Every dropout in `model` at probability 0: `nn.Dropout` layers (TRL's `disable_dropout_in_model` stops there)
+    and the float rates models apply functionally (OPT's `dropout`, Llama's and Qwen2's `attention_dropout`, OPT's
+    `layerdrop`), which a layer reads at each forward."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if type(value) is float and (name in ("dropout", "layerdrop") or name.endswith("_dropout")):
+                setattr(module, name, 0.0)
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -389,7 +389,7 @@ class TrainLoop:
         summary_keys: tuple[str, ...] = ("loss",),
     ):
         from alignpipe.distributed import make_accelerator
-        from alignpipe.modeling import count_parameters, enable_activation_checkpointing, lora_model
+        from alignpipe.modeling import count_parameters, disable_dropout, enable_activation_checkpointing, lora_model
 
         if not examples:
             raise ValueError(
@@ -414,6 +414,8 @@ class TrainLoop:
             compile_layers(model)
         elif adapt_model and lean_patched(cfg):
             lean_activations(model, fused=cfg.fused_kernels)
+        if cfg.disable_dropout:  # after LoRA, whose dropout goes too (as TRL's)
+            disable_dropout(model)
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(

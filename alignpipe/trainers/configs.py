@@ -62,6 +62,11 @@ class TrainingArgs(Strict):
     """Checkpoints kept on disk (oldest deleted first)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    disable_dropout: bool = True
+    """Train with every dropout probability at 0 (dropout layers, LoRA's included, attention dropout, OPT's
+    layerdrop), so the policy's log-probs are deterministic and equal the reference's at the start. TRL's default
+    for reward, DPO, KTO and online DPO (and what its PPO always does); GRPO and RLOO default to false as TRL's;
+    SFT keeps dropout. Models without dropout (Llama, Qwen2: 0 in their configs) are unaffected."""
     lean_activations: bool = True
     """Llama-, Qwen- and Mistral-shaped decoders keep fewer tensors for backward: each RMSNorm only its input (not
     a float32 copy), each SwiGLU MLP gate and up (silu(gate) recomputed). The same outputs and gradients
@@ -88,6 +93,9 @@ class TrainingArgs(Strict):
 
 class SFTConfig(TrainingArgs):
     """Supervised fine-tuning (the design of TRL's SFTTrainer)."""
+
+    disable_dropout: bool = False
+    """Train with every dropout probability at 0; SFT keeps the model's dropout by default (TRL's SFTTrainer)."""
 
     completion_only_loss: bool = True
     """For prompt-completion data, compute the loss on completion tokens only."""
@@ -295,6 +303,8 @@ class GRPOConfig(OnlineRLArgs):
     """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
 
     compares_samples: ClassVar[bool] = True
+    disable_dropout: bool = False
+    """Train with every dropout probability at 0 (see `TrainingArgs.disable_dropout`); off by default, as TRL's."""
 
     learning_rate: float = Field(1e-6, gt=0)
     """Peak learning rate of AdamW (TRL's default)."""
@@ -328,6 +338,8 @@ class RLOOConfig(OnlineRLArgs):
     each one's baseline the mean reward of its k − 1 siblings, no value model."""
 
     compares_samples: ClassVar[bool] = True
+    disable_dropout: bool = False
+    """Train with every dropout probability at 0 (see `TrainingArgs.disable_dropout`); off by default, as TRL's."""
 
     learning_rate: float = Field(1e-6, gt=0)
     """Peak learning rate of AdamW (TRL's default)."""
