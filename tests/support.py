@@ -133,3 +133,25 @@ def graphed_on_cpu(engine, device):
     if engine.step is None and engine.cuda_graphs:
         engine.step = GraphedDecodeStep(capture=replayed_on_cpu)
     return engine.step
+
+
+def loss_and_grads(model, batch) -> tuple[float, list]:
+    """SFT's summed token loss of `batch` under `model` and the gradient of each trainable parameter."""
+    from alignpipe.trainers import sft
+
+    model.zero_grad()
+    loss, _ = sft.token_loss_sum(model, batch)
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def assert_packed_equals_alone(packed: tuple[float, list], alone: list[tuple[float, list]]) -> None:
+    """A packed batch's loss and gradients (`loss_and_grads`) equal the sums of its rows' run alone (1e-5)."""
+    import pytest
+
+    packed_loss, packed_grads = packed
+    assert packed_loss == pytest.approx(sum(loss for loss, _ in alone), rel=1e-5)
+    for k, g in enumerate(packed_grads):
+        expected = sum(grads[k] for _, grads in alone)
+        # float32 sums in another order: compared relative to the gradient's norm
+        assert float((g - expected).norm() / expected.norm().clamp(min=1e-12)) < 1e-5, k

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from support import SHORT_GROUPS, run_ppo, tiny_split
+from support import SHORT_GROUPS, assert_packed_equals_alone, loss_and_grads, run_ppo, tiny_split
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from alignpipe.judges.reward_set import LoadedReward, RewardSet
@@ -49,21 +49,9 @@ def test_packed_rows_train_as_alone_on_other_architectures(assets):
     rows = sft.tokenize(train[:12], tok, 64, completion_only=True)
     blocks = sft.pack(rows, 64)
     model = load_causal_lm(str(assets / "model"), attention="sdpa")
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def loss_and_grads(batch):
-        model.zero_grad()
-        loss, _ = sft.token_loss_sum(model, batch)
-        loss.backward()
-        return float(loss.detach()), [p.grad.clone() for p in params]
-
-    packed_loss, packed_grads = loss_and_grads(sft.collate(blocks, tok.pad_token_id))
-    alone = [loss_and_grads(sft.collate([r], tok.pad_token_id)) for r in rows]
     assert len(blocks) < len(rows)
-    assert packed_loss == pytest.approx(sum(loss for loss, _ in alone), rel=1e-5)
-    for k, g in enumerate(packed_grads):
-        expected = sum(grads[k] for _, grads in alone)
-        assert float((g - expected).norm() / expected.norm().clamp(min=1e-12)) < 1e-5, k
+    packed = loss_and_grads(model, sft.collate(blocks, tok.pad_token_id))
+    assert_packed_equals_alone(packed, [loss_and_grads(model, sft.collate([r], tok.pad_token_id)) for r in rows])
 
 
 def test_every_trainer_runs_on_other_architectures(assets, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import demo_recipe
 from transformers import (
     GPT2Config,
     GPT2ForSequenceClassification,
@@ -20,7 +21,6 @@ from transformers import (
 from alignpipe.positions import check_model_window, config_position_limit, model_position_limit, stage_window
 from alignpipe.recipe import RecipeError, parse_recipe
 from alignpipe.trainers.configs import DPOConfig, GRPOConfig, SFTConfig
-from tests.support import demo_recipe
 
 SMALL = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64}
 

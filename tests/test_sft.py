@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from support import tiny_split
+from support import assert_packed_equals_alone, loss_and_grads, tiny_split
 
 from alignpipe.modeling import is_adapter_dir, load_causal_lm
 from alignpipe.tracking import Tracker
@@ -162,36 +162,24 @@ def test_packed_rows_train_exactly_as_alone(tiny, data, attention, monkeypatch):
     )
     assert all(len(b["input_ids"]) <= 64 for b in blocks)
     model = load_causal_lm(str(tiny / "model"), attention=attention)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def loss_and_grads(batch):
-        model.zero_grad()
-        loss, _ = sft.token_loss_sum(model, batch)
-        loss.backward()
-        return float(loss.detach()), [p.grad.clone() for p in params]
-
     from alignpipe import attention as varlen
 
     offsets = []  # the documents each varlen attention call ran
     run = varlen._documents_attention
     monkeypatch.setattr(varlen, "_documents_attention", lambda *a: offsets.append(a[3].tolist()) or run(*a))
     packed = sft.collate(blocks, tok.pad_token_id)
-    packed_loss, packed_grads = loss_and_grads(packed)
+    packed_result = loss_and_grads(model, packed)
     if attention == "varlen":  # every layer ran the documents collate counted: the rows and each block's padding
         rows_and_pads = int((packed["position_ids"] == 0).sum())
         assert len(offsets) == model.config.num_hidden_layers
         assert all(
             cu == packed["documents"]["cu_seq_lens_q"].tolist() and len(cu) == rows_and_pads + 1 for cu in offsets
         )
-    alone = [loss_and_grads(sft.collate([r], tok.pad_token_id)) for r in rows]
+    alone = [loss_and_grads(model, sft.collate([r], tok.pad_token_id)) for r in rows]
     if attention == "varlen":  # a row alone (no padding, so SDPA's mask is none) is one document
         layers = model.config.num_hidden_layers
         assert offsets[layers:] == [[0, len(r["input_ids"])] for r in rows for _ in range(layers)]
-    assert packed_loss == pytest.approx(sum(loss for loss, _ in alone), rel=1e-5)
-    for k, g in enumerate(packed_grads):
-        expected = sum(grads[k] for _, grads in alone)
-        # float32 sums in another order: compared relative to the gradient's norm
-        assert float((g - expected).norm() / expected.norm().clamp(min=1e-12)) < 1e-5, k
+    assert_packed_equals_alone(packed_result, alone)
     # each row's own loss inside the packed batch: score the batch once and split its token losses by row
     batch = sft.collate(blocks, tok.pad_token_id)
     with torch.no_grad():
