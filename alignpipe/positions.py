@@ -103,7 +103,7 @@ def check_model_window(model, stage) -> None:
 
 
 def check_generation_window(
-    model,
+    limit: int | None,
     tokenizer,
     prompts: list[str],
     new_tokens: int,
@@ -111,9 +111,9 @@ def check_generation_window(
     new_field: str = "sampling.max_new_tokens",
     prompt_fix: str = "keep prompts to at most {n} tokens (the prompts' format stage drops longer rows with `max_length`)",
 ) -> None:
-    """Raise before generating when the longest prompt plus `new_tokens` (the `new_field` setting) outgrows `model`'s
-    position table; `prompt_fix` says how to shorten the prompts to `{n}` tokens."""
-    limit = model_position_limit(model)
+    """Raise before generating when the longest prompt plus `new_tokens` (the `new_field` setting) outgrows a
+    position table of `limit` rows (`model_position_limit`); `prompt_fix` says how to shorten the prompts to `{n}`
+    tokens."""
     if limit is None or not prompts:
         return
     longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])

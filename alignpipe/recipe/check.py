@@ -58,6 +58,7 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
     problems += _check_storage(recipe)
     if check_files:
         problems += _check_model(recipe)
+        problems += _check_position_windows(recipe)
         problems += _check_datasets(recipe)
     return problems
 
@@ -355,7 +356,7 @@ def _check_model(recipe) -> list[Problem]:
                     "fix the path, run `alignpipe make-tiny assets/tiny` for the demo assets, or give a Hub id like org/name",
                 )
             )
-    return problems + _check_position_windows(recipe)
+    return problems
 
 
 def _check_position_windows(recipe) -> list[Problem]:

@@ -15,7 +15,7 @@ from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
-from alignpipe.positions import check_generation_window
+from alignpipe.positions import check_generation_window, model_position_limit
 from alignpipe.recipe.stages import JudgeStage, LLMJudgeSpec
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.trainers.online import extra_columns
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 def generate(ctx: StageContext[JudgeStage], ref: str, prompts: list[str]) -> list[str]:
     s = ctx.stage
     model, tokenizer = ctx.load_model(ref, merge=True), ctx.tokenizer(ref)
-    check_generation_window(model, tokenizer, prompts, s.sampling.max_new_tokens, f"judge {s.id!r}, model {ref!r}")
+    limit = model_position_limit(model)
+    check_generation_window(limit, tokenizer, prompts, s.sampling.max_new_tokens, f"judge {s.id!r}, model {ref!r}")
     engine = HFEngine(model, tokenizer, batch_size=s.batch_size)
     return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
 

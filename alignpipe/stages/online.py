@@ -41,9 +41,10 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
     stands in, and the rollout engine."""
     s: Any = ctx.stage
     model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
-    if s.max_prompt_length is None and model_position_limit(model):  # whole prompts: the data sets the window
+    limit = model_position_limit(model)
+    if s.max_prompt_length is None and limit:  # whole prompts: the data sets the window
         check_generation_window(
-            model,
+            limit,
             tokenizer,
             [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)],
             s.max_completion_length,
