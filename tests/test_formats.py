@@ -66,3 +66,28 @@ def test_conversational_messages_split_into_prompt_and_last_turn(tiny):
     raw = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     train, _, _ = format_rows(raw, fmt="prompt_completion", tokenizer=tok, chat_template=True, eval_fraction=0)
     assert train[0] == {"prompt": "<|user|>hi<|end|><|assistant|>", "completion": "yo<|end|>"}
+
+
+def test_a_format_stage_without_eval_rows_is_readable_by_the_stages_after_it(tiny, tmp_path):
+    """`eval_fraction: 0` leaves the eval split empty; `datasets` writes no shard for an empty split unless told to,
+    and could then not load the stage's output at all (every stage reading it failed with an IndexError)."""
+    from alignpipe.manifest import Manifest
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.stages import format as format_stage
+    from alignpipe.stages.context import StageContext
+    from alignpipe.tracking import Tracker
+
+    text = (
+        f"name: f\nmodel: {{path: {tiny / 'model'}}}\n"
+        f"datasets:\n  reviews: {{path: {tiny / 'data' / 'sentiment_sft.jsonl'}}}\n"
+        "stages:\n"
+        "  - {id: all-train, kind: format, dataset: reviews, format: prompt_completion, eval_fraction: 0}\n"
+        "  - {id: sft, kind: sft, data: all-train, max_steps: 1}\n"
+    )
+    recipe = parse_recipe(text)
+    result = format_stage.run(StageContext(recipe, recipe.stage("all-train"), tmp_path / "fmt", {}, Tracker()))
+    assert result.metrics["rows_eval"] == 0
+    written = Manifest(stage_id="all-train", kind="format", cache_key="k", outputs=result.outputs)
+    reader = StageContext(recipe, recipe.stage("sft"), tmp_path / "sft", {"all-train": written}, Tracker())
+    assert len(reader.rows("all-train", "train")) == result.metrics["rows_train"] > 0
+    assert reader.rows("all-train", "eval") == []

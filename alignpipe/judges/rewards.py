@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 
 from alignpipe.data.synthetic import sentiment_score
+from alignpipe.judges.math_answer import math_answer
 from alignpipe.strict import Strict
 
 RewardFn = Callable[..., list]
@@ -61,6 +62,7 @@ BUILTINS: dict[str, RewardFn] = {
     "sentiment_lexicon": sentiment_lexicon,
     "length": length,
     "exact_match": exact_match,
+    "math_answer": math_answer,
     "keyword": keyword,
     "regex": regex,
     "length_penalty": length_penalty,
@@ -101,6 +103,14 @@ class LengthPenaltyOptions(Strict):
     """Reward lost per word away from `target`."""
 
 
+class MathAnswerOptions(Strict):
+    """`kwargs` of the `math_answer` reward."""
+
+    last_number_fallback: bool = True
+    """When a completion marks no answer (`\\boxed{}`, `<answer>`, `####`, "the answer is"), take its last number;
+    false pays only answers given in one of those forms."""
+
+
 class NoOptions(Strict):
     """The built-in takes no `kwargs` (its inputs are the completions and dataset columns)."""
 
@@ -109,6 +119,7 @@ BUILTIN_OPTIONS: dict[str, type[Strict]] = {
     "sentiment_lexicon": NoOptions,
     "length": NoOptions,
     "exact_match": NoOptions,
+    "math_answer": MathAnswerOptions,
     "keyword": KeywordOptions,
     "regex": RegexOptions,
     "length_penalty": LengthPenaltyOptions,

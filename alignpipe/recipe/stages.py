@@ -193,7 +193,7 @@ class RewardFunctionSpec(Strict):
     """One reward function of an RL stage; exactly one of `function`, `reward_model`, `url`."""
 
     function: str | None = None
-    """A built-in (`exact_match`, `keyword`, `regex`, `length_penalty`, `sentiment_lexicon`, `length`) or
+    """A built-in (`exact_match`, `math_answer`, `keyword`, `regex`, `length_penalty`, `sentiment_lexicon`, `length`) or
     `module:function` taking (prompts, completions, **columns, **kwargs) → [float | None]."""
     reward_model: str | None = None
     """Id of a `reward` stage whose model scores prompt + completion."""
@@ -204,7 +204,7 @@ class RewardFunctionSpec(Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True)  # a built-in may require some
     """Extra keyword arguments for `function` (e.g. `{words: [great]}` for keyword); a built-in's are checked:
     `keyword` takes `words` (required) and `case_sensitive`, `regex` `pattern` (required), `length_penalty` `target`
-    and `scale`, the others none."""
+    and `scale`, `math_answer` `last_number_fallback`, the others none."""
     name: str | None = None
     """Label in metrics (rewards/<name>/mean); defaults to the function or stage name."""
 
@@ -400,7 +400,7 @@ class JudgeStage(StageBase):
     num_prompts: int = Field(64, gt=0)
     """Judge at most this many prompts."""
     reward: str = "sentiment_lexicon"
-    """Scoring function: a built-in name (`sentiment_lexicon`, `length`, `exact_match`, ...) or
+    """Scoring function: a built-in name (`sentiment_lexicon`, `length`, `exact_match`, `math_answer`, ...) or
     `module:function` taking (prompts, completions, **columns) and returning one float per completion."""
     reward_model: str | None = None
     """Id of a `reward` stage whose model scores the completions instead of `reward`."""

@@ -69,7 +69,9 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             "eval": datasets.Dataset.from_list(evals) if evals else datasets.Dataset.from_dict(empty),
         }
     )
-    dd.save_to_disk(str(out))
+    # datasets writes no shard for an empty split unless told to, and then cannot load the dict back
+    # (`eval_fraction: 0` leaves `eval` empty).
+    dd.save_to_disk(str(out), num_shards={name: 1 for name, split in dd.items() if len(split) == 0} or None)
     metrics: dict[str, float] = {
         "rows_train": stats.rows_train,
         "rows_eval": stats.rows_eval,
