@@ -155,3 +155,24 @@ def assert_packed_equals_alone(packed: tuple[float, list], alone: list[tuple[flo
         expected = sum(grads[k] for _, grads in alone)
         # float32 sums in another order: compared relative to the gradient's norm
         assert float((g - expected).norm() / expected.norm().clamp(min=1e-12)) < 1e-5, k
+
+
+def shrunk_overrides(recipe) -> list[str]:
+    """`--set` overrides that run a real-size recipe's stages as a few CPU steps: no GPUs asked for, 2 training steps
+    of 2 rows (RL: 2 prompts × their group), 8 judged prompts of 8 new tokens, the push to a local folder."""
+    out = []
+    for s in recipe.stages:
+        key = f"stages.{s.id}"
+        if getattr(s, "resources", None) is not None and s.resources.gpus:
+            out.append(f"{key}.resources.gpus=0")
+        if hasattr(s, "max_steps"):
+            group = getattr(s, "num_generations", 1)
+            out += [f"{key}.max_steps=2", f"{key}.batch_size={2 * group}", f"{key}.gradient_accumulation_steps=1"]
+            out += [f"{key}.logging_every=1", f"{key}.save_every=null", f"{key}.eval_every=null"]
+            if hasattr(s, "max_completion_length"):
+                out.append(f"{key}.max_completion_length=12")
+        if s.kind == "judge":
+            out += [f"{key}.num_prompts=8", f"{key}.sampling.max_new_tokens=8"]
+        if s.kind == "push":
+            out.append(f"{key}.target=local")
+    return out

@@ -1,6 +1,8 @@
 """Canonical formats from raw rows."""
 
-from alignpipe.data.formats import format_rows
+import pytest
+
+from alignpipe.data.formats import ConversationError, format_rows
 from alignpipe.modeling import load_tokenizer
 
 
@@ -68,6 +70,83 @@ def test_conversational_messages_split_into_prompt_and_last_turn(tiny):
     assert train[0] == {"prompt": "<|user|>hi<|end|><|assistant|>", "completion": "yo<|end|>"}
 
 
+ULTRACHAT_ROW = {  # openai/ultrachat_200k's columns: `prompt` is the first user turn alone
+    "prompt": "hi",
+    "prompt_id": "0",
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done"},
+    ],
+}
+
+
+def test_a_conversation_beside_a_prompt_column_gives_both_halves(tiny):
+    """UltraChat rows have `prompt` and `messages` and no `completion`: the reply is the last assistant turn and the
+    prompt every turn before it (this raised KeyError 'completion' in the shipped chat-SFT recipe)."""
+    tok = load_tokenizer(str(tiny / "model"))
+    (row,), _, _ = format_rows(
+        [ULTRACHAT_ROW], fmt="prompt_completion", tokenizer=tok, chat_template=True, eval_fraction=0
+    )
+    assert row == {
+        "prompt": "<|user|>hi<|end|><|assistant|>yo<|end|><|user|>and?<|end|><|assistant|>",
+        "completion": "done<|end|>",
+        "prompt_id": "0",
+    }
+    (row,), _, _ = format_rows([ULTRACHAT_ROW], fmt="prompt_only", tokenizer=tok, chat_template=True, eval_fraction=0)
+    assert row["prompt"] == "<|user|>hi<|end|><|assistant|>", "prompt_only keeps the prompt column"
+
+
+def test_conversations_for_prompts_and_without_a_reply(tiny):
+    tok = load_tokenizer(str(tiny / "model"))
+    asking = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    }
+    (row,), _, _ = format_rows([asking], fmt="prompt_only", tokenizer=tok, chat_template=True, eval_fraction=0)
+    assert row["prompt"] == "<|user|>a<|end|><|assistant|>b<|end|><|user|>c<|end|><|assistant|>", "the question is kept"
+    (row,), _, _ = format_rows([asking], fmt="prompt_completion", tokenizer=tok, chat_template=True, eval_fraction=0)
+    assert (row["prompt"], row["completion"]) == ("<|user|>a<|end|><|assistant|>", "b<|end|>"), (
+        "a trailing question is dropped"
+    )
+    with pytest.raises(ConversationError, match=r"row 1: its `messages` have no assistant turn .*\['user'\]"):
+        format_rows(
+            [asking, {"messages": [{"role": "user", "content": "a"}]}],
+            fmt="prompt_completion",
+            tokenizer=tok,
+            shuffle=False,
+        )
+
+
+def test_a_row_without_a_column_its_format_needs_names_row_column_and_mapping(tiny, tmp_path):
+    """The stage's column check looks at the dataset's columns; a row whose own columns differ (here a
+    prompt/completion file with one row missing its completion) fails named, not with a bare KeyError."""
+    import json
+
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.stages import format as format_stage
+    from alignpipe.stages.context import StageContext
+    from alignpipe.tracking import Tracker
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    recipe = parse_recipe(
+        f"name: f\nmodel: {{path: {tiny / 'model'}}}\ndatasets:\n  pairs: {{path: {data}}}\n"
+        "stages:\n  - {id: pc, kind: format, dataset: pairs, format: prompt_completion, shuffle: false}\n"
+    )
+    with pytest.raises(ValueError) as err:
+        format_stage.run(StageContext(recipe, recipe.stages[0], tmp_path / "pc", {}, Tracker()))
+    assert str(err.value) == (
+        "stage 'pc' formats dataset 'pairs' as prompt_completion, but row 1 has no 'completion' (its columns with a "
+        "value: prompt). Map the column in the recipe: datasets.pairs.columns: {completion: <your column>}"
+    )
+    assert not (tmp_path / "pc" / "data").exists()
+
+
 def test_a_format_stage_without_eval_rows_is_readable_by_the_stages_after_it(tiny, tmp_path):
     """`eval_fraction: 0` leaves the eval split empty; `datasets` writes no shard for an empty split unless told to,
     and could then not load the stage's output at all (every stage reading it failed with an IndexError)."""
@@ -91,3 +170,24 @@ def test_a_format_stage_without_eval_rows_is_readable_by_the_stages_after_it(tin
     reader = StageContext(recipe, recipe.stage("sft"), tmp_path / "sft", {"all-train": written}, Tracker())
     assert len(reader.rows("all-train", "train")) == result.metrics["rows_train"] > 0
     assert reader.rows("all-train", "eval") == []
+
+
+def test_truncate_prompts_keeps_each_prompt_s_first_tokens_as_written(tiny):
+    """IMDB reviews as prompts: the openings, not only the reviews shorter than max_length."""
+    tok = load_tokenizer(str(tiny / "model"))
+    raw = [{"prompt": "a great movie with a boring plot"}, {"prompt": "fun"}]
+    rows, _, _ = format_rows(
+        raw, fmt="prompt_only", tokenizer=tok, truncate_prompts=3, max_length=3, eval_fraction=0, shuffle=False
+    )
+    assert [r["prompt"] for r in rows] == ["a great movie", "fun"]
+    assert len(tok("a great movie", add_special_tokens=False)["input_ids"]) == 3
+
+
+def test_truncate_prompts_is_for_plain_prompt_only_data(tiny):
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.recipe.errors import RecipeError
+
+    head = f"name: f\nmodel: {{path: {tiny / 'model'}}}\ndatasets:\n  d: {{path: {tiny / 'data' / 'sentiment_prompts.jsonl'}}}\n"
+    for fields in ("format: prompt_completion", "format: prompt_only, chat_template: true"):
+        with pytest.raises(RecipeError, match="truncate_prompts cuts plain prompt_only prompts"):
+            parse_recipe(head + f"stages:\n  - {{id: p, kind: format, dataset: d, {fields}, truncate_prompts: 8}}\n")

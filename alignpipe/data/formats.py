@@ -35,6 +35,14 @@ class LabelError(ValueError):
     """An `unpaired` row whose `label` is not a boolean."""
 
 
+class MissingColumnError(ValueError):
+    """A row without a column its format needs (datasets whose rows differ, or a `messages` row without a reply)."""
+
+    def __init__(self, row: int, column: str, columns: list[str]):
+        self.row, self.column, self.columns = row, column, columns
+        super().__init__(f"row {row} has no {column!r} (its columns with a value: {', '.join(columns) or 'none'})")
+
+
 def unpair(rows: list[dict]) -> list[dict]:
     """Rows for the `unpaired` format: (prompt, completion, label) rows as they are, with `label` checked to be a
     boolean; preference rows split into (prompt, chosen, true) and (prompt, rejected, false)."""
@@ -54,6 +62,29 @@ def unpair(rows: list[dict]) -> list[dict]:
 
 
 CANONICAL = ("text", "messages", "prompt", "completion", "chosen", "rejected", "answer")
+
+
+NEEDED = {
+    "prompt_only": ("prompt",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+    "unpaired": ("completion",),
+}
+"""Columns every row of a format must have a value in (preference and unpaired prompts may be empty)."""
+
+
+class ConversationError(ValueError):
+    """A `messages` row that cannot be split into a prompt and an assistant reply."""
+
+
+def split_conversation(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the turns before the last assistant turn, [that turn]): the completion is the last reply, the prompt the
+    conversation that led to it; turns after it (a trailing user turn) are dropped."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        roles = [m.get("role") for m in messages]
+        raise ConversationError(f"its `messages` have no assistant turn to learn from (roles: {roles})")
+    return messages[:last], [messages[last]]
 
 
 @dataclass
@@ -138,10 +169,17 @@ def to_format(row: dict, fmt: str, r: Renderer) -> dict:
         extra["answer"] = row["answer"]
     if fmt == "language_modeling":
         return {"text": r.text(row), **extra}
-    if "messages" in row and row.get("messages") and "prompt" not in row:
-        msgs = row["messages"]
-        prompt, last = msgs[:-1], msgs[-1:]
-        row = {**row, "prompt": prompt, "completion": last}
+    msgs = row.get("messages")
+    if msgs and fmt == "prompt_only" and "prompt" not in row:
+        row = {**row, "prompt": msgs[:-1] if msgs[-1].get("role") == "assistant" else msgs}
+    elif msgs and fmt == "prompt_completion" and "completion" not in row:
+        # A conversation column (UltraChat, UltraFeedback's `messages`) gives both halves. A `prompt` column beside
+        # it (there, the first user turn alone) lacks the turns before the reply, so it is not used.
+        prompt, reply = split_conversation(msgs)
+        row = {**row, "prompt": prompt, "completion": reply}
+    for column in NEEDED.get(fmt, ()):
+        if row.get(column) is None:  # `datasets` gives null for a field a row lacks
+            raise KeyError(column)
     if fmt == "prompt_only":
         return {"prompt": r.prompt(row["prompt"]), **extra}
     if fmt == "prompt_completion":
@@ -186,6 +224,7 @@ def format_rows(
     max_length: int | None = None,
     eval_fraction: float = 0.1,
     max_rows: int | None = None,
+    truncate_prompts: int | None = None,
     shuffle: bool = True,
     seed: int = 0,
 ) -> tuple[list[dict], list[dict], FormatStats]:
@@ -200,11 +239,23 @@ def format_rows(
     if fmt == "unpaired":
         rows = unpair(rows)
     renderer = Renderer(tokenizer, chat_template, system_prompt)
-    out = [to_format(r, fmt, renderer) for r in rows]
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(to_format(row, fmt, renderer))
+        except ConversationError as e:
+            raise ConversationError(f"row {i}: {e}") from None
+        except KeyError as e:
+            raise MissingColumnError(i, str(e.args[0]), [k for k, v in row.items() if v is not None]) from None
     if fmt == "preference":
         keep = [r for r in out if r["chosen"] != r["rejected"]]
         stats.dropped_identical_pair = len(out) - len(keep)
         out = keep
+    if truncate_prompts:
+        out = [
+            {**row, "prompt": head}
+            for row, head in zip(out, first_tokens([r["prompt"] for r in out], tokenizer, truncate_prompts))
+        ]
     if max_length:
         out, stats.dropped_too_long = _drop_long(out, fmt, tokenizer, max_length)
     n_eval = round(len(out) * eval_fraction)
@@ -215,6 +266,18 @@ def format_rows(
     stats.fingerprint = fingerprint(train + [{"_split": "eval"}] + evals)
     stats.examples = out[:3]
     return train, evals, stats
+
+
+def first_tokens(texts: list[str], tokenizer, n: int) -> list[str]:
+    """Each text cut after its n-th token, the characters kept exactly as written (a fast tokenizer's offsets; a slow
+    one's tokens decoded)."""
+    if not texts:
+        return texts
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return [text if len(spans) <= n else text[: spans[n - 1][1]] for text, spans in zip(texts, offsets)]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [text if len(row) <= n else tokenizer.decode(row[:n]) for text, row in zip(texts, ids)]
 
 
 def _drop_long(rows: list[dict], fmt: str, tokenizer, max_length: int) -> tuple[list[dict], int]:

@@ -133,6 +133,19 @@ class FormatStage(StageBase):
     """Use only the first N rows (after shuffling)."""
     shuffle: bool = True
     """Shuffle rows (with the recipe seed) before splitting."""
+    truncate_prompts: int | None = Field(None, gt=0)
+    """prompt_only: cut each prompt to its first N tokens (the text up to the end of token N, as written), before
+    `max_length`. For prompts that are the openings of longer texts, as in TRL's IMDB sentiment examples; without
+    it, `max_length` drops every prompt longer than itself. Plain prompts only (not `chat_template`)."""
+
+    @model_validator(mode="after")
+    def _truncation_of_plain_prompts(self):
+        if self.truncate_prompts is not None and (self.format != "prompt_only" or self.chat_template):
+            raise ValueError(
+                "truncate_prompts cuts plain prompt_only prompts (openings of texts); cutting a completion's prompt "
+                "or a chat-rendered one would cut the template or the text the completion continues"
+            )
+        return self
 
     produces: ClassVar[str] = DATASET
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from alignpipe.data.formats import LabelError, format_rows
+from alignpipe.data.formats import ConversationError, LabelError, MissingColumnError, format_rows
 from alignpipe.data.sources import load_raw, source_type
 from alignpipe.recipe.check import REQUIRED_COLUMNS
 from alignpipe.recipe.stages import FormatStage
@@ -38,6 +38,7 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             max_length=s.max_length,
             eval_fraction=s.eval_fraction,
             max_rows=s.max_rows,
+            truncate_prompts=s.truncate_prompts,
             shuffle=s.shuffle,
             seed=ctx.seed,
         )
@@ -48,6 +49,16 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             f"{', '.join(raw.column_names)}. Map a true/false column in the recipe: "
             f"datasets.{s.dataset}.columns: {{label: <your column>}}; or give preference rows (prompt, chosen, "
             "rejected), which split into chosen → true and rejected → false"
+        ) from None
+    except MissingColumnError as e:
+        raise ValueError(
+            f"stage {s.id!r} formats dataset {s.dataset!r} as {s.format}, but {e}. Map the column in the recipe: "
+            f"datasets.{s.dataset}.columns: {{{e.column}: <your column>}}"
+        ) from None
+    except ConversationError as e:
+        raise ValueError(
+            f"stage {s.id!r} formats dataset {s.dataset!r} as {s.format}: {e}. Drop such rows from the data, or "
+            "use `format: prompt_only` (prompts only) or `language_modeling` (the whole conversation)"
         ) from None
     if stats.dropped_too_long:
         log.info("dropped %d rows longer than %d tokens", stats.dropped_too_long, s.max_length)
