@@ -153,6 +153,44 @@ def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
     assert (result.metrics["judge/wins"], result.metrics["judge/ties"]) == (wins, ties)
 
 
+def test_a_local_judge_is_asked_through_its_chat_template(tiny):
+    """An instruct judge gets the filled template as a user turn (as an endpoint's server renders a chat request); a
+    base-model judge, or `chat_template: false`, the raw text."""
+    from alignpipe.judges.pairwise import LocalJudge
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    model, tok = load_causal_lm(str(tiny / "model")), load_tokenizer(str(tiny / "model"))
+    sent = []
+
+    def generate(prompts, n, sampling):
+        sent.extend(prompts)
+        return [type("G", (), {"completion": "A"})() for _ in prompts]
+
+    for chat in (True, False):
+        judge = LocalJudge(model, tok, chat_template=chat)
+        judge.engine.generate = generate
+        assert judge(["Which is better? A or B."]) == ["A"]
+    assert sent == ["<|user|>Which is better? A or B.<|end|><|assistant|>", "Which is better? A or B."]
+
+
+def test_a_local_judge_with_a_learned_position_table_fails_before_generating(tiny, tmp_path):
+    """The judge reads its template with the prompt and both completions: longer than a GPT-2-style table, it says
+    which setting to lower instead of an index error inside the forward pass."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from alignpipe.judges.pairwise import LocalJudge
+    from alignpipe.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny / "model"))
+    small = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    judge = LocalJudge(small, tok, max_new_tokens=8, name="LLM judge gpt2")
+    with pytest.raises(
+        ValueError, match=r"LLM judge gpt2: the longest prompt is \d+ tokens, and with llm_judge.max_new_tokens \(8\)"
+    ):
+        judge(["great " * 40])
+    assert judge(["great"]) is not None
+
+
 def test_verdicts_and_matrix_by_hand():
     assert (
         parse_verdict(" B, clearly") == "B" and parse_verdict("neither") is None and parse_verdict("Answer: A") == "A"

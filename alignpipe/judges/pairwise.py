@@ -33,18 +33,51 @@ def combine(first: str | None, swapped: str | None) -> str:
 
 
 class LocalJudge:
-    """A transformers causal LM as judge (greedy)."""
+    """A transformers causal LM as judge (greedy). With `chat_template` and a tokenizer that has one, each filled
+    template is sent as a user turn, as an endpoint's server does with a chat request: an instruct judge answers
+    the question it was trained to answer, not a continuation of raw text."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int = 8, batch_size: int = 16):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 8,
+        batch_size: int = 16,
+        chat_template: bool = True,
+        name: str = "",
+    ):
         from alignpipe.engine.hf import HFEngine
+        from alignpipe.positions import model_position_limit
 
         self.engine = HFEngine(model, tokenizer, batch_size)
+        self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
+        self.chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.position_limit = model_position_limit(model)
+        self.name = name or "LLM judge"
+
+    def render(self, prompt: str) -> str:
+        if not self.chat:
+            return prompt
+        turn = [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
 
     def __call__(self, prompts: list[str]) -> list[str]:
         from alignpipe.engine.sampling import SamplingParams
+        from alignpipe.positions import check_generation_window
 
-        gens = self.engine.generate(prompts, 1, SamplingParams(temperature=0, max_new_tokens=self.max_new_tokens))
+        rendered = [self.render(p) for p in prompts]
+        check_generation_window(
+            self.position_limit,
+            self.tokenizer,
+            rendered,
+            self.max_new_tokens,
+            self.name,
+            "llm_judge.max_new_tokens",
+            "keep the judged prompts and completions shorter (the judge reads both completions and its template, "
+            "{n} tokens in all)",
+        )
+        gens = self.engine.generate(rendered, 1, SamplingParams(temperature=0, max_new_tokens=self.max_new_tokens))
         return [g.completion for g in gens]
 
 

@@ -334,6 +334,9 @@ class LLMJudgeSpec(Strict):
     """Judge prompt with {prompt}, {response_a} and {response_b}; the judge answers A or B."""
     max_new_tokens: int = Field(8, gt=0)
     """Tokens the judge may write."""
+    chat_template: bool = True
+    """Local judge: send the filled template as a user turn through the judge tokenizer's chat template (when it has
+    one), as an endpoint's server does with every chat request; false sends the raw text (base-model judges)."""
 
     @model_validator(mode="after")
     def _check(self):

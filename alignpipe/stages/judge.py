@@ -71,8 +71,13 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
     if spec.url:
         return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
     model = cast(str, spec.model)
-    return f"LLM judge {model}", LocalJudge(
-        ctx.load_model(model, merge=True), ctx.tokenizer(model), spec.max_new_tokens
+    name = f"LLM judge {model}"
+    return name, LocalJudge(
+        ctx.load_model(model, merge=True),
+        ctx.tokenizer(model),
+        spec.max_new_tokens,
+        chat_template=spec.chat_template,
+        name=name,
     )
 
 
