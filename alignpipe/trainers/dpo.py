@@ -49,6 +49,7 @@ from alignpipe.trainers.common import (
     pad_rows,
     resolve_seed,
     to_device,
+    with_eos,
 )
 from alignpipe.trainers.configs import DPOConfig
 
@@ -66,9 +67,9 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
     for p, c, r in zip(prompts, chosen, rejected):
         if max_prompt_length:
             p = p[-max_prompt_length:]
-        c = c if c and c[-1] == eos else c + [eos]
-        r = r if r and r[-1] == eos else r + [eos]
-        out.append({"prompt_ids": p, "chosen_ids": c, "rejected_ids": r})
+        out.append(
+            {"prompt_ids": p, "chosen_ids": with_eos(c, eos, tokenizer), "rejected_ids": with_eos(r, eos, tokenizer)}
+        )
     return out
 
 

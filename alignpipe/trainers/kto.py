@@ -35,7 +35,7 @@ from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device, with_eos
 from alignpipe.trainers.configs import KTOConfig
 
 
@@ -56,7 +56,7 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
     for p, c, r in zip(prompts, completions, rows):
         if max_prompt_length:
             p = p[-max_prompt_length:]
-        out.append({"prompt_ids": p, "completion_ids": c if c and c[-1] == eos else c + [eos], "label": r["label"]})
+        out.append({"prompt_ids": p, "completion_ids": with_eos(c, eos, tokenizer), "label": r["label"]})
     return out
 
 

@@ -25,7 +25,7 @@ from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, layout, pack_scored, runs
-from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed, to_device, with_eos
 from alignpipe.trainers.configs import RewardConfig
 
 
@@ -33,18 +33,17 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = Tr
     """Rows → chosen_ids / rejected_ids (prompt + completion + EOS); pairs longer than max_length are dropped."""
     if not rows:
         return []
-    eos = tokenizer.eos_token or ""
+    eos = tokenizer.eos_token_id
 
-    def full(row, col):
-        text = row.get("prompt", "") + row[col]
-        return text if text.endswith(eos) else text + eos
+    def ids(col: str) -> list[list[int]]:
+        texts = [row.get("prompt", "") + row[col] for row in rows]
+        return [with_eos(seq, eos, tokenizer) for seq in tokenizer(texts)["input_ids"]]
 
-    chosen = tokenizer([full(r, "chosen") for r in rows])["input_ids"]
-    rejected = tokenizer([full(r, "rejected") for r in rows])["input_ids"]
+    chosen, rejected = ids("chosen"), ids("rejected")
     out = []
     for row, c, r in zip(rows, chosen, rejected):
         if len(c) <= max_length and len(r) <= max_length:
-            ex = {"chosen_ids": c, "rejected_ids": r}
+            ex: dict[str, Any] = {"chosen_ids": c, "rejected_ids": r}
             if use_margin and row.get("margin") is not None:
                 ex["margin"] = float(row["margin"])
             out.append(ex)

@@ -33,7 +33,7 @@ from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
-from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device, with_eos
 from alignpipe.trainers.configs import SFTConfig
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,13 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool
     out = []
     if "text" in rows[0]:
         for ids in tokenizer([r["text"] for r in rows])["input_ids"]:
-            ids = (ids + [eos])[:max_length]
+            ids = with_eos(ids, eos, tokenizer)[:max_length]
             out.append({"input_ids": ids, "labels": list(ids)})
         return out
     prompts = tokenizer([r["prompt"] for r in rows])["input_ids"]
     completions = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
     for p, c in zip(prompts, completions):
-        if not c or c[-1] != eos:
-            c = c + [eos]
+        c = with_eos(c, eos, tokenizer)
         ids = (p + c)[:max_length]
         labels = ([IGNORE] * len(p) + c)[:max_length] if completion_only else list(ids)
         out.append({"input_ids": ids, "labels": labels})
