@@ -71,6 +71,39 @@ def test_reward_function_errors_name_the_function():
     assert load_reward_fn("alignpipe.judges.rewards:length") is not None
 
 
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_a_turn_ends_at_any_eos_of_the_generation_config(engine, static_cache):
+    """Gemma-style instruct models end a turn with a token the tokenizer does not call EOS (`<end_of_turn>` beside
+    `<eos>`), listed in the model's generation config: `model.generate` stops there, and so does the engine (finish
+    reason "stop", the completion cut after it, as with EOS)."""
+    from transformers import GenerationConfig
+
+    from alignpipe.end_of_text import stop_token_ids
+
+    tok, greedy = engine.tok, SamplingParams(temperature=0, max_new_tokens=12)
+    model = copy.deepcopy(engine.model)
+    (free,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(["The film"], 1, greedy)
+    turn_end = next(i for i in free.completion_ids[2:] if i != tok.eos_token_id)  # a token it writes on its way
+    model.generation_config.eos_token_id = [tok.eos_token_id, turn_end]
+    assert stop_token_ids(tok, model) == [tok.eos_token_id, turn_end] and stop_token_ids(tok) == [tok.eos_token_id]
+
+    (ended,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(["The film"], 1, greedy)
+    cut = free.completion_ids.index(turn_end) + 1
+    assert ended.completion_ids == free.completion_ids[:cut] and ended.finish_reason == "stop"
+    enc = tok(["The film"], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(
+            **enc,
+            generation_config=GenerationConfig(
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=[tok.eos_token_id, turn_end],
+                pad_token_id=tok.pad_token_id,
+            ),
+        )
+    assert ref[0, enc["input_ids"].shape[1] :].tolist()[:cut] == ended.completion_ids
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_greedy_decoding_equals_transformers_generate(engine, attention):
     """The engine's own decode loop (KV cache, left padding, early stop) against `model.generate`; on `varlen` too,
@@ -528,7 +561,7 @@ def test_row_ends_read_late_stop_at_the_check_after_the_one_that_saw_every_row_e
         monkeypatch.setattr(hf, "late_reads", lambda device, late=late: late)
         ends = hf.RowEnds(rows=3, steps=32, device=torch.device("cpu"))
         for t in range(32):
-            ends.record(torch.tensor({3: [2, 9, 9], 5: [9, 2, 2]}.get(t, [9, 9, 9])), t, eos=2)  # EOS is 2
+            ends.record(torch.tensor({3: [2, 9, 9], 5: [9, 2, 2]}.get(t, [9, 9, 9])), t, torch.tensor([2]))  # EOS is 2
             if ends.finished(t):
                 stops[late] = (t, ends.width())
                 break

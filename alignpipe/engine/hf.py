@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from alignpipe.end_of_text import stop_token_ids
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
 from alignpipe.engine.sampling import SamplingParams
@@ -62,7 +63,7 @@ class HFEngine:
         step = self._decode_step(device)
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
-        eos = self.tok.eos_token_id
+        stops = stop_token_ids(self.tok, self.model)
         was_training = self.model.training
         self.model.eval()
         out: list[Generation] = []
@@ -75,7 +76,7 @@ class HFEngine:
                     enc["input_ids"].to(device),
                     enc["attention_mask"].to(device),
                     sampling,
-                    eos,
+                    torch.tensor(stops, device=device),
                     self.tok.pad_token_id,
                     generator,
                 )
@@ -84,7 +85,7 @@ class HFEngine:
                 else:
                     new = decode(*args, n=n).tolist()
                 for k, row in enumerate(new):
-                    out.append(self._finish(start + k // n, row, eos))
+                    out.append(self._finish(start + k // n, row, stops))
         finally:
             self.model.train(was_training)
             if step is not None:
@@ -113,13 +114,14 @@ class HFEngine:
         """Rollouts use the policy object itself: nothing to copy (a replayed step records a new model again)."""
         self.model = model
 
-    def _finish(self, prompt_index: int, ids: list[int], eos: int) -> Generation:
+    def _finish(self, prompt_index: int, ids: list[int], stops: list[int]) -> Generation:
         reason: FinishReason
-        if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
+        end = next((t for t, i in enumerate(ids) if i in stops), None)
+        if end is not None:
+            ids = ids[: end + 1]
             reason = "stop"
         else:
-            ids = [i for i in ids if i != self.tok.pad_token_id] if self.tok.pad_token_id != eos else ids
+            ids = [i for i in ids if i != self.tok.pad_token_id] if self.tok.pad_token_id not in stops else ids
             reason = "length"
         text = self.tok.decode(ids, skip_special_tokens=True)
         return Generation(prompt_index, text, ids, reason)
@@ -130,7 +132,7 @@ def decode(
     ids: torch.Tensor,
     mask: torch.Tensor,
     sampling: SamplingParams,
-    eos: int | None,
+    stops: torch.Tensor | None,
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
@@ -156,7 +158,7 @@ def decode(
     for t in range(sampling.max_new_tokens):
         token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
         new[:, t] = token
-        ends.record(token, t, eos)
+        ends.record(token, t, stops)
         if ends.finished(t):
             return new[:, : ends.width()]
         logits = model(
@@ -199,9 +201,9 @@ class RowEnds:
         self.ended = torch.full((rows,), steps - 1, dtype=torch.long, device=device)
         self.asked: HostRead | None = None
 
-    def record(self, token: torch.Tensor, t: int, eos: int | None) -> None:
-        if eos is not None:
-            now = token == eos
+    def record(self, token: torch.Tensor, t: int, stops: torch.Tensor | None) -> None:
+        if stops is not None:
+            now = torch.isin(token, stops)
             self.ended = torch.where(now & ~self.done, t, self.ended)
             self.done |= now
 
@@ -225,7 +227,7 @@ def decode_static(
     ids: torch.Tensor,
     mask: torch.Tensor,
     sampling: SamplingParams,
-    eos: int | None,
+    stops: torch.Tensor | None,
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
@@ -281,7 +283,7 @@ def decode_static(
     for t in range(steps):
         token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
         new[:, t] = token
-        ends.record(token, t, eos)
+        ends.record(token, t, stops)
         if ends.finished(t):
             return new[:, : ends.width()]
         keys[:, width + t] = 1

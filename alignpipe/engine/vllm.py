@@ -18,6 +18,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from alignpipe.end_of_text import stop_token_ids
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ class VLLMColocateEngine:
             model.save_pretrained(source)
             tokenizer.save_pretrained(source)
         self.tok = tokenizer
+        self.stops = stop_token_ids(tokenizer, model)
         self.sleep = sleep_between_rollouts
         self.llm = LLM(
             model=source,
@@ -105,7 +107,7 @@ class VLLMColocateEngine:
             for c in out.outputs:
                 ids = list(c.token_ids)
                 reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
-                if reason == "stop" and (not ids or ids[-1] != self.tok.eos_token_id):
+                if reason == "stop" and (not ids or ids[-1] not in self.stops):  # a stop string, not a stop token
                     ids.append(self.tok.eos_token_id)
                 gens.append(Generation(i, self.tok.decode(ids, skip_special_tokens=True), ids, reason))
         if self.sleep:

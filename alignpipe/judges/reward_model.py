@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import send_to_device
 
+from alignpipe.end_of_text import text_with_eos
 from alignpipe.modeling import load_sequence_scorer, load_tokenizer, under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, common_prefixes, layout, pack_scored
 
@@ -27,8 +28,7 @@ class RewardModelScorer:
     @torch.no_grad()
     @under_attention_kernels
     def __call__(self, prompts: list[str], completions: list[str], **_) -> list[float]:
-        eos = self.tok.eos_token or ""
-        texts = [p + c if (p + c).endswith(eos) else p + c + eos for p, c in zip(prompts, completions)]
+        texts = [text_with_eos(p + c, self.tok.eos_token) for p, c in zip(prompts, completions)]
         device = next(self.model.parameters()).device
         how = layout(self.model) if hasattr(self.model, "score") else None
         side = self.tok.padding_side

@@ -62,20 +62,6 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def with_eos(ids: list[int], eos: int | None, tokenizer) -> list[int]:
-    """`ids` ending in EOS: unchanged when they end with it already, or with it and then only whitespace (a chat
-    template's newline after its end-of-turn token, as Qwen's `<|im_end|>` + newline with the instruct tokenizer), so
-    a rendered conversation is not taught a second end of turn; else EOS appended (nothing without an EOS token)."""
-    if eos is None:
-        return ids
-    tail = ids[-4:]
-    if eos in tail:
-        after = tail[len(tail) - tail[::-1].index(eos) :]
-        if not after or not tokenizer.decode(after).strip():
-            return ids
-    return ids + [eos]
-
-
 def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists → (ids, 0/1 mask), padded to the longest row (at least one column) on the right, or on the
     left (prompts that completions follow end at the same column)."""

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels, logprobs
+from alignpipe.end_of_text import with_eos
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
@@ -49,7 +50,6 @@ from alignpipe.trainers.common import (
     pad_rows,
     resolve_seed,
     to_device,
-    with_eos,
 )
 from alignpipe.trainers.configs import DPOConfig
 

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels
+from alignpipe.end_of_text import with_eos
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device, with_eos
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
 
 

@@ -1,0 +1,37 @@
+"""Where a text ends: the EOS a trainer appends to what it learns, and the tokens that end a generated completion."""
+
+from __future__ import annotations
+
+
+def with_eos(ids: list[int], eos: int | None, tokenizer) -> list[int]:
+    """`ids` ending in EOS: unchanged when they end with it already, or with it and then only whitespace (a chat
+    template's newline after its end-of-turn token, as Qwen's `<|im_end|>` + newline with the instruct tokenizer), so
+    a rendered conversation is not taught a second end of turn; else EOS appended (nothing without an EOS token)."""
+    if eos is None:
+        return ids
+    tail = ids[-4:]
+    if eos in tail:
+        after = tail[len(tail) - tail[::-1].index(eos) :]
+        if not after or not tokenizer.decode(after).strip():
+            return ids
+    return ids + [eos]
+
+
+def text_with_eos(text: str, eos: str | None) -> str:
+    """`with_eos` on text: a reward model scores what it was trained on."""
+    if not eos or text.rstrip().endswith(eos):
+        return text
+    return text + eos
+
+
+def stop_token_ids(tokenizer, model=None) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and every `eos_token_id` of the model's generation config.
+    Instruct models such as Gemma's end a turn with a token other than the tokenizer's EOS (`<end_of_turn>` beside
+    `<eos>`); `model.generate` and vLLM stop at either, and so do our engines."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    config = getattr(model, "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    for i in [more] if isinstance(more, int) else list(more or []):
+        if i not in ids:
+            ids.append(i)
+    return ids
