@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from alignpipe.special_tokens import encode
+
 # model_type → the config key holding the size of its learned position table.
 LEARNED_TABLES = {
     "gpt2": "n_positions",
@@ -116,7 +118,7 @@ def check_generation_window(
     tokens."""
     if limit is None or not prompts:
         return
-    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    longest = max(len(ids) for ids in encode(tokenizer, prompts))
     if longest + new_tokens > limit:
         raise ValueError(
             f"{name}: the longest prompt is {longest} tokens, and with {new_field} ({new_tokens}) generation needs "

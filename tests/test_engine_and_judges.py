@@ -78,7 +78,7 @@ def test_a_turn_ends_at_any_eos_of_the_generation_config(engine, static_cache):
     reason "stop", the completion cut after it, as with EOS)."""
     from transformers import GenerationConfig
 
-    from alignpipe.end_of_text import stop_token_ids
+    from alignpipe.special_tokens import stop_token_ids
 
     tok, greedy = engine.tok, SamplingParams(temperature=0, max_new_tokens=12)
     model = copy.deepcopy(engine.model)

@@ -106,34 +106,6 @@ def test_completion_only_loss_masks_prompt_tokens(data):
     )
 
 
-def test_a_rendered_end_of_turn_is_not_taught_twice(data):
-    """A chat template may end a turn with EOS and a newline (Qwen's `<|im_end|>` + newline): every trainer keeps that
-    ending as the template wrote it instead of appending a second EOS; a completion without EOS gets one. Here the
-    tiny tokenizer's EOS `<|end|>` stands for `<|im_end|>`."""
-    from alignpipe.trainers import dpo, kto, reward
-    from alignpipe.trainers.common import with_eos
-
-    tok, _, _ = data
-    eos = tok.eos_token_id
-    ids = tok("yes", add_special_tokens=False)["input_ids"]
-    newline = tok("\n", add_special_tokens=False)["input_ids"]
-    assert with_eos(ids + [eos] + newline, eos, tok) == ids + [eos] + newline
-    assert with_eos(ids + [eos], eos, tok) == ids + [eos]
-    assert with_eos(ids, eos, tok) == ids + [eos]
-    assert with_eos(ids + [eos] + ids, eos, tok) == ids + [eos] + ids + [eos], "EOS inside the text is not an ending"
-    assert with_eos(ids, None, tok) == ids
-
-    turn = {"prompt": "<|user|>hi<|end|><|assistant|>", "completion": "yes<|end|>\n"}
-    (row,) = sft.tokenize([turn], tok, 64, completion_only=True)
-    assert row["input_ids"][-2:] == [eos] + newline
-    (pair,) = dpo.tokenize([{"prompt": turn["prompt"], "chosen": "yes<|end|>\n", "rejected": "no"}], tok, 64)
-    assert pair["chosen_ids"][-2:] == [eos] + newline and pair["rejected_ids"][-1] == eos
-    (scored,) = reward.tokenize([{"prompt": turn["prompt"], "chosen": "yes<|end|>\n", "rejected": "no"}], tok, 64)
-    assert scored["chosen_ids"].count(eos) == 2 and scored["rejected_ids"][-1] == eos  # the prompt's and the reply's
-    (unpaired,) = kto.tokenize([{**turn, "label": True}], tok)
-    assert unpaired["completion_ids"][-2:] == [eos] + newline
-
-
 def test_gradient_accumulation_matches_one_big_batch(tiny, data, tmp_path):
     """Loss is averaged over all target tokens of a step, so 2×8 accumulated == 1×16."""
     tok, train, _ = data

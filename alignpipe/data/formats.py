@@ -24,6 +24,8 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from alignpipe.special_tokens import encode
+
 COMPLETION_COLUMNS = {
     "prompt_completion": ("completion",),
     "preference": ("chosen", "rejected"),
@@ -286,7 +288,11 @@ def _drop_long(rows: list[dict], fmt: str, tokenizer, max_length: int) -> tuple[
         return rows, 0
 
     def lengths(col: str, special: bool) -> list[int]:
-        return [len(x) for x in tokenizer([r[col] for r in rows], add_special_tokens=special)["input_ids"]]
+        texts = [r[col] for r in rows]
+        return [
+            len(x)
+            for x in (encode(tokenizer, texts) if special else tokenizer(texts, add_special_tokens=False)["input_ids"])
+        ]
 
     if fmt == "language_modeling":
         total = [n + 1 for n in lengths("text", True)]

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from alignpipe.end_of_text import stop_token_ids
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.host_reads import HostRead
 from alignpipe.modeling import mask_positions, under_attention_kernels
+from alignpipe.special_tokens import encode, stop_token_ids
 
 
 class HFEngine:
@@ -93,15 +93,11 @@ class HFEngine:
         return out
 
     def _encode(self, chunk: list):
-        """Texts are tokenized; token-id lists are left-padded as they are."""
+        """Texts are tokenized (one BOS, `special_tokens.encode`); token-id lists are left-padded as they are."""
         from transformers import BatchEncoding
 
         if chunk and isinstance(chunk[0], str):
-            side, self.tok.padding_side = self.tok.padding_side, "left"
-            try:
-                return self.tok(chunk, return_tensors="pt", padding=True)
-            finally:
-                self.tok.padding_side = side
+            chunk = encode(self.tok, chunk)
         n = max(len(ids) for ids in chunk)
         input_ids = torch.full((len(chunk), n), self.tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), n), dtype=torch.long)

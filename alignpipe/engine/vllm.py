@@ -18,9 +18,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from alignpipe.end_of_text import stop_token_ids
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.special_tokens import stop_token_ids
 
 
 class VLLMColocateEngine:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from accelerate.utils import send_to_device
 
-from alignpipe.end_of_text import text_with_eos
 from alignpipe.modeling import load_sequence_scorer, load_tokenizer, under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, common_prefixes, layout, pack_scored
+from alignpipe.special_tokens import encode, text_with_eos
+from alignpipe.trainers.common import pad_rows
 
 
 class RewardModelScorer:
@@ -31,24 +32,20 @@ class RewardModelScorer:
         texts = [text_with_eos(p + c, self.tok.eos_token) for p, c in zip(prompts, completions)]
         device = next(self.model.parameters()).device
         how = layout(self.model) if hasattr(self.model, "score") else None
-        side = self.tok.padding_side
-        self.tok.padding_side = "right"
         scores: list[float] = []
-        try:
-            for i in range(0, len(texts), self.batch_size):
-                chunk = texts[i : i + self.batch_size]
-                if how is not None:
-                    scores += self._packed(chunk, prompts[i : i + self.batch_size], how == "shared", device)
-                    continue
-                enc = self.tok(chunk, return_tensors="pt", padding=True).to(device)
-                scores += self.model(**enc).logits.squeeze(-1).float().tolist()
-        finally:
-            self.tok.padding_side = side
+        for i in range(0, len(texts), self.batch_size):
+            chunk = texts[i : i + self.batch_size]
+            if how is not None:
+                scores += self._packed(chunk, prompts[i : i + self.batch_size], how == "shared", device)
+                continue
+            ids, mask = pad_rows(encode(self.tok, chunk), self.tok.pad_token_id)  # right-padded
+            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            scores += out.logits.squeeze(-1).float().tolist()
         return scores
 
     def _packed(self, texts: list[str], prompts: list[str], share: bool, device) -> list[float]:
         """`texts` scored as one row of documents; with `share`, those of one prompt after their common prefix."""
-        seqs = self.tok(texts)["input_ids"]
+        seqs = encode(self.tok, texts)
         group = {p: g for g, p in enumerate(dict.fromkeys(prompts))}
         index = [group[p] for p in prompts]
         prefixes, rests = common_prefixes(seqs, index) if share else ([[] for _ in seqs], seqs)

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels, logprobs
-from alignpipe.end_of_text import with_eos
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers, runs
+from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers.common import (
     TrainLoop,
     TrainResult,
@@ -60,7 +60,7 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, max_prompt_length: in
     if not rows:
         return []
     eos = tokenizer.eos_token_id
-    prompts = tokenizer([r.get("prompt", "") for r in rows])["input_ids"]
+    prompts = encode(tokenizer, [r.get("prompt", "") for r in rows])
     chosen = tokenizer([r["chosen"] for r in rows], add_special_tokens=False)["input_ids"]
     rejected = tokenizer([r["rejected"] for r in rows], add_special_tokens=False)["input_ids"]
     out = []

@@ -42,7 +42,7 @@ from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
-from alignpipe.trainers.online import extra_columns, print_samples
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +245,7 @@ class GRPORun:
         return self.loop.model, self.loop.unwrapped.disable_adapter()
 
     def encode_prompts(self, rows: list[dict]) -> list[list[int]]:
-        ids = self.tokenizer([r["prompt"] for r in rows])["input_ids"]
-        return [x[-self.cfg.max_prompt_length :] if self.cfg.max_prompt_length else x for x in ids]
+        return prompt_ids(self.tokenizer, rows, self.cfg.max_prompt_length)
 
     def logps_of(self, model, batch: GRPORollout, context) -> torch.Tensor:
         """Log-probs of every completion of `batch` under `model` (no grad), micro-batch by micro-batch, the LM head's

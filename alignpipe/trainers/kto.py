@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels
-from alignpipe.end_of_text import with_eos
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
+from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
@@ -51,7 +51,7 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
                 "(produce it with a `format: unpaired` stage)"
             )
     eos = tokenizer.eos_token_id
-    prompts = tokenizer([r.get("prompt", "") for r in rows])["input_ids"]
+    prompts = encode(tokenizer, [r.get("prompt", "") for r in rows])
     completions = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
     out = []
     for p, c, r in zip(prompts, completions, rows):

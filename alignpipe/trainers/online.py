@@ -12,6 +12,14 @@ def extra_columns(rows: list[dict]) -> dict[str, list]:
     return {k: [r.get(k) for r in rows] for k in rows[0] if k not in TEXT_COLUMNS} if rows else {}
 
 
+def prompt_ids(tokenizer, rows: list[dict], max_prompt_length: int | None) -> list[list[int]]:
+    """Each row's prompt as token ids (one BOS, `special_tokens.encode`), only its last `max_prompt_length` kept."""
+    from alignpipe.special_tokens import encode
+
+    ids = encode(tokenizer, [r["prompt"] for r in rows])
+    return [x[-max_prompt_length:] if max_prompt_length else x for x in ids]
+
+
 def print_samples(rows: list[dict], title: str) -> None:
     """A rich table of (prompt, completion, reward) on stdout, which the stage streams to Prefect's log."""
     from rich.console import Console

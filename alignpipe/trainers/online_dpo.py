@@ -36,7 +36,7 @@ from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import OnlineDPOConfig
 from alignpipe.trainers.grpo import greedy_reward
-from alignpipe.trainers.online import extra_columns, print_samples
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
 
 
 @dataclass
@@ -162,8 +162,7 @@ class OnlineDPORun:
     seed: int
 
     def encode(self, batch_rows: list[dict]) -> list[list[int]]:
-        ids = self.tokenizer([r["prompt"] for r in batch_rows])["input_ids"]
-        return [x[-self.cfg.max_prompt_length :] if self.cfg.max_prompt_length else x for x in ids]
+        return prompt_ids(self.tokenizer, batch_rows, self.cfg.max_prompt_length)
 
     def reference(self):
         """The reference model and the context it runs in."""

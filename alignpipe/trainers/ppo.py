@@ -70,7 +70,7 @@ from alignpipe.trainers.common import (
     to_device,
 )
 from alignpipe.trainers.configs import PPOConfig
-from alignpipe.trainers.online import extra_columns, print_samples
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
 from alignpipe.trainers.ppo_controls import (
     KLController,
     RunningMoments,
@@ -314,10 +314,7 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     Returns the rollout, the generations and each reward function's scores."""
     cfg, device, tok = run.cfg, run.acc.device, run.tokenizer
     unwrapped = run.unwrapped
-    prompts = [
-        x[-cfg.max_prompt_length :] if cfg.max_prompt_length else x
-        for x in tok([r["prompt"] for r in batch_rows])["input_ids"]
-    ]
+    prompts = prompt_ids(tok, batch_rows, cfg.max_prompt_length)
     run.engine.update_weights(unwrapped.policy)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     gens = run.engine.generate(prompts, 1, sampling, seed=run.seed + update_index)

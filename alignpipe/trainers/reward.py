@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from alignpipe.end_of_text import with_eos
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, layout, pack_scored, runs
+from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import RewardConfig
 
@@ -38,7 +38,7 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, use_margin: bool = Tr
 
     def ids(col: str) -> list[list[int]]:
         texts = [row.get("prompt", "") + row[col] for row in rows]
-        return [with_eos(seq, eos, tokenizer) for seq in tokenizer(texts)["input_ids"]]
+        return [with_eos(seq, eos, tokenizer) for seq in encode(tokenizer, texts)]
 
     chosen, rejected = ids("chosen"), ids("rejected")
     out = []

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from alignpipe.attention import document_kwargs, document_offsets
-from alignpipe.end_of_text import with_eos
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
+from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device
 from alignpipe.trainers.configs import SFTConfig
 
@@ -48,11 +48,11 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool
     eos = tokenizer.eos_token_id
     out = []
     if "text" in rows[0]:
-        for ids in tokenizer([r["text"] for r in rows])["input_ids"]:
+        for ids in encode(tokenizer, [r["text"] for r in rows]):
             ids = with_eos(ids, eos, tokenizer)[:max_length]
             out.append({"input_ids": ids, "labels": list(ids)})
         return out
-    prompts = tokenizer([r["prompt"] for r in rows])["input_ids"]
+    prompts = encode(tokenizer, [r["prompt"] for r in rows])
     completions = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
     for p, c in zip(prompts, completions):
         c = with_eos(c, eos, tokenizer)

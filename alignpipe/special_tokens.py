@@ -1,6 +1,18 @@
-"""Where a text ends: the EOS a trainer appends to what it learns, and the tokens that end a generated completion."""
+"""Special tokens at a text's ends: one BOS where a chat template already wrote its own, the EOS a trainer appends
+to what it learns, and the tokens that end a generated completion."""
 
 from __future__ import annotations
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of `texts` with the tokenizer's special tokens (Llama's and Gemma's BOS), but one BOS only where a
+    text starts with its own: a chat template writes `<|begin_of_text|>` / `<bos>` into the rendered prompt, and the
+    tokenizer would add a second (TRL tokenizes such prompts without special tokens for the same reason)."""
+    rows = tokenizer(texts)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return rows
+    return [row[1:] if len(row) > 1 and row[0] == bos and row[1] == bos else row for row in rows]
 
 
 def with_eos(ids: list[int], eos: int | None, tokenizer) -> list[int]:
