@@ -191,3 +191,30 @@ def test_truncate_prompts_is_for_plain_prompt_only_data(tiny):
     for fields in ("format: prompt_completion", "format: prompt_only, chat_template: true"):
         with pytest.raises(RecipeError, match="truncate_prompts cuts plain prompt_only prompts"):
             parse_recipe(head + f"stages:\n  - {{id: p, kind: format, dataset: d, {fields}, truncate_prompts: 8}}\n")
+
+
+def test_preference_rows_without_a_prompt_split_off_their_shared_start(tiny):
+    """Anthropic/hh-rlhf gives two whole dialogues that differ in the last reply and no prompt column: the shared
+    start is the prompt (TRL's `extract_prompt` rule, the space before the answers going with them), so DPO's
+    rewards and KTO's completions are about the replies, not the dialogue."""
+    from alignpipe.data.formats import implicit_prompt
+
+    tok = load_tokenizer(str(tiny / "model"))
+    hh = {"chosen": "\n\nHuman: hi\n\nAssistant: hello there", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}
+    (row,), _, _ = format_rows([hh], fmt="preference", tokenizer=tok, eval_fraction=0)
+    assert row == {"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " hello there", "rejected": " go away"}
+    rows, _, _ = format_rows([hh], fmt="unpaired", tokenizer=tok, eval_fraction=0, shuffle=False)
+    assert [(r["prompt"], r["completion"], r["label"]) for r in rows] == [
+        ("\n\nHuman: hi\n\nAssistant:", " hello there", True),
+        ("\n\nHuman: hi\n\nAssistant:", " go away", False),
+    ]
+    user = {"role": "user", "content": "hi"}
+    convo = {
+        "chosen": [user, {"role": "assistant", "content": "yo"}],
+        "rejected": [user, {"role": "assistant", "content": "no"}],
+    }
+    (row,), _, _ = format_rows([convo], fmt="preference", tokenizer=tok, chat_template=True, eval_fraction=0)
+    assert row == {"prompt": "<|user|>hi<|end|><|assistant|>", "chosen": "yo<|end|>", "rejected": "no<|end|>"}
+    assert implicit_prompt({"prompt": "q", "chosen": "a b", "rejected": "a c"})["prompt"] == "q", "a prompt is kept"
+    assert implicit_prompt({"chosen": "abc", "rejected": "ab"}) == {"chosen": "abc", "rejected": "ab"}
+    assert implicit_prompt({"chosen": "x", "rejected": "y"}) == {"chosen": "x", "rejected": "y"}

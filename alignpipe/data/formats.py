@@ -45,6 +45,26 @@ class MissingColumnError(ValueError):
         super().__init__(f"row {row} has no {column!r} (its columns with a value: {', '.join(columns) or 'none'})")
 
 
+def implicit_prompt(row: dict) -> dict:
+    """A preference row without a prompt whose chosen and rejected answers start alike (Anthropic's hh-rlhf: two whole
+    dialogues differing in the last reply): the shared start becomes the prompt, as TRL's `extract_prompt` splits it.
+    Texts split at the first differing character (a space before it goes with the answers); conversations after the
+    last shared message. Rows with a prompt, or nothing shared, are returned as they are."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if row.get("prompt") or chosen is None or rejected is None or type(chosen) is not type(rejected):
+        return row
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    if isinstance(chosen, str):
+        n = n - 1 if 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " " else n
+    if n == 0 or n >= min(len(chosen), len(rejected)):  # nothing shared, or one answer is the other's start
+        return row
+    return {**row, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
 def unpair(rows: list[dict]) -> list[dict]:
     """Rows for the `unpaired` format: (prompt, completion, label) rows as they are, with `label` checked to be a
     boolean; preference rows split into (prompt, chosen, true) and (prompt, rejected, false)."""
@@ -238,6 +258,8 @@ def format_rows(
         random.Random(seed).shuffle(rows)
     if max_rows:
         rows = rows[:max_rows]
+    if fmt in ("preference", "unpaired"):
+        rows = [implicit_prompt(r) for r in rows]
     if fmt == "unpaired":
         rows = unpair(rows)
     renderer = Renderer(tokenizer, chat_template, system_prompt)
