@@ -15,6 +15,20 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [row[1:] if len(row) > 1 and row[0] == bos and row[1] == bos else row for row in rows]
 
 
+def encode_with_offsets(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """`encode`, with each token's [start, end) characters in its text (special tokens: (0, 0)); fast tokenizers only."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer: character offsets need a fast one")
+    enc = tokenizer(texts, return_offsets_mapping=True)
+    bos = tokenizer.bos_token_id
+    ids, offsets = [], []
+    for row, spans in zip(enc["input_ids"], enc["offset_mapping"]):
+        cut = 1 if bos is not None and len(row) > 1 and row[0] == bos and row[1] == bos else 0
+        ids.append(row[cut:])
+        offsets.append([tuple(s) for s in spans[cut:]])
+    return ids, offsets
+
+
 def with_eos(ids: list[int], eos: int | None, tokenizer) -> list[int]:
     """`ids` ending in EOS: unchanged when they end with it already, or with it and then only whitespace (a chat
     template's newline after its end-of-turn token, as Qwen's `<|im_end|>` + newline with the instruct tokenizer), so

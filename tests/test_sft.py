@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -104,6 +105,61 @@ def test_completion_only_loss_masks_prompt_tokens(data):
     assert all(len(b["input_ids"]) <= 64 for b in packed) and sum(len(b["labels"]) for b in packed) == sum(
         len(r["labels"]) for r in rows
     )
+
+
+CONVERSATION = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "done"},
+]
+
+
+def test_assistant_only_loss_trains_every_reply_of_a_conversation_and_nothing_else(tiny):
+    """A two-reply conversation formatted as language_modeling: the labelled tokens are exactly both replies with the
+    end-of-turn after each (the user turns and the template's role markers are -100), as TRL's assistant_only_loss."""
+    from alignpipe.data.formats import format_rows
+    from alignpipe.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny / "model"))
+    rows, _, _ = format_rows([{"messages": CONVERSATION}], fmt="language_modeling", tokenizer=tok, eval_fraction=0)
+    (row,) = rows
+    assert [row["text"][a:b] for a, b in row["assistant_spans"]] == ["yo<|end|>", "done<|end|>"]
+    (ex,) = sft.tokenize(rows, tok, 64, completion_only=True, assistant_only=True)
+    assert ex["input_ids"] == sft.tokenize(rows, tok, 64, completion_only=True)[0]["input_ids"], "same tokens"
+    trained = [t for t, label in zip(ex["input_ids"], ex["labels"]) if label != sft.IGNORE]
+    assert tok.decode(trained) == "yo<|end|>done<|end|>"
+    assert [label for label in ex["labels"] if label != sft.IGNORE] == trained
+    (plain,) = sft.tokenize(rows, tok, 64, completion_only=True)
+    assert sft.IGNORE not in plain["labels"], "without it, every token trains"
+    with pytest.raises(ValueError, match="assistant_only_loss needs conversations"):
+        sft.tokenize([{"text": "plain text"}], tok, 64, completion_only=True, assistant_only=True)
+
+
+def test_assistant_only_loss_runs_and_is_checked_against_the_data_format(tiny, tmp_path):
+    from alignpipe.data.formats import format_rows
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.recipe.errors import RecipeError
+
+    tok = load_tokenizer(str(tiny / "model"))
+    convos = [{"messages": [CONVERSATION[0], {"role": "assistant", "content": "yo " * (1 + i % 3)}]} for i in range(16)]
+    rows, _, _ = format_rows(convos, fmt="language_modeling", tokenizer=tok, eval_fraction=0)
+    cfg = SFTConfig(max_steps=3, batch_size=4, assistant_only_loss=True, packing=True, max_length=64, logging_every=1)
+    result = sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, rows, [], Tracker(), tmp_path, 0)
+    assert result.metrics["train/loss"] > 0
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convos))
+    head = f"name: c\nmodel: {{path: {tiny / 'model'}}}\ndatasets:\n  chats: {{path: {data}}}\nstages:\n"
+    sft_stage = "  - {id: sft, kind: sft, data: chats-data, assistant_only_loss: true}\n"
+    parse_recipe(head + "  - {id: chats-data, kind: format, dataset: chats, format: language_modeling}\n" + sft_stage)
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(
+            head + "  - {id: chats-data, kind: format, dataset: chats, format: prompt_completion}\n" + sft_stage
+        )
+    assert "assistant_only_loss trains on the assistant replies of whole conversations" in str(err.value)
+    assert "set `format: language_modeling` on stage 'chats-data'" in str(err.value)
 
 
 def test_gradient_accumulation_matches_one_big_batch(tiny, data, tmp_path):

@@ -142,9 +142,10 @@ def test_a_shipped_recipe_runs_end_to_end_shrunk(name, prefect_harness, tiny, tm
         return datasets.load_from_disk(status[stage]["output"])["train"].to_list()
 
     tok = load_tokenizer(str(tiny / "model"))
-    if name == "qwen2.5-0.5b-chat-sft.yaml":  # every turn before the last reply is prompt, the reply the completion
+    if name == "qwen2.5-0.5b-chat-sft.yaml":  # whole conversations, both replies of each found for the loss
         row = rows("chat-data")[0]
-        assert row["prompt"].count("<|user|>") == 2 and row["completion"].count("<|end|>") == 1
+        replies = [row["text"][a:b] for a, b in row["assistant_spans"]]
+        assert len(replies) == 2 and all(r.endswith("<|end|>") and "<|" not in r[: -len("<|end|>")] for r in replies)
     if name == "qwen2.5-0.5b-ultrafeedback-dpo.yaml":
         # every row formats: `messages` gives the SFT pairs, the conversations the preference pairs
         assert (len(rows("sft-data")), len(rows("pref-data"))) == (54, 59)  # eval_fraction 0.1 and 0.02

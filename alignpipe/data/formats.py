@@ -38,7 +38,7 @@ class LabelError(ValueError):
 
 
 class MissingColumnError(ValueError):
-    """A row without a column its format needs (datasets whose rows differ, or a `messages` row without a reply)."""
+    """A row without a value its format needs (`datasets` gives null where a row of a JSON-lines file lacks a field)."""
 
     def __init__(self, row: int, column: str, columns: list[str]):
         self.row, self.column, self.columns = row, column, columns
@@ -183,6 +183,24 @@ class Renderer:
             return self.tok.apply_chat_template(row["messages"], tokenize=False)
         return row["text"]
 
+    def assistant_spans(self, messages: list[dict], text: str) -> list[list[int]]:
+        """[start, end) character offsets in `text` (the whole conversation rendered) of each assistant reply with the
+        end-of-turn the template writes after it: for reply i, from the end of the conversation before it (with the
+        generation prompt) to the end of the conversation up to it. What SFT's `assistant_only_loss` trains on."""
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            before = self.tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            upto = self.tok.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not (text.startswith(before) and text.startswith(upto) and len(before) <= len(upto)):
+                raise ValueError(
+                    "the chat template renders a conversation differently in part and in whole; cannot find its "
+                    "assistant replies (use `format: prompt_completion` to train on the last reply only)"
+                )
+            spans.append([len(before), len(upto)])
+        return spans
+
 
 def to_format(row: dict, fmt: str, r: Renderer) -> dict:
     """One raw row (canonical column names) → one row of `fmt`."""
@@ -190,7 +208,10 @@ def to_format(row: dict, fmt: str, r: Renderer) -> dict:
     if "answer" in row:
         extra["answer"] = row["answer"]
     if fmt == "language_modeling":
-        return {"text": r.text(row), **extra}
+        text = r.text(row)
+        if row.get("messages"):
+            return {"text": text, "assistant_spans": r.assistant_spans(row["messages"], text), **extra}
+        return {"text": text, **extra}
     msgs = row.get("messages")
     if msgs and fmt == "prompt_only" and "prompt" not in row:
         row = {**row, "prompt": msgs[:-1] if msgs[-1].get("role") == "assistant" else msgs}

@@ -64,6 +64,7 @@ class HFEngine:
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         stops = stop_token_ids(self.tok, self.model)
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
         was_training = self.model.training
         self.model.eval()
         out: list[Generation] = []
@@ -76,7 +77,7 @@ class HFEngine:
                     enc["input_ids"].to(device),
                     enc["attention_mask"].to(device),
                     sampling,
-                    torch.tensor(stops, device=device),
+                    stop_ids,
                     self.tok.pad_token_id,
                     generator,
                 )

@@ -63,6 +63,24 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
     return problems
 
 
+def _check_assistant_only(s, i: int, by_id: dict) -> list[Problem]:
+    """`assistant_only_loss` reads the reply spans a `language_modeling` format stage records for conversations."""
+    data = by_id.get(getattr(s, "data", None))
+    if not (isinstance(s, SFTStage) and s.assistant_only_loss and isinstance(data, FormatStage)):
+        return []
+    if data.format == "language_modeling":
+        return []
+    return [
+        Problem(
+            ("stages", i, "assistant_only_loss"),
+            f"assistant_only_loss trains on the assistant replies of whole conversations, but format stage "
+            f"{data.id!r} produces {data.format} data",
+            f"set `format: language_modeling` on stage {data.id!r} (its dataset needs a `messages` column), or drop "
+            "assistant_only_loss (prompt_completion data trains on its completions with completion_only_loss)",
+        )
+    ]
+
+
 def _check_ids(recipe) -> list[Problem]:
     problems: list[Problem] = []
     seen: dict[str, int] = {}
@@ -149,6 +167,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
         problems += _check_generation_groups(s, i)
         problems += _check_strategy(s, i)
         problems += _check_devices(s, i)
+        problems += _check_assistant_only(s, i, by_id)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
             problems.append(
                 Problem(

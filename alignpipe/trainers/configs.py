@@ -99,6 +99,10 @@ class SFTConfig(TrainingArgs):
 
     completion_only_loss: bool = True
     """For prompt-completion data, compute the loss on completion tokens only."""
+    assistant_only_loss: bool = False
+    """For conversations (`language_modeling` data formatted from a `messages` column), compute the loss on the
+    assistant replies only, each with the end-of-turn its template writes after it: every reply of a multi-turn
+    conversation trains, no user or system turn does (TRL's `assistant_only_loss`). Needs a fast tokenizer."""
     neftune_noise_alpha: float | None = Field(None, gt=0)
     """NEFTune: uniform noise of magnitude alpha / sqrt(length × hidden) on the input embeddings in training only
     (Jain et al. 2023 use 5); null disables."""

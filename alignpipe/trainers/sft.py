@@ -1,7 +1,8 @@
 """Supervised fine-tuning, following the design of TRL's SFTTrainer.
 
 Data: `language_modeling` rows (`text`) or `prompt_completion` rows (`prompt`, `completion`). EOS is
-appended to every sequence. With `completion_only_loss` the prompt tokens get label -100.
+appended to every sequence. With `completion_only_loss` the prompt tokens get label -100; with `assistant_only_loss`
+(conversations) every token outside the assistant replies does.
 
 Departures from TRL, on purpose:
 - The loss is averaged over *all* target tokens of the optimizer step (across gradient-accumulation
@@ -33,7 +34,7 @@ from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
-from alignpipe.special_tokens import encode, with_eos
+from alignpipe.special_tokens import encode, encode_with_offsets, with_eos
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device
 from alignpipe.trainers.configs import SFTConfig
 
@@ -41,12 +42,16 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 
 
-def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool) -> list[dict]:
+def tokenize(
+    rows: list[dict], tokenizer, max_length: int, completion_only: bool, assistant_only: bool = False
+) -> list[dict]:
     """Rows → `{"input_ids", "labels"}` lists, truncated to `max_length`, EOS appended."""
     if not rows:
         return []
     eos = tokenizer.eos_token_id
     out = []
+    if "text" in rows[0] and assistant_only:
+        return assistant_labels(rows, tokenizer, max_length)
     if "text" in rows[0]:
         for ids in encode(tokenizer, [r["text"] for r in rows]):
             ids = with_eos(ids, eos, tokenizer)[:max_length]
@@ -59,6 +64,27 @@ def tokenize(rows: list[dict], tokenizer, max_length: int, completion_only: bool
         ids = (p + c)[:max_length]
         labels = ([IGNORE] * len(p) + c)[:max_length] if completion_only else list(ids)
         out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def assistant_labels(rows: list[dict], tokenizer, max_length: int) -> list[dict]:
+    """Conversation rows (`text` with `assistant_spans`, from a format stage) → ids labelled on the tokens that
+    overlap an assistant reply's characters, -100 elsewhere; an appended EOS is labelled when the token before it is."""
+    if any(not r.get("assistant_spans") for r in rows):
+        raise ValueError(
+            "assistant_only_loss needs conversations: `language_modeling` rows formatted from a `messages` column "
+            "(each row then carries the character spans of its assistant replies); these rows have none. Format the "
+            "data from `messages`, or use `prompt_completion` data with `completion_only_loss`"
+        )
+    eos = tokenizer.eos_token_id
+    out = []
+    for row, (ids, offsets) in zip(rows, zip(*encode_with_offsets(tokenizer, [r["text"] for r in rows]))):
+        spans = row["assistant_spans"]
+        labels = [t if any(s < b and e > a for a, b in spans) else IGNORE for t, (s, e) in zip(ids, offsets)]
+        full = with_eos(ids, eos, tokenizer)
+        if len(full) > len(ids):
+            labels.append(eos if labels and labels[-1] != IGNORE else IGNORE)
+        out.append({"input_ids": full[:max_length], "labels": labels[:max_length]})
     return out
 
 
@@ -206,8 +232,8 @@ def train(
 ) -> TrainResult:
     seed = resolve_seed(cfg.seed, seed)
     pad_id = tokenizer.pad_token_id
-    train_ex = tokenize(train_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
-    eval_ex = tokenize(eval_rows, tokenizer, cfg.max_length, cfg.completion_only_loss)
+    how = (cfg.max_length, cfg.completion_only_loss, cfg.assistant_only_loss)
+    train_ex, eval_ex = tokenize(train_rows, tokenizer, *how), tokenize(eval_rows, tokenizer, *how)
     if cfg.packing:
         train_ex = pack(train_ex, cfg.max_length, cfg.packing_strategy)
     free = layout(model) is not None  # unpacked rows too run as one block of documents on such a kernel
