@@ -46,24 +46,69 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
+    discopop_tau: float = 0.05,
 ):
-    """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected.
-    `*_lengths` (completion token counts) are needed for `ipo`."""
+    """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected, each loss a
+    function of its own pair (TRL 1.16's formulas; `DPOConfig.loss_type` names the papers). `*_lengths`
+    (completion token counts) are needed for `ipo` and `sigmoid_norm`."""
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
     delta = chosen_ratio - rejected_ratio
+    chosen_reward, rejected_reward = beta * chosen_ratio, beta * rejected_ratio
+    if loss_type in ("ipo", "sigmoid_norm"):
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"{loss_type} needs the completion lengths")
+        per_token = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * delta)
     elif loss_type == "ipo":
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("ipo needs the completion lengths")
-        avg = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
-        losses = (avg - 1 / (2 * beta)) ** 2
+        losses = (per_token - 1 / (2 * beta)) ** 2
+    elif loss_type == "sigmoid_norm":
+        losses = -F.logsigmoid(beta * per_token)
+    elif loss_type == "robust":
+        clean, flipped = -F.logsigmoid(beta * delta), -F.logsigmoid(-beta * delta)
+        losses = ((1 - label_smoothing) * clean - label_smoothing * flipped) / (1 - 2 * label_smoothing)
+    elif loss_type == "exo_pair":
+        eps = torch.tensor(label_smoothing, dtype=delta.dtype, device=delta.device)
+        won, lost = F.logsigmoid(beta * delta), F.logsigmoid(-beta * delta)
+        losses = won.exp() * (won - torch.log1p(-eps)) + lost.exp() * (lost - torch.log(eps))
+    elif loss_type == "nca_pair":
+        losses = (
+            -F.logsigmoid(chosen_reward) - 0.5 * F.logsigmoid(-chosen_reward) - 0.5 * F.logsigmoid(-rejected_reward)
+        )
+    elif loss_type == "bco_pair":
+        losses = -F.logsigmoid(chosen_reward) - F.logsigmoid(-rejected_reward)
+    elif loss_type == "sppo_hard":
+        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        losses = 1 - torch.sigmoid(chosen_reward) + torch.sigmoid(rejected_reward)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(chosen_reward) + 1 - torch.sigmoid(beta * delta)
+    elif loss_type == "discopop":
+        logits = beta * delta
+        mix = torch.sigmoid(logits / discopop_tau)
+        losses = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use sigmoid, ipo or hinge")
-    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(DPO_LOSS_TYPES)}")
+    return losses, chosen_reward.detach(), rejected_reward.detach()
+
+
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "sigmoid_norm",
+    "robust",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+)
 
 
 def kto_loss(

@@ -87,8 +87,13 @@ def test_no_grad_and_a_frozen_head_form_only_what_is_wanted():
         {"loss_type": "ipo"},
         {"loss_type": "hinge"},
         {"label_smoothing": 0.1},
+        {"loss_type": "exo_pair", "label_smoothing": 1e-3},
+        {"loss_type": "sigmoid_norm"},
+        {"loss_type": "apo_down"},
+        {"loss_type": "discopop", "discopop_tau": 0.5},  # its default 0.05 multiplies the chunked head's float32
+        # rounding by 20 in the mixing weight: 4e-7 off in this float64 comparison, past its 1e-7
     ],
-    ids=["sigmoid", "rpo", "ipo", "hinge", "cdpo"],
+    ids=["sigmoid", "rpo", "ipo", "hinge", "cdpo", "exo", "sigmoid_norm", "apo_down", "discopop"],
 )
 def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, monkeypatch, overrides):
     """One DPO batch through the fused loss and through the chunked, recomputed head: the same loss, metrics and

@@ -259,7 +259,14 @@ def test_dpo_beta_must_be_positive(tiny, edit, expected):
 
 def test_dpo_unknown_loss_type(tiny):
     msg = problems_of(dpo_recipe(tiny).replace("loss_type: sigmoid", "loss_type: kto"))
-    assert "stages[5].loss_type" in msg and "'sigmoid', 'ipo' or 'hinge'" in msg
+    assert "stages[5].loss_type" in msg and "'apo_down' or 'discopop'" in msg
+
+
+def test_dpo_loss_types_that_read_label_smoothing(tiny):
+    msg = problems_of(dpo_recipe(tiny).replace("loss_type: sigmoid", "loss_type: exo_pair"))
+    assert "loss_type 'exo_pair' needs label_smoothing > 0" in msg and "the EXO paper uses 1e-3" in msg
+    msg = problems_of(dpo_recipe(tiny).replace("loss_type: sigmoid", "loss_type: hinge\n    label_smoothing: 0.1"))
+    assert "label_smoothing applies to loss_type sigmoid, robust and exo_pair only (got 'hinge')" in msg
 
 
 def test_dpo_model_must_be_a_causal_lm(tiny):

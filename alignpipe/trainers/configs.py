@@ -132,11 +132,34 @@ class DPOConfig(TrainingArgs):
     """Peak learning rate of AdamW (TRL's default; LoRA usually wants ~10× more)."""
     beta: float = Field(0.1, gt=0)
     """Strength of the implicit KL constraint to the reference (IPO: the regularisation τ)."""
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """sigmoid: DPO (Rafailov et al. 2023); ipo: IPO (Azar et al. 2023), length-normalised as TRL;
-    hinge: SLiC (Zhao et al. 2023)."""
+    loss_type: Literal[
+        "sigmoid",
+        "hinge",
+        "ipo",
+        "sigmoid_norm",
+        "robust",
+        "exo_pair",
+        "nca_pair",
+        "bco_pair",
+        "sppo_hard",
+        "apo_zero",
+        "apo_down",
+        "discopop",
+    ] = "sigmoid"
+    """The pair's loss, each as TRL 1.16 computes it (tested against TRL's): sigmoid: DPO (Rafailov et al. 2023);
+    hinge: SLiC (Zhao et al. 2023); ipo: IPO (Azar et al. 2023), log-ratios per completion token as TRL;
+    sigmoid_norm: DPO on those per-token log-ratios; robust: rDPO (Chowdhury et al. 2024), unbiased under
+    `label_smoothing` flipped labels; exo_pair: EXO (Ji et al. 2024), needs `label_smoothing` > 0 (the paper uses
+    1e-3); nca_pair: NCA (Chen et al. 2024); bco_pair: BCO's pairwise form (Jung et al. 2024); sppo_hard: SPPO with
+    hard labels (Wu et al. 2024); apo_zero / apo_down: APO (D'Oosterlinck et al. 2024), for chosen answers better /
+    worse than the model's own; discopop: DiscoPOP (Chris Lu et al. 2024), see `discopop_tau`. TRL's batch-sorted
+    `aot` losses are not offered: they couple the pairs of a batch, and the fused head computes a few pairs at a time."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """Conservative DPO (cDPO): assumed probability that a preference label is flipped (sigmoid only)."""
+    """Assumed probability that a preference label is flipped: conservative DPO (cDPO) with sigmoid, rDPO's
+    correction with robust, EXO's ε with exo_pair; other loss types take none."""
+    discopop_tau: float = Field(0.05, gt=0)
+    """DiscoPOP's temperature: how fast the loss blends from logistic to exponential as the margin grows (TRL's
+    default)."""
     rpo_alpha: float | None = Field(None, ge=0)
     """Adds rpo_alpha × NLL of the chosen completion (RPO, Pang et al. 2024); null disables."""
     reference_free: bool = False
@@ -156,9 +179,14 @@ class DPOConfig(TrainingArgs):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.label_smoothing and self.loss_type != "sigmoid":
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "exo_pair"):
             raise ValueError(
-                f"label_smoothing applies to loss_type 'sigmoid' only (got {self.loss_type!r}); set it to 0"
+                f"label_smoothing applies to loss_type sigmoid, robust and exo_pair only (got {self.loss_type!r}); "
+                "set it to 0"
+            )
+        if self.loss_type == "exo_pair" and not self.label_smoothing:
+            raise ValueError(
+                "loss_type 'exo_pair' needs label_smoothing > 0 (its ε; log ε is infinite at 0); the EXO paper uses 1e-3"
             )
         if self.reference_free and self.precompute_ref_logps:
             raise ValueError(

@@ -319,6 +319,7 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
             cfg.label_smoothing,
             lengths[0][pairs],
             lengths[1][pairs],
+            cfg.discopop_tau,
         )
 
     fused = fused_pair_loss(model, batch, losses_of, cfg) if cfg.fused_loss else None
