@@ -152,13 +152,35 @@ def per_token_loss(
     epsilon_high: float,
     beta: float,
     kl_correction: bool = True,
+    mask: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
+    loss_type: str = "dapo",
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ):
-    """Clipped surrogate (+ β·k3 KL, times the ratio with `kl_correction`) per token, (B, C); also the
-    ratio and the KL term (or None)."""
+    """The policy loss per token, (B, C) (+ β·k3 KL, times the ratio with `kl_correction`); also the importance ratio
+    π/π_old ((B, C), or (B, 1) at the sequence level) and the KL term (or None). As TRL 1.16's GRPOTrainer:
+    - the ratio per token, or with `importance_sampling_level: sequence` (GSPO) one per completion, the exponential
+      of its mean token log-ratio under `mask`;
+    - the clipped surrogate −min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A) (grpo, bnpo, dr_grpo, dapo, luspo);
+    - cispo: −sg(min(ρ, ε_high))·A·log π, the clipped ratio a constant weight on the policy gradient (MiniMax-M1);
+    - sapo: −(4/τ)·σ(τ(ρ − 1))·A, a soft gate instead of the clip, τ by the sign of A (`sapo_temperatures`:
+      positive, non-positive)."""
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if importance_sampling_level == "sequence":
+        if mask is None:
+            raise ValueError("sequence-level importance sampling needs the completion mask")
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1)
-    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        pos, neg = sapo_temperatures
+        temperature = torch.where(adv > 0, pos, neg)
+        loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
+    else:
+        loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -179,15 +201,21 @@ def aggregate(
     accumulation: int,
 ) -> torch.Tensor:
     """One micro-batch's contribution to the step loss (already divided for accumulation)."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if loss_type == "luspo":  # each completion's summed loss: GSPO weighted by length
+        return (loss * mask).sum(-1).mean() / accumulation
     if loss_type == "bnpo":
         return (loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
     if loss_type == "dr_grpo":
         return (loss * mask).sum() / (loss.size(0) * max_completion_length) / accumulation
-    if loss_type == "dapo":
+    if loss_type in STEP_TOKEN_NORMALISED:
         return (loss * mask).sum() / max(1.0, step_tokens_per_process)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+STEP_TOKEN_NORMALISED = ("dapo", "cispo")
+"""GRPO loss types whose micro-batch losses are shares of the whole step's (divided by its token count)."""
 
 
 # --- RLOO -----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from alignpipe.launch import free_port
 from alignpipe.logprobs import shared_prefix_hidden, shared_prompt_logprobs, token_logprobs, worth_sharing
 from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean
 from alignpipe.trainers import grpo
+from alignpipe.trainers.configs import GRPOConfig
 
 TOL = 1e-5
 
@@ -248,9 +249,20 @@ def test_group_advantages_equal_trl(scale):
 
 
 @pytest.mark.parametrize(
-    "loss_type,kl_correction", [("grpo", True), ("bnpo", True), ("dr_grpo", False), ("dapo", True), ("dapo", False)]
+    "loss_type,kl_correction,level,eps_high",
+    [
+        ("grpo", True, "token", 0.28),
+        ("bnpo", True, "token", 0.28),
+        ("dr_grpo", False, "token", 0.28),
+        ("dapo", True, "token", 0.28),
+        ("dapo", False, "token", 0.28),
+        ("grpo", True, "sequence", 0.28),  # GSPO
+        ("luspo", True, "sequence", 0.28),
+        ("cispo", True, "token", 0.25),  # ε_max: a bound some of these ratios (0.17 to 0.3) pass
+        ("sapo", True, "token", 0.28),
+    ],
 )
-def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction):
+def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -269,9 +281,10 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         loss_type=loss_type,
         beta=0.04,
         epsilon=0.2,
-        epsilon_high=0.28,
+        epsilon_high=eps_high,
         max_completion_length=C,
         use_bias_correction_kl=kl_correction,
+        importance_sampling_level=level,
     )
     trainer = trl.GRPOTrainer(
         model=model,
@@ -309,23 +322,34 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             device="cpu",
             mask=mask.float(),
         )
+        m = mask.float()
         ptl, ratio, kl = losses.per_token_loss(
             logps,
             inputs["old_per_token_logps"],
             inputs["ref_per_token_logps"],
             inputs["advantages"],
             0.2,
-            0.28,
+            eps_high,
             0.04,
             kl_correction,
+            m,
+            level,
+            loss_type,
         )
-        m = mask.float()
         loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
+        cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level)
+        ours = grpo.ratio_metrics(cfg, ratio, inputs["advantages"], eps_high, m)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
     assert float(masked_mean(kl, m)) == pytest.approx(trl_metrics["kl"], abs=1e-4)
     assert float(masked_mean(entropy, m)) == pytest.approx(trl_metrics["entropy"], abs=1e-4)
-    low = ((ratio < 0.8) & (inputs["advantages"].unsqueeze(1) < 0)).float()
-    assert float(masked_mean(low, m)) == pytest.approx(trl_metrics["clip_ratio/low_mean"], abs=TOL)
+    expected = {"sapo": set(), "cispo": {"cispo_clip_ratio"}}.get(
+        loss_type, {f"clip_ratio/{k}_mean" for k in ("low", "high", "region")}
+    )
+    assert set(ours) == expected
+    for key, value in ours.items():
+        assert float(value) == pytest.approx(trl_metrics[key], abs=TOL), key
+    if loss_type == "cispo":
+        assert 0 < float(ours["cispo_clip_ratio"]) < 1, "some ratios clipped, some not"
 
 
 def test_frac_reward_zero_std_counts_groups_as_trl():

@@ -148,13 +148,24 @@ def test_grpo_raises_held_out_accuracy_by_40_points(reversal_sft, tmp_path):
     assert "samples/step_000000" in tracker.tables and "samples/step_000020" in tracker.tables
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
-def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, tmp_path, loss_type):
+@pytest.mark.parametrize(
+    "loss_type,extra",
+    [
+        ("grpo", {}),
+        ("bnpo", {}),
+        ("dr_grpo", {}),
+        ("grpo", {"importance_sampling_level": "sequence"}),  # luspo and sapo: their losses equal TRL's (test_rl_math)
+        ("cispo", {"epsilon_high": 5.0}),
+    ],
+    ids=["grpo", "bnpo", "dr_grpo", "gspo", "cispo"],
+)
+def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, tmp_path, loss_type, extra):
     """β > 0 with LoRA takes the reference from the adapter-disabled policy; num_iterations = 2 reuses a
     rollout for a second step (ratios ≠ 1 then); truncated completions can be masked out."""
     tok, start, train, _ = reversal_sft
     tracker = Tracker()
     cfg = GRPOConfig(
+        **extra,
         learning_rate=1e-3,
         max_steps=4,
         batch_size=16,
@@ -173,6 +184,7 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     assert result.adapter and result.steps == 4
     kls = tracker.series("train/kl")
     assert len(kls) == 4 and kls[0] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(k) for k in kls)
+    assert all(math.isfinite(x) for x in tracker.series("train/loss"))
 
 
 def test_grpo_with_static_cache_and_cuda_graph_rollouts_trains_identically(reversal_sft, tmp_path, monkeypatch):

@@ -346,10 +346,21 @@ class GRPOConfig(OnlineRLArgs):
     """Completions sampled per prompt (the group)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """Token-loss aggregation. grpo: per-sequence mean, then mean; bnpo: mean over the micro-batch's
-    tokens; dr_grpo: sum / (sequences × max_completion_length); dapo: sum / tokens of the whole
-    accumulated batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
+    """The policy loss and how its tokens are aggregated, as TRL 1.16 (tested against TRL's). The clipped surrogate
+    with grpo: per-sequence mean, then mean; bnpo: mean over the micro-batch's tokens; dr_grpo: sum / (sequences ×
+    max_completion_length); dapo: sum / tokens of the whole accumulated batch; luspo (needs
+    `importance_sampling_level: sequence`): each completion's sum, then mean. cispo (MiniMax-M1): the importance
+    ratio clipped at `epsilon_high` (required; ScaleRL recommends 5.0) and detached, weighting A·log π, aggregated as
+    dapo. sapo (Soft Adaptive Policy Optimization): a soft gate (4/τ)·σ(τ(ρ − 1)) instead of the clip, τ =
+    `sapo_temperature_pos` / `_neg` by the sign of the advantage, aggregated as grpo."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: an importance ratio per token; sequence: one per completion, the exponential of its mean token
+    log-ratio (GSPO, Zheng et al. 2025; with `loss_type: grpo` as in the paper, or `luspo`)."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo: the gate's temperature for tokens with a positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo: the gate's temperature for tokens with a non-positive advantage (TRL's default)."""
     epsilon: float = Field(0.2, gt=0)
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = Field(None, gt=0)
@@ -363,6 +374,17 @@ class GRPOConfig(OnlineRLArgs):
     """Optimizer steps per generation batch (μ); > 1 reuses rollouts with importance ratios."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss."""
+
+    @model_validator(mode="after")
+    def _loss_needs(self):
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("loss_type 'luspo' is GSPO's sequence-level loss: set importance_sampling_level: sequence")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "loss_type 'cispo' clips the importance ratio at epsilon_high, an absolute bound rather than 1 + ε: "
+                "set epsilon_high (ScaleRL recommends 5.0)"
+            )
+        return self
 
 
 class RLOOConfig(OnlineRLArgs):

@@ -9,13 +9,15 @@ first EOS (and wholly, with `mask_truncated_completions`, when they never end).
 Per token, with ratio ρ = π/π_old (π_old = π detached unless `num_iterations` > 1 reuses a rollout):
     loss = −min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) + β·KL_k3(π ‖ π_ref)
 aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over the micro-batch's
-tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the whole step).
+tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the whole step), luspo (per-sequence
+sum, then mean); or cispo's and sapo's losses (`losses.per_token_loss`). With `importance_sampling_level: sequence`
+(GSPO) ρ is one ratio per completion.
 β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
 
 Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean, rewards/<fn>/std,
 frac_reward_zero_std (groups with fewer than two scorable completions do not count as zero-std,
 as TRL counts them), completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
-clip_ratio/{low,high,region}_mean; eval/reward (greedy, held-out prompts).
+clip_ratio/{low,high,region}_mean (cispo: cispo_clip_ratio; sapo: none); eval/reward (greedy, held-out prompts).
 
 Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
 """
@@ -36,7 +38,7 @@ from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
-from alignpipe.losses import aggregate, per_token_loss
+from alignpipe.losses import STEP_TOKEN_NORMALISED, aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
@@ -414,23 +416,51 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
             old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
             ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
             ptl, ratio, kl = per_token_loss(
-                logps.float(), old, ref, adv, cfg.epsilon, eps_high, cfg.beta, cfg.kl_importance_correction
+                logps.float(),
+                old,
+                ref,
+                adv,
+                cfg.epsilon,
+                eps_high,
+                cfg.beta,
+                cfg.kl_importance_correction,
+                mask,
+                cfg.importance_sampling_level,
+                cfg.loss_type,
+                (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
             )
             loss = aggregate(
                 ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
             )
             acc.backward(loss)
         with torch.no_grad():
-            # dapo's loss is already a share of the step's; the others are means over micro-batches
-            add("loss", loss * (len(micro) if cfg.loss_type != "dapo" else 1.0))
-            for key, value in clip_fractions(ratio, adv, cfg.epsilon, eps_high, mask).items():
+            # dapo's and cispo's losses are already shares of the step's; the others are means over micro-batches
+            add("loss", loss * (len(micro) if cfg.loss_type not in STEP_TOKEN_NORMALISED else 1.0))
+            for key, value in ratio_metrics(cfg, ratio, adv, eps_high, mask).items():
                 add(key, value)
             add("entropy", masked_mean(entropy, mask))
             if kl is not None:
                 add("kl", masked_mean(kl, mask))
-    if cfg.loss_type == "dapo":
+    if cfg.loss_type in STEP_TOKEN_NORMALISED:
         sums["loss"] = sums["loss"] * len(micro)
     return sums
+
+
+def ratio_metrics(
+    cfg: GRPOConfig, ratio: torch.Tensor, advantages: torch.Tensor, epsilon_high: float, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """TRL's ratio metrics for the loss type: the clip fractions of the clipped surrogate, cispo's
+    `cispo_clip_ratio` (ratio above ε_high with A > 0), none for sapo's soft gate; per token, or per completion with
+    sequence-level ratios."""
+    sequence = ratio.size(1) == 1
+    if cfg.loss_type == "sapo":
+        return {}
+    if cfg.loss_type == "cispo":
+        clipped = ((ratio > epsilon_high) & (advantages.unsqueeze(1) > 0)).float()
+        return {"cispo_clip_ratio": clipped.mean() if sequence else masked_mean(clipped, mask)}
+    if sequence:
+        return clip_fractions(ratio.squeeze(1), advantages, cfg.epsilon, epsilon_high)
+    return clip_fractions(ratio, advantages, cfg.epsilon, epsilon_high, mask)
 
 
 def log_samples(run: GRPORun, sm: Samples, rewards: torch.Tensor, name: str) -> None:
