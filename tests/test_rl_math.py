@@ -363,3 +363,14 @@ def test_frac_reward_zero_std_counts_groups_as_trl():
     trl_std = trl_nanstd(rewards.view(-1, 4), dim=1).repeat_interleave(4)
     expected = float(torch.isclose(trl_std, torch.zeros_like(trl_std)).float().mean())
     assert frac_zero_std(std) == expected == 0.25
+
+
+def test_grpo_loss_types_say_what_they_need():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="loss_type 'luspo' is GSPO's sequence-level loss"):
+        GRPOConfig(loss_type="luspo")
+    with pytest.raises(ValidationError, match=r"set epsilon_high \(ScaleRL recommends 5.0\)"):
+        GRPOConfig(loss_type="cispo")
+    GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
+    GRPOConfig(loss_type="cispo", epsilon_high=5.0)
