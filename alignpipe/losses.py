@@ -7,12 +7,13 @@ against TRL's own functions on identical tensors. SFT's summed cross-entropy is 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 
 from alignpipe.rl_math import kl_estimate, masked_mean
+from alignpipe.trainers.configs import DPOLossType
 
 # --- reward model ---------------------------------------------------------------------------------
 
@@ -91,24 +92,8 @@ def dpo_loss(
         mix = torch.sigmoid(logits / discopop_tau)
         losses = -F.logsigmoid(logits) * (1 - mix) + torch.exp(-logits) * mix
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(DPO_LOSS_TYPES)}")
+        raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(get_args(DPOLossType))}")
     return losses, chosen_reward.detach(), rejected_reward.detach()
-
-
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "sigmoid_norm",
-    "robust",
-    "exo_pair",
-    "nca_pair",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-)
 
 
 def kto_loss(

@@ -125,6 +125,22 @@ class RewardConfig(TrainingArgs):
     """Subtract a per-row `margin` column from the reward difference when the data has one."""
 
 
+DPOLossType = Literal[
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "sigmoid_norm",
+    "robust",
+    "exo_pair",
+    "nca_pair",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+]
+
+
 class DPOConfig(TrainingArgs):
     """Direct Preference Optimization (the design of TRL's DPOTrainer)."""
 
@@ -132,20 +148,7 @@ class DPOConfig(TrainingArgs):
     """Peak learning rate of AdamW (TRL's default; LoRA usually wants ~10× more)."""
     beta: float = Field(0.1, gt=0)
     """Strength of the implicit KL constraint to the reference (IPO: the regularisation τ)."""
-    loss_type: Literal[
-        "sigmoid",
-        "hinge",
-        "ipo",
-        "sigmoid_norm",
-        "robust",
-        "exo_pair",
-        "nca_pair",
-        "bco_pair",
-        "sppo_hard",
-        "apo_zero",
-        "apo_down",
-        "discopop",
-    ] = "sigmoid"
+    loss_type: DPOLossType = "sigmoid"
     """The pair's loss, each as TRL 1.16 computes it (tested against TRL's): sigmoid: DPO (Rafailov et al. 2023);
     hinge: SLiC (Zhao et al. 2023); ipo: IPO (Azar et al. 2023), log-ratios per completion token as TRL;
     sigmoid_norm: DPO on those per-token log-ratios; robust: rDPO (Chowdhury et al. 2024), unbiased under
