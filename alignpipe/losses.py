@@ -141,6 +141,8 @@ def per_token_loss(
     importance_sampling_level: str = "token",
     loss_type: str = "dapo",
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    delta: float | None = None,
+    policy_tokens: torch.Tensor | None = None,
 ):
     """The policy loss per token, (B, C) (+ β·k3 KL, times the ratio with `kl_correction`); also the importance ratio
     π/π_old ((B, C), or (B, 1) at the sequence level) and the KL term (or None). As TRL 1.16's GRPOTrainer:
@@ -149,7 +151,9 @@ def per_token_loss(
     - the clipped surrogate −min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A) (grpo, bnpo, dr_grpo, dapo, luspo);
     - cispo: −sg(min(ρ, ε_high))·A·log π, the clipped ratio a constant weight on the policy gradient (MiniMax-M1);
     - sapo: −(4/τ)·σ(τ(ρ − 1))·A, a soft gate instead of the clip, τ by the sign of A (`sapo_temperatures`:
-      positive, non-positive)."""
+      positive, non-positive).
+    `delta` caps the unclipped ratio too (INTELLECT-2's two-sided clip); `policy_tokens` (a 0/1 (B, C) mask, e.g. the
+    high-entropy tokens) keeps the policy term on those tokens only, the KL term on all."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
     if importance_sampling_level == "sequence":
@@ -165,7 +169,10 @@ def per_token_loss(
         temperature = torch.where(adv > 0, pos, neg)
         loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
     else:
-        loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        loss = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    if policy_tokens is not None:
+        loss = loss * policy_tokens
     kl = None
     if beta != 0.0:
         if ref_logps is None:

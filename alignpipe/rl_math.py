@@ -165,3 +165,14 @@ def advantages_and_returns(
     advantages, returns = gae(rewards, values, mask, gamma, lam)
     advantages = masked_whiten(advantages, response_mask.bool()) * mask
     return advantages, returns * mask
+
+
+def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, keep: float, gather=None) -> torch.Tensor:
+    """The tokens (a bool (B, C) mask) whose entropy is at least the (1 − `keep`) quantile of the entropies under
+    `mask` (Wang et al. 2025, "Beyond the 80/20 rule"; TRL's `top_entropy_quantile`). Padding is NaN to
+    `nanquantile`, so nothing is read back to the host; `gather` (several processes) pools every process's tokens
+    first, as TRL does."""
+    values = entropy.detach().float().masked_fill(~mask.bool(), float("nan")).flatten()
+    pooled = gather(values) if gather is not None else values
+    threshold = torch.nanquantile(pooled, 1 - keep)
+    return (entropy.detach() * mask >= threshold) & mask.bool()

@@ -10,7 +10,7 @@ import torch
 from alignpipe import losses
 from alignpipe.launch import free_port
 from alignpipe.logprobs import shared_prefix_hidden, shared_prompt_logprobs, token_logprobs, worth_sharing
-from alignpipe.rl_math import frac_zero_std, group_advantages, kl_estimate, masked_mean
+from alignpipe.rl_math import frac_zero_std, group_advantages, high_entropy_tokens, kl_estimate, masked_mean
 from alignpipe.trainers import grpo
 from alignpipe.trainers.configs import GRPOConfig
 
@@ -249,20 +249,22 @@ def test_group_advantages_equal_trl(scale):
 
 
 @pytest.mark.parametrize(
-    "loss_type,kl_correction,level,eps_high",
+    "loss_type,kl_correction,level,eps_high,extra",
     [
-        ("grpo", True, "token", 0.28),
-        ("bnpo", True, "token", 0.28),
-        ("dr_grpo", False, "token", 0.28),
-        ("dapo", True, "token", 0.28),
-        ("dapo", False, "token", 0.28),
-        ("grpo", True, "sequence", 0.28),  # GSPO
-        ("luspo", True, "sequence", 0.28),
-        ("cispo", True, "token", 0.25),  # ε_max: a bound some of these ratios (0.17 to 0.3) pass
-        ("sapo", True, "token", 0.28),
+        ("grpo", True, "token", 0.28, {}),
+        ("bnpo", True, "token", 0.28, {}),
+        ("dr_grpo", False, "token", 0.28, {}),
+        ("dapo", True, "token", 0.28, {}),
+        ("dapo", False, "token", 0.28, {}),
+        ("grpo", True, "sequence", 0.28, {}),  # GSPO
+        ("luspo", True, "sequence", 0.28, {}),
+        ("cispo", True, "token", 0.25, {}),  # ε_max: a bound some of these ratios (0.17 to 0.3) pass
+        ("sapo", True, "token", 0.28, {}),
+        ("dapo", True, "token", 0.28, {"top_entropy_quantile": 0.2}),
+        ("dapo", True, "token", 0.28, {"delta": 1.5}),
     ],
 )
-def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high):
+def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high, extra):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -285,6 +287,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         max_completion_length=C,
         use_bias_correction_kl=kl_correction,
         importance_sampling_level=level,
+        **extra,
     )
     trainer = trl.GRPOTrainer(
         model=model,
@@ -306,6 +309,8 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         "ref_per_token_logps": torch.randn(B, C, generator=g) - 3,
         "num_items_in_batch": mask.sum().float(),
     }
+    if "delta" in extra:  # an older policy far enough behind that ratios reach 2 to 3, past the cap
+        inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 2.0
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
@@ -323,6 +328,8 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             mask=mask.float(),
         )
         m = mask.float()
+        keep = extra.get("top_entropy_quantile", 1.0)
+        tokens = high_entropy_tokens(entropy, m, keep).float() if keep < 1 else None
         ptl, ratio, kl = losses.per_token_loss(
             logps,
             inputs["old_per_token_logps"],
@@ -335,9 +342,11 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             m,
             level,
             loss_type,
+            delta=extra.get("delta"),
+            policy_tokens=tokens,
         )
         loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
-        cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level)
+        cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level, **extra)
         ours = grpo.ratio_metrics(cfg, ratio, inputs["advantages"], eps_high, m)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
     assert float(masked_mean(kl, m)) == pytest.approx(trl_metrics["kl"], abs=1e-4)
@@ -350,6 +359,10 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         assert float(value) == pytest.approx(trl_metrics[key], abs=TOL), key
     if loss_type == "cispo":
         assert 0 < float(ours["cispo_clip_ratio"]) < 1, "some ratios clipped, some not"
+    if "delta" in extra:
+        assert ((ratio > extra["delta"]) & mask.bool()).any(), "the cap binds on some token"
+    if tokens is not None:
+        assert 0 < tokens.sum() < m.sum(), "some tokens kept, some not"
 
 
 def test_frac_reward_zero_std_counts_groups_as_trl():

@@ -364,6 +364,12 @@ class GRPOConfig(OnlineRLArgs):
     """sapo: the gate's temperature for tokens with a positive advantage (TRL's default)."""
     sapo_temperature_neg: float = Field(1.05, gt=0)
     """sapo: the gate's temperature for tokens with a non-positive advantage (TRL's default)."""
+    delta: float | None = Field(None, gt=1)
+    """Cap the unclipped ratio at `delta` too (two-sided clipping, INTELLECT-2; above 1 + `epsilon_high`), so a token
+    with a negative advantage cannot pull with an unbounded ratio; null: the usual one-sided clip."""
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
+    """Train the policy term on the highest-entropy tokens only: this fraction of the micro-batch's completion tokens
+    by entropy (Wang et al. 2025 recommend 0.2; TRL's ρ); 1 keeps all. The KL term stays on every token."""
     epsilon: float = Field(0.2, gt=0)
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = Field(None, gt=0)

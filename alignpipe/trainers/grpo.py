@@ -41,7 +41,7 @@ from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import STEP_TOKEN_NORMALISED, aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
-from alignpipe.rl_math import frac_zero_std, group_advantages, masked_mean
+from alignpipe.rl_math import frac_zero_std, group_advantages, high_entropy_tokens, masked_mean
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
@@ -413,6 +413,11 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
         mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
         with loop.no_sync_unless(j == len(micro) - 1):
             logps, entropy = run.micro_logps(batch, sl)
+            policy_tokens = None
+            if cfg.top_entropy_quantile < 1:
+                pool = acc.num_processes > 1
+                gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
+                policy_tokens = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
             old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
             ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
             ptl, ratio, kl = per_token_loss(
@@ -428,6 +433,8 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
                 cfg.importance_sampling_level,
                 cfg.loss_type,
                 (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
+                cfg.delta,
+                policy_tokens,
             )
             loss = aggregate(
                 ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
