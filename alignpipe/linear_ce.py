@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from alignpipe.compiled import compiled_function
 
 
-def _nll_sum(x: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ (log-sum-exp − the label's logit) over a chunk's rows."""
-    return (lse - x.gather(-1, labels[:, None]).squeeze(-1)).sum()
+def _nll_sum(x: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, dft: bool = False) -> torch.Tensor:
+    """Σ (log-sum-exp − the label's logit) over a chunk's rows (with `dft`, each weighted by its probability)."""
+    nll = lse - x.gather(-1, labels[:, None]).squeeze(-1)
+    return (nll * torch.exp(-nll)).sum() if dft else nll.sum()
 
 
-def _nll_and_grad(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
+def _nll_and_grad(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype, dft: bool = False):
     """One chunk's summed NLL and d(Σ NLL)/d logits = softmax − one-hot, eagerly, in two passes over the chunk: a
     log-softmax in `precise` (float32 at least), and its exp written straight in the logits' dtype. The labels'
     entries, p − 1, are then set from their precise log-probs (`expm1`), so a confident label's small gradient keeps
@@ -34,23 +35,31 @@ def _nll_and_grad(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dty
     label_lp = lsm[rows, labels]
     grad = torch.exp(lsm, out=torch.empty_like(logits))
     grad[rows, labels] = torch.expm1(label_lp).to(grad.dtype)
+    if dft:  # each row's loss and gradient weighted by its label's probability, a constant (`linear_nll_sum`)
+        weight = torch.exp(label_lp)
+        grad.mul_(weight[:, None].to(grad.dtype))
+        return -(weight * label_lp).sum(), grad
     return -label_lp.sum(), grad
 
 
-def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
+def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype, dft: bool = False):
     """`_nll_and_grad` as element-wise expressions that `torch.compile` fuses into a row reduction and one pass
     writing the gradient in the logits' dtype: the float32 copy and the separate passes over the (rows × V) chunk
     are never materialised, which is most of the head's memory traffic in eager mode."""
     x = logits.to(precise)
     lse = torch.logsumexp(x, -1, keepdim=True)
-    nll = (lse - x.gather(-1, labels[:, None])).sum()
+    nll = lse - x.gather(-1, labels[:, None])
     hit = torch.arange(x.size(-1), device=x.device)[None, :] == labels[:, None]
-    return nll, (torch.exp(x - lse) - hit.to(precise)).to(logits.dtype)
+    grad = torch.exp(x - lse) - hit.to(precise)
+    if dft:
+        weight = torch.exp(-nll)
+        return (weight * nll).sum(), (grad * weight).to(logits.dtype)
+    return nll.sum(), grad.to(logits.dtype)
 
 
 class _LinearNLLSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool, grads: bool):
+    def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool, grads: bool, dft: bool):
         # `needs_input_grad` says True for a parameter under no_grad too: `grads` is the caller's grad mode
         want_h, want_w, want_b = (grads and want for want in ctx.needs_input_grad[:3])
         precise = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's dtype: float32 at least
@@ -64,9 +73,9 @@ class _LinearNLLSum(torch.autograd.Function):
             logits = F.linear(h, weight, bias)
             if not (want_h or want_w or want_b):
                 x = logits.to(precise)
-                total += _nll_sum(x, torch.logsumexp(x, -1), y)
+                total += _nll_sum(x, torch.logsumexp(x, -1), y, dft)
                 continue
-            nll, grad = nll_and_grad(logits, y, precise)
+            nll, grad = nll_and_grad(logits, y, precise, dft)
             total += nll
             if grad_b is not None:
                 grad_b += grad.to(precise).sum(0)
@@ -90,6 +99,7 @@ class _LinearNLLSum(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -100,11 +110,15 @@ def linear_nll_sum(
     labels: torch.Tensor,
     rows_per_chunk: int,
     compiled: bool = False,
+    dft: bool = False,
 ) -> torch.Tensor:
     """Σ −log softmax(hidden Wᵀ + b)[label] over the N rows of `hidden` (N, d), in float32 (float64 for float64
     inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they
     are computed here, chunk by chunk, and only scaled in backward (under `no_grad`, none are: evaluation pays one
     head matmul per token). The weight's gradient accumulates in the weight's dtype over chunks, as autograd's sum
     of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
-    as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits."""
-    return _LinearNLLSum.apply(hidden, weight, bias, labels, max(1, rows_per_chunk), compiled, torch.is_grad_enabled())
+    as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits. `dft`
+    (Dynamic Fine-Tuning, Wu et al. 2025): each token's NLL weighted by its probability p, held constant, so the
+    value is Σ p·NLL and the gradient p·(softmax − one-hot), as TRL's `loss_type: dft`."""
+    rows = max(1, rows_per_chunk)
+    return _LinearNLLSum.apply(hidden, weight, bias, labels, rows, compiled, torch.is_grad_enabled(), dft)

@@ -127,6 +127,7 @@ def token_nll_sum(
     count: int | None = None,
     compiled: bool = False,
     documents: dict[str, Any] | None = None,
+    dft: bool = False,
 ) -> torch.Tensor:
     """Σ −log p(input_ids[:, t+1]) over the positions t where `only` (B, T−1) is true: SFT's summed cross-entropy,
     −token_logprobs(...)[only].sum() in value and gradient. The LM head runs on those positions alone, in chunks
@@ -135,11 +136,13 @@ def token_nll_sum(
     gathered without a device read (a boolean index waits for the device to count them). `compiled`: each chunk's
     softmax and gradient as one compiled kernel (`linear_ce.linear_nll_sum`'s `compiled`). `documents`: packed
     rows' document offsets counted on the host (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`), handed to every
-    attention call (`attention.varlen_attention_forward`, flash-attn's). Other inputs as `token_logprobs`'s."""
+    attention call (`attention.varlen_attention_forward`, flash-attn's). `dft`: each token's term weighted by its
+    probability, held constant (`linear_ce.linear_nll_sum`). Other inputs as `token_logprobs`'s."""
     position_ids = _positions(attention_mask, position_ids)
     hidden, head = _hidden_and_head(model, input_ids, attention_mask, position_ids, documents)
     if hidden is None:
-        return -token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids).sum()
+        logps = token_logprobs(model, input_ids, attention_mask, only=only, position_ids=position_ids)
+        return -(logps * logps.detach().exp()).sum() if dft else -logps.sum()
     index = scored_index(only, count)
     weight = head.weight
     return linear_nll_sum(
@@ -149,6 +152,7 @@ def token_nll_sum(
         input_ids[:, 1:].flatten().index_select(0, index),
         WHOLE_LOGITS_MAX * (FUSED_CHUNK_GROWTH if compiled else 1) // weight.size(0),
         compiled,
+        dft,
     )
 
 

@@ -37,6 +37,31 @@ def test_value_and_gradients_equal_autograd_through_full_logits(rows_per_chunk, 
         assert a.dtype == b.dtype and torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dft_weights_each_token_by_its_probability_held_constant(compiled):
+    """`dft` (Dynamic Fine-Tuning): the value Σ p·NLL and the gradient of −Σ sg(p)·log p, as autograd gives them
+    through full logits; under no_grad the same value."""
+    g = torch.Generator().manual_seed(2)
+    N, d, V = 30, 16, 61
+    hidden = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True) * 0.3
+    weight = weight.detach().requires_grad_(True)
+    labels = torch.randint(0, V, (N,), generator=g)
+    logp = torch.log_softmax(F.linear(hidden, weight), -1).gather(-1, labels[:, None]).squeeze(-1)
+    expected = -(logp * logp.detach().exp()).sum()
+    want = torch.autograd.grad(expected, (hidden, weight))
+    got = linear_nll_sum(hidden, weight, None, labels, 7, compiled=compiled, dft=True)
+    grads = torch.autograd.grad(got, (hidden, weight))
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-10)
+    for a, b in zip(grads, want):
+        assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+    with torch.no_grad():
+        assert float(linear_nll_sum(hidden, weight, None, labels, 7, dft=True)) == pytest.approx(
+            float(expected), rel=1e-10
+        )
+    assert float(got) < float(linear_nll_sum(hidden, weight, None, labels, 7).detach()), "p < 1 shrinks every term"
+
+
 def test_a_frozen_head_and_no_grad_form_no_gradients():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(9, 8, generator=g, requires_grad=True)

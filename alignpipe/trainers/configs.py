@@ -99,6 +99,10 @@ class SFTConfig(TrainingArgs):
 
     completion_only_loss: bool = True
     """For prompt-completion data, compute the loss on completion tokens only."""
+    loss_type: Literal["nll", "dft"] = "nll"
+    """nll: the usual cross-entropy; dft: Dynamic Fine-Tuning (Wu et al. 2025), each token's cross-entropy weighted by
+    its probability (held constant), as TRL's `loss_type: dft`: tokens the model already finds likely lead the
+    gradient. Also the eval loss's form."""
     assistant_only_loss: bool = False
     """For conversations (`language_modeling` data formatted from a `messages` column), compute the loss on the
     assistant replies only, each with the end-of-turn its template writes after it: every reply of a multi-turn

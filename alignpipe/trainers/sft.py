@@ -178,7 +178,9 @@ def _suggest_varlen(model) -> None:
         )
 
 
-def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(
+    model, batch: dict[str, Any], compiled: bool = False, dft: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over target tokens, and how many there were. The LM head runs on the
     target positions only (no logits for prompt or padding tokens), in chunks with its gradients formed in the
     forward (`logprobs.token_nll_sum`; `compiled`: with the softmax and gradient of each chunk one compiled kernel);
@@ -198,12 +200,19 @@ def token_loss_sum(model, batch: dict[str, Any], compiled: bool = False) -> tupl
         count=count,
         compiled=compiled,
         documents=batch.get("documents"),
+        dft=dft,
     )
     return loss, valid.sum()
 
 
 def evaluate(
-    model, accelerator, examples: list[dict], batch_size: int, pad_id: int, padding_free: bool = False
+    model,
+    accelerator,
+    examples: list[dict],
+    batch_size: int,
+    pad_id: int,
+    padding_free: bool = False,
+    dft: bool = False,
 ) -> float:
     """Token-averaged eval loss over all processes (`padding_free` as `collate`'s)."""
     model.eval()
@@ -212,7 +221,7 @@ def evaluate(
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
             batch = to_device(collate(shard[i : i + batch_size], pad_id, padding_free), accelerator.device)
-            loss, n = token_loss_sum(model, batch)
+            loss, n = token_loss_sum(model, batch, dft=dft)
             total += torch.stack([loss.detach().float(), n.float()])
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, "sum")
@@ -243,6 +252,7 @@ def train(
     if cfg.packing_strategy == "bfd" and cfg.packing and acc.device.type == "cuda":
         _suggest_varlen(loop.unwrapped)
     kernels = loss_kernels(cfg, acc.device)
+    dft = cfg.loss_type == "dft"
     num_tokens: int | torch.Tensor = 0
 
     def step(window: list[dict]) -> dict[str, float]:
@@ -256,14 +266,16 @@ def train(
         loss_total = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=kernels)
+                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=kernels, dft=dft)
                 acc.backward(loss_sum * scale)
             loss_total += loss_sum.detach().float()
         num_tokens += n_global
         # this rank's share of the step's token-averaged loss, scaled so the mean over ranks is that loss
         return {"loss": loss_total * scale, "num_tokens": num_tokens}
 
-    eval_fn = (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free)}) if eval_ex else None
+    eval_fn = (
+        (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free, dft)}) if eval_ex else None
+    )
     try:
         result = loop.run(step, eval_fn)
     finally:
