@@ -93,6 +93,24 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv, nan=0.0), std
 
 
+def normalize_then_sum_advantages(
+    per_function: torch.Tensor, weights: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's advantages (Liu et al. 2026; TRL's `multi_objective_aggregation: normalize_then_sum`) for rewards
+    (N, K), one column per reward function: each function's rewards normalised within each group (mean 0, std 1),
+    summed with `weights` (K,), then whitened over the batch. A function's NaN (not applicable) is left out; a row
+    no function scored gets advantage 0. Returns (advantages (N,), the batch std (N,) for the zero-std check)."""
+    k = per_function.size(1)
+    grouped = per_function.view(-1, group_size, k)
+    mean = torch.nanmean(grouped, 1, keepdim=True)
+    std = nanstd(grouped, 1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    summed = (((grouped - mean) / (std + 1e-4)).view(-1, k) * weights.unsqueeze(0)).nansum(1)
+    summed[torch.isnan(per_function).all(1)] = float("nan")
+    batch_std = nanstd(summed).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+    advantages = (summed - torch.nanmean(summed)) / (batch_std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), batch_std
+
+
 def kl_penalized_rewards(
     rewards: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,14 @@ import torch
 from alignpipe import losses
 from alignpipe.launch import free_port
 from alignpipe.logprobs import shared_prefix_hidden, shared_prompt_logprobs, token_logprobs, worth_sharing
-from alignpipe.rl_math import frac_zero_std, group_advantages, high_entropy_tokens, kl_estimate, masked_mean
+from alignpipe.rl_math import (
+    frac_zero_std,
+    group_advantages,
+    high_entropy_tokens,
+    kl_estimate,
+    masked_mean,
+    normalize_then_sum_advantages,
+)
 from alignpipe.trainers import grpo
 from alignpipe.trainers.configs import GRPOConfig
 
@@ -248,6 +255,28 @@ def test_group_advantages_equal_trl(scale):
     assert torch.allclose(std, ref_std, atol=TOL, equal_nan=True)
 
 
+def test_normalize_then_sum_advantages_equal_trl():
+    """GDPO: TRL 1.16's `normalize_then_sum` branch of `_generate_and_score_completions`, on its own `nanstd`, with a
+    function that does not apply to some rows (NaN) and a row no function scored."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    g = torch.Generator().manual_seed(3)
+    per_func = torch.stack([torch.randn(12, generator=g) * 10, torch.randint(0, 2, (12,), generator=g).float()], 1)
+    per_func[2, 1] = float("nan")
+    per_func[7] = float("nan")
+    weights = torch.tensor([1.0, 0.5])
+    ours, std = normalize_then_sum_advantages(per_func, weights, 4)
+    # TRL 1.16 GRPOTrainer._generate_and_score_completions, multi_objective_aggregation == "normalize_then_sum":
+    grouped = per_func.view(-1, 4, 2)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_utils.nanstd(grouped, dim=1, keepdim=True)
+    rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2) * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(1)] = torch.nan
+    std_rewards = trl_utils.nanstd(rewards).expand_as(rewards)
+    expected = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4), nan=0.0)
+    assert torch.allclose(ours, expected, atol=TOL) and torch.allclose(std, std_rewards, atol=TOL)
+    assert ours[7] == 0 and not torch.allclose(ours, group_advantages((per_func * weights).nansum(1), 4)[0])
+
+
 @pytest.mark.parametrize(
     "loss_type,kl_correction,level,eps_high,extra",
     [
@@ -385,5 +414,7 @@ def test_grpo_loss_types_say_what_they_need():
         GRPOConfig(loss_type="luspo")
     with pytest.raises(ValidationError, match=r"set epsilon_high \(ScaleRL recommends 5.0\)"):
         GRPOConfig(loss_type="cispo")
+    with pytest.raises(ValidationError, match="scale_rewards \\('batch'\\) does not apply"):
+        GRPOConfig(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch")
     GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
     GRPOConfig(loss_type="cispo", epsilon_high=5.0)

@@ -353,6 +353,11 @@ class GRPOConfig(OnlineRLArgs):
     """Completions sampled per prompt (the group)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """With several reward functions: sum_then_normalize weighs and sums them, then forms group advantages
+    (`scale_rewards`); normalize_then_sum (GDPO) normalises each function within each group first, so one with a
+    large scale does not drown the others, sums them with their weights and whitens the sum over the batch
+    (`scale_rewards` does not apply)."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
     """The policy loss and how its tokens are aggregated, as TRL 1.16 (tested against TRL's). The clipped surrogate
     with grpo: per-sequence mean, then mean; bnpo: mean over the micro-batch's tokens; dr_grpo: sum / (sequences ×
@@ -390,6 +395,11 @@ class GRPOConfig(OnlineRLArgs):
 
     @model_validator(mode="after")
     def _loss_needs(self):
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            raise ValueError(
+                "multi_objective_aggregation 'normalize_then_sum' normalises each reward within its group and the sum "
+                f"over the batch; scale_rewards ({self.scale_rewards!r}) does not apply: leave it at 'group'"
+            )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError("loss_type 'luspo' is GSPO's sequence-level loss: set importance_sampling_level: sequence")
         if self.loss_type == "cispo" and self.epsilon_high is None:

@@ -41,7 +41,13 @@ from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import STEP_TOKEN_NORMALISED, aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
-from alignpipe.rl_math import frac_zero_std, group_advantages, high_entropy_tokens, masked_mean
+from alignpipe.rl_math import (
+    frac_zero_std,
+    group_advantages,
+    high_entropy_tokens,
+    masked_mean,
+    normalize_then_sum_advantages,
+)
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
@@ -369,7 +375,11 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     assert isinstance(cfg, GRPOConfig)
     sm = sample(run, batch_rows)
     total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows))
-    advantages, std = group_advantages(total, cfg.num_generations, cfg.scale_rewards)
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        weights = torch.tensor([r.weight for r in run.rewards.rewards], dtype=per_fn.dtype)
+        advantages, std = normalize_then_sum_advantages(per_fn, weights, cfg.num_generations)
+    else:
+        advantages, std = group_advantages(total, cfg.num_generations, cfg.scale_rewards)
     batch = GRPORollout(
         sm.prompt_ids,
         sm.prompt_mask,
