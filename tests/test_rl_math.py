@@ -418,3 +418,14 @@ def test_grpo_loss_types_say_what_they_need():
         GRPOConfig(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch")
     GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
     GRPOConfig(loss_type="cispo", epsilon_high=5.0)
+
+
+def test_high_entropy_tokens_pool_every_process_before_the_quantile():
+    """The threshold is the quantile of every process's tokens (TRL gathers them); padding is NaN, never counted."""
+    entropy = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.5, 0.6, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    alone = high_entropy_tokens(entropy, mask, 0.5)
+    assert alone.tolist() == [[False, False, False, False], [True, True, True, False]], "the top half of six tokens"
+    other = torch.tensor([5.0, 6.0, 7.0, 8.0, 9.0, 10.0, float("nan")])  # another process: higher entropies, padded
+    pooled = high_entropy_tokens(entropy, mask, 0.5, gather=lambda x: torch.cat([x, other]))
+    assert not pooled.any(), "against the pooled tokens none of these is in the top half"
