@@ -37,6 +37,8 @@ GSM8K_REFERENCE = (
         ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 0.0),  # no symbolic equivalence, said in the docs
         ("\\boxed{\\frac{\\sqrt{3}}{2}}", "The area is $\\boxed{\\frac{\\sqrt{3}}{2}}$.", 1.0),  # nested braces
         ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+        ("The answer isn't 70; adding again gives 72", GSM8K_REFERENCE, 1.0),  # no "answer is": the last number
+        ("Final answer: 72 clips", GSM8K_REFERENCE, 1.0),
         ("I cannot tell.", GSM8K_REFERENCE, 0.0),
         ("", GSM8K_REFERENCE, 0.0),
     ],

@@ -16,7 +16,7 @@ from fractions import Fraction
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _HASHES = re.compile(r"####\s*([^\n]*)")
-_SAYS = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.I)
+_SAYS = re.compile(r"\banswer(?:\s+is\b|\s*[:=])\s*:?\s*([^\n]*)", re.I)
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(\d+)\}$")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
