@@ -294,6 +294,41 @@ def test_static_cache_decoding_gives_the_same_tokens(trained, n, temperature):
     assert "stop" in reasons and "length" in reasons, reasons
 
 
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_repetition_penalty_is_transformers_rule_and_both_loops_agree(trained, static_cache):
+    """Greedy with `repetition_penalty` equals `model.generate`'s (one unpadded prompt: transformers counts left
+    padding as seen tokens, vLLM and we do not), and changes what a repetitive model writes; sampled, the two loops
+    give the same tokens from one seed, several samples per prompt."""
+    from transformers import GenerationConfig
+
+    model, tok = trained
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, repetition_penalty=1.8)
+    (ours,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(["The film"], 1, greedy)
+    enc = tok(["The film"], return_tensors="pt")
+    with torch.no_grad():
+        ref = model.generate(
+            **enc,
+            generation_config=GenerationConfig(
+                max_new_tokens=24,
+                do_sample=False,
+                repetition_penalty=1.8,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            ),
+        )
+    theirs = ref[0, enc["input_ids"].shape[1] :].tolist()
+    assert ours.completion_ids == theirs[: len(ours.completion_ids)] and len(ours.completion_ids) > 3
+    (plain,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(
+        ["The film"], 1, greedy.model_copy(update={"repetition_penalty": 1.0})
+    )
+    assert plain.completion_ids != ours.completion_ids, "the penalty changed the greedy text"
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, repetition_penalty=1.3)
+    prompts = ["The film", "I watched it and", "A"]
+    dynamic = HFEngine(model, tok, 8).generate(prompts, 3, sampled, seed=5)
+    static = HFEngine(model, tok, 8, static_cache=True).generate(prompts, 3, sampled, seed=5)
+    assert [g.completion_ids for g in static] == [g.completion_ids for g in dynamic]
+
+
 def test_static_cache_decoding_prefills_each_prompt_once(trained, monkeypatch):
     """GRPO samples `n` completions per prompt: the static loop runs each prompt through the model once and writes its
     keys and values into its samples' rows (the same tokens as above), where it used to prefill every sample."""

@@ -140,6 +140,7 @@ def decode(
     end are cut, so the result does not depend on when it looked."""
     position = mask_positions(mask)
     logits, cache = prefill(model, ids, mask, position)
+    seen = SeenTokens.of(ids, mask, n, logits.shape[-1], sampling)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
@@ -153,7 +154,9 @@ def decode(
         full_mask = full_mask.bool()[:, None, None, :]
     width = ids.shape[1]
     for t in range(sampling.max_new_tokens):
-        token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
+        token = next_token(seen(logits) if seen else logits, sampling, generator).masked_fill(ends.done, pad)
+        if seen:
+            seen.add(token)
         new[:, t] = token
         ends.record(token, t, stops)
         if ends.finished(t):
@@ -255,6 +258,7 @@ def decode_static(
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + steps)
     position = mask_positions(mask)
+    seen_of = (ids, mask, rows // ids.size(0))  # the prompts, shared by their samples or already one row each
     if shared:
         logits = _prefill_once(model, ids, mask, position, cache, n)
         mask, position = mask.repeat_interleave(n, 0), position.repeat_interleave(n, 0)
@@ -277,8 +281,11 @@ def decode_static(
     ends = RowEnds(rows, steps, ids.device)
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
+    seen = SeenTokens.of(*seen_of, logits.shape[-1], sampling)
     for t in range(steps):
-        token = next_token(logits, sampling, generator).masked_fill(ends.done, pad)
+        token = next_token(seen(logits) if seen else logits, sampling, generator).masked_fill(ends.done, pad)
+        if seen:
+            seen.add(token)
         new[:, t] = token
         ends.record(token, t, stops)
         if ends.finished(t):
@@ -333,6 +340,33 @@ def _takes_padding_mask(model) -> bool:
     return getattr(config, "_attn_implementation", None) in ("sdpa", "varlen") and "sliding_attention" not in (
         getattr(config, "layer_types", None) or []
     )
+
+
+class SeenTokens:
+    """For `repetition_penalty`: which tokens each row has seen, its prompt's (real tokens only, as vLLM counts them;
+    transformers counts left padding too) and its completion's so far. A seen token's logit is divided by the
+    penalty when positive and multiplied by it otherwise (the rule of transformers and vLLM), before temperature and
+    the filters. Kept on the device as a (rows, V) bool, updated by each sampled token: no host read."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, repeat: int, vocab: int, penalty: float):
+        counts = torch.zeros(ids.size(0), vocab, dtype=torch.int32, device=ids.device)
+        counts.scatter_add_(1, ids, mask.to(torch.int32))
+        self.seen = (counts > 0).repeat_interleave(repeat, 0)
+        self.penalty = penalty
+
+    @classmethod
+    def of(cls, ids, mask, repeat: int, vocab: int, sampling: SamplingParams) -> SeenTokens | None:
+        """None where the penalty is 1 (off): nothing is kept."""
+        if sampling.repetition_penalty == 1.0:
+            return None
+        return cls(ids, mask, repeat, vocab, sampling.repetition_penalty)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return torch.where(self.seen, penalised, logits)
+
+    def add(self, token: torch.Tensor) -> None:
+        self.seen.scatter_(1, token[:, None], True)
 
 
 def next_token(

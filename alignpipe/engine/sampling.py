@@ -18,6 +18,10 @@ class SamplingParams(Strict):
     """Keep only the k most likely tokens; 0 disables."""
     min_p: float = Field(0.0, ge=0, lt=1)
     """Drop tokens whose probability is below min_p × the top token's."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """Above 1, discourage tokens already in the prompt or the completion so far: a seen token's logit is divided by
+    it when positive and multiplied by it otherwise (the rule of transformers and vLLM; prompt padding is not
+    counted); 1 disables. In RL it shapes sampling only: the trained log-probs are the policy's own, as in TRL."""
 
     @property
     def greedy(self) -> bool:

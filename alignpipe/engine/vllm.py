@@ -98,6 +98,7 @@ class VLLMColocateEngine:
             top_p=sampling.top_p,
             top_k=sampling.top_k or -1,
             min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
             seed=seed,
         )
         inputs = [{"prompt_token_ids": p} if not isinstance(p, str) else p for p in prompts]
@@ -152,6 +153,8 @@ class VLLMServerEngine:
             payload["top_k"] = sampling.top_k
         if sampling.min_p:
             payload["min_p"] = sampling.min_p
+        if sampling.repetition_penalty != 1.0:
+            payload["repetition_penalty"] = sampling.repetition_penalty  # a vLLM extension of the OpenAI API
         if seed is not None:
             payload["seed"] = seed
         with httpx.Client(timeout=self.timeout_s) as client:
