@@ -71,12 +71,22 @@ def test_reward_function_errors_name_the_function():
     assert load_reward_fn("alignpipe.judges.rewards:length") is not None
 
 
+def greedy_generate(model, tok, prompt: str, **config) -> list[int]:
+    """`model.generate`'s greedy new tokens for one unpadded prompt (`config`: GenerationConfig fields)."""
+    from transformers import GenerationConfig
+
+    config = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, **config}
+    enc = tok([prompt], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, generation_config=GenerationConfig(do_sample=False, **config))
+    return out[0, enc["input_ids"].shape[1] :].tolist()
+
+
 @pytest.mark.parametrize("static_cache", [False, True])
 def test_a_turn_ends_at_any_eos_of_the_generation_config(engine, static_cache):
     """Gemma-style instruct models end a turn with a token the tokenizer does not call EOS (`<end_of_turn>` beside
     `<eos>`), listed in the model's generation config: `model.generate` stops there, and so does the engine (finish
     reason "stop", the completion cut after it, as with EOS)."""
-    from transformers import GenerationConfig
 
     from alignpipe.special_tokens import stop_token_ids
 
@@ -90,18 +100,8 @@ def test_a_turn_ends_at_any_eos_of_the_generation_config(engine, static_cache):
     (ended,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(["The film"], 1, greedy)
     cut = free.completion_ids.index(turn_end) + 1
     assert ended.completion_ids == free.completion_ids[:cut] and ended.finish_reason == "stop"
-    enc = tok(["The film"], return_tensors="pt")
-    with torch.no_grad():
-        ref = model.generate(
-            **enc,
-            generation_config=GenerationConfig(
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=[tok.eos_token_id, turn_end],
-                pad_token_id=tok.pad_token_id,
-            ),
-        )
-    assert ref[0, enc["input_ids"].shape[1] :].tolist()[:cut] == ended.completion_ids
+    theirs = greedy_generate(model, tok, "The film", max_new_tokens=12, eos_token_id=[tok.eos_token_id, turn_end])
+    assert theirs[:cut] == ended.completion_ids
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
@@ -299,24 +299,11 @@ def test_repetition_penalty_is_transformers_rule_and_both_loops_agree(trained, s
     """Greedy with `repetition_penalty` equals `model.generate`'s (one unpadded prompt: transformers counts left
     padding as seen tokens, vLLM and we do not), and changes what a repetitive model writes; sampled, the two loops
     give the same tokens from one seed, several samples per prompt."""
-    from transformers import GenerationConfig
 
     model, tok = trained
     greedy = SamplingParams(temperature=0, max_new_tokens=24, repetition_penalty=1.8)
     (ours,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(["The film"], 1, greedy)
-    enc = tok(["The film"], return_tensors="pt")
-    with torch.no_grad():
-        ref = model.generate(
-            **enc,
-            generation_config=GenerationConfig(
-                max_new_tokens=24,
-                do_sample=False,
-                repetition_penalty=1.8,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            ),
-        )
-    theirs = ref[0, enc["input_ids"].shape[1] :].tolist()
+    theirs = greedy_generate(model, tok, "The film", max_new_tokens=24, repetition_penalty=1.8)
     assert ours.completion_ids == theirs[: len(ours.completion_ids)] and len(ours.completion_ids) > 3
     (plain,) = HFEngine(model, tok, 8, static_cache=static_cache).generate(
         ["The film"], 1, greedy.model_copy(update={"repetition_penalty": 1.0})
