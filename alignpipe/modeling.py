@@ -110,11 +110,22 @@ def attention_errors(attention: str | None):
         ) from e
 
 
-def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
-    """A tokenizer with a pad token (falls back to EOS, as TRL does)."""
+def load_tokenizer(
+    path: str, revision: str | None = None, trust_remote_code: bool = False, eos_token: str | None = None
+):
+    """A tokenizer with a pad token (falls back to EOS, as TRL does); `eos_token` (the recipe's `model.eos_token`)
+    replaces its EOS, and must be one token it already has."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if eos_token is not None:
+        ids = tok(eos_token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or tok.convert_ids_to_tokens(ids[0]) != eos_token:
+            raise ValueError(
+                f"model.eos_token {eos_token!r} is not one token of the tokenizer at {path} (it encodes as {ids}); "
+                "name a token of its vocabulary, such as its chat template's end-of-turn token"
+            )
+        tok.eos_token = eos_token
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -107,3 +107,28 @@ def test_text_with_eos_is_with_eos_on_text():
     assert text_with_eos("a<|end|>\n", "<|end|>") == "a<|end|>\n"
     assert text_with_eos("a", "<|end|>") == "a<|end|>"
     assert text_with_eos("a", None) == "a"
+
+
+def test_a_recipe_can_name_the_eos_token_and_saved_models_stop_there(tiny, tmp_path):
+    """`model.eos_token`: a base model learning a chat template whose turns end elsewhere than its tokenizer's EOS.
+    The override is what SFT appends and what the saved model's generation config stops at; a string that is not one
+    token of the vocabulary is refused, naming it."""
+    from accelerate import Accelerator
+
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+    from alignpipe.special_tokens import stop_token_ids
+    from alignpipe.trainers import sft
+    from alignpipe.trainers.common import save_model
+
+    tok = load_tokenizer(str(tiny / "model"), eos_token="<|user|>")
+    turn_end = tok.convert_tokens_to_ids("<|user|>")
+    assert tok.eos_token_id == turn_end != load_tokenizer(str(tiny / "model")).eos_token_id
+    (row,) = sft.tokenize([{"prompt": "a", "completion": " b"}], tok, 16, True)
+    assert row["input_ids"][-1] == turn_end
+    model = load_causal_lm(str(tiny / "model"))
+    save_model(Accelerator(cpu=True), model, tok, tmp_path / "saved")
+    saved = load_causal_lm(str(tmp_path / "saved"))
+    assert turn_end in stop_token_ids(load_tokenizer(str(tmp_path / "saved")), saved)
+    assert saved.generation_config.eos_token_id[0] == turn_end
+    with pytest.raises(ValueError, match=r"model.eos_token 'two tokens' is not one token of the tokenizer"):
+        load_tokenizer(str(tiny / "model"), eos_token="two tokens")

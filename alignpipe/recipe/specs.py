@@ -17,6 +17,10 @@ class ModelSpec(Strict):
     """Local directory or Hugging Face Hub id (e.g. `Qwen/Qwen2.5-0.5B-Instruct`)."""
     tokenizer: str | None = None
     """Tokenizer directory or Hub id; null uses `path`."""
+    eos_token: str | None = None
+    """Override the tokenizer's EOS with this token (one token of its vocabulary), e.g. `<|im_end|>` when a base model
+    learns a chat template whose turns end there: what the trainers append, where generation stops, and what every
+    saved tokenizer and model (its generation config) says. Null keeps the tokenizer's."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) to load; ignored for local paths."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"

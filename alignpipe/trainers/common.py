@@ -219,6 +219,17 @@ class Checkpointer:
         return state
 
 
+def ends_turns(model, tokenizer) -> None:
+    """The model's generation config stops at the tokenizer's EOS too (`special_tokens.stop_token_ids`), so the saved
+    model, loaded anywhere, ends a completion where it learnt to (a `model.eos_token` override included)."""
+    from alignpipe.special_tokens import stop_token_ids
+
+    config = getattr(model, "generation_config", None)
+    stops = stop_token_ids(tokenizer, model)
+    if config is not None and stops:
+        config.eos_token_id = stops[0] if len(stops) == 1 else stops
+
+
 def save_model(accelerator, model, tokenizer, out: Path) -> bool:
     """Save the (unwrapped) model and tokenizer to `out`. A peft model saves only its adapter.
     Returns True when an adapter was saved."""
@@ -231,6 +242,7 @@ def save_model(accelerator, model, tokenizer, out: Path) -> bool:
     if accelerator.is_main_process:
         try:
             out.mkdir(parents=True, exist_ok=True)
+            ends_turns(unwrapped, tokenizer)
             unwrapped.save_pretrained(out, state_dict=state_dict)
             tokenizer.save_pretrained(out)
         except OSError as e:
