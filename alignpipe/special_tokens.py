@@ -8,11 +8,12 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of `texts` with the tokenizer's special tokens (Llama's and Gemma's BOS), but one BOS only where a
     text starts with its own: a chat template writes `<|begin_of_text|>` / `<bos>` into the rendered prompt, and the
     tokenizer would add a second (TRL tokenizes such prompts without special tokens for the same reason)."""
-    rows = tokenizer(texts)["input_ids"]
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        return rows
-    return [row[1:] if len(row) > 1 and row[0] == bos and row[1] == bos else row for row in rows]
+    return [row[_doubled_bos(row, tokenizer.bos_token_id) :] for row in tokenizer(texts)["input_ids"]]
+
+
+def _doubled_bos(ids: list[int], bos: int | None) -> int:
+    """1 when `ids` start with two BOS (the template's and the tokenizer's): the tokens to drop; else 0."""
+    return int(bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos)
 
 
 def encode_with_offsets(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
@@ -20,10 +21,9 @@ def encode_with_offsets(tokenizer, texts: list[str]) -> tuple[list[list[int]], l
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer: character offsets need a fast one")
     enc = tokenizer(texts, return_offsets_mapping=True)
-    bos = tokenizer.bos_token_id
     ids, offsets = [], []
     for row, spans in zip(enc["input_ids"], enc["offset_mapping"]):
-        cut = 1 if bos is not None and len(row) > 1 and row[0] == bos and row[1] == bos else 0
+        cut = _doubled_bos(row, tokenizer.bos_token_id)
         ids.append(row[cut:])
         offsets.append([tuple(s) for s in spans[cut:]])
     return ids, offsets
