@@ -55,7 +55,15 @@ def dpo(tiny, workdir):
     [
         (demo, "sft", ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"]),
         (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
+        # TR-DPO: every rank mixes the same (under FSDP: gathered) policy into its reference copy
+        (
+            dpo,
+            "dpo",
+            ["stages.sft.max_steps=10", "stages.dpo.max_steps=9", "stages.dpo.logging_every=3"]
+            + ["stages.dpo.sync_ref_model=true", "stages.dpo.ref_model_sync_steps=3"],
+        ),
     ],
+    ids=["sft", "dpo", "dpo-synced-reference"],
 )
 def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_fn, stage, per_process):
     """The same global batch (16 rows: one process × 16, or two × 8) gives the same logged loss curve, whether the

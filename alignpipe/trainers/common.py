@@ -11,7 +11,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -178,14 +178,25 @@ class Checkpointer:
     def __init__(self, output_dir: Path, keep: int):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
+        self.resumed_from: Path | None = None
+        """The checkpoint `resume` loaded, if any."""
 
-    def save(self, accelerator, step: int, extra: dict | None = None) -> Path:
-        """Save step `step`; older checkpoints beyond `keep` are removed only once it is complete. A failed save
-        (a full disk, a read-only folder) removes its partial folder and raises CheckpointSaveError naming the
-        cause and the checkpoint a re-run resumes from."""
+    def save(
+        self,
+        accelerator,
+        step: int,
+        extra: dict | None = None,
+        files: Sequence[Callable[[Path, int], None]] = (),
+    ) -> Path:
+        """Save step `step`; older checkpoints beyond `keep` are removed only once it is complete. `files`: writers
+        of a trainer's own state into the checkpoint folder, `(path, step)`, run before `state.json` marks it
+        complete. A failed save (a full disk, a read-only folder) removes its partial folder and raises
+        CheckpointSaveError naming the cause and the checkpoint a re-run resumes from."""
         path = self.root / f"step-{step}"
         try:
             accelerator.save_state(str(path))
+            for write in files:
+                write(path, step)
             if accelerator.is_main_process:
                 (path / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
         except OSError as e:
@@ -214,6 +225,7 @@ class Checkpointer:
         if not done:
             return None
         accelerator.load_state(str(done[-1]))
+        self.resumed_from = done[-1]
         state = json.loads((done[-1] / "state.json").read_text())
         log.info("resumed from checkpoint %s (step %d)", done[-1], state["step"])
         return state
@@ -413,6 +425,10 @@ class TrainLoop:
         self.updates_per_step = updates_per_step
         self.prefix, self.summary_keys = metric_prefix, summary_keys
         self.checkpoint_state: Callable[[], dict] | None = None
+        self.after_step: list[Callable[[int], None]] = []
+        """Called with the step number after each optimizer step the loop takes (e.g. `ref_sync.ReferenceSync`)."""
+        self.checkpoint_files: list[Callable[[Path, int], None]] = []
+        """Writers of a trainer's own state into each checkpoint folder (`Checkpointer.save`'s `files`)."""
         self.output_dir = Path(output_dir)
         self.seed = seed
         seed_everything(seed)
@@ -547,6 +563,8 @@ class TrainLoop:
                 if self.updates_per_step is None:
                     metrics["grad_norm"] = self._optimizer_step()
                 self.step += 1
+                for hook in self.after_step:
+                    hook(self.step)
                 for b in window:
                     if isinstance(b, dict) and "attention_mask" in b:
                         meter.add(b["attention_mask"].sum(), len(b["attention_mask"]))
@@ -590,7 +608,12 @@ class TrainLoop:
                     self.model.train()
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step != self.steps:
                     self._check_losses()  # no checkpoint after a diverged step
-                    self.checkpoints.save(acc, self.step, self.checkpoint_state() if self.checkpoint_state else None)
+                    self.checkpoints.save(
+                        acc,
+                        self.step,
+                        self.checkpoint_state() if self.checkpoint_state else None,
+                        self.checkpoint_files,
+                    )
         finally:  # a failed step or save ends the bar too, not leaving it half-drawn
             bar.close()
         final: dict[str, float] = {}

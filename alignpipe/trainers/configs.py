@@ -145,7 +145,41 @@ DPOLossType = Literal[
 ]
 
 
-class DPOConfig(TrainingArgs):
+class ReferenceSyncArgs(Strict):
+    """A reference model that follows the policy (TR-DPO, Gorbatovski et al. 2024; TRL's `sync_ref_model`), for the
+    stages that keep a frozen copy of the starting model as their reference (DPO, GRPO and RLOO)."""
+
+    sync_ref_model: bool = False
+    """Every `ref_model_sync_steps` optimizer steps, move the reference towards the policy:
+    π_ref ← α·π_θ + (1 − α)·π_ref. The synced reference is saved in each checkpoint, so a resumed run continues from
+    it. Needs a full-model stage with a reference copy (not `lora`, whose reference is the base weights under the
+    adapter)."""
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1)
+    """α of the update (TRL's default; the TR-DPO paper finds 0.5–0.6 best for soft updates); 1 copies the policy."""
+    ref_model_sync_steps: int = Field(512, gt=0)
+    """Optimizer steps between two updates of the reference (TRL's default; the paper uses 256–512 for α = 1 and
+    ~8–32 for soft ones)."""
+
+    def _no_reference_copy(self) -> str | None:
+        """Why this stage keeps no frozen reference copy to sync, if it keeps none."""
+        if getattr(self, "lora", None):
+            return "lora is set: the reference is the base model under the adapter"
+        if getattr(self, "beta", None) == 0:
+            return "beta is 0, so no reference model is loaded"
+        return None
+
+    @model_validator(mode="after")
+    def _sync_needs_a_copy(self):
+        why = self._no_reference_copy() if self.sync_ref_model else None
+        if why:
+            raise ValueError(
+                f"sync_ref_model mixes the policy into a frozen copy of the starting model, and this stage keeps "
+                f"none ({why}); drop sync_ref_model or change that setting"
+            )
+        return self
+
+
+class DPOConfig(TrainingArgs, ReferenceSyncArgs):
     """Direct Preference Optimization (the design of TRL's DPOTrainer)."""
 
     learning_rate: float = Field(1e-6, gt=0)
@@ -200,6 +234,13 @@ class DPOConfig(TrainingArgs):
                 "reference_free and precompute_ref_logps exclude each other: a reference-free run has no reference"
             )
         return self
+
+    def _no_reference_copy(self) -> str | None:
+        if self.reference_free:
+            return "reference_free is set"
+        if self.precompute_ref_logps:
+            return "precompute_ref_logps computes the reference's log-probs once, before training"
+        return super()._no_reference_copy()
 
 
 class KTOConfig(TrainingArgs):
@@ -338,7 +379,7 @@ class OnlineRLArgs(TrainingArgs):
     """Tokens per chunk when computing log-probs (bounds the full-vocabulary logits held at once)."""
 
 
-class GRPOConfig(OnlineRLArgs):
+class GRPOConfig(OnlineRLArgs, ReferenceSyncArgs):
     """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
 
     compares_samples: ClassVar[bool] = True
@@ -410,7 +451,7 @@ class GRPOConfig(OnlineRLArgs):
         return self
 
 
-class RLOOConfig(OnlineRLArgs):
+class RLOOConfig(OnlineRLArgs, ReferenceSyncArgs):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024; the design of TRL 1.16's RLOOTrainer): k completions per prompt,
     each one's baseline the mean reward of its k − 1 siblings, no value model."""
 

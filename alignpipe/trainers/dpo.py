@@ -52,6 +52,7 @@ from alignpipe.trainers.common import (
     to_device,
 )
 from alignpipe.trainers.configs import DPOConfig
+from alignpipe.trainers.ref_sync import synced
 
 log = logging.getLogger(__name__)
 
@@ -390,6 +391,7 @@ def train(
             "or set precompute_ref_logps / lora / reference_free"
         )
     reference = _Reference(cfg, loop, ref_model if not (cfg.lora or cfg.reference_free) else None)
+    synced(reference.model, cfg, loop)
     if cfg.precompute_ref_logps:
         reference.precompute({"train": train_ex, "eval": eval_ex}, collate_fn, Path(output_dir) / "ref_logps.pt")
 

@@ -51,6 +51,7 @@ from alignpipe.rl_math import (
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
+from alignpipe.trainers.ref_sync import synced
 
 log = logging.getLogger(__name__)
 
@@ -569,6 +570,7 @@ def train_on_samples(
     if cfg.beta and not cfg.lora and ref_model is None:
         raise ValueError("beta > 0 without LoRA needs `ref_model` (a frozen copy of the starting model)")
     ref = frozen_reference(ref_model, cfg, loop.accelerator.device) if (cfg.beta and not cfg.lora) else None
+    synced(ref, cfg, loop)
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
     current: dict[str, Any] = {}
 
