@@ -379,7 +379,51 @@ class OnlineRLArgs(TrainingArgs):
     """Tokens per chunk when computing log-probs (bounds the full-vocabulary logits held at once)."""
 
 
-class GRPOConfig(OnlineRLArgs, ReferenceSyncArgs):
+class GenerationBatchArgs(OnlineRLArgs):
+    """Knobs GRPO and RLOO share: how many optimizer steps one generation batch feeds (TRL's `steps_per_generation`
+    / `generation_batch_size`)."""
+
+    steps_per_generation: int | None = Field(None, gt=0)
+    """Micro-batches (forward/backward passes of `batch_size` completions) each generation batch is cut into, as TRL
+    counts them: a multiple of `gradient_accumulation_steps`, so a generation batch feeds whole optimizer steps.
+    Larger generation batches keep the engine busier (fewer, bigger rollouts); the steps after the first train
+    off-policy, corrected by importance ratios against the log-probs taken at generation. null: one optimizer
+    step per generation batch (= gradient_accumulation_steps)."""
+    generation_batch_size: int | None = Field(None, gt=0)
+    """The same in completions per process: steps_per_generation × batch_size. Set one of the two."""
+
+    @model_validator(mode="after")
+    def _generation_batch(self):
+        batch, accumulation = self.batch_size, self.gradient_accumulation_steps
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ValueError("steps_per_generation and generation_batch_size say the same thing: set one of them")
+        if self.generation_batch_size is not None and self.generation_batch_size % batch:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be a multiple of batch_size ({batch}): "
+                "a generation batch is cut into micro-batches of batch_size completions"
+            )
+        micro = self.micro_batches_per_generation
+        if micro % accumulation:
+            raise ValueError(
+                f"a generation batch of {micro} micro-batches (steps_per_generation, or generation_batch_size / "
+                f"batch_size) does not feed whole optimizer steps of gradient_accumulation_steps = {accumulation}: "
+                f"use a multiple of {accumulation}"
+            )
+        return self
+
+    @property
+    def micro_batches_per_generation(self) -> int:
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // self.batch_size
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps each generation batch feeds (before `num_iterations` repeats them)."""
+        return self.micro_batches_per_generation // self.gradient_accumulation_steps
+
+
+class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
 
     compares_samples: ClassVar[bool] = True
@@ -451,7 +495,7 @@ class GRPOConfig(OnlineRLArgs, ReferenceSyncArgs):
         return self
 
 
-class RLOOConfig(OnlineRLArgs, ReferenceSyncArgs):
+class RLOOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024; the design of TRL 1.16's RLOOTrainer): k completions per prompt,
     each one's baseline the mean reward of its k − 1 siblings, no value model."""
 

@@ -1,15 +1,17 @@
 """Group Relative Policy Optimization, following the design of TRL's GRPOTrainer.
 
-Each optimizer step: take `batch_size × accumulation / num_generations` prompts, sample
-`num_generations` completions each through the rollout engine, score them with the reward set
-(weighted sum; a function may answer None), and turn rewards into group-relative advantages
-(r − mean(group)) / std, std per group, per batch, or none). Completions are masked after their
-first EOS (and wholly, with `mask_truncated_completions`, when they never end).
+Each generation batch: take `batch_size × steps_per_generation / num_generations` prompts (by default one optimizer
+step's: `steps_per_generation` = `gradient_accumulation_steps`), sample `num_generations` completions each through
+the rollout engine, score them with the reward set (weighted sum; a function may answer None), and turn rewards into
+group-relative advantages (r − mean(group)) / std, std per group, per batch, or none). Completions are masked after
+their first EOS (and wholly, with `mask_truncated_completions`, when they never end). The batch feeds
+`steps_per_generation / gradient_accumulation_steps` optimizer steps, a part each, `num_iterations` times over.
 
-Per token, with ratio ρ = π/π_old (π_old = π detached unless `num_iterations` > 1 reuses a rollout):
+Per token, with ratio ρ = π/π_old (π_old = π detached unless the rollout is reused: `num_iterations` > 1 or several
+steps per generation batch, when π_old's log-probs are taken at generation):
     loss = −min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) + β·KL_k3(π ‖ π_ref)
 aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over the micro-batch's
-tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the whole step), luspo (per-sequence
+tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the step: the generation batch's, divided among its steps, as TRL), luspo (per-sequence
 sum, then mean); or cispo's and sapo's losses (`losses.per_token_loss`). With `importance_sampling_level: sequence`
 (GSPO) ρ is one ratio per completion.
 β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
@@ -247,6 +249,21 @@ class GRPORun:
     def epsilon_high(self) -> float:
         return self.cfg.epsilon_high if self.cfg.epsilon_high is not None else self.cfg.epsilon
 
+    @property
+    def reuses_rollouts(self) -> bool:
+        """Whether a generation batch trains after the policy has moved (`num_iterations` > 1, or several optimizer
+        steps per generation batch): then its old-policy log-probs are taken at generation."""
+        return self.cfg.num_iterations > 1 or self.cfg.steps_per_rollout > 1
+
+    def step_part(self, batch: GRPORollout) -> list[int]:
+        """The starts of the micro-batches this optimizer step trains on: the generation batch's micro-batches of
+        `batch_size` rows, in `steps_per_rollout` consecutive parts of `gradient_accumulation_steps`, part
+        `iteration % steps_per_rollout` (TRL's order: every part once, then again for each further iteration)."""
+        starts = list(range(0, batch.completion_ids.size(0), self.cfg.batch_size))
+        per_step = self.cfg.gradient_accumulation_steps
+        part = self.loop.iteration % self.cfg.steps_per_rollout
+        return starts[part * per_step : (part + 1) * per_step] if self.cfg.steps_per_rollout > 1 else starts
+
     def reference(self):
         """The reference model and the context it runs in."""
         if self.ref is not None:
@@ -359,13 +376,14 @@ def sample(run: GRPORun, batch_rows: list[dict]) -> Samples:
     return Samples(prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, completions, all(prompt_lists))
 
 
-def step_tokens_per_process(loop: TrainLoop, mask: torch.Tensor) -> float:
-    """Completion tokens of the whole step over all processes, per process (the dapo normaliser)."""
+def step_tokens_per_process(loop: TrainLoop, mask: torch.Tensor, steps: int = 1) -> float:
+    """Completion tokens of an optimizer step over all processes, per process (the dapo normaliser): the generation
+    batch's, divided among the `steps` optimizer steps it feeds (TRL's rescaling of `num_items_in_batch`)."""
     acc = loop.accelerator
     tokens = mask.sum().to(acc.device)
     if acc.num_processes > 1:
         tokens = acc.reduce(tokens, "sum")
-    return float(tokens) / acc.num_processes
+    return float(tokens) / acc.num_processes / steps
 
 
 @torch.no_grad()
@@ -394,11 +412,11 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         std,
         old_logps=None,
         ref_logps=None,
-        step_tokens_per_process=step_tokens_per_process(loop, sm.mask),
+        step_tokens_per_process=step_tokens_per_process(loop, sm.mask, cfg.steps_per_rollout),
         prompts_nonempty=sm.prompts_nonempty,
     )
     loop.model.eval()
-    if cfg.num_iterations > 1:
+    if run.reuses_rollouts:
         batch.old_logps = run.logps_of(loop.model, batch, contextlib.nullcontext())
     if cfg.beta != 0.0:
         ref_model, context = run.reference()
@@ -407,13 +425,12 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     return batch, sm
 
 
-def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
-    """One optimizer step's forward and backward over the rollout, micro-batch by micro-batch (the loop then clips
-    and steps). Returns the loss and TRL's per-token metrics as device tensors, read when logged."""
+def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torch.Tensor]:
+    """One optimizer step's forward and backward over the rollout's micro-batches starting at `micro` (the loop then
+    clips and steps). Returns the loss and TRL's per-token metrics as device tensors, read when logged."""
     cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
     assert isinstance(cfg, GRPOConfig)
     device, eps_high = acc.device, run.epsilon_high
-    micro = list(range(0, batch.completion_ids.size(0), cfg.batch_size))
     sums: dict[str, torch.Tensor] = {}
 
     def add(key: str, value: torch.Tensor) -> None:
@@ -527,7 +544,7 @@ def greedy_reward(
 
 
 RolloutFn = Callable[[GRPORun, list[dict]], tuple[GRPORollout, Samples]]
-UpdateFn = Callable[[GRPORun, GRPORollout], dict[str, torch.Tensor]]
+UpdateFn = Callable[[GRPORun, GRPORollout, list[int]], dict[str, torch.Tensor]]
 
 
 def train_on_samples(
@@ -546,8 +563,9 @@ def train_on_samples(
     engine=None,
     eval_rows: list[dict] | None = None,
 ) -> TrainResult:
-    """The loop GRPO and RLOO share: `num_generations` samples per prompt each new window (`rollout_fn`), one
-    optimizer step per `update_fn` (`num_iterations` of them per rollout), greedy held-out reward as eval/reward."""
+    """The loop GRPO and RLOO share: `num_generations` samples per prompt each new generation batch (`rollout_fn`),
+    one optimizer step per `update_fn` on a part of it (`steps_per_rollout` parts, each `num_iterations` times),
+    greedy held-out reward as eval/reward."""
     G = cfg.num_generations
     if cfg.batch_size % G:
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
@@ -563,7 +581,8 @@ def train_on_samples(
         output_dir,
         seed,
         rows_per_batch=cfg.batch_size // G,
-        repeat=cfg.num_iterations,
+        batches_per_step=cfg.micro_batches_per_generation,
+        repeat=cfg.num_iterations * cfg.steps_per_rollout,
     )
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)
@@ -575,11 +594,13 @@ def train_on_samples(
     current: dict[str, Any] = {}
 
     def step(window: list[list[dict]]) -> dict:
-        if loop.iteration == 0:  # a new generation batch; num_iterations > 1 reuses it
+        # A new generation batch (also when a run resumes between two of its steps, as TRL); it feeds
+        # `steps_per_rollout` optimizer steps, each on its part, `num_iterations` times over.
+        if loop.iteration == 0 or "batch" not in current:
             batch, sm = rollout_fn(run, [r for micro in window for r in micro])
             current.update(batch=batch, stats=batch.stats(rewards.names))
             log_samples(run, sm, batch.rewards, name)
-        return {**update_fn(run, current["batch"]), **current["stats"]}
+        return {**update_fn(run, current["batch"], run.step_part(current["batch"])), **current["stats"]}
 
     def evaluate() -> dict[str, float]:
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)

@@ -61,11 +61,11 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         group_std=torch.zeros_like(rewards),
         old_logps=None,
         ref_logps=None,
-        step_tokens_per_process=step_tokens_per_process(loop, sm.mask),
+        step_tokens_per_process=step_tokens_per_process(loop, sm.mask, cfg.steps_per_rollout),
         prompts_nonempty=sm.prompts_nonempty,
     )
     loop.model.eval()
-    if cfg.num_iterations > 1 or cfg.beta != 0.0:
+    if run.reuses_rollouts or cfg.beta != 0.0:
         batch.old_logps = run.logps_of(loop.model, batch, contextlib.nullcontext()).cpu()
     if cfg.beta != 0.0:
         ref_model, context = run.reference()
@@ -80,13 +80,12 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     return batch, sm
 
 
-def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
-    """One optimizer step's forward and backward over the rollout, micro-batch by micro-batch. Returns the loss and
-    TRL's metrics as device tensors, read when logged."""
+def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torch.Tensor]:
+    """One optimizer step's forward and backward over the rollout's micro-batches starting at `micro`. Returns the
+    loss and TRL's metrics as device tensors, read when logged."""
     cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
     assert isinstance(cfg, RLOOConfig)
     device, eps_high = acc.device, run.epsilon_high
-    micro = list(range(0, batch.completion_ids.size(0), cfg.batch_size))
     sums: dict[str, torch.Tensor] = {}
 
     def add(key: str, value: torch.Tensor) -> None:
@@ -98,7 +97,7 @@ def update(run: GRPORun, batch: GRPORollout) -> dict[str, torch.Tensor]:
         with loop.no_sync_unless(j == len(micro) - 1):
             logps, entropy = run.micro_logps(batch, sl)
             seq_logps = (logps.float() * mask).sum(1)
-            if batch.old_logps is not None and cfg.num_iterations > 1:
+            if batch.old_logps is not None and run.reuses_rollouts:
                 old = (to_device(batch.old_logps[sl], device) * mask).sum(1)
             else:
                 old = seq_logps.detach()
