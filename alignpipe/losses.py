@@ -143,6 +143,7 @@ def per_token_loss(
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
     delta: float | None = None,
     policy_tokens: torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ):
     """The policy loss per token, (B, C) (+ β·k3 KL, times the ratio with `kl_correction`); also the importance ratio
     π/π_old ((B, C), or (B, 1) at the sequence level) and the KL term (or None). As TRL 1.16's GRPOTrainer:
@@ -153,7 +154,8 @@ def per_token_loss(
     - sapo: −(4/τ)·σ(τ(ρ − 1))·A, a soft gate instead of the clip, τ by the sign of A (`sapo_temperatures`:
       positive, non-positive).
     `delta` caps the unclipped ratio too (INTELLECT-2's two-sided clip); `policy_tokens` (a 0/1 (B, C) mask, e.g. the
-    high-entropy tokens) keeps the policy term on those tokens only, the KL term on all."""
+    high-entropy tokens) keeps the policy term on those tokens only, the KL term on all. `sampling_weights` ((B, C) or
+    (B, 1): `rl_math.sampling_importance_weights`, times `rl_math.off_policy_mask`) weigh the policy term too."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
     if importance_sampling_level == "sequence":
@@ -173,6 +175,8 @@ def per_token_loss(
         loss = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     if policy_tokens is not None:
         loss = loss * policy_tokens
+    if sampling_weights is not None:
+        loss = loss * sampling_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:

@@ -194,3 +194,38 @@ def high_entropy_tokens(entropy: torch.Tensor, mask: torch.Tensor, keep: float, 
     pooled = gather(values) if gather is not None else values
     threshold = torch.nanquantile(pooled, 1 - keep)
     return (entropy.detach() * mask >= threshold) & mask.bool()
+
+
+def sampling_importance_weights(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None = None,
+    clip_max: float | None = None,
+) -> torch.Tensor:
+    """Importance weights π_old / π_sampler that correct for the engine sampling from a slightly different
+    distribution than the trainer's forward computes (TRL 1.16's vLLM importance sampling: truncated, TIS, or masked,
+    MIS). `mode`: `token_*` one weight per token (B, C), `sequence_*` one per completion from its summed log-ratio
+    (B, 1); `*_truncate` clamps weights to [clip_min, clip_max], `*_mask` zeroes weights outside it. A token without a
+    sampling log-prob (NaN) counts as no gap."""
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    weights = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(weights, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -float("inf")
+    high = clip_max if clip_max is not None else float("inf")
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def off_policy_mask(
+    advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, (B, 1): drop a completion with a negative advantage whose mean
+    per-token KL(π_sampler ‖ π), estimated as log π_sampler − log π over its tokens, exceeds `threshold` (as TRL 1.16's
+    `get_off_policy_mask`; tokens without a sampling log-prob count as no divergence)."""
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)

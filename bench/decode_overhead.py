@@ -40,7 +40,7 @@ def ms_per_token(loop, model, rows: int, new_tokens: int, **kwargs) -> float:
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     with torch.inference_mode():
         start = time.perf_counter()
-        out = loop(model, ids, torch.ones_like(ids), sampling, None, 0, torch.Generator().manual_seed(0), **kwargs)
+        out, _ = loop(model, ids, torch.ones_like(ids), sampling, None, 0, torch.Generator().manual_seed(0), **kwargs)
         return (time.perf_counter() - start) / out.shape[1] * 1000
 
 

@@ -465,7 +465,7 @@ def _replayed_against_eager(setup: Setup, step, name: str) -> tuple[bool, str]:
     took, out = {}, {}
     with torch.inference_mode():
         for run, kwargs in (("eager", {}), (name, {"step": step}), (f"{name} again", {"step": step})):
-            out[run], seconds = timed(lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw), True)
+            out[run], seconds = timed(lambda kw=kwargs: decode_static(model, ids, mask, greedy, None, 0, **kw)[0], True)
             step.release()
             took[run] = seconds / new * 1e3
     same = [int((out[run] == out["eager"]).all(1).sum()) for run in (name, f"{name} again")]
@@ -524,7 +524,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
 
         def rollout(loop, kwargs, seed):  # as the engine runs it: recorded at the start, released at the end
             try:
-                return loop(model, ids, mask, sampling, None, 0, seed, **kwargs)
+                return loop(model, ids, mask, sampling, None, 0, seed, **kwargs)[0]
             finally:
                 step.release()
 
@@ -558,7 +558,7 @@ def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
     logits = torch.randn(rows, vocab, device=setup.device, dtype=torch.bfloat16)
     generator = torch.Generator(device=setup.device).manual_seed(7)
     with torch.inference_mode():
-        next_token(logits, sampling, generator)
+        next_token(logits, sampling, generator)  # the token; no log-prob asked
         calls = 100
         _, seconds = timed(lambda: [next_token(logits, sampling, generator) for _ in range(calls)], setup.cuda)
     return seconds / calls * 1e3

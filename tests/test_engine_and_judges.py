@@ -188,8 +188,8 @@ def test_greedy_samples_of_a_shared_prefill_equal_each_row_decoded_whole(engine)
     enc = HFEngine(engine.model, tok)._encode([tok("The film")["input_ids"], tok("I watched it and the")["input_ids"]])
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     with torch.no_grad():
-        shared = decode(engine.model, enc["input_ids"], enc["attention_mask"], greedy, None, tok.pad_token_id, n=3)
-        whole = decode(
+        shared, _ = decode(engine.model, enc["input_ids"], enc["attention_mask"], greedy, None, tok.pad_token_id, n=3)
+        whole, _ = decode(
             engine.model,
             enc["input_ids"].repeat_interleave(3, 0),
             enc["attention_mask"].repeat_interleave(3, 0),
@@ -558,7 +558,7 @@ def test_on_a_gpu_the_decode_loop_asks_every_4_steps_reads_late_and_returns_the_
         args = (model, enc["input_ids"], enc["attention_mask"], sampling, tok.eos_token_id, tok.pad_token_id)
         try:
             with torch.inference_mode():
-                out = loop(*args, torch.Generator().manual_seed(5), n=2)
+                out, _ = loop(*args, torch.Generator().manual_seed(5), n=2)
         finally:
             monkeypatch.setattr(torch.Tensor, "__bool__", original)
             hook.remove()
@@ -643,3 +643,38 @@ def test_a_reward_model_on_a_document_kernel_scores_padding_free_as_padded(tiny,
         assert "key_rows" in layouts[0]["documents"] and ran < texts, (ran, texts)
     else:
         assert "key_rows" not in layouts[0]["documents"] and ran == texts
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampling_logprobs_are_those_of_the_distribution_each_token_was_drawn_from(trained, static, top_k):
+    """Asked for, the engine returns each kept token's log-prob under what it sampled from: the model's softmax at
+    the temperature, renormalised over the top-k tokens when filtered (vLLM's "processed" logprobs), computed here
+    again with a full forward. The tokens are the ones drawn without asking, and the list is as long as the ids
+    (rows that ended early included)."""
+    from alignpipe.engine.hf import filter_logits
+
+    model, tok = trained
+    prompts = ["The film", "I watched it and", "A", "Honestly, the plot was"]
+    sampling = SamplingParams(temperature=0.7, top_k=top_k, max_new_tokens=12)
+    engine = HFEngine(model, tok, 8, static_cache=static)
+    plain = engine.generate(prompts, 2, sampling, seed=4)
+    gens = engine.generate(prompts, 2, sampling, seed=4, logprobs=True)
+    assert [g.completion_ids for g in gens] == [g.completion_ids for g in plain] and plain[0].logprobs is None
+    assert {g.finish_reason for g in gens} == {"stop", "length"}
+    for g in gens:
+        assert len(g.logprobs) == len(g.completion_ids)
+        prompt = tok(prompts[g.prompt_index])["input_ids"]
+        ids = torch.tensor([prompt + g.completion_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        expected = filter_logits(logits, sampling).log_softmax(-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4), (g.logprobs, expected)
+
+
+def test_the_vllm_server_engine_refuses_to_give_sampling_logprobs():
+    """Its ids are the returned text tokenized again, which its log-probs would not line up with."""
+    from alignpipe.engine.vllm import VLLMServerEngine
+
+    with pytest.raises(ValueError, match="would not line up"):
+        VLLMServerEngine("http://127.0.0.1:9", tokenizer=None).generate(["a"], logprobs=True)

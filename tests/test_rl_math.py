@@ -291,10 +291,21 @@ def test_normalize_then_sum_advantages_equal_trl():
         ("sapo", True, "token", 0.28, {}),
         ("dapo", True, "token", 0.28, {"top_entropy_quantile": 0.2}),
         ("dapo", True, "token", 0.28, {"delta": 1.5}),
+        # TRL's vLLM importance sampling (its _compute_loss takes the weights we compute; they equal TRL's in
+        # test_sampling_correction) and the off-policy sequence mask, on sampling log-probs that differ from π_old
+        ("dapo", True, "token", 0.28, {"sampling_correction": "token_truncate"}),
+        ("grpo", True, "token", 0.28, {"sampling_correction": "sequence_mask", "off_policy_mask_threshold": 0.05}),
     ],
 )
 def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high, extra):
     trl = pytest.importorskip("trl")
+    from alignpipe.rl_math import off_policy_mask, sampling_importance_weights
+
+    correction = extra.get("sampling_correction")
+    threshold = extra.get("off_policy_mask_threshold")
+    trl_extra = {k: v for k, v in extra.items() if k != "sampling_correction"}
+    if correction:
+        trl_extra["vllm_importance_sampling_mode"] = correction
     from datasets import Dataset
 
     from alignpipe.modeling import load_causal_lm, load_tokenizer
@@ -316,7 +327,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         max_completion_length=C,
         use_bias_correction_kl=kl_correction,
         importance_sampling_level=level,
-        **extra,
+        **trl_extra,
     )
     trainer = trl.GRPOTrainer(
         model=model,
@@ -340,6 +351,14 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
     }
     if "delta" in extra:  # an older policy far enough behind that ratios reach 2 to 3, past the cap
         inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 2.0
+    weights = None
+    if correction:  # TRL reads them where it used vLLM
+        sampled = inputs["old_per_token_logps"] + torch.randn(B, C, generator=g) * 0.3
+        weights = sampling_importance_weights(
+            inputs["old_per_token_logps"], sampled, mask.float(), correction, None, 3.0
+        )
+        inputs |= {"importance_sampling_ratio": weights, "sampling_per_token_logps": sampled}
+        trainer.use_vllm = True
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
@@ -359,6 +378,10 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         m = mask.float()
         keep = extra.get("top_entropy_quantile", 1.0)
         tokens = high_entropy_tokens(entropy, m, keep).float() if keep < 1 else None
+        if threshold is not None:
+            kept = off_policy_mask(inputs["advantages"], logps, inputs["sampling_per_token_logps"], m, threshold)
+            assert 0 < kept.sum() < B, "some completions dropped, some kept"
+            weights = kept if weights is None else weights * kept
         ptl, ratio, kl = losses.per_token_loss(
             logps,
             inputs["old_per_token_logps"],
@@ -373,6 +396,7 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             loss_type,
             delta=extra.get("delta"),
             policy_tokens=tokens,
+            sampling_weights=weights,
         )
         loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
         cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level, **extra)

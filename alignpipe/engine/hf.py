@@ -56,6 +56,7 @@ class HFEngine:
         n: int = 1,
         sampling: SamplingParams | None = None,
         seed: int | None = None,
+        logprobs: bool = False,
     ) -> list[Generation]:
         sampling = sampling or SamplingParams()
         generator = None
@@ -82,11 +83,12 @@ class HFEngine:
                     generator,
                 )
                 if self.static_cache or step is not None:
-                    new = decode_static(*args, n=n, step=step).tolist()
+                    tokens, logps = decode_static(*args, n=n, step=step, logprobs=logprobs)
                 else:
-                    new = decode(*args, n=n).tolist()
-                for k, row in enumerate(new):
-                    out.append(self._finish(start + k // n, row, stops))
+                    tokens, logps = decode(*args, n=n, logprobs=logprobs)
+                rows = logps.tolist() if logps is not None else [None] * len(tokens)
+                for k, (row, row_logps) in enumerate(zip(tokens.tolist(), rows)):
+                    out.append(self._finish(start + k // n, row, stops, row_logps))
         finally:
             self.model.train(was_training)
             if step is not None:
@@ -111,17 +113,22 @@ class HFEngine:
         """Rollouts use the policy object itself: nothing to copy (a replayed step records a new model again)."""
         self.model = model
 
-    def _finish(self, prompt_index: int, ids: list[int], stops: list[int]) -> Generation:
+    def _finish(
+        self, prompt_index: int, ids: list[int], stops: list[int], logps: list[float] | None = None
+    ) -> Generation:
         reason: FinishReason
         end = next((t for t, i in enumerate(ids) if i in stops), None)
+        keep = list(range(len(ids)))
         if end is not None:
-            ids = ids[: end + 1]
+            keep = keep[: end + 1]
             reason = "stop"
         else:
-            ids = [i for i in ids if i != self.tok.pad_token_id] if self.tok.pad_token_id not in stops else ids
+            if self.tok.pad_token_id not in stops:
+                keep = [t for t in keep if ids[t] != self.tok.pad_token_id]
             reason = "length"
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        return Generation(prompt_index, text, ids, reason)
+        kept = [ids[t] for t in keep]
+        text = self.tok.decode(kept, skip_special_tokens=True)
+        return Generation(prompt_index, text, kept, reason, [logps[t] for t in keep] if logps is not None else None)
 
 
 def decode(
@@ -133,11 +140,13 @@ def decode(
     pad: int,
     generator: torch.Generator | None = None,
     n: int = 1,
-) -> torch.Tensor:
+    logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample up to `max_new_tokens`, `n` times for each left-padded prompt row; (rows × n, steps) new tokens
-    (a prompt's samples adjacent), `pad` after EOS. Each prompt is prefilled once and its KV cache repeated `n`
-    times. Stops once every row has ended, looking every `check_every` steps; the columns after the last row's
-    end are cut, so the result does not depend on when it looked."""
+    (a prompt's samples adjacent), `pad` after EOS, and with `logprobs` their sampling log-probs (`next_token`;
+    meaningless after a row's EOS). Each prompt is prefilled once and its KV cache repeated `n` times. Stops once
+    every row has ended, looking every `check_every` steps; the columns after the last row's end are cut, so the
+    result does not depend on when it looked."""
     position = mask_positions(mask)
     logits, cache = prefill(model, ids, mask, position)
     seen = SeenTokens.of(ids, mask, n, logits.shape[-1], sampling)
@@ -146,6 +155,7 @@ def decode(
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
     rows = logits.shape[0]
     new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=ids.device)
+    logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
     ends = RowEnds(rows, sampling.max_new_tokens, ids.device)
     pos = position[:, -1:] + 1
     masks = [mask, torch.ones((rows, sampling.max_new_tokens), dtype=mask.dtype, device=mask.device)]
@@ -154,13 +164,16 @@ def decode(
         full_mask = full_mask.bool()[:, None, None, :]
     width = ids.shape[1]
     for t in range(sampling.max_new_tokens):
-        token = next_token(seen(logits) if seen else logits, sampling, generator).masked_fill(ends.done, pad)
+        token, logp = next_token(seen(logits) if seen else logits, sampling, generator, logprobs)
+        token = token.masked_fill(ends.done, pad)
         if seen:
             seen.add(token)
         new[:, t] = token
+        if logps is not None and logp is not None:
+            logps[:, t] = logp
         ends.record(token, t, stops)
         if ends.finished(t):
-            return new[:, : ends.width()]
+            return _cut(new, logps, ends.width())
         logits = model(
             input_ids=token[:, None],
             attention_mask=full_mask[..., : width + t + 1],
@@ -169,7 +182,11 @@ def decode(
             use_cache=True,
         ).logits[:, -1]
         pos = pos + 1
-    return new
+    return new, logps
+
+
+def _cut(new: torch.Tensor, logps: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return new[:, :width], (logps[:, :width] if logps is not None else None)
 
 
 # How often a decode loop on a GPU asks "have all rows ended?". Each answer is read one check late (`RowEnds`), so
@@ -232,7 +249,8 @@ def decode_static(
     generator: torch.Generator | None = None,
     n: int = 1,
     step: FixedShapeStep | None = None,
-) -> torch.Tensor:
+    logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
     written) and the cache position as a tensor. Nothing is re-allocated per token, and "have all rows ended?" is
@@ -278,23 +296,27 @@ def decode_static(
         keys = full_mask.bool()
         step_mask = keys[:, None, None, :]
     new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
+    logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
     ends = RowEnds(rows, steps, ids.device)
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
     seen = SeenTokens.of(*seen_of, logits.shape[-1], sampling)
     for t in range(steps):
-        token = next_token(seen(logits) if seen else logits, sampling, generator).masked_fill(ends.done, pad)
+        token, logp = next_token(seen(logits) if seen else logits, sampling, generator, logprobs)
+        token = token.masked_fill(ends.done, pad)
         if seen:
             seen.add(token)
         new[:, t] = token
+        if logps is not None and logp is not None:
+            logps[:, t] = logp
         ends.record(token, t, stops)
         if ends.finished(t):
-            return new[:, : ends.width()]
+            return _cut(new, logps, ends.width())
         keys[:, width + t] = 1
         logits = (step or decode_step)(model, token[:, None], step_mask, pos, cache, cache_position)
         pos = pos + 1
         cache_position = cache_position + 1
-    return new
+    return new, logps
 
 
 def prefill(model, ids, mask, position):
@@ -370,12 +392,18 @@ class SeenTokens:
 
 
 def next_token(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """One token per row: argmax when greedy, else a sample from `filter_logits`."""
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None, logprob: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row: argmax when greedy, else a sample from `filter_logits`; with `logprob`, also each token's
+    log-probability under the distribution it was drawn from (after temperature and the filters, as vLLM's
+    "processed" logprobs; greedy: the model's own). The sample is the same either way."""
     if sampling.greedy:
-        return logits.argmax(-1)
-    return sample(filter_logits(logits, sampling).softmax(-1), generator)
+        token = logits.argmax(-1)
+        return token, (logits.float().log_softmax(-1).gather(-1, token[:, None]).squeeze(-1) if logprob else None)
+    probs = filter_logits(logits, sampling).softmax(-1)
+    token = sample(probs, generator)
+    # float32 probabilities: a drawn token's is far above the smallest normal, so its log loses nothing that matters
+    return token, (probs.gather(-1, token[:, None]).squeeze(-1).log() if logprob else None)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

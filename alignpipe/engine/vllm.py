@@ -15,6 +15,7 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -47,12 +48,17 @@ class VLLMColocateEngine:
         self.tok = tokenizer
         self.stops = stop_token_ids(tokenizer, model)
         self.sleep = sleep_between_rollouts
+        # Sampling log-probs after temperature and the filters (what the sample was drawn from), for GRPO's
+        # `sampling_correction`; a vLLM without the option returns the raw model's, which `generate` refuses to use.
+        self.processed_logprobs = _has_engine_arg("logprobs_mode")
+        extra = {"logprobs_mode": "processed_logprobs"} if self.processed_logprobs else {}
         self.llm = LLM(
             model=source,
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
             seed=seed,
             enable_sleep_mode=sleep_between_rollouts,
+            **extra,
         )
         self._asleep = False
 
@@ -83,10 +89,21 @@ class VLLMColocateEngine:
             self.llm.reset_prefix_cache()
 
     def generate(
-        self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None
+        self,
+        prompts,
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
     ) -> list[Generation]:
         from vllm import SamplingParams as VSampling
 
+        if logprobs and not self.processed_logprobs:
+            raise RuntimeError(
+                "sampling log-probs need a vLLM with the `logprobs_mode` engine argument (returning the log-probs of "
+                "the distribution sampled from, after temperature and filters); upgrade vllm, or set "
+                "sampling_correction: none"
+            )
         sampling = sampling or SamplingParams()
         if self._asleep:
             self.llm.wake_up()
@@ -100,6 +117,7 @@ class VLLMColocateEngine:
             min_p=sampling.min_p,
             repetition_penalty=sampling.repetition_penalty,
             seed=seed,
+            logprobs=0 if logprobs else None,  # 0: the sampled token's only
         )
         inputs = [{"prompt_token_ids": p} if not isinstance(p, str) else p for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
@@ -107,14 +125,36 @@ class VLLMColocateEngine:
         for i, out in enumerate(outputs):
             for c in out.outputs:
                 ids = list(c.token_ids)
+                logps = _sampled_logprobs(c, ids) if logprobs else None
                 reason: FinishReason = "stop" if c.finish_reason == "stop" else "length"
                 if reason == "stop" and (not ids or ids[-1] not in self.stops):  # a stop string, not a stop token
                     ids.append(self.tok.eos_token_id)
-                gens.append(Generation(i, self.tok.decode(ids, skip_special_tokens=True), ids, reason))
+                    if logps is not None:
+                        logps.append(math.nan)  # vLLM did not sample it
+                gens.append(Generation(i, self.tok.decode(ids, skip_special_tokens=True), ids, reason, logps))
         if self.sleep:
             self.llm.sleep(level=1)
             self._asleep = True
         return gens
+
+
+def _has_engine_arg(name: str) -> bool:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def _sampled_logprobs(output, ids: list[int]) -> list[float]:
+    """Each sampled token's log-prob from a vLLM completion asked for `logprobs=0` (per position, a mapping of token
+    id to its Logprob); NaN where vLLM gave none."""
+    out = []
+    for t, token in enumerate(ids):
+        entry = output.logprobs[t].get(token) if output.logprobs is not None and t < len(output.logprobs) else None
+        value = getattr(entry, "logprob", math.nan) if entry is not None else math.nan
+        out.append(math.nan if value is None else float(value))
+    return out
 
 
 class VLLMServerEngine:
@@ -137,9 +177,21 @@ class VLLMServerEngine:
         """The server owns its weights; nothing is pushed (see the module docstring)."""
 
     def generate(
-        self, prompts, n: int = 1, sampling: SamplingParams | None = None, seed: int | None = None
+        self,
+        prompts,
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
     ) -> list[Generation]:
         import httpx
+
+        if logprobs:
+            raise ValueError(
+                "the vLLM server engine returns text, whose token ids are recovered by tokenizing it again: its "
+                "sampling log-probs would not line up with them. Use rollout mode 'colocate' or the hf backend for "
+                "sampling_correction, or set sampling_correction: none"
+            )
 
         sampling = sampling or SamplingParams()
         payload = {

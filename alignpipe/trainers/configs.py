@@ -477,6 +477,56 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     """Optimizer steps per generation batch (μ); > 1 reuses rollouts with importance ratios."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss."""
+    sampling_correction: Literal[
+        "auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "auto"
+    """Correct for the engine sampling from a slightly different distribution than the trainer's forward computes
+    (other kernels, bf16 rounding, a KV cache): weigh the policy term by π_old/π_sampler, the trainer's log-probs at
+    generation against the engine's (TRL's `vllm_importance_sampling_correction` / `_mode`). token_*: a weight per
+    token; sequence_*: one per completion, from its summed log-ratio; *_truncate clamps weights into
+    [`sampling_correction_min`, `sampling_correction_max`] (TIS), *_mask zeroes those outside it (MIS). Costs one
+    forward of the rollout under the current policy when no other setting takes it. auto: TRL's default,
+    sequence_mask, with the vLLM colocate engine; none with the hf engine (the trainer's own forward samples) and the
+    vLLM server (its text is tokenized again, so its log-probs do not line up)."""
+    sampling_correction_min: float | None = Field(None, ge=0)
+    """Lower bound of the correction's weights (TRL's `vllm_importance_sampling_clip_min`); null: none."""
+    sampling_correction_max: float | None = Field(3.0, gt=0)
+    """Upper bound of the correction's weights (TRL's `vllm_importance_sampling_clip_max`, 3.0); null: none."""
+    off_policy_mask_threshold: float | None = Field(None, ge=0)
+    """Drop completions with a negative advantage whose mean per-token KL from the sampling distribution to the
+    current policy exceeds this (DeepSeek-V3.2's off-policy sequence mask; TRL's name); needs the engine's sampling
+    log-probs (not the vLLM server). null: off."""
+
+    @property
+    def correction(self) -> str:
+        """The sampling correction this run applies (`sampling_correction` with auto resolved)."""
+        if self.sampling_correction != "auto":
+            return self.sampling_correction
+        vllm_colocate = self.rollout.backend == "vllm" and self.rollout.mode == "colocate"
+        return "sequence_mask" if vllm_colocate else "none"
+
+    @property
+    def needs_sampling_logprobs(self) -> bool:
+        return self.correction != "none" or self.off_policy_mask_threshold is not None
+
+    @model_validator(mode="after")
+    def _sampling_correction(self):
+        server = self.rollout.backend == "vllm" and self.rollout.mode == "server"
+        if server and self.needs_sampling_logprobs:
+            raise ValueError(
+                "sampling_correction and off_policy_mask_threshold need the engine's log-probs of each sampled token, "
+                "and the vLLM server's completions come back as text tokenized again: use rollout mode 'colocate' "
+                "or backend 'hf', or set sampling_correction: none and off_policy_mask_threshold: null"
+            )
+        low, high = self.sampling_correction_min, self.sampling_correction_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"sampling_correction_min ({low}) must be below sampling_correction_max ({high})")
+        if self.correction.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"sampling_correction {self.correction!r} clamps the weights into [min, max] and both are null: "
+                "set sampling_correction_max (TRL uses 3.0) or sampling_correction_min"
+            )
+        return self
 
     @model_validator(mode="after")
     def _loss_needs(self):

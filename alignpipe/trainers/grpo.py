@@ -49,6 +49,8 @@ from alignpipe.rl_math import (
     high_entropy_tokens,
     masked_mean,
     normalize_then_sum_advantages,
+    off_policy_mask,
+    sampling_importance_weights,
 )
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -177,6 +179,12 @@ class GRPORollout:
     update passes over a micro-batch reuse its layout."""
     kl: float | None = None
     """Mean per-token KL of the sampling policy to the reference, when the rollout measured it (RLOO's penalty)."""
+    sampling_logps: torch.Tensor | None = None
+    """(B, C) the engine's log-prob of each sampled token (NaN where it had none), when the run asked for them."""
+    sampling_weights: torch.Tensor | None = None
+    """`sampling_correction`'s weights π_old/π_sampler, (B, C) or (B, 1)."""
+    correction_stats: dict[str, float] = field(default_factory=dict)
+    """TRL's sampling/* metrics of the correction (`sampling_gap_metrics`)."""
 
     def __post_init__(self) -> None:
         self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
@@ -225,6 +233,7 @@ class GRPORollout:
             out[f"rewards/{name}/std"] = float(col.std()) if len(col) > 1 else 0.0
         if self.kl is not None:
             out["kl"] = self.kl
+        out |= self.correction_stats
         return out
 
 
@@ -350,6 +359,9 @@ class Samples:
     """The dataset row of each completion (its prompt and extra columns such as `answer`)."""
     completions: list[str]
     prompts_nonempty: bool
+    sampling_logps: torch.Tensor | None = None
+    """(B, C) each sampled token's log-prob under the engine's sampling distribution (0 on padding, NaN where the
+    engine had none), when asked for."""
 
     @property
     def prompts(self) -> list[str]:
@@ -357,14 +369,16 @@ class Samples:
 
 
 @torch.no_grad()
-def sample(run: GRPORun, batch_rows: list[dict]) -> Samples:
-    """Generate `num_generations` completions per prompt through the engine (weights synced first)."""
+def sample(run: GRPORun, batch_rows: list[dict], logprobs: bool = False) -> Samples:
+    """Generate `num_generations` completions per prompt through the engine (weights synced first); with `logprobs`,
+    the engine's sampling log-probs too."""
     cfg, loop, G = run.cfg, run.loop, run.cfg.num_generations
     pad = run.tokenizer.pad_token_id
     prompt_lists = run.encode_prompts(batch_rows)
     run.engine.update_weights(loop.unwrapped)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
-    gens = run.engine.generate(prompt_lists, G, sampling, seed=run.seed + loop.step)
+    extra = {"logprobs": True} if logprobs else {}  # engines that cannot give them need not take the argument
+    gens = run.engine.generate(prompt_lists, G, sampling, seed=run.seed + loop.step, **extra)
     prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], pad, left=True)
     completion_ids, _ = pad_rows([g.completion_ids for g in gens], pad)
     lengths = torch.tensor([len(g.completion_ids) for g in gens])
@@ -373,7 +387,40 @@ def sample(run: GRPORun, batch_rows: list[dict]) -> Samples:
     rows = [r for r in batch_rows for _ in range(G)]
     loop.count(mask.sum() + prompt_mask.sum(), len(gens))
     completions = [g.completion for g in gens]
-    return Samples(prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, completions, all(prompt_lists))
+    sampling_logps = None
+    if logprobs:
+        sampling_logps = torch.zeros(completion_ids.shape)
+        for i, g in enumerate(gens):
+            if g.logprobs is None:
+                raise RuntimeError(f"the rollout engine {type(run.engine).__name__} returned no sampling log-probs")
+            sampling_logps[i, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
+    return Samples(
+        prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, completions, all(prompt_lists),
+        sampling_logps,
+    )  # fmt: skip
+
+
+def sampling_gap_metrics(
+    old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
+) -> dict[str, float]:
+    """TRL's metrics of the sampling correction over a generation batch: |log π_old − log π_sampler| per token
+    (sampling/sampling_logp_difference/mean, max; tokens without a sampling log-prob left out) and the weights
+    (sampling/importance_sampling_ratio/min, mean, max; per token on completion tokens, or per completion)."""
+    on = mask.bool()
+    gap = (old_logps - sampling_logps).abs()[on & ~torch.isnan(sampling_logps)]
+    w = weights.flatten() if weights.size(1) == 1 else weights[on]
+    zero = torch.zeros((), device=weights.device)
+
+    def stat(x: torch.Tensor, fn) -> float:
+        return float(fn(x) if x.numel() else zero)
+
+    return {
+        "sampling/sampling_logp_difference/mean": stat(gap, torch.mean),
+        "sampling/sampling_logp_difference/max": stat(gap, torch.max),
+        "sampling/importance_sampling_ratio/min": stat(w, torch.min),
+        "sampling/importance_sampling_ratio/mean": stat(w, torch.mean),
+        "sampling/importance_sampling_ratio/max": stat(w, torch.max),
+    }
 
 
 def step_tokens_per_process(loop: TrainLoop, mask: torch.Tensor, steps: int = 1) -> float:
@@ -392,7 +439,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     the old-policy and reference log-probs the loss needs."""
     cfg, loop = run.cfg, run.loop
     assert isinstance(cfg, GRPOConfig)
-    sm = sample(run, batch_rows)
+    sm = sample(run, batch_rows, logprobs=cfg.needs_sampling_logprobs)
     total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows))
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         weights = torch.tensor([r.weight for r in run.rewards.rewards], dtype=per_fn.dtype)
@@ -414,10 +461,18 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         ref_logps=None,
         step_tokens_per_process=step_tokens_per_process(loop, sm.mask, cfg.steps_per_rollout),
         prompts_nonempty=sm.prompts_nonempty,
+        sampling_logps=sm.sampling_logps,
     )
     loop.model.eval()
-    if run.reuses_rollouts:
+    if run.reuses_rollouts or cfg.correction != "none":
         batch.old_logps = run.logps_of(loop.model, batch, contextlib.nullcontext())
+    if cfg.correction != "none":
+        assert batch.old_logps is not None and batch.sampling_logps is not None
+        sampled, mask = to_device((batch.sampling_logps, batch.mask), batch.old_logps.device)
+        batch.sampling_weights = sampling_importance_weights(
+            batch.old_logps, sampled, mask, cfg.correction, cfg.sampling_correction_min, cfg.sampling_correction_max
+        )
+        batch.correction_stats = sampling_gap_metrics(batch.old_logps, sampled, mask, batch.sampling_weights)
     if cfg.beta != 0.0:
         ref_model, context = run.reference()
         batch.ref_logps = run.logps_of(ref_model, batch, context)
@@ -441,7 +496,14 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
         mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
         with loop.no_sync_unless(j == len(micro) - 1):
             logps, entropy = run.micro_logps(batch, sl)
-            policy_tokens = None
+            policy_tokens, weights = None, None
+            if batch.sampling_weights is not None:
+                weights = to_device(batch.sampling_weights[sl], device)
+            if cfg.off_policy_mask_threshold is not None:
+                assert batch.sampling_logps is not None
+                sampled = to_device(batch.sampling_logps[sl], device)
+                keep = off_policy_mask(adv, logps.float(), sampled, mask, cfg.off_policy_mask_threshold)
+                weights = keep if weights is None else weights * keep
             if cfg.top_entropy_quantile < 1:
                 pool = acc.num_processes > 1
                 gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
@@ -463,6 +525,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
                 (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
                 cfg.delta,
                 policy_tokens,
+                weights,
             )
             loss = aggregate(
                 ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
