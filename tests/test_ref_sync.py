@@ -148,3 +148,23 @@ def test_the_recipe_error_names_the_stage_and_the_fix(tiny):
         parse_recipe(good.replace("ref_model_sync_steps: 16", "ref_model_sync_steps: 16\n    reference_free: true"))
     assert "(stage 'dpo')" in str(e.value) and "reference_free is set" in str(e.value)
     assert "drop sync_ref_model" in str(e.value)
+
+
+def test_kto_with_the_reference_copied_every_step_measures_no_log_ratio(tiny, tmp_path):
+    """KTO (TRL 1.16 syncs its reference too): α = 1 every step, so each step's policy is its reference and every
+    reward (β × log-ratio) and the KL reference point are 0; without the sync they move after step 1."""
+    from alignpipe.trainers import kto
+    from alignpipe.trainers.configs import KTOConfig
+
+    tok, train, _ = tiny_split(tiny, "sentiment_preferences", "unpaired", rows=200, max_length=64)
+
+    def run(out, **sync):
+        tracker = Tracker()
+        cfg = KTOConfig(learning_rate=3e-4, max_steps=3, batch_size=8, logging_every=1, **sync)
+        model, ref = load_causal_lm(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
+        kto.train(cfg, model, tok, train, [], tracker, out, ref_model=ref)
+        return [abs(x) for x in tracker.series("train/rewards/chosen") + tracker.series("train/kl")]
+
+    synced = run(tmp_path / "sync", sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1)
+    assert max(synced) < 1e-6
+    assert max(run(tmp_path / "plain")) > 1e-4

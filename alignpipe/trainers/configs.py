@@ -147,7 +147,7 @@ DPOLossType = Literal[
 
 class ReferenceSyncArgs(Strict):
     """A reference model that follows the policy (TR-DPO, Gorbatovski et al. 2024; TRL's `sync_ref_model`), for the
-    stages that keep a frozen copy of the starting model as their reference (DPO, GRPO and RLOO)."""
+    stages that keep a frozen copy of the starting model as their reference (DPO, KTO, GRPO and RLOO)."""
 
     sync_ref_model: bool = False
     """Every `ref_model_sync_steps` optimizer steps, move the reference towards the policy:
@@ -243,7 +243,7 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
         return super()._no_reference_copy()
 
 
-class KTOConfig(TrainingArgs):
+class KTOConfig(TrainingArgs, ReferenceSyncArgs):
     """Kahneman-Tversky Optimization on unpaired thumbs-up/down data (the design of TRL's KTOTrainer)."""
 
     learning_rate: float = Field(1e-6, gt=0)

@@ -38,6 +38,7 @@ from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
+from alignpipe.trainers.ref_sync import synced
 
 
 def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) -> list[dict]:
@@ -202,6 +203,7 @@ def train(
     loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
     acc = loop.accelerator
     ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
+    synced(ref, cfg, loop)
 
     def reference():
         if ref is not None:
