@@ -7,6 +7,7 @@ against TRL's own functions on identical tensors. SFT's summed cross-entropy is 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, get_args
 
 import torch
@@ -48,18 +49,23 @@ def dpo_loss(
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
     discopop_tau: float = 0.05,
+    f_divergence: str = "reverse_kl",
+    alpha_coef: float = 0.5,
 ):
     """Per-pair DPO-family losses (B,) and the implicit rewards β·log(π/π_ref) for chosen and rejected, each loss a
     function of its own pair (TRL 1.16's formulas; `DPOConfig.loss_type` names the papers). `*_lengths`
-    (completion token counts) are needed for `ipo` and `sigmoid_norm`."""
+    (completion token counts) are needed for `ipo` and `sigmoid_norm`. `f_divergence` maps each log-ratio to the
+    score the difference-based losses compare (`f_divergence_scores`)."""
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
-    delta = chosen_ratio - rejected_ratio
+    chosen_score = f_divergence_scores(chosen_ratio, f_divergence, alpha_coef)
+    rejected_score = f_divergence_scores(rejected_ratio, f_divergence, alpha_coef)
+    delta = chosen_score - rejected_score
     chosen_reward, rejected_reward = beta * chosen_ratio, beta * rejected_ratio
     if loss_type in ("ipo", "sigmoid_norm"):
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"{loss_type} needs the completion lengths")
-        per_token = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        per_token = chosen_score / chosen_lengths.clamp(min=1) - rejected_score / rejected_lengths.clamp(min=1)
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * delta) * (1 - label_smoothing) - F.logsigmoid(-beta * delta) * label_smoothing
     elif loss_type == "hinge":
@@ -86,7 +92,7 @@ def dpo_loss(
     elif loss_type == "apo_zero":
         losses = 1 - torch.sigmoid(chosen_reward) + torch.sigmoid(rejected_reward)
     elif loss_type == "apo_down":
-        losses = torch.sigmoid(chosen_reward) + 1 - torch.sigmoid(beta * delta)
+        losses = torch.sigmoid(chosen_reward) + 1 - torch.sigmoid(beta * (chosen_ratio - rejected_ratio))
     elif loss_type == "discopop":
         logits = beta * delta
         mix = torch.sigmoid(logits / discopop_tau)
@@ -94,6 +100,34 @@ def dpo_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(get_args(DPOLossType))}")
     return losses, chosen_reward.detach(), rejected_reward.detach()
+
+
+def f_divergence_scores(log_ratio: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:
+    """f'(π/π_ref) of the f-divergence that regularises f-DPO (Wang et al. 2023), from the log-ratio u, as TRL 1.16:
+    reverse_kl u; forward_kl 1 − e^−u; js_divergence log 2 + log σ(u); alpha_divergence (e^((α−1)u) − 1)/(α−1), its
+    exponent clamped at 80 (11 in float16) so that it stays finite, and u itself at α = 1."""
+    if divergence == "reverse_kl" or (divergence == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
+        return log_ratio
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-log_ratio)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(log_ratio)
+    if divergence == "alpha_divergence":
+        limit = 11.0 if log_ratio.dtype == torch.float16 else 80.0
+        t = torch.clamp(((alpha - 1.0) * log_ratio).float(), max=limit)
+        return (torch.exp(t) - 1.0).to(log_ratio.dtype) / (alpha - 1.0)
+    raise ValueError(f"unknown f_divergence_type {divergence!r}")
+
+
+def length_desensitized(per_token: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's sequence log-probs (Liu et al. 2024), (2B,) from a (2B, C) batch of chosen rows then rejected rows:
+    each pair's tokens up to the shorter completion's length count once, the rest `alpha` times (as TRL 1.16)."""
+    position = mask.cumsum(1)
+    lengths = mask.sum(1)
+    shared = torch.minimum(*lengths.chunk(2)).repeat(2).unsqueeze(1)
+    head = (position > 0) & (position <= shared) & mask.bool()
+    tail = (position > shared) & mask.bool()
+    return (per_token * head).sum(1) + alpha * (per_token * tail).sum(1)
 
 
 def kto_loss(

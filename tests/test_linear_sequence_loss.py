@@ -92,8 +92,10 @@ def test_no_grad_and_a_frozen_head_form_only_what_is_wanted():
         {"loss_type": "apo_down"},
         {"loss_type": "discopop", "discopop_tau": 0.5},  # its default 0.05 multiplies the chunked head's float32
         # rounding by 20 in the mixing weight: 4e-7 off in this float64 comparison, past its 1e-7
+        {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+        {"loss_type": "sigmoid", "f_divergence_type": "js_divergence"},
     ],
-    ids=["sigmoid", "rpo", "ipo", "hinge", "cdpo", "exo", "sigmoid_norm", "apo_down", "discopop"],
+    ids=["sigmoid", "rpo", "ipo", "hinge", "cdpo", "exo", "sigmoid_norm", "apo_down", "discopop", "mpo", "js"],
 )
 def test_dpo_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, monkeypatch, overrides):
     """One DPO batch through the fused loss and through the chunked, recomputed head: the same loss, metrics and
@@ -263,3 +265,16 @@ def test_kto_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, mon
     for name, grad in chunked[2].items():  # the chunked head's log-softmax runs in float32: relative to the norm
         assert float((fused[2][name] - grad).norm() / grad.norm()) < 1e-5, name
         assert torch.allclose(one_by_one[2][name], fused[2][name], atol=1e-12), name
+
+
+def test_ld_dpo_takes_the_chunked_head(tiny, monkeypatch):
+    """LD-DPO weighs the tokens of a completion unequally, which the fused head's whole-completion sums cannot: it
+    takes the chunked head even where the fused one would run."""
+    from alignpipe import logprobs
+
+    tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
+    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    model = load_causal_lm(str(tiny / "model"))
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
+    assert dpo.fused_pair_loss(model, batch, lambda c, r, p: (c - r, c, r), DPOConfig()) is not None
+    assert dpo.fused_pair_loss(model, batch, None, DPOConfig(ld_alpha=0.5)) is None

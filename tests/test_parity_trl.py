@@ -80,17 +80,30 @@ def trl_dpo(tiny, rows, **kwargs):
         ("apo_zero", 0.2, {}),
         ("apo_down", 0.2, {}),
         ("discopop", 0.3, {"discopop_tau": 0.1}),
+        # f-DPO's divergences
+        ("sigmoid", 0.1, {"f_divergence_type": "forward_kl"}),
+        ("ipo", 0.3, {"f_divergence_type": "js_divergence"}),
+        ("hinge", 0.5, {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+        # MPO's weighted sum of losses, the chosen NLL among them
+        (["sigmoid", "bco_pair", "sft"], 0.1, {"loss_weights": [0.8, 0.2, 1.0]}),
+        # LD-DPO
+        ("sigmoid", 0.1, {"ld_alpha": 0.5}),
+        (["sigmoid", "sft"], 0.1, {"ld_alpha": 0.0}),
     ],
 )
 def test_dpo_loss_and_metrics_equal_trl(tiny, rows, loss_type, beta, extra):
-    tok, policy, ref, trl_batch, trl_loss, trl_metrics = trl_dpo(tiny, rows, beta=beta, loss_type=[loss_type], **extra)
+    types = loss_type if isinstance(loss_type, list) else [loss_type]
+    tok, policy, ref, trl_batch, trl_loss, trl_metrics = trl_dpo(tiny, rows, beta=beta, loss_type=types, **extra)
     ours = dpo.collate(dpo.tokenize(rows[:4], tok, 128), tok.pad_token_id, 128)
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(ours[key], trl_batch[key]), key
     cfg = DPOConfig(beta=beta, loss_type=loss_type, **extra)
+    reference = dpo._Reference(cfg, type("Loop", (), {})(), None)
+    reference.model = ref
     with torch.no_grad():
-        loss, stats = dpo.batch_loss(policy, ours, lambda b: dpo.completion_logps(ref, b)[0].chunk(2), cfg)
-    assert float(loss) == pytest.approx(trl_loss, abs=TOL, rel=1e-6)  # sppo_hard's squares reach ~50 (float32)
+        loss, stats = dpo.batch_loss(policy, ours, reference.compute, cfg)
+    # float32: sppo_hard's squares reach ~50, forward_kl's exponentials ~100
+    assert float(loss) == pytest.approx(trl_loss, abs=TOL, rel=1e-5)
     assert stats["rewards/margins"] != 0
     for key in (
         "rewards/chosen",

@@ -200,3 +200,39 @@ stages:
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert not torch.equal(first["score.weight"], other["score.weight"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+        {"ld_alpha": 0.5, "f_divergence_type": "js_divergence"},
+    ],
+    ids=["mpo", "ld-js"],
+)
+def test_dpo_variants_of_trl_1_16_increase_reward_margins(tiny, pairs, tmp_path, extra):
+    """MPO's weighted loss mix (with the chosen NLL reported as nll_loss), and LD-DPO under a JS f-divergence,
+    train as plain DPO does: the margins grow."""
+    tok, train, evals = pairs
+    tracker = Tracker()
+    cfg = DPOConfig(learning_rate=5e-4, max_steps=12, batch_size=16, logging_every=4, beta=0.1, **extra)
+    ref = load_causal_lm(str(tiny / "model"))
+    dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train, evals[:16], tracker, tmp_path, ref_model=ref)
+    margins = tracker.series("train/rewards/margins")
+    assert margins[-1] > margins[0]
+    assert (tracker.last("train/nll_loss") is not None) == ("sft" in cfg.loss_types)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"loss_type": ["sigmoid", "sigmoid"]}, "each loss once"),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}, "one each"),
+        ({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 0.5}, "keep one of them"),
+        ({"loss_type": "bco_pair", "f_divergence_type": "forward_kl"}, "score difference only"),
+        ({"ld_alpha": 1.5}, "less than or equal to 1"),
+    ],
+)
+def test_dpo_loss_settings_that_contradict_themselves_are_refused(extra, message):
+    with pytest.raises(ValueError, match=message):
+        DPOConfig(**extra)

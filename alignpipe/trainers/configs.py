@@ -144,6 +144,9 @@ DPOLossType = Literal[
     "discopop",
 ]
 
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+"""The loss types built on the chosen − rejected score difference: those `f_divergence_type` can change (TRL's)."""
+
 
 class ReferenceSyncArgs(Strict):
     """A reference model that follows the policy (TR-DPO, Gorbatovski et al. 2024; TRL's `sync_ref_model`), for the
@@ -186,8 +189,10 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
     """Peak learning rate of AdamW (TRL's default; LoRA usually wants ~10× more)."""
     beta: float = Field(0.1, gt=0)
     """Strength of the implicit KL constraint to the reference (IPO: the regularisation τ)."""
-    loss_type: DPOLossType = "sigmoid"
-    """The pair's loss, each as TRL 1.16 computes it (tested against TRL's): sigmoid: DPO (Rafailov et al. 2023);
+    loss_type: DPOLossType | list[DPOLossType | Literal["sft"]] = "sigmoid"
+    """The pair's loss, or a list of losses summed with `loss_weights` (MPO, Wang et al. 2024: e.g. [sigmoid,
+    bco_pair, sft]; `sft` is the NLL of the chosen completions, per token over the batch), each as TRL 1.16 computes
+    it (tested against TRL's): sigmoid: DPO (Rafailov et al. 2023);
     hinge: SLiC (Zhao et al. 2023); ipo: IPO (Azar et al. 2023), log-ratios per completion token as TRL;
     sigmoid_norm: DPO on those per-token log-ratios; robust: rDPO (Chowdhury et al. 2024), unbiased under
     `label_smoothing` flipped labels; exo_pair: EXO (Ji et al. 2024), needs `label_smoothing` > 0 (the paper uses
@@ -198,6 +203,19 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Assumed probability that a preference label is flipped: conservative DPO (cDPO) with sigmoid, rDPO's
     correction with robust, EXO's ε with exo_pair; other loss types take none."""
+    loss_weights: list[float] | None = None
+    """Weights of a list of `loss_type`s, one each; null: 1 each."""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    """The divergence that regularises the policy towards the reference (f-DPO, Wang et al. 2023): each completion's
+    log-ratio u enters the loss as f'(e^u): reverse_kl u (DPO), forward_kl 1 − e^−u, js_divergence log 2 + log σ(u),
+    alpha_divergence (e^((α−1)u) − 1)/(α−1). For the loss types built on the score difference only: sigmoid,
+    sigmoid_norm, hinge, ipo, exo_pair, robust, discopop (and sft, which it does not touch)."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of `alpha_divergence` (TRL's default); 1 is reverse_kl's limit."""
+    ld_alpha: float | None = Field(None, ge=0, le=1)
+    """LD-DPO (Liu et al. 2024): of each pair, the tokens past the shorter completion's length count α times in both
+    log-probs (policy and reference), damping the length bias of DPO; 1 weighs them fully (plain DPO), 0 ignores them.
+    Runs the chunked LM head (the fused one sums whole completions). null: off."""
     discopop_tau: float = Field(0.05, gt=0)
     """DiscoPOP's temperature: how fast the loss blends from logistic to exponential as the margin grows (TRL's
     default)."""
@@ -218,14 +236,47 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
     tokens × a 152k vocabulary: 0.6 GB); a pair over 1 GB of them takes the chunked head. false: the chunked head
     always (its chunks compiled under `compile`)."""
 
+    @property
+    def loss_types(self) -> list[str]:
+        return list(self.loss_type) if isinstance(self.loss_type, list) else [self.loss_type]
+
+    @property
+    def weighted_losses(self) -> list[tuple[str, float]]:
+        """The pair losses and their weights (`sft` left out: see `nll_weight`)."""
+        weights = self.loss_weights or [1.0] * len(self.loss_types)
+        return [(t, w) for t, w in zip(self.loss_types, weights, strict=True) if t != "sft"]
+
+    @property
+    def nll_weight(self) -> float | None:
+        """The weight of the chosen completions' NLL in the loss: `rpo_alpha`, or the `sft` loss type's."""
+        if self.rpo_alpha is not None:
+            return self.rpo_alpha
+        weights = self.loss_weights or [1.0] * len(self.loss_types)
+        return next((w for t, w in zip(self.loss_types, weights, strict=True) if t == "sft"), None)
+
     @model_validator(mode="after")
     def _check(self):
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "exo_pair"):
+        types = self.loss_types
+        if not types or len(set(types)) != len(types):
+            raise ValueError(f"loss_type lists each loss once, and at least one (got {types})")
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ValueError(
+                f"loss_weights has {len(self.loss_weights)} weights for {len(types)} loss types {types}: one each"
+            )
+        if "sft" in types and self.rpo_alpha is not None:
+            raise ValueError("rpo_alpha and the `sft` loss type both add the chosen NLL: keep one of them")
+        if self.f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE_LOSS_TYPES):
+            raise ValueError(
+                f"f_divergence_type {self.f_divergence_type!r} changes the loss types built on the score difference "
+                f"only ({', '.join(F_DIVERGENCE_LOSS_TYPES)}); got {types}: use reverse_kl with these"
+            )
+        smoothed = {"sigmoid", "robust", "exo_pair"}
+        if self.label_smoothing and not set(types) & smoothed:
             raise ValueError(
                 f"label_smoothing applies to loss_type sigmoid, robust and exo_pair only (got {self.loss_type!r}); "
                 "set it to 0"
             )
-        if self.loss_type == "exo_pair" and not self.label_smoothing:
+        if "exo_pair" in types and not self.label_smoothing:
             raise ValueError(
                 "loss_type 'exo_pair' needs label_smoothing > 0 (its ε; log ε is infinite at 0); the EXO paper uses 1e-3"
             )

@@ -10,7 +10,10 @@ With ρ = (log π(y_c) − log π_ref(y_c)) − (log π(y_r) − log π_ref(y_r)
 - sigmoid (DPO): −(1−ε) log σ(βρ) − ε log σ(−βρ), ε = `label_smoothing` (cDPO; TRL ≤ 0.x's formula)
 - ipo (IPO): (ρ̄ − 1/(2β))², ρ̄ using per-token averaged log-ratios (as TRL)
 - hinge (SLiC): max(0, 1 − βρ)
-- + `rpo_alpha` · NLL of the chosen completion tokens (RPO; TRL's `sft` loss term)
+- and TRL 1.16's other pair losses (`losses.dpo_loss`), or a weighted sum of several (`loss_type` list,
+  `loss_weights`; MPO), the log-ratios mapped by an f-divergence (`f_divergence_type`)
+- + `rpo_alpha` (or an `sft` entry of the list) · NLL of the chosen completion tokens (RPO; TRL's `sft` loss term)
+- `ld_alpha` (LD-DPO): the tokens past the shorter answer's length weigh α in every sequence log-prob
 - `reference_free`: π_ref ≡ 1 (log π_ref = 0)
 
 Reference model: with LoRA, the policy with its adapter disabled (no second copy); otherwise a frozen
@@ -38,7 +41,7 @@ from alignpipe import fused_kernels, logprobs
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
-from alignpipe.losses import dpo_loss
+from alignpipe.losses import dpo_loss, length_desensitized
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers, runs
 from alignpipe.special_tokens import encode, with_eos
@@ -162,7 +165,7 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     pairs)` is `dpo_loss` on those pairs. None where the fused head cannot run or need not (`fused_answers_loss`):
     the caller then takes `completion_logps`."""
     rows = batch.get("scored_per_row")
-    if rows is None:
+    if rows is None or cfg.ld_alpha is not None:  # LD-DPO weighs tokens within a completion: the chunked head
         return None
     B = batch["prompt_ids"].size(0)
     chosen_tokens = sum(rows[:B])
@@ -170,8 +173,8 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     def group_loss(sums: torch.Tensor, group_rows: list[int]) -> torch.Tensor:
         pairs = group_rows[0::2]  # the group is its pairs' rows, chosen then rejected, pair after pair
         loss = losses_of(sums[0::2], sums[1::2], pairs)[0].sum() / B
-        if cfg.rpo_alpha is not None:
-            loss = loss - cfg.rpo_alpha * sums[0::2].sum() / chosen_tokens
+        if cfg.nll_weight is not None:
+            loss = loss - cfg.nll_weight * sums[0::2].sum() / chosen_tokens
         return loss
 
     kernels = loss_kernels(cfg, batch["prompt_ids"].device)
@@ -180,7 +183,7 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
         return None
     loss, sums = fused
     chosen, rejected = sums.chunk(2)
-    nll = -chosen.sum() / chosen_tokens if cfg.rpo_alpha is not None else None  # inside `loss`, reported apart
+    nll = -chosen.sum() / chosen_tokens if cfg.nll_weight is not None else None  # inside `loss`, reported apart
     return loss, chosen, rejected, nll
 
 
@@ -258,7 +261,9 @@ class _Reference:
         # the LM head's chunks compiled on a GPU
         kernels = fused_kernels.wanted(self.cfg.fused_kernels, batch["prompt_ids"].device)
         with torch.inference_mode(), self._context():  # no autograd bookkeeping per op, unlike no_grad
-            logps, _, _ = completion_logps(model, batch, compiled=kernels)
+            logps, per_token, mask = completion_logps(model, batch, compiled=kernels)
+            if self.cfg.ld_alpha is not None:
+                logps = length_desensitized(per_token, mask, self.cfg.ld_alpha)
         chosen, rejected = logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
         return chosen, rejected
 
@@ -310,18 +315,27 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
     lengths = batch["completion_tokens"].sum(1).to(ref_chosen.dtype).chunk(2)
 
     def losses_of(chosen, rejected, pairs):
-        return dpo_loss(
-            chosen,
-            rejected,
-            ref_chosen[pairs],
-            ref_rejected[pairs],
-            cfg.beta,
-            cfg.loss_type,
-            cfg.label_smoothing,
-            lengths[0][pairs],
-            lengths[1][pairs],
-            cfg.discopop_tau,
-        )
+        """The pairs' weighted sum of `cfg`'s pair losses, and their implicit rewards."""
+        total = torch.zeros_like(chosen)
+        for loss_type, weight in cfg.weighted_losses:
+            losses, _, _ = dpo_loss(
+                chosen,
+                rejected,
+                ref_chosen[pairs],
+                ref_rejected[pairs],
+                cfg.beta,
+                loss_type,
+                cfg.label_smoothing,
+                lengths[0][pairs],
+                lengths[1][pairs],
+                cfg.discopop_tau,
+                cfg.f_divergence_type,
+                cfg.f_alpha_divergence_coef,
+            )
+            total = total + weight * losses
+        with torch.no_grad():
+            rewards = cfg.beta * (chosen - ref_chosen[pairs]), cfg.beta * (rejected - ref_rejected[pairs])
+        return total, *rewards
 
     fused = fused_pair_loss(model, batch, losses_of, cfg) if cfg.fused_loss else None
     stats: dict[str, torch.Tensor] = {}
@@ -330,14 +344,16 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
         _, r_c, r_r = losses_of(chosen, rejected, slice(None))
     else:
         logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
+        if cfg.ld_alpha is not None:
+            logps = length_desensitized(per_token, mask, cfg.ld_alpha)
         chosen, rejected = logps.chunk(2)
         losses, r_c, r_r = losses_of(chosen, rejected, slice(None))
         loss = losses.mean()
-        if cfg.rpo_alpha is not None:
+        if cfg.nll_weight is not None:
             chosen_mask = mask.chunk(2)[0]  # a mean over the chosen tokens without a boolean index (a device wait)
             nll = -(per_token.chunk(2)[0] * chosen_mask).sum() / chosen_mask.sum()
-            loss = loss + cfg.rpo_alpha * nll
-    if cfg.rpo_alpha is not None:
+            loss = loss + cfg.nll_weight * nll
+    if cfg.nll_weight is not None:
         stats["nll_loss"] = nll.detach()
     # device tensors, read once per log point: a read here would stall the device every micro-batch
     with torch.no_grad():
