@@ -13,7 +13,7 @@ from typing import NamedTuple, get_args
 import torch
 import torch.nn.functional as F
 
-from alignpipe.rl_math import kl_estimate, masked_mean
+from alignpipe.rl_math import kl_estimate, masked_mean, vespo_weights
 from alignpipe.trainers.configs import DPOLossType
 
 # --- reward model ---------------------------------------------------------------------------------
@@ -178,6 +178,7 @@ def per_token_loss(
     delta: float | None = None,
     policy_tokens: torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
+    vespo: tuple[tuple[float, float], tuple[float, float]] = ((2.0, 3.0), (3.0, 2.0)),
 ):
     """The policy loss per token, (B, C) (+ β·k3 KL, times the ratio with `kl_correction`); also the importance ratio
     π/π_old ((B, C), or (B, 1) at the sequence level) and the KL term (or None). As TRL 1.16's GRPOTrainer:
@@ -186,12 +187,15 @@ def per_token_loss(
     - the clipped surrogate −min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A) (grpo, bnpo, dr_grpo, dapo, luspo);
     - cispo: −sg(min(ρ, ε_high))·A·log π, the clipped ratio a constant weight on the policy gradient (MiniMax-M1);
     - sapo: −(4/τ)·σ(τ(ρ − 1))·A, a soft gate instead of the clip, τ by the sign of A (`sapo_temperatures`:
-      positive, non-positive).
+      positive, non-positive);
+    - vespo: −φ(w)·A·log π, φ the gamma weight of the completion's importance weight w (`rl_math.vespo_weights`,
+      `vespo` = ((k, λ) for A ≥ 0, (k, λ) for A < 0)); `sampling_weights` enter w there instead of weighing the loss.
     `delta` caps the unclipped ratio too (INTELLECT-2's two-sided clip); `policy_tokens` (a 0/1 (B, C) mask, e.g. the
     high-entropy tokens) keeps the policy term on those tokens only, the KL term on all. `sampling_weights` ((B, C) or
     (B, 1): `rl_math.sampling_importance_weights`, times `rl_math.off_policy_mask`) weigh the policy term too."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
+    token_log_ratio = log_ratio
     if importance_sampling_level == "sequence":
         if mask is None:
             raise ValueError("sequence-level importance sampling needs the completion mask")
@@ -204,6 +208,13 @@ def per_token_loss(
         pos, neg = sapo_temperatures
         temperature = torch.where(adv > 0, pos, neg)
         loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
+    elif loss_type == "vespo":
+        if mask is None:
+            raise ValueError("vespo's sequence weights need the completion mask")
+        (k_pos, lam_pos), (k_neg, lam_neg) = vespo
+        phi = vespo_weights(advantages, token_log_ratio, mask, sampling_weights, (k_pos, k_neg), (lam_pos, lam_neg))
+        loss = -phi * adv * logps
+        sampling_weights = None  # inside φ
     else:
         unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
         loss = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
@@ -244,7 +255,7 @@ def aggregate(
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-STEP_TOKEN_NORMALISED = ("dapo", "cispo")
+STEP_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 """GRPO loss types whose micro-batch losses are shares of the whole step's (divided by its token count)."""
 
 

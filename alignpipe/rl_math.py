@@ -10,6 +10,8 @@ experimental/ppo), "The N+ implementation details of RLHF with PPO" (Huang et al
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -229,3 +231,29 @@ def off_policy_mask(
     kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
     return ((advantages.unsqueeze(1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+def vespo_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    sampling_weights: torch.Tensor | None,
+    k: tuple[float, float],
+    lam: tuple[float, float],
+) -> torch.Tensor:
+    """VESPO's gamma weights φ(w) = e^λ · w^k · e^(−λw) of each completion's importance weight w (B, 1), detached, as
+    TRL 1.16's `get_gamma_weights`: w = exp of the completion's summed token log-ratios log π/π_old (each clamped to
+    ±20), plus the summed log `sampling_weights` (π_old/π_sampler, from `sampling_correction`) where given, log w
+    clamped to [log 1e-8, 20]; (k, λ) = (`k[0]`, `lam[0]`) for a non-negative advantage, (`k[1]`, `lam[1]`) for a
+    negative one."""
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if sampling_weights is not None:
+            log_w = log_w + torch.clamp(torch.log(sampling_weights), floor, 20.0).sum(-1, keepdim=True)
+        log_w = torch.clamp(log_w, floor, 20.0)
+        nonneg = advantages.unsqueeze(1) >= 0
+        k_seq = torch.where(nonneg, k[0], k[1])
+        lam_seq = torch.where(nonneg, lam[0], lam[1]).clamp(min=1e-4)
+        log_phi = lam_seq + k_seq * log_w - lam_seq * torch.exp(log_w)
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)

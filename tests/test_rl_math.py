@@ -295,6 +295,8 @@ def test_normalize_then_sum_advantages_equal_trl():
         # test_sampling_correction) and the off-policy sequence mask, on sampling log-probs that differ from π_old
         ("dapo", True, "token", 0.28, {"sampling_correction": "token_truncate"}),
         ("grpo", True, "token", 0.28, {"sampling_correction": "sequence_mask", "off_policy_mask_threshold": 0.05}),
+        ("vespo", True, "token", 0.28, {}),
+        ("vespo", False, "token", 0.28, {"sampling_correction": "token_mask"}),  # the weights inside φ
     ],
 )
 def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high, extra):
@@ -400,11 +402,11 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         )
         loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
         cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level, **extra)
-        ours = grpo.ratio_metrics(cfg, ratio, inputs["advantages"], eps_high, m)
+        ours = grpo.ratio_metrics(cfg, ratio, inputs["advantages"], eps_high, m, weights if correction else None)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
     assert float(masked_mean(kl, m)) == pytest.approx(trl_metrics["kl"], abs=1e-4)
     assert float(masked_mean(entropy, m)) == pytest.approx(trl_metrics["entropy"], abs=1e-4)
-    expected = {"sapo": set(), "cispo": {"cispo_clip_ratio"}}.get(
+    expected = {"sapo": set(), "cispo": {"cispo_clip_ratio"}, "vespo": {"vespo/phi_seq_mean"}}.get(
         loss_type, {f"clip_ratio/{k}_mean" for k in ("low", "high", "region")}
     )
     assert set(ours) == expected
@@ -453,3 +455,23 @@ def test_high_entropy_tokens_pool_every_process_before_the_quantile():
     other = torch.tensor([5.0, 6.0, 7.0, 8.0, 9.0, 10.0, float("nan")])  # another process: higher entropies, padded
     pooled = high_entropy_tokens(entropy, mask, 0.5, gather=lambda x: torch.cat([x, other]))
     assert not pooled.any(), "against the pooled tokens none of these is in the top half"
+
+
+@pytest.mark.parametrize("with_sampling", [False, True])
+def test_vespo_gamma_weights_equal_trl(with_sampling):
+    """`rl_math.vespo_weights` against TRL 1.16's `GRPOTrainer.get_gamma_weights` on identical tensors: log-ratios
+    past the ±20 clamp, both signs of advantage, and sampling-correction weights folded in (some 0: masked)."""
+    trl = pytest.importorskip("trl")
+    from alignpipe.rl_math import vespo_weights
+
+    g = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]).float()
+    log_ratio = torch.randn(4, 4, generator=g) * 0.3
+    log_ratio[1, 2] = 25.0
+    advantages = torch.tensor([0.5, -1.0, 0.0, -0.2])
+    sampling = torch.rand(4, 4, generator=g) * 2 if with_sampling else None
+    if sampling is not None:
+        sampling[3, 1] = 0.0
+    ours = vespo_weights(advantages, log_ratio, mask, sampling, (2.0, 3.0), (3.0, 2.0))
+    theirs = trl.GRPOTrainer.get_gamma_weights(advantages.unsqueeze(1), log_ratio, mask, sampling)
+    assert ours.shape == (4, 1) and torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6)

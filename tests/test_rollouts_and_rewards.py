@@ -157,8 +157,9 @@ def test_grpo_raises_held_out_accuracy_by_40_points(reversal_sft, tmp_path):
         ("grpo", {"importance_sampling_level": "sequence"}),  # luspo and sapo: their losses equal TRL's (test_rl_math)
         ("cispo", {"epsilon_high": 5.0}),
         ("dapo", {"top_entropy_quantile": 0.2, "delta": 1.5, "multi_objective_aggregation": "normalize_then_sum"}),
+        ("vespo", {"sampling_correction": "token_truncate"}),
     ],
-    ids=["grpo", "bnpo", "dr_grpo", "gspo", "cispo", "high_entropy_two_sided_gdpo"],
+    ids=["grpo", "bnpo", "dr_grpo", "gspo", "cispo", "high_entropy_two_sided_gdpo", "vespo_corrected"],
 )
 def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, tmp_path, loss_type, extra):
     """β > 0 with LoRA takes the reference from the adapter-disabled policy; num_iterations = 2 reuses a

@@ -166,6 +166,8 @@ def test_the_off_policy_mask_runs_on_the_engines_logprobs(tiny, prompts, tmp_pat
         ),
         ({"sampling_correction": "token_truncate", "sampling_correction_max": None}, "both are null"),
         ({"sampling_correction_min": 2.0, "sampling_correction_max": 1.0}, "must be below"),
+        ({"loss_type": "vespo", "rollout": {"backend": "vllm"}}, "folds the sampling correction"),
+        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "leave importance_sampling_level"),
     ],
 )
 def test_settings_no_engine_can_serve_are_refused(kwargs, message):

@@ -494,14 +494,16 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     (`scale_rewards`); normalize_then_sum (GDPO) normalises each function within each group first, so one with a
     large scale does not drown the others, sums them with their weights and whitens the sum over the batch
     (`scale_rewards` does not apply)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
     """The policy loss and how its tokens are aggregated, as TRL 1.16 (tested against TRL's). The clipped surrogate
     with grpo: per-sequence mean, then mean; bnpo: mean over the micro-batch's tokens; dr_grpo: sum / (sequences ×
     max_completion_length); dapo: sum / tokens of the whole accumulated batch; luspo (needs
     `importance_sampling_level: sequence`): each completion's sum, then mean. cispo (MiniMax-M1): the importance
     ratio clipped at `epsilon_high` (required; ScaleRL recommends 5.0) and detached, weighting A·log π, aggregated as
     dapo. sapo (Soft Adaptive Policy Optimization): a soft gate (4/τ)·σ(τ(ρ − 1)) instead of the clip, τ =
-    `sapo_temperature_pos` / `_neg` by the sign of the advantage, aggregated as grpo."""
+    `sapo_temperature_pos` / `_neg` by the sign of the advantage, aggregated as grpo. vespo (VESPO): no clip; each
+    completion's policy gradient A·∇log π weighted by a smooth gamma function φ(w) = e^λ·w^k·e^(−λw) of its
+    sequence importance weight w (`vespo_k_*`, `vespo_lambda_*` by the sign of the advantage), aggregated as dapo."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: an importance ratio per token; sequence: one per completion, the exponential of its mean token
     log-ratio (GSPO, Zheng et al. 2025; with `loss_type: grpo` as in the paper, or `luspo`)."""
@@ -509,6 +511,14 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     """sapo: the gate's temperature for tokens with a positive advantage (TRL's default)."""
     sapo_temperature_neg: float = Field(1.05, gt=0)
     """sapo: the gate's temperature for tokens with a non-positive advantage (TRL's default)."""
+    vespo_k_pos: float = Field(2.0, ge=0)
+    """vespo: the power k for non-negative advantages: how fast weights below 1 are damped (TRL's default)."""
+    vespo_lambda_pos: float = Field(3.0, ge=0)
+    """vespo: the decay λ for non-negative advantages: how fast weights above 1 are damped (TRL's default)."""
+    vespo_k_neg: float = Field(3.0, ge=0)
+    """vespo: k for negative advantages (TRL's default)."""
+    vespo_lambda_neg: float = Field(2.0, ge=0)
+    """vespo: λ for negative advantages (TRL's default)."""
     delta: float | None = Field(None, gt=1)
     """Cap the unclipped ratio at `delta` too (two-sided clipping, INTELLECT-2; above 1 + `epsilon_high`), so a token
     with a negative advantage cannot pull with an unbounded ratio; null: the usual one-sided clip."""
@@ -585,6 +595,17 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
             raise ValueError(
                 "multi_objective_aggregation 'normalize_then_sum' normalises each reward within its group and the sum "
                 f"over the batch; scale_rewards ({self.scale_rewards!r}) does not apply: leave it at 'group'"
+            )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError(
+                "loss_type 'vespo' forms each completion's importance weight itself from its token log-ratios: leave "
+                "importance_sampling_level at 'token'"
+            )
+        if self.loss_type == "vespo" and self.correction.startswith("sequence"):
+            raise ValueError(
+                f"loss_type 'vespo' folds the sampling correction into its sequence weights token by token: use "
+                f"sampling_correction token_truncate or token_mask (or none), not {self.correction!r} (with the vLLM "
+                "colocate engine, `auto` means sequence_mask)"
             )
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             raise ValueError("loss_type 'luspo' is GSPO's sequence-level loss: set importance_sampling_level: sequence")

@@ -10,16 +10,19 @@ their first EOS (and wholly, with `mask_truncated_completions`, when they never 
 Per token, with ratio ρ = π/π_old (π_old = π detached unless the rollout is reused: `num_iterations` > 1 or several
 steps per generation batch, when π_old's log-probs are taken at generation):
     loss = −min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) + β·KL_k3(π ‖ π_ref)
-aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over the micro-batch's
-tokens), dr_grpo (sum / (sequences × max_completion_length)), dapo (sum / tokens of the step: the generation batch's, divided among its steps, as TRL), luspo (per-sequence
-sum, then mean); or cispo's and sapo's losses (`losses.per_token_loss`). With `importance_sampling_level: sequence`
-(GSPO) ρ is one ratio per completion.
+aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over the micro-batch's tokens), dr_grpo
+(sum / (sequences × max_completion_length)), dapo (sum / tokens of the step: the generation batch's, divided among its
+steps, as TRL), luspo (per-sequence sum, then mean); or cispo's, sapo's and vespo's losses (`losses.per_token_loss`).
+With `importance_sampling_level: sequence` (GSPO) ρ is one ratio per completion. `sampling_correction` weighs the
+policy term by π_old/π_sampler (the engine's own log-probs), `off_policy_mask_threshold` drops completions the
+sampler has drifted from.
 β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
 
 Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean, rewards/<fn>/std,
 frac_reward_zero_std (groups with fewer than two scorable completions do not count as zero-std,
 as TRL counts them), completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
-clip_ratio/{low,high,region}_mean (cispo: cispo_clip_ratio; sapo: none); eval/reward (greedy, held-out prompts).
+clip_ratio/{low,high,region}_mean (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none), sampling/* (with
+a sampling correction); eval/reward (greedy, held-out prompts).
 
 Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
 """
@@ -51,6 +54,7 @@ from alignpipe.rl_math import (
     normalize_then_sum_advantages,
     off_policy_mask,
     sampling_importance_weights,
+    vespo_weights,
 )
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -499,15 +503,15 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
             policy_tokens, weights = None, None
             if batch.sampling_weights is not None:
                 weights = to_device(batch.sampling_weights[sl], device)
-            if cfg.off_policy_mask_threshold is not None:
-                assert batch.sampling_logps is not None
-                sampled = to_device(batch.sampling_logps[sl], device)
-                keep = off_policy_mask(adv, logps.float(), sampled, mask, cfg.off_policy_mask_threshold)
-                weights = keep if weights is None else weights * keep
             if cfg.top_entropy_quantile < 1:
                 pool = acc.num_processes > 1
                 gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
                 policy_tokens = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
+            if cfg.off_policy_mask_threshold is not None:  # (B, 1): keeps the policy term of whole completions
+                assert batch.sampling_logps is not None
+                sampled = to_device(batch.sampling_logps[sl], device)
+                keep = off_policy_mask(adv, logps.float(), sampled, mask, cfg.off_policy_mask_threshold)
+                policy_tokens = keep if policy_tokens is None else policy_tokens * keep
             old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
             ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
             ptl, ratio, kl = per_token_loss(
@@ -526,6 +530,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
                 cfg.delta,
                 policy_tokens,
                 weights,
+                ((cfg.vespo_k_pos, cfg.vespo_lambda_pos), (cfg.vespo_k_neg, cfg.vespo_lambda_neg)),
             )
             loss = aggregate(
                 ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
@@ -534,7 +539,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
         with torch.no_grad():
             # dapo's and cispo's losses are already shares of the step's; the others are means over micro-batches
             add("loss", loss * (len(micro) if cfg.loss_type not in STEP_TOKEN_NORMALISED else 1.0))
-            for key, value in ratio_metrics(cfg, ratio, adv, eps_high, mask).items():
+            for key, value in ratio_metrics(cfg, ratio, adv, eps_high, mask, weights).items():
                 add(key, value)
             add("entropy", masked_mean(entropy, mask))
             if kl is not None:
@@ -545,14 +550,24 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
 
 
 def ratio_metrics(
-    cfg: GRPOConfig, ratio: torch.Tensor, advantages: torch.Tensor, epsilon_high: float, mask: torch.Tensor
+    cfg: GRPOConfig,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_high: float,
+    mask: torch.Tensor,
+    sampling_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """TRL's ratio metrics for the loss type: the clip fractions of the clipped surrogate, cispo's
-    `cispo_clip_ratio` (ratio above ε_high with A > 0), none for sapo's soft gate; per token, or per completion with
-    sequence-level ratios."""
+    `cispo_clip_ratio` (ratio above ε_high with A > 0), vespo's mean gamma weight `vespo/phi_seq_mean`, none for
+    sapo's soft gate; per token, or per completion with sequence-level ratios."""
     sequence = ratio.size(1) == 1
     if cfg.loss_type == "sapo":
         return {}
+    if cfg.loss_type == "vespo":
+        k, lam = (cfg.vespo_k_pos, cfg.vespo_k_neg), (cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        return {
+            "vespo/phi_seq_mean": vespo_weights(advantages, torch.log(ratio), mask, sampling_weights, k, lam).mean()
+        }
     if cfg.loss_type == "cispo":
         clipped = ((ratio > epsilon_high) & (advantages.unsqueeze(1) > 0)).float()
         return {"cispo_clip_ratio": clipped.mean() if sequence else masked_mean(clipped, mask)}
