@@ -111,13 +111,19 @@ def attention_errors(attention: str | None):
 
 
 def load_tokenizer(
-    path: str, revision: str | None = None, trust_remote_code: bool = False, eos_token: str | None = None
+    path: str,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    eos_token: str | None = None,
+    chat_template: str | None = None,
 ):
     """A tokenizer with a pad token (falls back to EOS, as TRL does); `eos_token` (the recipe's `model.eos_token`)
-    replaces its EOS, and must be one token it already has."""
+    replaces its EOS, and must be one token it already has; `chat_template` (`model.chat_template`) its template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if eos_token is not None:
         ids = tok(eos_token, add_special_tokens=False)["input_ids"]
         if len(ids) != 1 or tok.convert_ids_to_tokens(ids[0]) != eos_token:

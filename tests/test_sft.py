@@ -457,3 +457,58 @@ def test_the_documents_op_gives_the_per_document_loops_outputs_and_gradients():
         for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch.library.opcheck(documents_attention_op, (q, k, v, cu, cu, 6, 6, 0.3))
+
+
+# Like Qwen3's and DeepSeek-R1's: an earlier reply loses its reasoning once later turns follow, so the conversation
+# renders differently in part and in whole.
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Its training version: each reply and its end of turn inside {% generation %}.
+REASONING_TRAINING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_template_that_marks_its_replies_gives_assistant_only_loss_its_spans(tiny, tmp_path):
+    """A reasoning template renders a conversation differently in part and in whole, so its replies cannot be found
+    by rendering prefixes (a clear error says what to do); its training version's {% generation %} marks give them:
+    the labelled tokens are the replies as the whole conversation renders them, with their ends of turn. The recipe's
+    `model.chat_template` takes such a template inline or from a .jinja file."""
+    from alignpipe.data.formats import format_rows
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.recipe.specs import ModelSpec
+
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>greet</think>yo"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "<think>end</think>done"},
+    ]
+    tok = load_tokenizer(str(tiny / "model"), chat_template=REASONING_TEMPLATE)
+    with pytest.raises(ValueError, match=r"(?s)differently in part and in whole.*\{% generation %\}"):
+        format_rows([{"messages": conversation}], fmt="language_modeling", tokenizer=tok, eval_fraction=0)
+
+    tok = load_tokenizer(str(tiny / "model"), chat_template=REASONING_TRAINING_TEMPLATE)
+    rows, _, _ = format_rows([{"messages": conversation}], fmt="language_modeling", tokenizer=tok, eval_fraction=0)
+    (row,) = rows
+    assert [row["text"][a:b] for a, b in row["assistant_spans"]] == ["yo<|end|>", "<think>end</think>done<|end|>"]
+    (ex,) = sft.tokenize(rows, tok, 128, completion_only=True, assistant_only=True)
+    trained = [t for t, label in zip(ex["input_ids"], ex["labels"]) if label != sft.IGNORE]
+    assert tok.decode(trained) == "yo<|end|><think>end</think>done<|end|>"
+
+    template = tmp_path / "reasoning_training.jinja"
+    template.write_text(REASONING_TRAINING_TEMPLATE)
+    spec = ModelSpec(path=str(tiny / "model"), chat_template=str(template))
+    assert spec.chat_template == REASONING_TRAINING_TEMPLATE  # read in: the recipe's fingerprint covers it
+    assert ModelSpec(path="m", chat_template=REASONING_TEMPLATE).chat_template == REASONING_TEMPLATE
+    with pytest.raises(ValueError, match="neither a Jinja template"):
+        ModelSpec(path="m", chat_template=str(tmp_path / "missing.jinja"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 
 from alignpipe.special_tokens import encode
@@ -134,6 +135,10 @@ def map_columns(rows: list[dict], columns: dict[str, str]) -> list[dict]:
     return out
 
 
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A chat template's `{% generation %}` tag: the template marks the assistant replies itself."""
+
+
 class Renderer:
     """Renders one row to a canonical format, as plain text or through the chat template."""
 
@@ -186,7 +191,10 @@ class Renderer:
     def assistant_spans(self, messages: list[dict], text: str) -> list[list[int]]:
         """[start, end) character offsets in `text` (the whole conversation rendered) of each assistant reply with the
         end-of-turn the template writes after it: for reply i, from the end of the conversation before it (with the
-        generation prompt) to the end of the conversation up to it. What SFT's `assistant_only_loss` trains on."""
+        generation prompt) to the end of the conversation up to it. What SFT's `assistant_only_loss` trains on. A
+        template that marks its replies with `{% generation %}` gives them itself (`marked_spans`)."""
+        if GENERATION_MARK.search(self.tok.chat_template or ""):
+            return self.marked_spans(messages, text)
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
@@ -195,10 +203,39 @@ class Renderer:
             upto = self.tok.apply_chat_template(messages[: i + 1], tokenize=False)
             if not (text.startswith(before) and text.startswith(upto) and len(before) <= len(upto)):
                 raise ValueError(
-                    "the chat template renders a conversation differently in part and in whole; cannot find its "
-                    "assistant replies (use `format: prompt_completion` to train on the last reply only)"
+                    "the chat template renders a conversation differently in part and in whole (as Qwen3's and "
+                    "DeepSeek-R1's, which drop earlier turns' reasoning); cannot find its assistant replies. Give "
+                    "`model.chat_template` a training version of it that wraps each assistant reply in "
+                    "{% generation %} ... {% endgeneration %}, or use `format: prompt_completion` to train on the last "
+                    "reply only"
                 )
             spans.append([len(before), len(upto)])
+        return spans
+
+    def marked_spans(self, messages: list[dict], text: str) -> list[list[int]]:
+        """The character spans of the tokens the template's `{% generation %}` blocks render (transformers'
+        `return_assistant_tokens_mask`), each run of them one span."""
+        enc = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        marks = enc["assistant_masks"]
+        offsets = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) != len(marks):
+            raise ValueError(
+                "the chat template's {% generation %} marks cover a tokenization of the conversation other than its "
+                f"text's ({len(marks)} tokens against {len(offsets)}); cannot place the assistant replies"
+            )
+        spans: list[list[int]] = []
+        for t, marked in enumerate(marks):
+            if not marked:
+                continue
+            if spans and t > 0 and marks[t - 1]:
+                spans[-1][1] = offsets[t][1]
+            else:
+                spans.append([offsets[t][0], offsets[t][1]])
+        if not spans and any(m.get("role") == "assistant" for m in messages):
+            raise ValueError(
+                "the chat template has {% generation %} marks but none of this conversation's assistant replies is "
+                "inside one; wrap each reply (and its end of turn) in {% generation %} ... {% endgeneration %}"
+            )
         return spans
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -21,6 +22,13 @@ class ModelSpec(Strict):
     """Override the tokenizer's EOS with this token (one token of its vocabulary), e.g. `<|im_end|>` when a base model
     learns a chat template whose turns end there: what the trainers append, where generation stops, and what every
     saved tokenizer and model (its generation config) says. Null keeps the tokenizer's."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's, inline or as the path of a `.jinja` file (read when the
+    recipe loads, so the recipe's fingerprint covers it). Saved with every trained tokenizer. For
+    `assistant_only_loss` with a template that renders a conversation differently in part and in whole (Qwen3 and
+    DeepSeek-R1 drop earlier turns' reasoning), give a training version of it that wraps each assistant reply in
+    `{% generation %}` … `{% endgeneration %}`: the replies are then read from those marks. Null keeps the
+    tokenizer's."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) to load; ignored for local paths."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
@@ -44,6 +52,19 @@ class ModelSpec(Strict):
     slower). `flash_attention_2`/`_3` (a CUDA GPU and the `flash-attn` package): packed and padding-free rows run as
     variable-length sequences, no mask and no work on the masked-out blocks. `flex_attention`: FlexAttention block
     masks (GPU; its backward does not run on CPU). `eager`: plain matmuls, for debugging."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"chat_template {value!r} is neither a Jinja template (no {{{{ or {{% in it) nor a file; give the "
+                "template itself or the path of a .jinja file"
+            )
+        return path.read_text()
 
 
 class DatasetSpec(Strict):

@@ -143,7 +143,9 @@ class StageContext(Generic[S]):
 
         spec = self.recipe.model
         if ref == BASE:
-            return load_tokenizer(spec.tokenizer or spec.path, spec.revision, spec.trust_remote_code, spec.eos_token)
+            return load_tokenizer(
+                spec.tokenizer or spec.path, spec.revision, spec.trust_remote_code, spec.eos_token, spec.chat_template
+            )
         return load_tokenizer(self.model_source(ref).path, trust_remote_code=spec.trust_remote_code)
 
     def rows(self, data_ref: str, split: str) -> list[dict]:
