@@ -32,11 +32,18 @@ class RewardSet:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list] | None = None):
-        """→ (total (N,), per_function (N, K)) float tensors."""
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list] | None = None,
+        completion_ids: list[list[int]] | None = None,
+    ):
+        """→ (total (N,), per_function (N, K)) float tensors. `completion_ids`: each completion's tokens, for the
+        functions that read them."""
         per = torch.full((len(completions), len(self.rewards)), math.nan)
         for k, r in enumerate(self.rewards):
-            values = score(r.fn, r.name, prompts, completions, columns, r.kwargs)
+            values = score(r.fn, r.name, prompts, completions, columns, r.kwargs, completion_ids)
             per[:, k] = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float)
             if torch.isinf(per[:, k]).any():
                 raise RewardFunctionError(f"reward {r.name!r} returned inf")
@@ -49,7 +56,7 @@ class RewardSet:
         """Call each function once on two rows before any rollout, so a broken one fails early, named."""
         n = min(2, len(prompts))
         cols = {k: v[:n] for k, v in (columns or {}).items()}
-        self(prompts[:n], ["" for _ in range(n)], cols)
+        self(prompts[:n], ["" for _ in range(n)], cols, [[] for _ in range(n)])
 
 
 def load_rewards(specs, model_path_of: Callable[[str], str], batch_size: int = 32) -> RewardSet:

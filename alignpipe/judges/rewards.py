@@ -1,7 +1,9 @@
 """Reward functions: built-ins by name, or any `module:function` callable.
 
 A reward function takes `(prompts, completions, **columns)` (lists of equal length; `columns` are the
-dataset's extra columns, e.g. `answer`) and returns one float (or None = not applicable) per completion.
+dataset's extra columns, e.g. `answer`) and returns one float (or None = not applicable) per completion. A function
+with a parameter named `completion_ids` also gets each completion's token ids (in RL stages, where they exist), as
+TRL's reward functions do.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from alignpipe.data.synthetic import sentiment_score
 from alignpipe.judges.math_answer import math_answer
@@ -58,6 +60,54 @@ def length_penalty(prompts, completions, target=20, scale=0.05, **_) -> list[flo
     return [-scale * abs(len(c.split()) - target) for c in completions]
 
 
+THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format(prompts, completions, **_) -> list[float]:
+    """1.0 when the completion opens with its reasoning in one `<think>` … `</think>` block (DeepSeek-R1's format;
+    TRL's `think_format_reward`), else 0.0."""
+    return [1.0 if THINK_FORMAT.match(c) else 0.0 for c in completions]
+
+
+def _needs_ids(name: str, completion_ids) -> list[list[int]]:
+    if completion_ids is None:
+        raise RewardFunctionError(
+            f"reward {name!r} counts the completion's tokens, and this stage scores text alone: use it in an RL stage "
+            "(grpo, rloo, ppo, online_dpo)"
+        )
+    return completion_ids
+
+
+def ngram_repetition(prompts, completions, completion_ids=None, ngram_size=3, max_penalty=-1.0, **_) -> list[float]:
+    """(1 − unique n-grams / n-grams of the completion's tokens) × `max_penalty` (≤ 0): 0 for no repeated n-gram,
+    towards `max_penalty` for a degenerate loop ("Demystifying Long Chain-of-Thought Reasoning", App. C.2; TRL's
+    `get_repetition_penalty_reward`); 0 for completions shorter than `ngram_size` tokens."""
+    out = []
+    for ids in _needs_ids("ngram_repetition", completion_ids):
+        if len(ids) < ngram_size:
+            out.append(0.0)
+            continue
+        grams = list(zip(*[ids[i:] for i in range(ngram_size)], strict=False))
+        repeated = 1 - len(set(grams)) / len(grams)
+        out.append(repeated * max_penalty if repeated else 0.0)
+    return out
+
+
+def overlong_penalty(prompts, completions, completion_ids=None, max_length=256, cache=64, **_) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; TRL's `get_soft_overlong_punishment`): 0 up to
+    `max_length − cache` tokens, then falling linearly to −1 at `max_length`, −1 beyond."""
+    out = []
+    for ids in _needs_ids("overlong_penalty", completion_ids):
+        n = len(ids)
+        if n <= max_length - cache:
+            out.append(0.0)
+        elif n <= max_length:
+            out.append((max_length - cache - n) / cache)
+        else:
+            out.append(-1.0)
+    return out
+
+
 BUILTINS: dict[str, RewardFn] = {
     "sentiment_lexicon": sentiment_lexicon,
     "length": length,
@@ -66,7 +116,13 @@ BUILTINS: dict[str, RewardFn] = {
     "keyword": keyword,
     "regex": regex,
     "length_penalty": length_penalty,
+    "think_format": think_format,
+    "ngram_repetition": ngram_repetition,
+    "overlong_penalty": overlong_penalty,
 }
+
+TOKEN_REWARDS = frozenset({"ngram_repetition", "overlong_penalty"})
+"""The built-ins that read the completions' token ids: RL stages only."""
 
 
 class KeywordOptions(Strict):
@@ -111,6 +167,30 @@ class MathAnswerOptions(Strict):
     false pays only answers given in one of those forms."""
 
 
+class NgramRepetitionOptions(Strict):
+    """`kwargs` of the `ngram_repetition` reward."""
+
+    ngram_size: int = Field(3, gt=0)
+    """Length of the token n-grams compared."""
+    max_penalty: float = Field(-1.0, le=0)
+    """The reward of a wholly repetitive completion (≤ 0)."""
+
+
+class OverlongPenaltyOptions(Strict):
+    """`kwargs` of the `overlong_penalty` reward."""
+
+    max_length: int = Field(256, gt=0)
+    """L_max: the stage's `max_completion_length`, where the penalty reaches −1."""
+    cache: int = Field(64, gt=0)
+    """L_cache: how many tokens before `max_length` the penalty starts (DAPO: 4096 of 20480)."""
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.cache > self.max_length:
+            raise ValueError(f"cache ({self.cache}) must not exceed max_length ({self.max_length})")
+        return self
+
+
 class NoOptions(Strict):
     """The built-in takes no `kwargs` (its inputs are the completions and dataset columns)."""
 
@@ -123,6 +203,9 @@ BUILTIN_OPTIONS: dict[str, type[Strict]] = {
     "keyword": KeywordOptions,
     "regex": RegexOptions,
     "length_penalty": LengthPenaltyOptions,
+    "think_format": NoOptions,
+    "ngram_repetition": NgramRepetitionOptions,
+    "overlong_penalty": OverlongPenaltyOptions,
 }
 """What each built-in's `kwargs` may hold. The built-ins take dataset columns as keyword arguments too, so a
 misspelt option would otherwise be swallowed and the reward silently constant."""
@@ -224,6 +307,16 @@ class HTTPScorer:
         raise AssertionError("unreachable")
 
 
+def takes_completion_ids(fn) -> bool:
+    """Whether `fn` names a `completion_ids` parameter."""
+    import inspect
+
+    try:
+        return "completion_ids" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
 def score(
     fn: RewardFn,
     name: str,
@@ -231,10 +324,13 @@ def score(
     completions: list[str],
     columns: dict[str, list] | None = None,
     kwargs: dict | None = None,
+    completion_ids: list[list[int]] | None = None,
 ) -> list[float | None]:
-    """Call `fn` and check it returned one number (or None) per completion."""
+    """Call `fn` and check it returned one number (or None) per completion. `completion_ids` go to a function with a
+    parameter of that name."""
+    extra = {"completion_ids": completion_ids} if takes_completion_ids(fn) else {}
     try:
-        result = list(fn(prompts, completions, **(columns or {}), **(kwargs or {})))
+        result = list(fn(prompts, completions, **(columns or {}), **(kwargs or {}), **extra))
     except RewardFunctionError:
         raise
     except Exception as e:

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
-from alignpipe.judges.rewards import BUILTIN_OPTIONS, check_builtin_kwargs, check_reward_name
+from alignpipe.judges.rewards import BUILTIN_OPTIONS, TOKEN_REWARDS, check_builtin_kwargs, check_reward_name
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
 from alignpipe.trainers.configs import (
@@ -482,7 +482,13 @@ class JudgeStage(StageBase):
     @field_validator("reward")
     @classmethod
     def _known_reward(cls, v: str) -> str:
-        return check_reward_name(v)
+        name = check_reward_name(v)
+        if name in TOKEN_REWARDS:
+            raise ValueError(
+                f"reward {name!r} counts the completion's tokens, which a judge does not keep: it is for RL stages' "
+                "`rewards`; judge with a reward model, a function of the text, or an LLM judge"
+            )
+        return name
 
     @model_validator(mode="after")
     def _prompts_source(self):

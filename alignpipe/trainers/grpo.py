@@ -371,6 +371,11 @@ class Samples:
     def prompts(self) -> list[str]:
         return [r["prompt"] for r in self.rows]
 
+    @property
+    def token_lists(self) -> list[list[int]]:
+        """Each completion's token ids, through its EOS (what reward functions reading `completion_ids` get)."""
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), self.lengths.tolist(), strict=True)]
+
 
 @torch.no_grad()
 def sample(run: GRPORun, batch_rows: list[dict], logprobs: bool = False) -> Samples:
@@ -444,7 +449,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     cfg, loop = run.cfg, run.loop
     assert isinstance(cfg, GRPOConfig)
     sm = sample(run, batch_rows, logprobs=cfg.needs_sampling_logprobs)
-    total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows))
+    total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists)
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         weights = torch.tensor([r.weight for r in run.rewards.rewards], dtype=per_fn.dtype)
         advantages, std = normalize_then_sum_advantages(per_fn, weights, cfg.num_generations)
@@ -616,7 +621,12 @@ def greedy_reward(
     sample_rows = rows[:limit]
     engine.update_weights(loop.unwrapped)
     gens = engine.generate(encode(sample_rows), 1, greedy)
-    total, _ = rewards([r["prompt"] for r in sample_rows], [g.completion for g in gens], extra_columns(sample_rows))
+    total, _ = rewards(
+        [r["prompt"] for r in sample_rows],
+        [g.completion for g in gens],
+        extra_columns(sample_rows),
+        [g.completion_ids for g in gens],
+    )
     finite = total[~torch.isnan(total)]
     return float(finite.mean()) if len(finite) else 0.0
 

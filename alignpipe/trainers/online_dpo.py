@@ -58,7 +58,10 @@ class RewardRanker:
         self.rewards, self.penalty = rewards, missing_eos_penalty
 
     def __call__(self, prompts: list[str], first: list, second: list, rows: list[dict]) -> Ranking:
-        total, _ = self.rewards(prompts * 2, [g.completion for g in first + second], extra_columns(rows * 2))
+        gens = first + second
+        total, _ = self.rewards(
+            prompts * 2, [g.completion for g in gens], extra_columns(rows * 2), [g.completion_ids for g in gens]
+        )
         scores = torch.nan_to_num(total.float(), nan=0.0)
         if self.penalty is not None:
             ended = torch.tensor([g.finish_reason == "stop" for g in first + second])

@@ -326,7 +326,10 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     responses = [row[:n] for row, n in zip(response.tolist(), lengths.tolist(), strict=True)] if padding_free else []
     query, query_mask, response = to_device((query, query_mask, response), device)
     total, per_fn = run.rewards(
-        [r["prompt"] for r in batch_rows], [g.completion for g in gens], extra_columns(batch_rows)
+        [r["prompt"] for r in batch_rows],
+        [g.completion for g in gens],
+        extra_columns(batch_rows),
+        [g.completion_ids for g in gens],
     )
     raw_scores = torch.nan_to_num(total, nan=0.0).to(device)
     scores = raw_scores.clone()

@@ -45,7 +45,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     cfg, loop = run.cfg, run.loop
     assert isinstance(cfg, RLOOConfig)
     sm = sample(run, batch_rows)
-    rewards, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows))
+    rewards, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists)
     if cfg.reward_clip_range is not None:
         rewards = rewards.clamp(*cfg.reward_clip_range)
     batch = GRPORollout(
