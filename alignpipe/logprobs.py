@@ -11,7 +11,7 @@ Shapes: B = batch, T = sequence length, V = vocabulary, d = hidden size.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ def _chunk_logprobs(
     return token, -(logp.exp() * logp).sum(-1)
 
 
+WithEntropy = bool | Literal["grad"]
+"""Whether log-prob functions also return each position's entropy: detached (True), or with its gradient ("grad")."""
+
 # Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
 # checkpointing only pay off when the float32 logits would be large (256 MB here). It is also the budget of
 # one chunk, so a 150k vocabulary gets chunks of ~440 positions, a 512 one chunks of `chunk_tokens`.
@@ -55,7 +58,7 @@ def token_logprobs(
     attention_mask: torch.Tensor | None,
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
     start: int = 0,
     only: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
@@ -76,7 +79,8 @@ def token_logprobs(
     forward and backward (a stage's `compile: true`); without, its log-softmax and gather as one kernel after the
     matmul (`fused_kernels` on a GPU: the reference's and the old policy's scoring passes). `count`: the number of
     true positions in `only`, where the caller knows it on the host (no wait for the device to count them).
-    Returns `logps` (and `entropy`, detached, when `with_entropy`). Position t scores input_ids[:, start+t+1].
+    Returns `logps` (and `entropy` when `with_entropy`: detached, or with its gradient for `with_entropy="grad"`, an
+    entropy bonus's). Position t scores input_ids[:, start+t+1].
     """
     labels = input_ids[:, start + 1 :]
     position_ids = _positions(attention_mask, position_ids)
@@ -304,7 +308,7 @@ def shared_prompt_logprobs(
     index: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
     only: torch.Tensor | None = None,
     prompts_nonempty: bool | None = None,
     compiled: bool = False,
@@ -409,7 +413,7 @@ def scored_index(only: torch.Tensor, count: int | None) -> torch.Tensor:
     return (flat.nonzero() if count is None else flat.nonzero_static(size=count)).squeeze(1)
 
 
-def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: bool, count: int | None = None):
+def _select(rows: torch.Tensor, labels: torch.Tensor, only, fn, with_entropy: WithEntropy, count: int | None = None):
     """`fn(rows, labels)` everywhere, or (with the mask `only`) on the masked positions alone, scattered back
     into zeros of the full shape (`count` as in `scored_index`)."""
     if only is None:
@@ -434,7 +438,7 @@ def _head_logprobs(
     labels: torch.Tensor,
     temperature: float,
     chunk_tokens: int,
-    with_entropy: bool,
+    with_entropy: WithEntropy,
     compiled: bool = False,
 ):
     B, T, _ = hidden.shape
@@ -443,23 +447,28 @@ def _head_logprobs(
     # after the head's matmul (`fused_kernels`' scoring passes: reference and old-policy log-probs)
     chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
-        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, with_entropy)
-        return (lp, ent.detach()) if with_entropy else lp
+        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, bool(with_entropy))
+        return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
-        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, with_entropy)
+        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, bool(with_entropy))
         if torch.is_grad_enabled():
             lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = chunk_logprobs(*args)
         logps.append(lp)
-        entropies.append(ent.detach())
+        entropies.append(_entropy_out(ent, with_entropy))
     logp = torch.cat(logps, 1)
     return (logp, torch.cat(entropies, 1)) if with_entropy else logp
 
 
-def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
+def _entropy_out(entropy: torch.Tensor, with_entropy: WithEntropy) -> torch.Tensor:
+    """A chunk's entropies as returned: detached, unless an entropy bonus asked for their gradient."""
+    return entropy if with_entropy == "grad" else entropy.detach()
+
+
+def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int, with_entropy: WithEntropy):
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // logits.size(-1)) // max(1, logits.size(0)))
     logps, entropies = [], []
     for s in range(0, logits.size(1), step):
@@ -468,7 +477,7 @@ def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int,
             chunk = chunk / temperature
         lp = chunk.log_softmax(-1)
         logps.append(lp.gather(-1, labels[:, s : s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
-        entropies.append(-(lp.exp() * lp).sum(-1).detach())
+        entropies.append(_entropy_out(-(lp.exp() * lp).sum(-1), with_entropy))
     logp = torch.cat(logps, 1)
     return (logp, torch.cat(entropies, 1)) if with_entropy else logp
 

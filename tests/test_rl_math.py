@@ -297,11 +297,14 @@ def test_normalize_then_sum_advantages_equal_trl():
         ("grpo", True, "token", 0.28, {"sampling_correction": "sequence_mask", "off_policy_mask_threshold": 0.05}),
         ("vespo", True, "token", 0.28, {}),
         ("vespo", False, "token", 0.28, {"sampling_correction": "token_mask"}),  # the weights inside φ
+        ("dapo", True, "token", 0.28, {"entropy_coef": 0.05}),  # the entropy bonus, on every completion token
+        ("grpo", True, "token", 0.28, {"entropy_coef": 0.1, "top_entropy_quantile": 0.2}),  # on the trained ones
     ],
 )
 def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correction, level, eps_high, extra):
     trl = pytest.importorskip("trl")
     from alignpipe.rl_math import off_policy_mask, sampling_importance_weights
+    from alignpipe.trainers.entropy_control import entropy_bonus
 
     correction = extra.get("sampling_correction")
     threshold = extra.get("off_policy_mask_threshold")
@@ -401,6 +404,8 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
             sampling_weights=weights,
         )
         loss = losses.aggregate(ptl, m, loss_type, C, float(mask.sum()), 1)
+        if extra.get("entropy_coef"):
+            loss = loss - extra["entropy_coef"] * entropy_bonus(entropy, m if tokens is None else m * tokens)
         cfg = GRPOConfig(loss_type=loss_type, epsilon_high=eps_high, importance_sampling_level=level, **extra)
         ours = grpo.ratio_metrics(cfg, ratio, inputs["advantages"], eps_high, m, weights if correction else None)
     assert float(loss) == pytest.approx(trl_loss, abs=TOL)
@@ -475,3 +480,28 @@ def test_vespo_gamma_weights_equal_trl(with_sampling):
     ours = vespo_weights(advantages, log_ratio, mask, sampling, (2.0, 3.0), (3.0, 2.0))
     theirs = trl.GRPOTrainer.get_gamma_weights(advantages.unsqueeze(1), log_ratio, mask, sampling)
     assert ours.shape == (4, 1) and torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6)
+
+
+def test_adaptive_entropy_control_follows_trls_rule():
+    """`EntropyControl` against TRL 1.16's rule written out (grpo_trainer.py lines 3206-3240): the coefficient steps
+    up by delta while the step's entropy is at or below the target and down otherwise, within [min, max], and is
+    applied only while the previous step's entropy was at or below the target (nothing before the first step)."""
+    from alignpipe.trainers.entropy_control import EntropyControl
+
+    cfg = GRPOConfig(entropy_coef=0.02, use_adaptive_entropy=True, entropy_coef_delta=0.01, entropy_target=0.5,
+                     entropy_coef_min=0.005, entropy_coef_max=0.04)  # fmt: skip
+    control = EntropyControl(cfg, "cpu")
+    coef, last = 0.02, float("inf")
+    for entropy in [0.3, 0.4, 0.2, 0.1, 0.6, 0.9, 0.9, 0.9, 0.45]:
+        applied = coef if last <= 0.5 else 0.0
+        assert float(control.applied()) == pytest.approx(applied)
+        tokens = torch.ones(2, 3)
+        control.observe(torch.full((2, 3), entropy), tokens)  # two micro-batches of the same entropy
+        control.observe(torch.full((2, 3), entropy), tokens)
+        control.step()
+        coef = min(coef + 0.01, 0.04) if entropy <= 0.5 else max(coef - 0.01, 0.005)
+        last = entropy
+        assert float(control.coef) == pytest.approx(coef) and float(control.last) == pytest.approx(entropy)
+    restored = EntropyControl(cfg, "cpu")
+    restored.load(control.state())
+    assert float(restored.applied()) == pytest.approx(float(control.applied()))

@@ -357,3 +357,33 @@ def test_ppo_and_grpo_resume_from_their_last_checkpoint(tiny, reversal_sft, tmp_
         ref_model=load_causal_lm(str(tiny / "model")),
     )
     assert again.resumed_from == 2 and again.steps == 3 and [s for s, _ in tracker.history] == [3]
+
+
+def test_the_entropy_bonus_keeps_the_policy_more_random_and_its_adaptive_state_resumes(reversal_sft, tmp_path):
+    """From the reversal SFT model (peaked, low entropy), four steps with a large bonus end with a higher entropy
+    than without, and log the policy loss apart; an adaptive bonus whose target is above any entropy raises its
+    coefficient by delta each step, and a run resumed from step 1 goes on from the coefficient it had reached."""
+    tok, start, train, _ = reversal_sft
+    rewards = RewardSet([LoadedReward("exact_match", exact_match)])
+
+    def run(out, **overrides):
+        tracker = Tracker()
+        args = dict(learning_rate=1e-3, max_steps=4, batch_size=16, num_generations=4, max_completion_length=8)
+        cfg = GRPOConfig(**{**args, "logging_every": 1, "sample_every": 100, **overrides})
+        result = grpo.train(cfg, load_causal_lm(str(start)), tok, train, rewards, tracker, out)
+        return tracker, result
+
+    plain, _ = run(tmp_path / "plain")
+    bonus, _ = run(tmp_path / "bonus", entropy_coef=0.5)
+    assert bonus.series("train/entropy")[-1] > plain.series("train/entropy")[-1] + 0.05
+    assert bonus.series("train/entropy_coef") == [0.5] * 4 and len(bonus.series("train/policy_loss")) == 4
+    assert not plain.series("train/policy_loss")
+
+    adaptive = dict(max_steps=3, entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_delta=0.01,
+                    entropy_target=100.0, save_every=1)  # fmt: skip
+    whole, _ = run(tmp_path / "whole", **adaptive)
+    assert whole.series("train/entropy_coef") == pytest.approx([0.02, 0.03, 0.04])
+    run(tmp_path / "again", **{**adaptive, "max_steps": 2})  # leaves step-1 (its last step saves none)
+    resumed, result = run(tmp_path / "again", **adaptive)
+    assert result.resumed_from == 1
+    assert resumed.series("train/entropy_coef") == pytest.approx([0.03, 0.04])

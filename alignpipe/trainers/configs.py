@@ -553,6 +553,23 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     """Lower bound of the correction's weights (TRL's `vllm_importance_sampling_clip_min`); null: none."""
     sampling_correction_max: float | None = Field(3.0, gt=0)
     """Upper bound of the correction's weights (TRL's `vllm_importance_sampling_clip_max`, 3.0); null: none."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: subtract this × the mean entropy of the trained tokens from the loss, keeping the policy from
+    collapsing to near-deterministic outputs (the same for every loss type, as TRL's); 0: none. With
+    `use_adaptive_entropy`, the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Adapt the bonus each optimizer step (Skywork-OR1; TRL's): raise the coefficient by `entropy_coef_delta` while
+    the step's mean entropy is at or below `entropy_target`, lower it otherwise, within [`entropy_coef_min`,
+    `entropy_coef_max`]; the bonus applies only while the last step's entropy is at or below the target."""
+    entropy_coef_min: float = Field(0.0, ge=0)
+    """Lower bound of the adaptive coefficient."""
+    entropy_coef_max: float = Field(1.0, ge=0)
+    """Upper bound of the adaptive coefficient."""
+    entropy_coef_delta: float = Field(0.005, gt=0)
+    """Step of the adaptive coefficient per optimizer step."""
+    entropy_target: float = Field(0.2, ge=0)
+    """The mean per-token entropy (nats) the adaptive control holds the policy above (TRL's default; language
+    models sample at 2-10 nats, so it acts only on a collapsing policy)."""
     off_policy_mask_threshold: float | None = Field(None, ge=0)
     """Drop completions with a negative advantage whose mean per-token KL from the sampling distribution to the
     current policy exceeds this (DeepSeek-V3.2's off-policy sequence mask; TRL's name); needs the engine's sampling
@@ -567,6 +584,11 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
         return "sequence_mask" if vllm_colocate else "none"
 
     @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy bonus (an adaptive one may start at 0)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+    @property
     def needs_sampling_logprobs(self) -> bool:
         return self.correction != "none" or self.off_policy_mask_threshold is not None
 
@@ -578,6 +600,10 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
                 "sampling_correction and off_policy_mask_threshold need the engine's log-probs of each sampled token, "
                 "and the vLLM server's completions come back as text tokenized again: use rollout mode 'colocate' "
                 "or backend 'hf', or set sampling_correction: none and off_policy_mask_threshold: null"
+            )
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) is above entropy_coef_max ({self.entropy_coef_max})"
             )
         low, high = self.sampling_correction_min, self.sampling_correction_max
         if low is not None and high is not None and low >= high:

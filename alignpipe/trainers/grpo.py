@@ -42,8 +42,8 @@ from alignpipe import fused_kernels
 from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
-from alignpipe.logprobs import every_row_holds_a_token, shared_prompt_logprobs
-from alignpipe.losses import STEP_TOKEN_NORMALISED, aggregate, per_token_loss
+from alignpipe.logprobs import WithEntropy, every_row_holds_a_token, shared_prompt_logprobs
+from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import (
@@ -58,6 +58,7 @@ from alignpipe.rl_math import (
 )
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
+from alignpipe.trainers.entropy_control import EntropyControl, entropy_bonus
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
 from alignpipe.trainers.ref_sync import synced
 
@@ -82,7 +83,7 @@ def completion_logps(
     completion_ids,
     temperature: float,
     chunk: int,
-    with_entropy: bool = False,
+    with_entropy: WithEntropy = False,
     group: int = 1,
     device: torch.device | str | None = None,
     mask: torch.Tensor | None = None,
@@ -253,6 +254,8 @@ class GRPORun:
     engine: Any
     ref: Any
     seed: int
+    entropy: EntropyControl | None = None
+    """GRPO's entropy bonus (`entropy_coef`), when it has one."""
 
     @property
     def temperature(self) -> float:
@@ -322,7 +325,7 @@ class GRPORun:
             batch.completion_ids[sl],
             self.temperature,
             self.cfg.logprob_chunk_tokens,
-            with_entropy=True,
+            with_entropy="grad" if self.entropy is not None else True,  # a bonus trains through the entropy
             group=self.cfg.num_generations,
             device=device,
             mask=batch.mask[sl],
@@ -504,14 +507,15 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
         sl = slice(s, s + cfg.batch_size)
         mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
         with loop.no_sync_unless(j == len(micro) - 1):
-            logps, entropy = run.micro_logps(batch, sl)
-            policy_tokens, weights = None, None
+            logps, entropy_grad = run.micro_logps(batch, sl)
+            entropy = entropy_grad.detach()
+            policy_tokens, weights, high = None, None, None
             if batch.sampling_weights is not None:
                 weights = to_device(batch.sampling_weights[sl], device)
             if cfg.top_entropy_quantile < 1:
                 pool = acc.num_processes > 1
                 gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
-                policy_tokens = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
+                policy_tokens = high = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
             if cfg.off_policy_mask_threshold is not None:  # (B, 1): keeps the policy term of whole completions
                 assert batch.sampling_logps is not None
                 sampled = to_device(batch.sampling_logps[sl], device)
@@ -537,20 +541,27 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
                 weights,
                 ((cfg.vespo_k_pos, cfg.vespo_lambda_pos), (cfg.vespo_k_neg, cfg.vespo_lambda_neg)),
             )
-            loss = aggregate(
+            policy_loss = loss = aggregate(
                 ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
             )
+            if run.entropy is not None:  # on the tokens the policy term trains (TRL's: the high-entropy ones, if set)
+                tokens = mask if high is None else mask * high
+                loss = loss - run.entropy.applied() * entropy_bonus(entropy_grad.float(), tokens) / len(micro)
+                run.entropy.observe(entropy, tokens)
             acc.backward(loss)
         with torch.no_grad():
-            # dapo's and cispo's losses are already shares of the step's; the others are means over micro-batches
-            add("loss", loss * (len(micro) if cfg.loss_type not in STEP_TOKEN_NORMALISED else 1.0))
+            # each micro-batch's loss is its share of the step's: they add up
+            sums["loss"] = sums.get("loss", 0) + loss.detach()
+            if run.entropy is not None:
+                sums["policy_loss"] = sums.get("policy_loss", 0) + policy_loss.detach()
             for key, value in ratio_metrics(cfg, ratio, adv, eps_high, mask, weights).items():
                 add(key, value)
             add("entropy", masked_mean(entropy, mask))
             if kl is not None:
                 add("kl", masked_mean(kl, mask))
-    if cfg.loss_type in STEP_TOKEN_NORMALISED:
-        sums["loss"] = sums["loss"] * len(micro)
+    if run.entropy is not None:
+        run.entropy.step()
+        sums["entropy_coef"] = run.entropy.coef  # as TRL logs it: the coefficient after the step's update
     return sums
 
 
@@ -679,6 +690,12 @@ def train_on_samples(
     ref = frozen_reference(ref_model, cfg, loop.accelerator.device) if (cfg.beta and not cfg.lora) else None
     synced(ref, cfg, loop)
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
+    if isinstance(cfg, GRPOConfig) and cfg.entropy_bonus:
+        acc = loop.accelerator
+        reduce = (lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None
+        run.entropy = EntropyControl(cfg, acc.device, reduce)
+        run.entropy.load(loop.state)
+        loop.checkpoint_state = run.entropy.state
     current: dict[str, Any] = {}
 
     def step(window: list[list[dict]]) -> dict:
