@@ -15,14 +15,14 @@ aggregated by `loss_type`: grpo (per-sequence mean, then mean), bnpo (mean over 
 steps, as TRL), luspo (per-sequence sum, then mean); or cispo's, sapo's and vespo's losses (`losses.per_token_loss`).
 With `importance_sampling_level: sequence` (GSPO) ρ is one ratio per completion. `sampling_correction` weighs the
 policy term by π_old/π_sampler (the engine's own log-probs), `off_policy_mask_threshold` drops completions the
-sampler has drifted from.
+sampler has drifted from. `entropy_coef` subtracts c × the trained tokens' mean entropy (`entropy_control`).
 β = 0 loads no reference model; with LoRA the reference is the adapter-disabled policy.
 
 Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean, rewards/<fn>/std,
 frac_reward_zero_std (groups with fewer than two scorable completions do not count as zero-std,
 as TRL counts them), completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
 clip_ratio/{low,high,region}_mean (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none), sampling/* (with
-a sampling correction); eval/reward (greedy, held-out prompts).
+a sampling correction), policy_loss and entropy_coef (with an entropy bonus); eval/reward (greedy, held-out prompts).
 
 Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
 """
