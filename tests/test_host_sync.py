@@ -328,8 +328,18 @@ def test_a_nan_loss_stops_the_run_one_step_late_and_before_any_checkpoint(tiny, 
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
+# GRPO with everything its update may add: the sampling correction's weights, the off-policy mask, an adaptive entropy
+# bonus (its coefficient kept on the device), two optimizer steps per generation batch
+GRPO_EXTRAS = dict(
+    sampling_correction="token_truncate", off_policy_mask_threshold=0.5, entropy_coef=0.01, use_adaptive_entropy=True,
+    steps_per_generation=2,
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "algorithm, attention", [("grpo", "sdpa"), ("rloo", "sdpa"), ("grpo", "varlen"), ("rloo", "varlen")], ids=str
+    "algorithm, attention",
+    [("grpo", "sdpa"), ("rloo", "sdpa"), ("grpo", "varlen"), ("rloo", "varlen"), ("grpo-extras", "sdpa")],
+    ids=str,
 )
 def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, algorithm, attention):
     """GRPO's and RLOO's update (forward and backward over the rollout, loss check, optimizer step) reads nothing
@@ -341,6 +351,8 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     from alignpipe.trainers import grpo, rloo
     from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 
+    extras = GRPO_EXTRAS if algorithm == "grpo-extras" else {}
+    algorithm = algorithm.split("-")[0]
     module = {"grpo": grpo, "rloo": rloo}[algorithm]
     updates = []
     update = module.update
@@ -348,7 +360,9 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     tok, train, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=40)
     rows = [{"prompt": r["prompt"]} for r in train]
     config = {"grpo": GRPOConfig, "rloo": RLOOConfig}[algorithm]
-    cfg = config(max_steps=2, batch_size=8, num_generations=4, max_completion_length=6, beta=0.04, num_iterations=2)
+    cfg = config(
+        max_steps=2, batch_size=8, num_generations=4, max_completion_length=6, beta=0.04, num_iterations=2, **extras
+    )
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
     tracker = Tracker()
     documents = varlen_on_cpu(monkeypatch, guard)
