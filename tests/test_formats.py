@@ -218,3 +218,24 @@ def test_preference_rows_without_a_prompt_split_off_their_shared_start(tiny):
     assert implicit_prompt({"prompt": "q", "chosen": "a b", "rejected": "a c"})["prompt"] == "q", "a prompt is kept"
     assert implicit_prompt({"chosen": "abc", "rejected": "ab"}) == {"chosen": "abc", "rejected": "ab"}
     assert implicit_prompt({"chosen": "x", "rejected": "y"}) == {"chosen": "x", "rejected": "y"}
+
+
+def test_chat_template_kwargs_reach_every_rendering(tiny):
+    """`chat_template_kwargs` are the template's own variables, as Qwen3's `enable_thinking`: given, the prompts and
+    conversations a format stage renders use them (TRL's option of the same name)."""
+    from alignpipe.data.formats import format_rows
+    from alignpipe.modeling import load_tokenizer
+
+    quiet_think = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    template = (  # as Qwen3's: without thinking, an empty reasoning block opens the reply
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'assistant' and loop.last %}" + quiet_think + "{% endif %}{{ m['content'] }}<|end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>" + quiet_think + "{% endif %}"
+    )
+    tok = load_tokenizer(str(tiny / "model"), chat_template=template)
+    rows = [{"prompt": "hi", "completion": "yo"}]
+    common = dict(fmt="prompt_completion", tokenizer=tok, chat_template=True, eval_fraction=0)
+    (plain,), _, _ = format_rows(rows, **common)
+    (quiet,), _, _ = format_rows(rows, **common, chat_template_kwargs={"enable_thinking": False})
+    assert plain["prompt"] == "<|user|>hi<|end|><|assistant|>" and plain["completion"] == "yo<|end|>"
+    assert quiet["prompt"] == "<|user|>hi<|end|><|assistant|><think></think>" and quiet["completion"] == "yo<|end|>"

@@ -142,15 +142,23 @@ GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class Renderer:
     """Renders one row to a canonical format, as plain text or through the chat template."""
 
-    def __init__(self, tokenizer, chat_template: bool, system_prompt: str | None = None):
+    def __init__(
+        self, tokenizer, chat_template: bool, system_prompt: str | None = None, template_kwargs: dict | None = None
+    ):
         self.tok = tokenizer
         self.chat = chat_template
         self.system = system_prompt
+        self.kwargs = dict(template_kwargs or {})  # the template's own variables, e.g. Qwen3's enable_thinking
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "`chat_template: true` but the tokenizer has no chat template; "
                 "set `chat_template: false` or use a tokenizer that defines one"
             )
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
+        )
 
     def _turns(self, prompt) -> list[dict]:
         turns = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -161,7 +169,7 @@ class Renderer:
     def prompt(self, prompt) -> str:
         if not self.chat:
             return prompt if isinstance(prompt, str) else "\n".join(t["content"] for t in prompt)
-        return self.tok.apply_chat_template(self._turns(prompt), tokenize=False, add_generation_prompt=True)
+        return self._render(self._turns(prompt), add_generation_prompt=True)
 
     def completion(self, prompt, completion) -> str:
         if not self.chat:
@@ -174,7 +182,7 @@ class Renderer:
             reply = [m for m in completion if m["role"] == "assistant"][-1:] or completion[-1:]
         else:
             reply = [{"role": "assistant", "content": completion}]
-        full = self.tok.apply_chat_template(self._turns(prompt) + reply, tokenize=False)
+        full = self._render(self._turns(prompt) + reply)
         head = self.prompt(prompt)
         if not full.startswith(head):
             raise ValueError(
@@ -185,7 +193,7 @@ class Renderer:
 
     def text(self, row) -> str:
         if "messages" in row and row["messages"] is not None:
-            return self.tok.apply_chat_template(row["messages"], tokenize=False)
+            return self._render(row["messages"])
         return row["text"]
 
     def assistant_spans(self, messages: list[dict], text: str) -> list[list[int]]:
@@ -199,8 +207,8 @@ class Renderer:
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self.tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = self.tok.apply_chat_template(messages[: i + 1], tokenize=False)
+            before = self._render(messages[:i], add_generation_prompt=True)
+            upto = self._render(messages[: i + 1])
             if not (text.startswith(before) and text.startswith(upto) and len(before) <= len(upto)):
                 raise ValueError(
                     "the chat template renders a conversation differently in part and in whole (as Qwen3's and "
@@ -215,7 +223,9 @@ class Renderer:
     def marked_spans(self, messages: list[dict], text: str) -> list[list[int]]:
         """The character spans of the tokens the template's `{% generation %}` blocks render (transformers'
         `return_assistant_tokens_mask`), each run of them one span."""
-        enc = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        enc = self.tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **self.kwargs
+        )
         marks = enc["assistant_masks"]
         offsets = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         if len(offsets) != len(marks):
@@ -301,6 +311,7 @@ def format_rows(
     columns: dict[str, str] | None = None,
     chat_template: bool = False,
     system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
     max_length: int | None = None,
     eval_fraction: float = 0.1,
     max_rows: int | None = None,
@@ -320,7 +331,7 @@ def format_rows(
         rows = [implicit_prompt(r) for r in rows]
     if fmt == "unpaired":
         rows = unpair(rows)
-    renderer = Renderer(tokenizer, chat_template, system_prompt)
+    renderer = Renderer(tokenizer, chat_template, system_prompt, chat_template_kwargs)
     out = []
     for i, row in enumerate(rows):
         try:

@@ -125,6 +125,9 @@ class FormatStage(StageBase):
     user turn and an assistant turn; `messages` columns are used as they are)."""
     system_prompt: str | None = None
     """System message prepended to conversations (with `chat_template`)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables of the chat template, passed to every rendering (TRL's `chat_template_kwargs`), e.g.
+    `{enable_thinking: false}` for Qwen3's template to leave reasoning out of prompts and replies."""
     max_length: int | None = Field(512, gt=0)
     """Drop rows whose prompt + longest completion exceed this many tokens; null keeps all."""
     eval_fraction: float = Field(0.1, ge=0, lt=1)

@@ -35,6 +35,7 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             columns=spec.columns,
             chat_template=s.chat_template,
             system_prompt=s.system_prompt,
+            chat_template_kwargs=s.chat_template_kwargs,
             max_length=s.max_length,
             eval_fraction=s.eval_fraction,
             max_rows=s.max_rows,
