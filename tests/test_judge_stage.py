@@ -227,3 +227,27 @@ def test_judge_config_errors(tiny):
     assert "no stage named 'sfft'" in problems(
         "  - {id: j, kind: judge, candidate: [base, sfft], prompts_file: x.jsonl}"
     )
+
+
+def test_a_judges_chat_template_kwargs_reach_its_template_or_endpoint(tiny):
+    """`llm_judge.chat_template_kwargs` (e.g. Qwen3's enable_thinking: false) render into a local judge's turn, and go
+    to an endpoint as the request's `chat_template_kwargs`; without them the request carries none."""
+    from alignpipe.judges.pairwise import EndpointJudge, LocalJudge
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}<|assistant|>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    model, tok = load_causal_lm(str(tiny / "model")), load_tokenizer(str(tiny / "model"), chat_template=template)
+    judge = LocalJudge(model, tok, template_kwargs={"enable_thinking": False})
+    assert judge.render("A or B?") == "<|user|>A or B?<|end|><|assistant|><think></think>"
+
+    def chat(method, path, body, headers):
+        return 200, {"choices": [{"message": {"content": "A"}}]}
+
+    with serve(chat) as url:
+        assert EndpointJudge(url, model="j", template_kwargs={"enable_thinking": False})(["A or B?"]) == ["A"]
+        assert EndpointJudge(url, model="j")(["A or B?"]) == ["A"]
+        bodies = [r["body"] for r in url.requests if r["path"] == "/v1/chat/completions"]
+    assert bodies[0]["chat_template_kwargs"] == {"enable_thinking": False} and "chat_template_kwargs" not in bodies[1]

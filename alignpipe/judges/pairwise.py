@@ -45,6 +45,7 @@ class LocalJudge:
         batch_size: int = 16,
         chat_template: bool = True,
         name: str = "",
+        template_kwargs: dict | None = None,
     ):
         from alignpipe.engine.hf import HFEngine
         from alignpipe.positions import model_position_limit
@@ -55,12 +56,15 @@ class LocalJudge:
         self.chat = chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.position_limit = model_position_limit(model)
         self.name = name or "LLM judge"
+        self.template_kwargs = dict(template_kwargs or {})
 
     def render(self, prompt: str) -> str:
         if not self.chat:
             return prompt
         turn = [{"role": "user", "content": prompt}]
-        return self.tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            turn, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
 
     def __call__(self, prompts: list[str]) -> list[str]:
         from alignpipe.engine.sampling import SamplingParams
@@ -91,9 +95,11 @@ class EndpointJudge:
         max_new_tokens: int = 8,
         timeout_s: float = 120.0,
         retries: int = 3,
+        template_kwargs: dict | None = None,
     ):
         self.base, self.model, self.max_new_tokens = base_url.rstrip("/"), model, max_new_tokens
         self.timeout_s, self.retries = timeout_s, retries
+        self.template_kwargs = dict(template_kwargs or {})  # sent as vLLM's `chat_template_kwargs` when given
 
     def _request(self, client, method: str, path: str, **kwargs):
         """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors and
@@ -131,6 +137,8 @@ class EndpointJudge:
                     "temperature": 0,
                     "max_tokens": self.max_new_tokens,
                 }
+                if self.template_kwargs:
+                    body["chat_template_kwargs"] = self.template_kwargs
                 answer = self._request(client, "POST", "/v1/chat/completions", json=body)
                 out.append(answer["choices"][0]["message"]["content"])
         return out

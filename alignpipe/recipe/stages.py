@@ -340,6 +340,10 @@ class LLMJudgeSpec(Strict):
     chat_template: bool = True
     """Local judge: send the filled template as a user turn through the judge tokenizer's chat template (when it has
     one), as an endpoint's server does with every chat request; false sends the raw text (base-model judges)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables of the judge's chat template, e.g. `{enable_thinking: false}` so that a Qwen3 judge answers at
+    once instead of reasoning past `max_new_tokens`: rendered locally, or sent to the endpoint as its
+    `chat_template_kwargs` (vLLM's server reads them)."""
 
     @model_validator(mode="after")
     def _check(self):

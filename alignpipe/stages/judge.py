@@ -69,7 +69,8 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
     """(name, judge) for a pairwise LLM judge spec: a local model (stage id, path or Hub id) or an endpoint."""
     assert spec.url or spec.model  # validation: exactly one of model, url
     if spec.url:
-        return f"LLM judge {spec.url}", EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens)
+        judge = EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens, template_kwargs=spec.chat_template_kwargs)
+        return f"LLM judge {spec.url}", judge
     model = cast(str, spec.model)
     name = f"LLM judge {model}"
     return name, LocalJudge(
@@ -78,6 +79,7 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
         spec.max_new_tokens,
         chat_template=spec.chat_template,
         name=name,
+        template_kwargs=spec.chat_template_kwargs,
     )
 
 
