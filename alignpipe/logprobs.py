@@ -28,17 +28,33 @@ def _chunk_logprobs(
     head_bias,
     labels: torch.Tensor,
     temperature: float,
-    with_entropy: bool = True,
+    second: str | None = "entropy",
 ):
+    """A chunk's token log-probs and its `second` statistic per position (`_second_statistic`), or a 0 for none."""
     logp = _scaled_log_softmax(hidden, (head_weight, head_bias), temperature)
     token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
+    if second is None:
         return token, token.new_zeros(())
-    return token, -(logp.exp() * logp).sum(-1)
+    return token, _second_statistic(logp, second)
 
 
-WithEntropy = bool | Literal["grad"]
-"""Whether log-prob functions also return each position's entropy: detached (True), or with its gradient ("grad")."""
+def _second_statistic(logp: torch.Tensor, second: str) -> torch.Tensor:
+    """From a chunk's log-softmax: the entropy −Σ p log p, or (`log_sum_sq`) log Σ p², WPO's weights' term."""
+    if second == "log_sum_sq":
+        return torch.logsumexp(2 * logp, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _second(with_entropy: WithEntropy) -> str | None:
+    """Which second statistic a `with_entropy` value asks for."""
+    if not with_entropy:
+        return None
+    return "log_sum_sq" if with_entropy == "log_sum_sq" else "entropy"
+
+
+WithEntropy = bool | Literal["grad", "log_sum_sq"]
+"""Whether log-prob functions also return a second statistic per position: the entropy, detached (True) or with its
+gradient ("grad"); or, detached, log Σ_v p_v² ("log_sum_sq": DPO's WPO weights)."""
 
 # Below this many logit values (rows × V) the head runs in one piece without recomputation: chunking and
 # checkpointing only pay off when the float32 logits would be large (256 MB here). It is also the budget of
@@ -447,12 +463,12 @@ def _head_logprobs(
     # after the head's matmul (`fused_kernels`' scoring passes: reference and old-policy log-probs)
     chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
-        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, bool(with_entropy))
+        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, _second(with_entropy))
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
     for s in range(0, T, step):
-        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, bool(with_entropy))
+        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, _second(with_entropy))
         if torch.is_grad_enabled():
             lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -477,7 +493,7 @@ def _logprobs_from_logits(logits, labels, temperature: float, chunk_tokens: int,
             chunk = chunk / temperature
         lp = chunk.log_softmax(-1)
         logps.append(lp.gather(-1, labels[:, s : s + step].clamp(min=0).unsqueeze(-1)).squeeze(-1))
-        entropies.append(_entropy_out(-(lp.exp() * lp).sum(-1), with_entropy))
+        entropies.append(_entropy_out(_second_statistic(lp, _second(with_entropy) or "entropy"), with_entropy))
     logp = torch.cat(logps, 1)
     return (logp, torch.cat(entropies, 1)) if with_entropy else logp
 

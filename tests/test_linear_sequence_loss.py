@@ -267,7 +267,7 @@ def test_kto_fused_loss_equals_the_chunked_head_in_value_and_gradients(tiny, mon
         assert torch.allclose(one_by_one[2][name], fused[2][name], atol=1e-12), name
 
 
-def test_ld_dpo_takes_the_chunked_head(tiny, monkeypatch):
+def test_ld_dpo_and_wpo_take_the_chunked_head(tiny, monkeypatch):
     """LD-DPO weighs the tokens of a completion unequally, which the fused head's whole-completion sums cannot: it
     takes the chunked head even where the fused one would run."""
     from alignpipe import logprobs
@@ -278,3 +278,4 @@ def test_ld_dpo_takes_the_chunked_head(tiny, monkeypatch):
     monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
     assert dpo.fused_pair_loss(model, batch, lambda c, r, p: (c - r, c, r), DPOConfig()) is not None
     assert dpo.fused_pair_loss(model, batch, None, DPOConfig(ld_alpha=0.5)) is None
+    assert dpo.fused_pair_loss(model, batch, None, DPOConfig(use_weighting=True)) is None  # WPO: log Σp² per token

@@ -89,6 +89,10 @@ def trl_dpo(tiny, rows, **kwargs):
         # LD-DPO
         ("sigmoid", 0.1, {"ld_alpha": 0.5}),
         (["sigmoid", "sft"], 0.1, {"ld_alpha": 0.0}),
+        # WPO's weights, on a pair loss and a mix (TRL 1.16 itself fails to weigh an `sft` term: an in-place product
+        # on an expanded tensor)
+        ("sigmoid", 0.1, {"use_weighting": True}),
+        (["ipo", "bco_pair"], 0.3, {"use_weighting": True, "loss_weights": [1.0, 0.5]}),
     ],
 )
 def test_dpo_loss_and_metrics_equal_trl(tiny, rows, loss_type, beta, extra):

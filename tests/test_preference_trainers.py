@@ -207,8 +207,9 @@ stages:
     [
         {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
         {"ld_alpha": 0.5, "f_divergence_type": "js_divergence"},
+        {"use_weighting": True, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.1]},
     ],
-    ids=["mpo", "ld-js"],
+    ids=["mpo", "ld-js", "wpo"],
 )
 def test_dpo_variants_of_trl_1_16_increase_reward_margins(tiny, pairs, tmp_path, extra):
     """MPO's weighted loss mix (with the chosen NLL reported as nll_loss), and LD-DPO under a JS f-divergence,

@@ -212,6 +212,10 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
     sigmoid_norm, hinge, ipo, exo_pair, robust, discopop (and sft, which it does not touch)."""
     f_alpha_divergence_coef: float = 0.5
     """α of `alpha_divergence` (TRL's default); 1 is reverse_kl's limit."""
+    use_weighting: bool = False
+    """WPO (Zhou et al. 2024): weigh each pair's loss by how likely the policy finds both answers, each answer's
+    exp(mean over its tokens of log p − log Σ_v p_v²), detached, so that off-policy preference data counts as if
+    sampled from the policy (TRL's option). Runs the chunked LM head."""
     ld_alpha: float | None = Field(None, ge=0, le=1)
     """LD-DPO (Liu et al. 2024): of each pair, the tokens past the shorter completion's length count α times in both
     log-probs (policy and reference), damping the length bias of DPO; 1 weighs them fully (plain DPO), 0 ignores them.

@@ -140,6 +140,24 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
     """(summed completion log-probs (kB,), per-token log-probs (kB, C), completion token mask (kB, C)) for the k
     answers of each of B prompts. Each prompt runs once for all its answers (`shared_prompt_logprobs`); the LM head
     runs on answer tokens only (`compiled`: its chunks compiled, with gradients on)."""
+    per_token, mask = _completion_scores(model, batch, compiled, False)
+    return (per_token * mask).sum(1), per_token, mask
+
+
+def wpo_weights(model, batch: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token log-probs (kB, C) and completion mask of `completion_logps`, and WPO's weights (Zhou et al. 2024;
+    TRL's `use_weighting`) from the policy's per-token log Σ p² of the same pass: each pair's exp(mean over the chosen
+    answer's tokens of log p − log Σp²) times the same of the rejected answer, detached, (B,)."""
+    (per_token, log_sum_sq), mask = _completion_scores(model, batch, compiled, "log_sum_sq")
+    with torch.no_grad():
+        aligned = ((per_token - log_sum_sq) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        chosen, rejected = aligned.exp().chunk(2)
+    return per_token, mask, chosen * rejected
+
+
+def _completion_scores(model, batch: dict, compiled: bool, with_entropy):
+    """`shared_prompt_logprobs` over a collated batch's answers (with its second statistic when asked), and the
+    completion token mask in the log-probs' dtype."""
     mask = batch["completion_tokens"]
     pairs = batch["prompt_ids"].size(0)
     index = torch.arange(mask.size(0), device=mask.device) % pairs
@@ -154,9 +172,10 @@ def completion_logps(model, batch: dict, compiled: bool = False) -> tuple[torch.
         compiled=compiled,
         count=sum(batch["scored_per_row"]) if "scored_per_row" in batch else None,
         packed=packed_layout(model, batch),
+        with_entropy=with_entropy,
     )
-    mask = mask.to(per_token.dtype)
-    return (per_token * mask).sum(1), per_token, mask
+    logps = per_token[0] if with_entropy else per_token
+    return per_token, mask.to(logps.dtype)
 
 
 def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
@@ -165,8 +184,8 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     pairs)` is `dpo_loss` on those pairs. None where the fused head cannot run or need not (`fused_answers_loss`):
     the caller then takes `completion_logps`."""
     rows = batch.get("scored_per_row")
-    if rows is None or cfg.ld_alpha is not None:  # LD-DPO weighs tokens within a completion: the chunked head
-        return None
+    if rows is None or cfg.ld_alpha is not None or cfg.use_weighting:
+        return None  # LD-DPO weighs tokens within a completion, WPO needs log Σp² per token: the chunked head
     B = batch["prompt_ids"].size(0)
     chosen_tokens = sum(rows[:B])
 
@@ -343,16 +362,22 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
         loss, chosen, rejected, nll = fused
         _, r_c, r_r = losses_of(chosen, rejected, slice(None))
     else:
-        logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
+        weights = None
+        if cfg.use_weighting:
+            per_token, mask, weights = wpo_weights(model, batch, compiled=cfg.compile)
+            logps = (per_token * mask).sum(1)
+        else:
+            logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
         if cfg.ld_alpha is not None:
             logps = length_desensitized(per_token, mask, cfg.ld_alpha)
         chosen, rejected = logps.chunk(2)
         losses, r_c, r_r = losses_of(chosen, rejected, slice(None))
-        loss = losses.mean()
+        loss = (losses if weights is None else losses * weights).mean()
         if cfg.nll_weight is not None:
             chosen_mask = mask.chunk(2)[0]  # a mean over the chosen tokens without a boolean index (a device wait)
             nll = -(per_token.chunk(2)[0] * chosen_mask).sum() / chosen_mask.sum()
-            loss = loss + cfg.nll_weight * nll
+            # weighed per pair as TRL means to weigh its `sft` term (TRL 1.16 fails there): the mean weight
+            loss = loss + cfg.nll_weight * nll * (1.0 if weights is None else weights.mean())
     if cfg.nll_weight is not None:
         stats["nll_loss"] = nll.detach()
     # device tensors, read once per log point: a read here would stall the device every micro-batch
