@@ -232,7 +232,59 @@ def test_kto_separates_desirable_from_undesirable_and_logs_trl_metrics(tiny, sen
     for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
         value = tracker.last(f"train/{key}")
         assert value is not None and math.isfinite(value), key
-    assert tracker.last("train/kl") >= 0.0
+    # the policy moves away from its reference, and the reference point sees it (under LoRA too: the policy's
+    # mismatched pass runs with its adapter on)
+    assert min(tracker.series("train/kl")) >= 0.0 and max(tracker.series("train/kl")) > 1e-3
+
+
+def test_precomputed_reference_log_probs_give_the_live_losses_and_are_cached(tiny, sentiment, tmp_path):
+    """`precompute_ref_logps`: each row's KL partner fixed as TRL's (the row before it in its chunk of batch_size);
+    a batch's loss and KL with the cached log-probs equal a live reference pass over the same batch; a run trains
+    from them with no reference model, writes the cache and a re-run reuses it; a full-model run resumed past step 0
+    without its cache is refused."""
+    tok, train, evals = sentiment
+    path = str(tiny / "model")
+    examples = kto.fixed_kl_partners(kto.tokenize(train[:10], tok), 4)
+    assert [e["kl_completion_ids"] for e in examples[:4]] == [examples[i]["completion_ids"] for i in (3, 0, 1, 2)]
+    assert [e["kl_completion_ids"] for e in examples[8:]] == [examples[i]["completion_ids"] for i in (9, 8)]
+
+    cfg = KTOConfig(learning_rate=3e-4, max_steps=4, batch_size=8, logging_every=1, precompute_ref_logps=True)
+    tracker = Tracker()
+    result = kto.train(cfg, load_causal_lm(path), tok, train, evals[:16], tracker, tmp_path / "run")
+    assert result.steps == 4 and (tmp_path / "run" / "ref_logps.pt").exists()
+    cached = torch.load(tmp_path / "run" / "ref_logps.pt")
+    assert cached["train"].shape == (len(train), 2) and cached["eval"].shape == (16, 2)
+
+    policy, reference = load_causal_lm(path), load_causal_lm(path)
+    with torch.no_grad():  # a step-1 batch: policy = reference's weights, but a perturbed policy tells them apart
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    batch_examples = kto.fixed_kl_partners(kto.tokenize(train[:8], tok), 8)
+    for e, (main, partner) in zip(batch_examples, cached["train"][:8].tolist()):
+        e["ref_logp"], e["ref_kl_logp"] = main, partner
+    batch = kto.collate(batch_examples, tok.pad_token_id, cfg.max_length, True)
+    live = {k: v for k, v in batch.items() if k != "ref_logps"}
+    from alignpipe.distributed import make_accelerator
+
+    losses = kto.Losses(cfg, make_accelerator(), lambda: (reference, contextlib.nullcontext()))
+    sums_cached, sums_live = {}, {}
+    policy.eval()
+    with torch.no_grad():
+        a = losses(policy, batch, sums_cached, {})
+        b = losses(policy, live, sums_live, {})
+    assert float(a) == pytest.approx(float(b), abs=1e-5) and float(sums_cached["kl"]) == pytest.approx(
+        float(sums_live["kl"]), abs=1e-5
+    )
+
+    again = kto.train(cfg, load_causal_lm(path), tok, train, evals[:16], Tracker(), tmp_path / "run")
+    assert again.steps == 4
+    (tmp_path / "run" / "ref_logps.pt").unlink()
+    resumed = KTOConfig(**{**cfg.model_dump(), "max_steps": 6, "save_every": 2})
+    kto.train(resumed.model_copy(update={"max_steps": 3}), load_causal_lm(path), tok, train, [], Tracker(),
+              tmp_path / "resume")  # fmt: skip
+    (tmp_path / "resume" / "ref_logps.pt").unlink()
+    with pytest.raises(RuntimeError, match=r"reference log-probs cache .* is missing"):
+        kto.train(resumed, load_causal_lm(path), tok, train, [], Tracker(), tmp_path / "resume")
 
 
 def test_a_step_without_desirable_rows_leaves_their_metrics_out(tiny, tmp_path):

@@ -9,6 +9,8 @@ from alignpipe.trainers import kto
 
 
 def run(ctx: StageContext[KTOStage]) -> StageResult:
-    # with LoRA the reference is the adapter-disabled policy; otherwise a frozen copy
+    # with LoRA the reference is the adapter-disabled policy; precomputed log-probs come from the policy before its
+    # first step; otherwise a frozen copy
     curves = [(["train/kl", "eval/kl"], "kl_curve.png")]
-    return run_preference_stage(ctx, kto.train, not ctx.stage.lora, "KTO", curves)
+    needs_copy = not (ctx.stage.lora or ctx.stage.precompute_ref_logps)
+    return run_preference_stage(ctx, kto.train, needs_copy, "KTO", curves)

@@ -318,11 +318,21 @@ class KTOConfig(TrainingArgs, ReferenceSyncArgs):
     """Weight of the undesirable (label false) completions' losses."""
     max_prompt_length: int | None = Field(None, gt=0)
     """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
+    precompute_ref_logps: bool = False
+    """Compute the reference's log-probs of every completion, and of its KL partner, once before training and cache
+    them on disk (a re-run reuses them): no reference pass per step and, for a full model, no reference copy in
+    memory. Each row's KL partner is then fixed as TRL fixes it: the completion of the row before it in its chunk of
+    `batch_size` rows, in the data's order; without it the partners are the shuffled batch's, rotated by one."""
     fused_loss: bool = True
     """Form the LM head's gradients in the forward, completions grouped up to 256 MB of float32 logits
     (`alignpipe/linear_sequence_loss.py`; each completion's loss depends on its own log-prob, the KL reference point
     being detached): 3 head matmuls per completion token instead of the recomputing chunked head's 4. Taken where
     the batch's logits are too large to keep for backward, as at GPU batch sizes. false: the chunked head always."""
+
+    def _no_reference_copy(self) -> str | None:
+        if self.precompute_ref_logps:
+            return "precompute_ref_logps computes the reference's log-probs once, before training"
+        return super()._no_reference_copy()
 
     @model_validator(mode="after")
     def _check_kto(self):

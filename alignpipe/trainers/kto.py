@@ -23,6 +23,9 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,8 @@ from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
 from alignpipe.trainers.ref_sync import synced
+
+log = logging.getLogger(__name__)
 
 
 def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) -> list[dict]:
@@ -62,19 +67,37 @@ def tokenize(rows: list[dict], tokenizer, max_prompt_length: int | None = None) 
     return out
 
 
+def fixed_kl_partners(examples: list[dict], batch_size: int) -> list[dict]:
+    """Each example with the KL partner TRL gives it (`KL_completion_ids`): in each chunk of `batch_size` examples, in
+    order, the completion of the one before it (the first takes the last's)."""
+    out = []
+    for s in range(0, len(examples), batch_size):
+        chunk = examples[s : s + batch_size]
+        shifted = [chunk[-1]["completion_ids"]] + [e["completion_ids"] for e in chunk[:-1]]
+        out += [{**e, "kl_completion_ids": k} for e, k in zip(chunk, shifted, strict=True)]
+    return out
+
+
 def collate(examples: list[dict], pad_id: int, max_length: int, with_kl: bool, packed: bool = False) -> dict[str, Any]:
-    """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then the completion of the row
-    before it in the batch (the first row takes the last one's): B + B answers. Adds `label` (B,) bool and
-    `num_chosen`, the host int count of desirable rows."""
+    """`dpo.collate`'s layout with each prompt's completion first and, `with_kl`, then its KL partner: the example's
+    fixed one (`fixed_kl_partners`), else the completion of the row before it in the batch (the first row takes the
+    last one's): B + B answers. Adds `label` (B,) bool, `num_chosen` (the host int count of desirable rows) and,
+    where the examples carry them, the precomputed reference log-probs `ref_logps` (B, or 2B with the partners')."""
     keys: tuple[str, ...] = ("completion_ids",)
     if with_kl:
-        shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
+        if "kl_completion_ids" in examples[0]:
+            shifted = [e["kl_completion_ids"] for e in examples]
+        else:
+            shifted = [examples[-1]["completion_ids"]] + [e["completion_ids"] for e in examples[:-1]]
         examples = [{**e, "kl_ids": k} for e, k in zip(examples, shifted)]
         keys = ("completion_ids", "kl_ids")
     # padding-free (`packed`), each answer with its own copy of its prompt: the step cuts the batch's halves apart
     batch = dpo.collate(examples, pad_id, max_length, keys=keys, packed="documents" if packed else None)
     batch["label"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     batch["num_chosen"] = sum(e["label"] for e in examples)  # an int, counted on the host: no read in the step
+    if "ref_logp" in examples[0]:
+        values = [e["ref_logp"] for e in examples] + ([e["ref_kl_logp"] for e in examples] if with_kl else [])
+        batch["ref_logps"] = torch.tensor(values)
     return batch
 
 
@@ -99,15 +122,26 @@ class Losses:
         self.cfg, self.acc, self.reference = cfg, accelerator, reference
         self.with_kl = cfg.loss_type == "kto"
 
+    @torch.no_grad()
+    def reference_logps(self, batch: dict, kernels: bool = False) -> torch.Tensor:
+        """The reference's summed log-probs of a collated batch's answers (its completions, then its KL partners)."""
+        ref_model, context = self.reference()
+        with torch.inference_mode(), context:
+            logps, _, _ = dpo.completion_logps(ref_model, batch, compiled=kernels)
+        return logps
+
     def __call__(self, model, batch: dict, sums: dict[str, torch.Tensor], counts: dict[str, int]) -> torch.Tensor:
         cfg, acc = self.cfg, self.acc
         labels = batch["label"]
         B = labels.size(0)
         main = slice(0, B)
-        ref_model, context = self.reference()
         kernels = fused_kernels.wanted(cfg.fused_kernels, labels.device)  # the scoring passes' head compiled
-        with torch.inference_mode(), context:
-            ref_logps, _, _ = dpo.completion_logps(ref_model, batch, compiled=kernels)
+        ref_logps = batch.get("ref_logps")
+        if ref_logps is None:
+            ref_logps = self.reference_logps(batch, kernels)
+        # the policy's own pass over the mismatched pairs: outside the reference's context, which under LoRA
+        # disables the adapter
+        with torch.inference_mode():
             kl = torch.zeros((), device=ref_logps.device)
             if self.with_kl:
                 kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)), compiled=kernels)
@@ -163,6 +197,51 @@ class Losses:
         return loss
 
 
+def precompute_reference(
+    losses: Losses, loop: TrainLoop, splits: dict[str, list[dict]], collate_fn, path: Path, has_copy: bool
+) -> None:
+    """Fill `ref_logp` (and `ref_kl_logp`, its KL partner's) into every example of `splits`, from the cache at `path`
+    when it was computed for the same tokens and partners, else with the reference (a frozen copy, the
+    adapter-disabled policy, or the policy before its first step) and then cached. A full-model run resumed past
+    step 0 without its cache cannot recompute them: the policy has moved."""
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                name: [[e["prompt_ids"], e["completion_ids"], e["kl_completion_ids"]] for e in examples]
+                for name, examples in splits.items()
+            }
+        ).encode()
+    ).hexdigest()
+    cached = torch.load(path) if path.exists() else None
+    if cached is None or cached.get("key") != key:
+        if loop.step > 0 and not has_copy and not hasattr(loop.unwrapped, "disable_adapter"):
+            raise RuntimeError(
+                f"resuming a full-model KTO run whose reference log-probs cache {path} is missing; re-run the stage "
+                "from scratch (--force) or pass a reference model"
+            )
+        cached = {"key": key}
+        device, size = loop.accelerator.device, loop.cfg.batch_size
+        loop.model.eval()
+        for name, examples in splits.items():
+            values = []
+            for i in range(0, len(examples), size):
+                batch = to_device(collate_fn(examples[i : i + size]), device)
+                logps = losses.reference_logps(batch).float().cpu()
+                main, partner = logps.chunk(2) if losses.with_kl else (logps, logps)
+                values.append(torch.stack([main, partner], 1))
+            cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
+        loop.model.train()
+        if loop.accelerator.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(cached, path)
+        log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
+    else:
+        log.info("reusing cached reference log-probs %s", path)
+    for name, examples in splits.items():
+        for e, (main, partner) in zip(examples, cached[name].tolist(), strict=True):
+            e["ref_logp"], e["ref_kl_logp"] = main, partner
+
+
 def metrics(sums: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, torch.Tensor]:
     """Per-row means of the summed rewards and log-probs (TRL's), per-batch means of the loss and KL; rewards of a
     side with no rows are left out, and the margin needs both. The row counts are host ints (`collate`'s)."""
@@ -190,27 +269,44 @@ def train(
 ) -> TrainResult:
     """Align `model` on unpaired rows. Without LoRA, pass a frozen `ref_model` (a copy of the starting weights)."""
     seed = resolve_seed(cfg.seed, seed)
-    if not cfg.lora and ref_model is None:
-        raise ValueError("full-model KTO needs `ref_model` (a frozen copy of the starting model), or set lora")
+    if not (cfg.lora or cfg.precompute_ref_logps) and ref_model is None:
+        raise ValueError(
+            "full-model KTO needs `ref_model` (a frozen copy of the starting model), or set lora or "
+            "precompute_ref_logps"
+        )
     pad_id, with_kl = tokenizer.pad_token_id, cfg.loss_type == "kto"
     tokenize(train_rows[:1], tokenizer)  # a bad label fails here, not at the first batch that holds it
 
     packed = runs_documents(model)  # padding-free batches for a document-separating attention kernel
 
-    def collate_rows(rows: list[dict]) -> dict[str, Any]:
-        return collate(tokenize(rows, tokenizer, cfg.max_prompt_length), pad_id, cfg.max_length, with_kl, packed)
+    def collate_examples(examples: list[dict]) -> dict[str, Any]:
+        return collate(examples, pad_id, cfg.max_length, with_kl, packed)
 
-    loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
+    def collate_rows(rows: list[dict]) -> dict[str, Any]:
+        return collate_examples(tokenize(rows, tokenizer, cfg.max_prompt_length))
+
+    splits: dict[str, list[dict]] = {}
+    if cfg.precompute_ref_logps:  # every row tokenized up front, each with its fixed KL partner
+        for name, rows in (("train", train_rows), ("eval", eval_rows)):
+            splits[name] = fixed_kl_partners(tokenize(rows, tokenizer, cfg.max_prompt_length), cfg.batch_size)
+        loop = TrainLoop("kto", cfg, model, splits["train"], collate_examples, tracker, output_dir, seed)
+    else:
+        loop = TrainLoop("kto", cfg, model, train_rows, collate_rows, tracker, output_dir, seed)
     acc = loop.accelerator
-    ref = frozen_reference(ref_model, cfg, acc.device) if not cfg.lora else None
+    ref = frozen_reference(ref_model, cfg, acc.device) if (ref_model is not None and not cfg.lora) else None
     synced(ref, cfg, loop)
 
     def reference():
         if ref is not None:
             return ref, contextlib.nullcontext()
-        return loop.model, loop.unwrapped.disable_adapter()
+        if hasattr(loop.unwrapped, "disable_adapter"):
+            return loop.model, loop.unwrapped.disable_adapter()
+        return loop.model, contextlib.nullcontext()  # precomputing: the policy before its first step
 
     losses = Losses(cfg, acc, reference)
+    if cfg.precompute_ref_logps:
+        precompute_reference(losses, loop, splits, collate_examples, Path(output_dir) / "ref_logps.pt", ref is not None)
+        ref = ref_model = None  # no reference pass from here on: a copy's memory goes back
 
     def step(window: list[dict]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
@@ -223,11 +319,13 @@ def train(
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         loop.model.eval()
-        shard = eval_rows[acc.process_index :: acc.num_processes]
+        precomputed = "eval" in splits
+        shard = (splits["eval"] if precomputed else eval_rows)[acc.process_index :: acc.num_processes]
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         for i in range(0, len(shard), cfg.batch_size):
-            batch = to_device(collate_rows(shard[i : i + cfg.batch_size]), acc.device)
+            part = shard[i : i + cfg.batch_size]
+            batch = to_device(collate_examples(part) if precomputed else collate_rows(part), acc.device)
             losses(loop.model, batch, sums, counts)
         if acc.num_processes > 1:
             sums = {k: acc.reduce(v.float(), "sum") for k, v in sums.items()}
