@@ -11,7 +11,9 @@ at 0. Desirable rows cost w_d (1 − σ(β(r − z))), undesirable ones w_u (1 �
 the batch (`losses.kto_loss`). `apo_zero_unpaired` drops z and the mismatched pass.
 
 The policy runs the batch's completions with grad and the mismatched ones without; the reference (a frozen copy, or
-the adapter-disabled policy under LoRA) runs both in one pass, each prompt once for its two answers.
+the adapter-disabled policy under LoRA) runs both in one pass, each prompt once for its two answers. With
+`precompute_ref_logps` each row's mismatched partner is fixed instead (TRL's: the row before it in its chunk of
+`batch_size` rows, in the data's order) and the reference's log-probs of both are computed once and cached.
 
 Metrics (TRL's names, under train/ and eval/): loss, kl, rewards/chosen, rewards/rejected, rewards/margins,
 logps/chosen, logps/rejected (chosen = desirable; averaged over the step's desirable / undesirable rows, absent
