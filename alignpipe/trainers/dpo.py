@@ -29,8 +29,6 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ from alignpipe.trainers.common import (
     to_device,
 )
 from alignpipe.trainers.configs import DPOConfig
+from alignpipe.trainers.ref_cache import cached_reference_logps
 from alignpipe.trainers.ref_sync import synced
 
 log = logging.getLogger(__name__)
@@ -288,36 +287,16 @@ class _Reference:
 
     def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:
         """Fill `ref_chosen_logps`/`ref_rejected_logps` into every example, from the cache when it matches."""
-        key = hashlib.sha256(
-            json.dumps(
-                {k: [[e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]] for e in v] for k, v in splits.items()}
-            ).encode()
-        ).hexdigest()
-        cached = torch.load(path) if path.exists() else None
-        if cached is None or cached.get("key") != key:
-            if self.loop.step > 0 and self.model is None and not hasattr(self.loop.unwrapped, "disable_adapter"):
-                raise RuntimeError(
-                    f"resuming a full-model DPO run whose reference log-probs cache {path} is missing; "
-                    "re-run the stage from scratch (--force) or pass a reference model"
-                )
-            cached = {"key": key}
-            self.loop.model.eval()
-            for name, examples in splits.items():
-                values = []
-                for i in range(0, len(examples), self.cfg.batch_size):
-                    batch = to_device(collate_fn(examples[i : i + self.cfg.batch_size]), self.loop.accelerator.device)
-                    c, r = self.compute(batch)
-                    values.append(torch.stack([c, r], 1).cpu())
-                cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
-            if self.loop.accelerator.is_main_process:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(cached, path)
-            log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
-        else:
-            log.info("reusing cached reference log-probs %s", path)
-        for name, examples in splits.items():
-            for e, (c, r) in zip(examples, cached[name].tolist()):
-                e["ref_chosen_logps"], e["ref_rejected_logps"] = c, r
+        cached_reference_logps(
+            splits,
+            lambda e: [e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]],
+            ("ref_chosen_logps", "ref_rejected_logps"),
+            self.compute,
+            collate_fn,
+            self.loop,
+            path,
+            can_recompute=self.model is not None or hasattr(self.loop.unwrapped, "disable_adapter"),
+        )
         self.model = None  # the reference is no longer needed in memory
 
 

@@ -25,8 +25,6 @@ Entry point: `train(cfg, model, tokenizer, train_rows, eval_rows, tracker, outpu
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +41,7 @@ from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
 from alignpipe.trainers.configs import KTOConfig
+from alignpipe.trainers.ref_cache import cached_reference_logps
 from alignpipe.trainers.ref_sync import synced
 
 log = logging.getLogger(__name__)
@@ -202,46 +201,25 @@ class Losses:
 def precompute_reference(
     losses: Losses, loop: TrainLoop, splits: dict[str, list[dict]], collate_fn, path: Path, has_copy: bool
 ) -> None:
-    """Fill `ref_logp` (and `ref_kl_logp`, its KL partner's) into every example of `splits`, from the cache at `path`
-    when it was computed for the same tokens and partners, else with the reference (a frozen copy, the
-    adapter-disabled policy, or the policy before its first step) and then cached. A full-model run resumed past
-    step 0 without its cache cannot recompute them: the policy has moved."""
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                name: [[e["prompt_ids"], e["completion_ids"], e["kl_completion_ids"]] for e in examples]
-                for name, examples in splits.items()
-            }
-        ).encode()
-    ).hexdigest()
-    cached = torch.load(path) if path.exists() else None
-    if cached is None or cached.get("key") != key:
-        if loop.step > 0 and not has_copy and not hasattr(loop.unwrapped, "disable_adapter"):
-            raise RuntimeError(
-                f"resuming a full-model KTO run whose reference log-probs cache {path} is missing; re-run the stage "
-                "from scratch (--force) or pass a reference model"
-            )
-        cached = {"key": key}
-        device, size = loop.accelerator.device, loop.cfg.batch_size
-        loop.model.eval()
-        for name, examples in splits.items():
-            values = []
-            for i in range(0, len(examples), size):
-                batch = to_device(collate_fn(examples[i : i + size]), device)
-                logps = losses.reference_logps(batch).float().cpu()
-                main, partner = logps.chunk(2) if losses.with_kl else (logps, logps)
-                values.append(torch.stack([main, partner], 1))
-            cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
-        loop.model.train()
-        if loop.accelerator.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(cached, path)
-        log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
-    else:
-        log.info("reusing cached reference log-probs %s", path)
-    for name, examples in splits.items():
-        for e, (main, partner) in zip(examples, cached[name].tolist(), strict=True):
-            e["ref_logp"], e["ref_kl_logp"] = main, partner
+    """Fill `ref_logp` (and `ref_kl_logp`, its KL partner's) into every example of `splits`
+    (`ref_cache.cached_reference_logps`), scored by the reference: a frozen copy, the adapter-disabled policy, or the
+    policy before its first step."""
+
+    def score(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = losses.reference_logps(batch)
+        main, partner = logps.chunk(2) if losses.with_kl else (logps, logps)
+        return main, partner
+
+    cached_reference_logps(
+        splits,
+        lambda e: [e["prompt_ids"], e["completion_ids"], e["kl_completion_ids"]],
+        ("ref_logp", "ref_kl_logp"),
+        score,
+        collate_fn,
+        loop,
+        path,
+        can_recompute=has_copy or hasattr(loop.unwrapped, "disable_adapter"),
+    )
 
 
 def metrics(sums: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, torch.Tensor]:

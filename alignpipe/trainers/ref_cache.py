@@ -1,0 +1,61 @@
+"""Reference log-probs computed once before training and cached on disk (`precompute_ref_logps` of DPO and KTO)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from alignpipe.trainers.common import TrainLoop, to_device
+
+log = logging.getLogger(__name__)
+
+
+def cached_reference_logps(
+    splits: dict[str, list[dict]],
+    identity: Callable[[dict], list],
+    fields: tuple[str, str],
+    score: Callable[[dict], tuple[torch.Tensor, torch.Tensor]],
+    collate_fn,
+    loop: TrainLoop,
+    path: Path,
+    can_recompute: bool,
+) -> None:
+    """Fill the two `fields` of every example of `splits` with its reference log-probs, from the cache at `path` when
+    it was computed for the same examples (their `identity`: the token ids the values depend on), else by
+    `score(collated batch) -> (first, second)` over batches of the stage's `batch_size`, then cached (by the main
+    process). A run resumed past step 0 without its cache is refused unless `can_recompute` (a frozen copy, or the
+    adapter-disabled policy, still holds the reference; a full model's policy has moved)."""
+    key = hashlib.sha256(
+        json.dumps({name: [identity(e) for e in examples] for name, examples in splits.items()}).encode()
+    ).hexdigest()
+    cached = torch.load(path) if path.exists() else None
+    if cached is None or cached.get("key") != key:
+        if loop.step > 0 and not can_recompute:
+            raise RuntimeError(
+                f"resuming a full-model {loop.name.upper()} run whose reference log-probs cache {path} is missing; re-run "
+                "the stage from scratch (--force) or pass a reference model"
+            )
+        cached = {"key": key}
+        device, size = loop.accelerator.device, loop.cfg.batch_size
+        loop.model.eval()
+        for name, examples in splits.items():
+            values = []
+            for i in range(0, len(examples), size):
+                first, second = score(to_device(collate_fn(examples[i : i + size]), device))
+                values.append(torch.stack([first, second], 1).float().cpu())
+            cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
+        loop.model.train()
+        if loop.accelerator.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(cached, path)
+        log.info("precomputed reference log-probs for %s", {k: len(v) for k, v in splits.items()})
+    else:
+        log.info("reusing cached reference log-probs %s", path)
+    for name, examples in splits.items():
+        for e, (first, second) in zip(examples, cached[name].tolist(), strict=True):
+            e[fields[0]], e[fields[1]] = first, second
