@@ -318,10 +318,22 @@ SHOWN = ("loss", "reward", "rewards/margins", "accuracy", "objective/scores", "o
 SUMMED = frozenset({"tokens_per_s", "samples_per_s"})
 
 
+def extreme(key: str):
+    """`max` or `min` for a metric that is an extreme (…/max, …/min, completions/max_length, …/min_length): over
+    processes it is the extreme of the ranks', as TRL gathers it, not their mean; else None."""
+    last = key.rsplit("/", 1)[-1]
+    if last in ("max", "max_length"):
+        return max
+    if last in ("min", "min_length"):
+        return min
+    return None
+
+
 def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     """One log point's metrics over all processes: the mean of each rank's (a step's global mean where every rank
-    holds an equal share of the batch), throughputs summed, running totals (already global) as rank 0 has them.
-    A metric some ranks did not report in this window is averaged over those that did."""
+    holds an equal share of the batch), throughputs summed, extremes (`extreme`) the ranks' extreme, running totals
+    (already global) as rank 0 has them. A metric some ranks did not report in this window is reduced over those
+    that did."""
     if accelerator.num_processes == 1:
         return metrics
     from accelerate.utils import gather_object
@@ -334,6 +346,8 @@ def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]
             out[k] = metrics.get(k, values[0])
         elif k in SUMMED:
             out[k] = float(sum(values))
+        elif (pick := extreme(k)) is not None:
+            out[k] = float(pick(values))
         else:
             out[k] = float(sum(values) / len(values))
     return out
