@@ -116,19 +116,15 @@ class HFEngine:
     def _finish(
         self, prompt_index: int, ids: list[int], stops: list[int], logps: list[float] | None = None
     ) -> Generation:
-        reason: FinishReason
+        reason: FinishReason = "length"
         end = next((t for t, i in enumerate(ids) if i in stops), None)
-        keep = list(range(len(ids)))
         if end is not None:
-            keep = keep[: end + 1]
-            reason = "stop"
-        else:
-            if self.tok.pad_token_id not in stops:
-                keep = [t for t in keep if ids[t] != self.tok.pad_token_id]
-            reason = "length"
-        kept = [ids[t] for t in keep]
-        text = self.tok.decode(kept, skip_special_tokens=True)
-        return Generation(prompt_index, text, kept, reason, [logps[t] for t in keep] if logps is not None else None)
+            ids, logps, reason = ids[: end + 1], logps[: end + 1] if logps is not None else None, "stop"
+        elif self.tok.pad_token_id not in stops:  # a row that ran to the limit: drop padding it sampled
+            keep = [t for t, i in enumerate(ids) if i != self.tok.pad_token_id]
+            ids, logps = [ids[t] for t in keep], [logps[t] for t in keep] if logps is not None else None
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return Generation(prompt_index, text, ids, reason, logps)
 
 
 def decode(
