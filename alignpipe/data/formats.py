@@ -143,12 +143,19 @@ class Renderer:
     """Renders one row to a canonical format, as plain text or through the chat template."""
 
     def __init__(
-        self, tokenizer, chat_template: bool, system_prompt: str | None = None, template_kwargs: dict | None = None
+        self,
+        tokenizer,
+        chat_template: bool,
+        system_prompt: str | None = None,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ):
         self.tok = tokenizer
         self.chat = chat_template
         self.system = system_prompt
         self.kwargs = dict(template_kwargs or {})  # the template's own variables, e.g. Qwen3's enable_thinking
+        if tools:  # JSON schemas the template shows the model (`tool_calls.tool_schema`)
+            self.kwargs["tools"] = tools
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "`chat_template: true` but the tokenizer has no chat template; "
@@ -312,6 +319,7 @@ def format_rows(
     chat_template: bool = False,
     system_prompt: str | None = None,
     chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
     max_length: int | None = None,
     eval_fraction: float = 0.1,
     max_rows: int | None = None,
@@ -319,7 +327,8 @@ def format_rows(
     shuffle: bool = True,
     seed: int = 0,
 ) -> tuple[list[dict], list[dict], FormatStats]:
-    """Raw rows → (train rows, eval rows, stats). Deterministic for a given seed."""
+    """Raw rows → (train rows, eval rows, stats). Deterministic for a given seed. `tools`: JSON schemas rendered
+    into every conversation by the chat template."""
     stats = FormatStats(rows_in=len(raw))
     rows = map_columns(raw, columns or {})
     if shuffle:
@@ -331,7 +340,7 @@ def format_rows(
         rows = [implicit_prompt(r) for r in rows]
     if fmt == "unpaired":
         rows = unpair(rows)
-    renderer = Renderer(tokenizer, chat_template, system_prompt, chat_template_kwargs)
+    renderer = Renderer(tokenizer, chat_template, system_prompt, chat_template_kwargs, tools)
     out = []
     for i, row in enumerate(rows):
         try:

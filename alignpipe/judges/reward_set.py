@@ -38,12 +38,16 @@ class RewardSet:
         completions: list[str],
         columns: dict[str, list] | None = None,
         completion_ids: list[list[int]] | None = None,
+        completion_messages: list[list[dict]] | None = None,
     ):
-        """→ (total (N,), per_function (N, K)) float tensors. `completion_ids`: each completion's tokens, for the
-        functions that read them."""
+        """→ (total (N,), per_function (N, K)) float tensors. `completion_ids`: each completion's tokens;
+        `completion_messages`: its turns (with tools; else one assistant turn, the completion); each for the functions
+        that name them."""
+        if completion_messages is None:
+            completion_messages = [[{"role": "assistant", "content": c}] for c in completions]
         per = torch.full((len(completions), len(self.rewards)), math.nan)
         for k, r in enumerate(self.rewards):
-            values = score(r.fn, r.name, prompts, completions, columns, r.kwargs, completion_ids)
+            values = score(r.fn, r.name, prompts, completions, columns, r.kwargs, completion_ids, completion_messages)
             per[:, k] = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float)
             if torch.isinf(per[:, k]).any():
                 raise RewardFunctionError(f"reward {r.name!r} returned inf")

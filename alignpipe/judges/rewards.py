@@ -9,7 +9,6 @@ TRL's reward functions do.
 from __future__ import annotations
 
 import difflib
-import importlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from alignpipe.data.synthetic import sentiment_score
 from alignpipe.judges.math_answer import math_answer
 from alignpipe.strict import Strict
+from alignpipe.user_code import check_callable_name, import_callable
 
 RewardFn = Callable[..., list]
 
@@ -242,11 +242,8 @@ def check_reward_name(spec: str) -> str:
     wrong (a near built-in's name, if any). The module is not imported: it may exist only where the stage runs."""
     if spec in BUILTINS:
         return spec
-    module_name, sep, attr = spec.partition(":")
-    if sep:
-        if all(part.isidentifier() for part in module_name.split(".")) and attr.isidentifier():
-            return spec
-        raise ValueError(f"{spec!r} is not `package.module:function` (a dotted module path, a colon, a function name)")
+    if ":" in spec:
+        return check_callable_name(spec, "reward function")
     near = difflib.get_close_matches(spec, BUILTINS, n=1)
     guess = f"did you mean {near[0]!r}? " if near else ""
     raise ValueError(
@@ -259,19 +256,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name or `package.module:function`; raises RewardFunctionError naming the problem."""
     if spec in BUILTINS:
         return BUILTINS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardFunctionError(
-            f"reward {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`"
-        )
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise RewardFunctionError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+        return import_callable(spec, "reward")
+    except ValueError as e:
+        if ":" not in spec:
+            raise RewardFunctionError(
+                f"reward {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`"
+            ) from None
+        raise RewardFunctionError(str(e)) from e.__cause__
 
 
 class HTTPScorer:
@@ -307,14 +299,19 @@ class HTTPScorer:
         raise AssertionError("unreachable")
 
 
-def takes_completion_ids(fn) -> bool:
-    """Whether `fn` names a `completion_ids` parameter."""
+def named_parameters(fn) -> set[str]:
+    """The parameter names of `fn` (none for a callable without a signature)."""
     import inspect
 
     try:
-        return "completion_ids" in inspect.signature(fn).parameters
+        return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
+        return set()
+
+
+def takes_completion_ids(fn) -> bool:
+    """Whether `fn` names a `completion_ids` parameter."""
+    return "completion_ids" in named_parameters(fn)
 
 
 def score(
@@ -325,10 +322,14 @@ def score(
     columns: dict[str, list] | None = None,
     kwargs: dict | None = None,
     completion_ids: list[list[int]] | None = None,
+    completion_messages: list[list[dict]] | None = None,
 ) -> list[float | None]:
-    """Call `fn` and check it returned one number (or None) per completion. `completion_ids` go to a function with a
-    parameter of that name."""
-    extra = {"completion_ids": completion_ids} if takes_completion_ids(fn) else {}
+    """Call `fn` and check it returned one number (or None) per completion. `completion_ids` and
+    `completion_messages` go to a function with a parameter of that name."""
+    named = named_parameters(fn)
+    extra: dict[str, Any] = {"completion_ids": completion_ids} if "completion_ids" in named else {}
+    if "completion_messages" in named:
+        extra["completion_messages"] = completion_messages
     try:
         result = list(fn(prompts, completions, **(columns or {}), **(kwargs or {}), **extra))
     except RewardFunctionError:

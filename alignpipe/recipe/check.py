@@ -81,6 +81,26 @@ def _check_assistant_only(s, i: int, by_id: dict) -> list[Problem]:
     ]
 
 
+TOOL_FIELDS: dict[type, str] = {PPOStage: "data", OnlineDPOStage: "data", JudgeStage: "prompts"}
+"""Stages that generate from a format stage's prompts but run no tool calls."""
+
+
+def _check_tool_users(s, i: int, by_id: dict) -> list[Problem]:
+    """Prompts that offer tools go to a stage that runs the calls (grpo, rloo), or to offline training."""
+    field = TOOL_FIELDS.get(type(s))
+    data = by_id.get(getattr(s, field, None)) if field else None
+    if not (isinstance(data, FormatStage) and data.tools):
+        return []
+    return [
+        Problem(
+            ("stages", i, field),
+            f"format stage {data.id!r} offers tools in its prompts, but a {s.kind} stage does not run tool calls: "
+            "the model's calls would go unanswered",
+            f"use a grpo or rloo stage, or a format stage without `tools` for stage {s.id!r}",
+        )
+    ]
+
+
 def _check_ids(recipe) -> list[Problem]:
     problems: list[Problem] = []
     seen: dict[str, int] = {}
@@ -168,6 +188,7 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
         problems += _check_strategy(s, i)
         problems += _check_devices(s, i)
         problems += _check_assistant_only(s, i, by_id)
+        problems += _check_tool_users(s, i, by_id)
         if isinstance(s, JudgeStage) and s.prompts_file and not Path(s.prompts_file).expanduser().exists():
             problems.append(
                 Problem(

@@ -32,6 +32,7 @@ from alignpipe.trainers.configs import (
     RLOOConfig,
     SFTConfig,
 )
+from alignpipe.user_code import check_callable_name
 
 # What a stage produces; a reference field accepts only stages producing what it asks for.
 CAUSAL_LM = "causal_lm"
@@ -128,6 +129,12 @@ class FormatStage(StageBase):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Variables of the chat template, passed to every rendering (TRL's `chat_template_kwargs`), e.g.
     `{enable_thinking: false}` for Qwen3's template to leave reasoning out of prompts and replies."""
+    tools: list[str] = Field(default_factory=list)
+    """Functions the model may call, `package.module:function` each (type hints on every parameter and a docstring
+    with an `Args:` section: the chat template renders them into every prompt as JSON schemas). Needs
+    `chat_template: true` and a template that renders tool calls (`model.chat_template`, e.g. Qwen2.5/Qwen3's).
+    `grpo` and `rloo` stages trained on these prompts run the model's calls during rollouts and feed the results
+    back (`max_tool_calling_iterations`, `tool_call_format`); the tool results do not train."""
     max_length: int | None = Field(512, gt=0)
     """Drop rows whose prompt + longest completion exceed this many tokens; null keeps all."""
     eval_fraction: float = Field(0.1, ge=0, lt=1)
@@ -140,6 +147,24 @@ class FormatStage(StageBase):
     """prompt_only: cut each prompt to its first N tokens (the text up to the end of token N, as written), before
     `max_length`. For prompts that are the openings of longer texts, as in TRL's IMDB sentiment examples; without
     it, `max_length` drops every prompt longer than itself. Plain prompts only (not `chat_template`)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, tools: list[str]) -> list[str]:
+        for spec in tools:
+            check_callable_name(spec, "tool")
+        if len(set(tools)) != len(tools):
+            raise ValueError(f"each tool is listed once, got {tools}")
+        return tools
+
+    @model_validator(mode="after")
+    def _tools_in_chat(self):
+        if self.tools and not self.chat_template:
+            raise ValueError(
+                "tools are rendered into prompts by the chat template: set `chat_template: true` (with a template "
+                "that renders tool calls)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _truncation_of_plain_prompts(self):

@@ -10,6 +10,7 @@ from alignpipe.data.sources import load_raw, source_type
 from alignpipe.recipe.check import REQUIRED_COLUMNS
 from alignpipe.recipe.stages import FormatStage
 from alignpipe.stages.context import StageContext, StageResult
+from alignpipe.tool_calls import ToolError, check_template, load_tools, tool_schema
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,13 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             f"dataset {s.dataset!r} has columns {sorted(raw.column_names)}; {s.format} needs {need}. "
             f"Map them in the recipe: datasets.{s.dataset}.columns"
         )
+    tools = None
+    if s.tools:
+        try:
+            tools = [tool_schema(fn, spec) for fn, spec in zip(load_tools(s.tools), s.tools, strict=True)]
+            check_template(ctx.tokenizer(), s.chat_template_kwargs)
+        except ToolError as e:
+            raise ValueError(f"stage {s.id!r} (tools): {e}") from None
     try:
         train, evals, stats = format_rows(
             raw.to_list(),
@@ -36,6 +44,7 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             chat_template=s.chat_template,
             system_prompt=s.system_prompt,
             chat_template_kwargs=s.chat_template_kwargs,
+            tools=tools,
             max_length=s.max_length,
             eval_fraction=s.eval_fraction,
             max_rows=s.max_rows,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from alignpipe.judges.reward_set import load_rewards
-from alignpipe.recipe.stages import GRPOStage, RLOOStage
+from alignpipe.recipe.stages import FormatStage, GRPOStage, RLOOStage
 from alignpipe.stages.context import StageContext, StageResult
 from alignpipe.stages.online import finish, prompt_rows, start_policy
+from alignpipe.tool_calls import load_tools
 from alignpipe.trainers import grpo
 
 CURVES = ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], "kl_curve.png"))
@@ -13,9 +14,13 @@ CURVES = ((["train/reward", "eval/reward"], "reward_curve.png"), (["train/kl"], 
 
 def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, title: str) -> StageResult:
     """A stage whose trainer samples groups of completions and scores them with the recipe's rewards (GRPO's and
-    RLOO's wiring): `train` is `grpo.train` or `rloo.train`."""
+    RLOO's wiring): `train` is `grpo.train` or `rloo.train`. The tools its format stage renders into the prompts
+    are called during rollouts."""
     s = ctx.stage
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
+    data = ctx.recipe.stage(s.data)
+    assert isinstance(data, FormatStage)
+    tools = load_tools(data.tools) if data.tools else None  # the tools its prompts offer
     p = start_policy(ctx, reference=bool(s.beta))
     result = train(
         s,
@@ -29,6 +34,8 @@ def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, t
         ref_model=p.ref,
         engine=p.engine,
         eval_rows=prompt_rows(ctx, s.data, "eval"),
+        tools=tools,
+        chat_template_kwargs=data.chat_template_kwargs,
     )
     return finish(ctx, title, CURVES, result, p.base_path, "eval/reward")
 

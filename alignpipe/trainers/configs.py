@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.strict import Strict
+from alignpipe.tool_calls import ToolCallFormat
 
 
 class LoraSpec(Strict):
@@ -456,6 +457,13 @@ class GenerationBatchArgs(OnlineRLArgs):
     step per generation batch (= gradient_accumulation_steps)."""
     generation_batch_size: int | None = Field(None, gt=0)
     """The same in completions per process: steps_per_generation × batch_size. Set one of the two."""
+    max_tool_calling_iterations: int | None = Field(None, gt=0)
+    """With tools (listed on the data's format stage): the most rounds of tool calls per completion (TRL's); null:
+    until the model answers without a call or the completion reaches max_completion_length."""
+    tool_call_format: ToolCallFormat = "auto"
+    """How a turn's tool calls are read. hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+    (Hermes, Qwen2.5, Qwen3 and most tool-tuned open models); tokenizer: the tokenizer's own response parser
+    (transformers' `parse_response`); auto: the tokenizer's where it has one, else hermes."""
 
     @model_validator(mode="after")
     def _generation_batch(self):

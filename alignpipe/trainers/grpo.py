@@ -56,6 +56,7 @@ from alignpipe.rl_math import (
     sampling_importance_weights,
     vespo_weights,
 )
+from alignpipe.tool_calls import ToolRollout, ToolRunner
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.entropy_control import EntropyControl, entropy_bonus
@@ -190,6 +191,10 @@ class GRPORollout:
     """`sampling_correction`'s weights π_old/π_sampler, (B, C) or (B, 1)."""
     correction_stats: dict[str, float] = field(default_factory=dict)
     """TRL's sampling/* metrics of the correction (`sampling_gap_metrics`)."""
+    tool_mask: torch.Tensor | None = None
+    """(B, C) 0 on tool results inside completions, with tools: the completions' lengths count sampled tokens only."""
+    tool_stats: dict[str, float] = field(default_factory=dict)
+    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls)."""
 
     def __post_init__(self) -> None:
         self.row_tokens = [int(n) for n in self.mask.sum(1).long()]
@@ -223,13 +228,14 @@ class GRPORollout:
     def stats(self, reward_names: list[str]) -> dict[str, float]:
         """TRL's rollout metrics: reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std, completions/*."""
         finite = self.rewards[~torch.isnan(self.rewards)]
+        lengths = self.lengths if self.tool_mask is None else self.tool_mask.sum(1)  # TRL's: sampled tokens only
         out = {
             "reward": float(finite.mean()) if len(finite) else 0.0,
             "reward_std": float(finite.std()) if len(finite) > 1 else 0.0,
             "frac_reward_zero_std": frac_zero_std(self.group_std),
-            "completions/mean_length": float(self.lengths.float().mean()),
-            "completions/min_length": float(self.lengths.min()),
-            "completions/max_length": float(self.lengths.max()),
+            "completions/mean_length": float(lengths.float().mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float((~self.ended).float().mean()),
         }
         for k, name in enumerate(reward_names):
@@ -239,6 +245,7 @@ class GRPORollout:
         if self.kl is not None:
             out["kl"] = self.kl
         out |= self.correction_stats
+        out |= self.tool_stats
         return out
 
 
@@ -256,6 +263,8 @@ class GRPORun:
     seed: int
     entropy: EntropyControl | None = None
     """GRPO's entropy bonus (`entropy_coef`), when it has one."""
+    tools: ToolRunner | None = None
+    """The tools the prompts offer, called during rollouts."""
 
     @property
     def temperature(self) -> float:
@@ -369,10 +378,32 @@ class Samples:
     sampling_logps: torch.Tensor | None = None
     """(B, C) each sampled token's log-prob under the engine's sampling distribution (0 on padding, NaN where the
     engine had none), when asked for."""
+    tools: ToolRollout | None = None
+    """The tool turns, when the prompts offer tools: `completions` are then each completion's last assistant turn."""
+    tool_mask: torch.Tensor | None = None
+    """(B, C) 0 on the tool results inside completions (already out of `mask`)."""
 
     @property
     def prompts(self) -> list[str]:
         return [r["prompt"] for r in self.rows]
+
+    @property
+    def messages(self) -> list[list[dict]] | None:
+        """Each completion as messages (assistant turns with their `tool_calls`, tool results), with tools."""
+        return self.tools.messages if self.tools else None
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The `GRPORollout` fields of the tool turns: the mask of sampled tokens and TRL's tools/* metrics."""
+        if self.tools is None:
+            return {}
+        calls, n = self.tools.calls, len(self.rows)
+        return {
+            "tool_mask": self.tool_mask,
+            "tool_stats": {
+                "tools/call_frequency": calls / n,
+                "tools/failure_frequency": self.tools.failures / calls if calls else 0.0,
+            },
+        }
 
     @property
     def token_lists(self) -> list[list[int]]:
@@ -390,25 +421,34 @@ def sample(run: GRPORun, batch_rows: list[dict], logprobs: bool = False) -> Samp
     run.engine.update_weights(loop.unwrapped)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     extra = {"logprobs": True} if logprobs else {}  # engines that cannot give them need not take the argument
-    gens = run.engine.generate(prompt_lists, G, sampling, seed=run.seed + loop.step, **extra)
-    prompt_ids, prompt_mask = pad_rows([p for p in prompt_lists for _ in range(G)], pad, left=True)
-    completion_ids, _ = pad_rows([g.completion_ids for g in gens], pad)
-    lengths = torch.tensor([len(g.completion_ids) for g in gens])
-    ended = torch.tensor([g.finish_reason == "stop" for g in gens])
+    seed = run.seed + loop.step
+    gens = run.engine.generate(prompt_lists, G, sampling, seed=seed, **extra)
+    repeated = [p for p in prompt_lists for _ in range(G)]
+    tools = run.tools.turns(run.engine, repeated, gens, sampling, seed, logprobs) if run.tools else None
+    ids = tools.completion_ids if tools else [g.completion_ids for g in gens]
+    prompt_ids, prompt_mask = pad_rows(repeated, pad, left=True)
+    completion_ids, _ = pad_rows(ids, pad)
+    lengths = torch.tensor([len(x) for x in ids])
+    ended = torch.tensor(tools.ended if tools else [g.finish_reason == "stop" for g in gens])
     mask = completion_mask(completion_ids, lengths, ended, cfg.mask_truncated_completions)
+    tool_mask = None
+    if tools:  # the tool results are in the completion, not in the loss
+        tool_mask = pad_rows(tools.tool_mask, 0)[0].float()
+        mask = mask * tool_mask
     rows = [r for r in batch_rows for _ in range(G)]
     loop.count(mask.sum() + prompt_mask.sum(), len(gens))
-    completions = [g.completion for g in gens]
+    completions = tools.answers if tools else [g.completion for g in gens]
     sampling_logps = None
     if logprobs:
         sampling_logps = torch.zeros(completion_ids.shape)
-        for i, g in enumerate(gens):
-            if g.logprobs is None:
+        lists = tools.logprobs if tools else [g.logprobs for g in gens]
+        for i, row in enumerate(lists or []):
+            if row is None:
                 raise RuntimeError(f"the rollout engine {type(run.engine).__name__} returned no sampling log-probs")
-            sampling_logps[i, : len(g.logprobs)] = torch.tensor(g.logprobs, dtype=torch.float32)
+            sampling_logps[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
     return Samples(
         prompt_ids, prompt_mask, completion_ids, mask, lengths, ended, rows, completions, all(prompt_lists),
-        sampling_logps,
+        sampling_logps, tools, tool_mask,
     )  # fmt: skip
 
 
@@ -452,7 +492,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     cfg, loop = run.cfg, run.loop
     assert isinstance(cfg, GRPOConfig)
     sm = sample(run, batch_rows, logprobs=cfg.needs_sampling_logprobs)
-    total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists)
+    total, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists, sm.messages)
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         weights = torch.tensor([r.weight for r in run.rewards.rewards], dtype=per_fn.dtype)
         advantages, std = normalize_then_sum_advantages(per_fn, weights, cfg.num_generations)
@@ -474,6 +514,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         step_tokens_per_process=step_tokens_per_process(loop, sm.mask, cfg.steps_per_rollout),
         prompts_nonempty=sm.prompts_nonempty,
         sampling_logps=sm.sampling_logps,
+        **sm.tool_fields(),
     )
     loop.model.eval()
     if run.reuses_rollouts or cfg.correction != "none":
@@ -617,26 +658,41 @@ def train(
     ref_model=None,
     engine=None,
     eval_rows: list[dict] | None = None,
+    tools: list[Callable] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> TrainResult:
+    """`tools`: the functions the prompts offer (rendered into them by the chat template, with
+    `chat_template_kwargs`), called during rollouts (`alignpipe.tool_calls`)."""
     return train_on_samples(
         "grpo", rollout, update, cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ref_model, engine,
-        eval_rows,
+        eval_rows, tools, chat_template_kwargs,
     )  # fmt: skip
 
 
 @torch.no_grad()
 def greedy_reward(
-    engine, loop: TrainLoop, rewards: RewardSet, encode, rows: list[dict], greedy, limit: int = 64
+    engine,
+    loop: TrainLoop,
+    rewards: RewardSet,
+    encode,
+    rows: list[dict],
+    greedy,
+    limit: int = 64,
+    tools: ToolRunner | None = None,
 ) -> float:
-    """The mean reward of greedy completions of the first `limit` held-out prompts (unscorable ones left out)."""
+    """The mean reward of greedy completions of the first `limit` held-out prompts (unscorable ones left out); with
+    `tools`, the completions call them as in training."""
     sample_rows = rows[:limit]
     engine.update_weights(loop.unwrapped)
-    gens = engine.generate(encode(sample_rows), 1, greedy)
+    prompts = encode(sample_rows)
+    gens = engine.generate(prompts, 1, greedy)
+    turns = tools.turns(engine, prompts, gens, greedy, None, False) if tools else None
     total, _ = rewards(
         [r["prompt"] for r in sample_rows],
-        [g.completion for g in gens],
+        turns.answers if turns else [g.completion for g in gens],
         extra_columns(sample_rows),
-        [g.completion_ids for g in gens],
+        turns.completion_ids if turns else [g.completion_ids for g in gens],
+        turns.messages if turns else None,
     )
     finite = total[~torch.isnan(total)]
     return float(finite.mean()) if len(finite) else 0.0
@@ -661,6 +717,8 @@ def train_on_samples(
     ref_model=None,
     engine=None,
     eval_rows: list[dict] | None = None,
+    tools: list[Callable] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> TrainResult:
     """The loop GRPO and RLOO share: `num_generations` samples per prompt each new generation batch (`rollout_fn`),
     one optimizer step per `update_fn` on a part of it (`steps_per_rollout` parts, each `num_iterations` times),
@@ -690,6 +748,8 @@ def train_on_samples(
     ref = frozen_reference(ref_model, cfg, loop.accelerator.device) if (cfg.beta and not cfg.lora) else None
     synced(ref, cfg, loop)
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
+    if tools:
+        run.tools = ToolRunner.for_run(tools, tokenizer, cfg, loop.unwrapped, chat_template_kwargs)
     if isinstance(cfg, GRPOConfig) and cfg.entropy_bonus:
         acc = loop.accelerator
         reduce = (lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None
@@ -709,7 +769,9 @@ def train_on_samples(
 
     def evaluate() -> dict[str, float]:
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
-        return {"reward": greedy_reward(engine, loop, rewards, run.encode_prompts, eval_rows or [], greedy)}
+        return {
+            "reward": greedy_reward(engine, loop, rewards, run.encode_prompts, eval_rows or [], greedy, tools=run.tools)
+        }
 
     result = loop.run(step, evaluate if eval_rows else None)
     result.model_dir, result.adapter = loop.save(tokenizer)

@@ -16,6 +16,7 @@ clip_ratio/{low,high,region}_mean; eval/reward (greedy, held-out prompts).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     cfg, loop = run.cfg, run.loop
     assert isinstance(cfg, RLOOConfig)
     sm = sample(run, batch_rows)
-    rewards, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists)
+    rewards, per_fn = run.rewards(sm.prompts, sm.completions, extra_columns(sm.rows), sm.token_lists, sm.messages)
     if cfg.reward_clip_range is not None:
         rewards = rewards.clamp(*cfg.reward_clip_range)
     batch = GRPORollout(
@@ -63,6 +64,7 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
         ref_logps=None,
         step_tokens_per_process=step_tokens_per_process(loop, sm.mask, cfg.steps_per_rollout),
         prompts_nonempty=sm.prompts_nonempty,
+        **sm.tool_fields(),
     )
     loop.model.eval()
     if run.reuses_rollouts or cfg.beta != 0.0:
@@ -124,8 +126,11 @@ def train(
     ref_model=None,
     engine=None,
     eval_rows: list[dict] | None = None,
+    tools: list[Callable] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> TrainResult:
+    """`tools`: as `grpo.train`'s."""
     return train_on_samples(
         "rloo", rollout, update, cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ref_model, engine,
-        eval_rows,
+        eval_rows, tools, chat_template_kwargs,
     )  # fmt: skip
