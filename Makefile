@@ -12,7 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 export MLFLOW_DISABLE_TELEMETRY ?= true
 
-.PHONY: install demo test test-slow bench clean lint lock
+.PHONY: install assets demo test test-slow bench clean lint lock
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,13 @@ $(BIN)/.installed-test: $(BIN)/.installed
 
 install: $(BIN)/.installed-test
 
-$(ASSETS)/ASSETS.json: $(BIN)/.installed
+# Always asked: make-tiny returns at once when the folder matches this version's assets, and remakes it otherwise.
+assets: $(BIN)/.installed
 	$(BIN)/alignpipe make-tiny $(ASSETS)
 
-demo: $(BIN)/.installed $(ASSETS)/ASSETS.json
+$(ASSETS)/ASSETS.json: assets
+
+demo: $(BIN)/.installed assets
 	$(BIN)/alignpipe run pipelines/tiny-demo.yaml
 
 LINTED := alignpipe tasks flows tests bench
@@ -46,7 +49,7 @@ test: $(BIN)/.installed-test
 test-slow: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
-bench: $(BIN)/.installed-test $(ASSETS)/ASSETS.json
+bench: $(BIN)/.installed-test assets
 	$(BIN)/python -m bench --models tiny,small --repeats 3
 
 # Re-pin constraints.txt to what is installed now (after a pyproject change and a green `make lint test`).

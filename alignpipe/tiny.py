@@ -7,6 +7,8 @@ Layout written:
     DIR/data/sentiment_prompts.jsonl      prompt
     DIR/data/addition.jsonl               prompt, completion, answer
     DIR/data/reverse.jsonl                prompt, completion (45% correct), answer
+    DIR/data/lookup_sft.jsonl             messages (40% call the `lookup` tool)
+    DIR/data/lookup_prompts.jsonl         prompt, answer
     DIR/ASSETS.json       written last; its presence means the folder is complete
 """
 
@@ -20,10 +22,19 @@ from alignpipe import __version__
 from alignpipe.data import synthetic
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Tool calls as Hermes/Qwen write them (`<tool_call>{json}</tool_call>`), tool results as a `tool` turn. Tools are
+# listed by name only: their JSON schemas would make every prompt ~10x longer for a model that cannot read them.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }}{% if not loop.last %}, "
+    "{% endif %}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+ASSETS_REVISION = 2
+"""Bumped when what `make_tiny` writes changes, so an older folder is made again."""
 TINY_MODEL = dict(
     hidden_size=192,
     intermediate_size=512,
@@ -79,7 +90,7 @@ def make_tiny(out: str | Path, seed: int = 0, force: bool = False) -> Path:
     """Write the tiny assets to `out` (skipped when a complete folder with the same version exists)."""
     out = Path(out)
     marker = out / "ASSETS.json"
-    meta = {"version": __version__, "seed": seed}
+    meta = {"version": __version__, "seed": seed, "revision": ASSETS_REVISION}
     if marker.exists() and not force and json.loads(marker.read_text()) == meta:
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -94,6 +105,8 @@ def make_tiny(out: str | Path, seed: int = 0, force: bool = False) -> Path:
     _write_jsonl(tmp / "data" / "sentiment_prompts.jsonl", synthetic.sentiment_prompts(500, seed + 2))
     _write_jsonl(tmp / "data" / "addition.jsonl", synthetic.addition(3000, seed + 3))
     _write_jsonl(tmp / "data" / "reverse.jsonl", synthetic.reversal(3000, seed + 4))
+    _write_jsonl(tmp / "data" / "lookup_sft.jsonl", synthetic.lookup_conversations(3000, seed + 5))
+    _write_jsonl(tmp / "data" / "lookup_prompts.jsonl", synthetic.lookup_prompts(1000, seed + 6))
     (tmp / "ASSETS.json").write_text(json.dumps(meta))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

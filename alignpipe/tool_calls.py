@@ -364,16 +364,24 @@ class ToolRunner:
     template_kwargs: dict = field(default_factory=dict)
 
     @classmethod
-    def for_run(cls, tools: list[Callable], tokenizer, cfg, model, template_kwargs: dict | None = None) -> ToolRunner:
-        """The runner of a GRPO/RLOO config (`max_tool_calling_iterations`, `tool_call_format`), after checking that
-        the chat template can carry tool turns."""
+    def for_model(
+        cls,
+        tools: list[Callable],
+        tokenizer,
+        model,
+        fmt: ToolCallFormat,
+        max_completion_length: int,
+        max_iterations: int | None = None,
+        template_kwargs: dict | None = None,
+    ) -> ToolRunner:
+        """The runner of a model's rollouts, after checking that its chat template can carry tool turns."""
         check_template(tokenizer, template_kwargs)
         window = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         return cls(
             list(tools),
-            ToolCallParser(tokenizer, cfg.tool_call_format),
-            cfg.max_completion_length,
-            cfg.max_tool_calling_iterations,
+            ToolCallParser(tokenizer, fmt),
+            max_completion_length,
+            max_iterations,
             window if isinstance(window, int) else None,
             dict(template_kwargs or {}),
         )

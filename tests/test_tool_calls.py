@@ -212,11 +212,23 @@ def test_calls_run_as_trls_do():
     assert failures == 1
 
 
+PLAIN_TEMPLATE = (  # renders the content of every turn and nothing else (as many base models' templates)
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def plain_tokenizer(tiny):
+    t = load_tokenizer(str(tiny / "model"))
+    t.chat_template = PLAIN_TEMPLATE
+    return t
+
+
 def test_the_template_check_refuses_templates_without_tool_turns(tiny, tok):
     check_template(tok)
-    plain = load_tokenizer(str(tiny / "model"))
+    check_template(load_tokenizer(str(tiny / "model")))  # the tiny tokenizer's own template renders tool turns
     with pytest.raises(ToolError, match="drops part of a tool exchange"):
-        check_template(plain)
+        check_template(plain_tokenizer(tiny))
 
 
 def test_tools_need_hints_and_docstrings():
@@ -343,7 +355,7 @@ def test_a_run_calls_the_tools_and_trains_on_the_sampled_tokens(tiny, tok, tool_
 
 
 def test_without_a_tool_template_a_run_is_refused(tiny, tool_rows, tmp_path):
-    plain = load_tokenizer(str(tiny / "model"))
+    plain = plain_tokenizer(tiny)
     model = load_causal_lm(str(tiny / "model"))
     cfg = GRPOConfig(max_steps=1, batch_size=4, num_generations=2, max_completion_length=8)
     rewards = RewardSet([LoadedReward("answered_five", answered_five)])
@@ -386,6 +398,8 @@ def tools_recipe(tiny, tmp_path) -> str:
         "     tools: ['calc_tools:add']}\n"
         "  - {id: rl, kind: grpo, data: data, rewards: [{function: exact_match}], max_steps: 1, batch_size: 4,\n"
         "     num_generations: 2, max_completion_length: 8, beta: 0.0, logging_every: 1, max_tool_calling_iterations: 2}\n"
+        "  - {id: judge, kind: judge, candidate: rl, baseline: base, prompts: data, num_prompts: 4,\n"
+        "     reward: exact_match, sampling: {temperature: 0, max_new_tokens: 8}}\n"
     )
 
 
@@ -409,6 +423,10 @@ def test_a_recipe_offers_tools_through_its_format_stage(prefect_harness, tiny, t
         [client.get_experiment_by_name("tools").experiment_id], "tags.alignpipe.stage_id = 'rl'"
     )
     assert "train/tools/call_frequency" in run.data.metrics  # the random model rarely calls; the path ran
+    (judge,) = client.search_runs(
+        [client.get_experiment_by_name("tools").experiment_id], "tags.alignpipe.stage_id = 'judge'"
+    )
+    assert "judge/win_rate" in judge.data.metrics
     rows = (recipe.run_root / "stages").rglob("*.arrow")
     assert any(b'"name": "add"' in p.read_bytes() for p in rows), "the prompts carry the tool's schema"
 
@@ -437,7 +455,7 @@ def test_bad_tool_lists_are_refused_where_they_are_written(tiny, tmp_path, text,
 def test_a_stage_that_cannot_answer_calls_is_refused_tool_prompts(tiny, tmp_path):
     from alignpipe.recipe import RecipeError, parse_recipe
 
-    text = tools_recipe(tiny, tmp_path).split("  - {id: rl")[0]
+    text = tools_recipe(tiny, tmp_path).split("  - {id: rl")[0]  # format only, then:
     text += "  - {id: rl, kind: online_dpo, data: data, rewards: [{function: exact_match}], max_steps: 1}\n"
     with pytest.raises(RecipeError, match="does not run tool calls") as err:
         parse_recipe(text)

@@ -9,12 +9,16 @@
   the digits unchanged. SFT learns both behaviours and greedy decoding follows the majority (wrong)
   one; exact-match RL has to find and reinforce the right one. (A 1.7M model cannot learn two-digit
   addition with carries in a CPU-minutes budget, so addition is there for users, not for the test.)
+- Key lookup with a tool ("lookup 437" → "52"), the agent task of the tiny tools recipe: the value is a hash of the
+  key, which no model can work out, and `lookup` is the tool that knows it. The SFT conversations call the tool in
+  `tool_share` (40%) of rows and otherwise answer a random number; RL has to learn that calling pays.
 
 Everything is a pure function of the seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 
@@ -165,6 +169,43 @@ def reversal(n: int, seed: int = 4, length: int = 4, correct_share: float = 0.45
         shown = answer if rng.random() < correct_share else " ".join(digits)
         rows.append({"prompt": f"reverse {' '.join(digits)} =", "completion": f" {shown}", "answer": answer})
     return rows
+
+
+def lookup(key: int) -> int:
+    """Look up the value stored under a key.
+
+    Args:
+        key: The key, a number from 100 to 999.
+    """
+    return int(hashlib.sha256(str(int(key)).encode()).hexdigest()[:8], 16) % 90 + 10
+
+
+def lookup_conversations(n: int, seed: int = 5, tool_share: float = 0.4) -> list[dict]:
+    """SFT conversations (`messages`) of the lookup task: in `tool_share` of them the assistant calls `lookup` and
+    repeats its answer; in the rest it answers a random number without calling."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        key = rng.randint(100, 999)
+        messages: list[dict] = [{"role": "user", "content": f"lookup {key}"}]
+        if rng.random() < tool_share:
+            call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "lookup", "content": str(lookup(key))},
+                {"role": "assistant", "content": str(lookup(key))},
+            ]
+        else:
+            messages.append({"role": "assistant", "content": str(rng.randint(10, 99))})
+        rows.append({"messages": messages})
+    return rows
+
+
+def lookup_prompts(n: int, seed: int = 6) -> list[dict]:
+    """Lookup prompts with their `answer` (what the tool returns)."""
+    rng = random.Random(seed)
+    keys = [rng.randint(100, 999) for _ in range(n)]
+    return [{"prompt": f"lookup {k}", "answer": str(lookup(k))} for k in keys]
 
 
 _WORD = re.compile(r"[a-z]+")

@@ -3,7 +3,8 @@
 A reward function takes `(prompts, completions, **columns)` (lists of equal length; `columns` are the
 dataset's extra columns, e.g. `answer`) and returns one float (or None = not applicable) per completion. A function
 with a parameter named `completion_ids` also gets each completion's token ids (in RL stages, where they exist), as
-TRL's reward functions do.
+TRL's reward functions do; one named `completion_messages` gets each completion's turns (with tools: the assistant
+turns and tool results; otherwise one assistant turn).
 """
 
 from __future__ import annotations

@@ -81,12 +81,12 @@ def _check_assistant_only(s, i: int, by_id: dict) -> list[Problem]:
     ]
 
 
-TOOL_FIELDS: dict[type, str] = {PPOStage: "data", OnlineDPOStage: "data", JudgeStage: "prompts"}
+TOOL_FIELDS: dict[type, str] = {PPOStage: "data", OnlineDPOStage: "data"}
 """Stages that generate from a format stage's prompts but run no tool calls."""
 
 
 def _check_tool_users(s, i: int, by_id: dict) -> list[Problem]:
-    """Prompts that offer tools go to a stage that runs the calls (grpo, rloo), or to offline training."""
+    """Prompts that offer tools go to a stage that runs the calls (grpo, rloo, judge), or to offline training."""
     field = TOOL_FIELDS.get(type(s))
     data = by_id.get(getattr(s, field, None)) if field else None
     if not (isinstance(data, FormatStage) and data.tools):

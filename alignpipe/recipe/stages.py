@@ -22,6 +22,7 @@ from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
 from alignpipe.judges.rewards import BUILTIN_OPTIONS, TOKEN_REWARDS, check_builtin_kwargs, check_reward_name
 from alignpipe.recipe.specs import Resources
 from alignpipe.strict import Strict
+from alignpipe.tool_calls import ToolCallFormat
 from alignpipe.trainers.configs import (
     DPOConfig,
     GRPOConfig,
@@ -458,6 +459,11 @@ class JudgeStage(StageBase):
     """Sampling used for every judged model."""
     batch_size: int = Field(32, gt=0)
     """Prompts per generation batch."""
+    max_tool_calling_iterations: int | None = Field(None, gt=0)
+    """When the prompts' format stage offers tools, every model calls them as in training: at most this many rounds
+    per answer (null: until it answers without a call or reaches `sampling.max_new_tokens`)."""
+    tool_call_format: ToolCallFormat = "auto"
+    """How a turn's tool calls are read (as the RL stages' `tool_call_format`)."""
 
     produces: ClassVar[str] = EVALUATION
     refs: ClassVar[dict[str, str]] = {"prompts": DATASET, "reward_model": REWARD_MODEL}

@@ -16,8 +16,10 @@ from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
 from alignpipe.positions import check_generation_window, model_position_limit
-from alignpipe.recipe.stages import JudgeStage, LLMJudgeSpec
+from alignpipe.recipe.stages import FormatStage, JudgeStage, LLMJudgeSpec
+from alignpipe.special_tokens import encode
 from alignpipe.stages.context import StageContext, StageResult
+from alignpipe.tool_calls import ToolRunner, load_tools
 from alignpipe.trainers.online import extra_columns
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,17 @@ def generate(ctx: StageContext[JudgeStage], ref: str, prompts: list[str]) -> lis
     limit = model_position_limit(model)
     check_generation_window(limit, tokenizer, prompts, s.sampling.max_new_tokens, f"judge {s.id!r}, model {ref!r}")
     engine = HFEngine(model, tokenizer, batch_size=s.batch_size)
-    return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
+    data = ctx.recipe.stage(s.prompts) if s.prompts else None
+    if not (isinstance(data, FormatStage) and data.tools):
+        return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
+    # prompts that offer tools: each model calls them as in training, and its last turn is its answer
+    tools = ToolRunner.for_model(
+        load_tools(data.tools), tokenizer, model, s.tool_call_format, s.sampling.max_new_tokens,
+        s.max_tool_calling_iterations, data.chat_template_kwargs,
+    )  # fmt: skip
+    ids = encode(tokenizer, prompts)
+    gens = engine.generate(ids, 1, s.sampling, seed=ctx.seed)
+    return tools.turns(engine, ids, gens, s.sampling, ctx.seed, False).answers
 
 
 def prompt_rows(ctx: StageContext[JudgeStage]) -> list[dict]:

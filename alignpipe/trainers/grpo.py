@@ -749,7 +749,10 @@ def train_on_samples(
     synced(ref, cfg, loop)
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
     if tools:
-        run.tools = ToolRunner.for_run(tools, tokenizer, cfg, loop.unwrapped, chat_template_kwargs)
+        run.tools = ToolRunner.for_model(
+            tools, tokenizer, loop.unwrapped, cfg.tool_call_format, cfg.max_completion_length,
+            cfg.max_tool_calling_iterations, chat_template_kwargs,
+        )  # fmt: skip
     if isinstance(cfg, GRPOConfig) and cfg.entropy_bonus:
         acc = loop.accelerator
         reduce = (lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None
