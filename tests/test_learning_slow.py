@@ -99,6 +99,18 @@ def test_tiny_grpo_with_this_releases_options_still_learns(prefect_harness, tiny
     assert judge["judge/candidate_score"] - judge["judge/baseline_score"] >= 0.40
 
 
+def test_tiny_grpo_learns_to_call_its_tool(prefect_harness, tiny, tmp_path):
+    """The lookup agent: the SFT model mostly guesses without its tool; GRPO, whose rollouts run the calls, learns
+    that calling pays. The judge calls the tool for both models (the eval split's prompts, greedy)."""
+    recipe, summary = run_recipe("tiny-tools.yaml", tiny, tmp_path)
+    metrics = child_metrics(recipe, summary)
+    judge, grpo = metrics["judge"], metrics["grpo"]
+    print("lookup exact match: SFT", judge["judge/baseline_score"], "GRPO", judge["judge/candidate_score"],
+          "calls per completion (last step)", grpo["train/tools/call_frequency"])  # fmt: skip
+    assert judge["judge/candidate_score"] - judge["judge/baseline_score"] >= 0.50
+    assert grpo["train/tools/call_frequency"] >= 0.8
+
+
 def test_tiny_dpo_with_a_loss_mix_beats_sft(prefect_harness, tiny, tmp_path):
     """The DPO recipe with MPO's loss mix (sigmoid + BCO + the chosen NLL) and LD-DPO's length weighting: the aligned
     model still beats the SFT model it starts from."""

@@ -9,9 +9,9 @@
   the digits unchanged. SFT learns both behaviours and greedy decoding follows the majority (wrong)
   one; exact-match RL has to find and reinforce the right one. (A 1.7M model cannot learn two-digit
   addition with carries in a CPU-minutes budget, so addition is there for users, not for the test.)
-- Key lookup with a tool ("lookup 437" → "52"), the agent task of the tiny tools recipe: the value is a hash of the
+- Key lookup with a tool ("lookup 37" → "52"), the agent task of the tiny tools recipe: the value is a hash of the
   key, which no model can work out, and `lookup` is the tool that knows it. The SFT conversations call the tool in
-  `tool_share` (40%) of rows and otherwise answer a random number; RL has to learn that calling pays.
+  `tool_share` (40%) of rows and otherwise answer the key itself; RL has to learn that calling pays.
 
 Everything is a pure function of the seed.
 """
@@ -175,18 +175,19 @@ def lookup(key: int) -> int:
     """Look up the value stored under a key.
 
     Args:
-        key: The key, a number from 100 to 999.
+        key: The key, a number from 10 to 99.
     """
     return int(hashlib.sha256(str(int(key)).encode()).hexdigest()[:8], 16) % 90 + 10
 
 
 def lookup_conversations(n: int, seed: int = 5, tool_share: float = 0.4) -> list[dict]:
     """SFT conversations (`messages`) of the lookup task: in `tool_share` of them the assistant calls `lookup` and
-    repeats its answer; in the rest it answers a random number without calling."""
+    repeats its answer; in the rest it guesses without calling (the key itself: one consistent wrong behaviour,
+    which greedy decoding of the SFT model follows, as the reversal task's copies)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        key = rng.randint(100, 999)
+        key = rng.randint(10, 99)
         messages: list[dict] = [{"role": "user", "content": f"lookup {key}"}]
         if rng.random() < tool_share:
             call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
@@ -196,7 +197,7 @@ def lookup_conversations(n: int, seed: int = 5, tool_share: float = 0.4) -> list
                 {"role": "assistant", "content": str(lookup(key))},
             ]
         else:
-            messages.append({"role": "assistant", "content": str(rng.randint(10, 99))})
+            messages.append({"role": "assistant", "content": str(key)})
         rows.append({"messages": messages})
     return rows
 
@@ -204,7 +205,7 @@ def lookup_conversations(n: int, seed: int = 5, tool_share: float = 0.4) -> list
 def lookup_prompts(n: int, seed: int = 6) -> list[dict]:
     """Lookup prompts with their `answer` (what the tool returns)."""
     rng = random.Random(seed)
-    keys = [rng.randint(100, 999) for _ in range(n)]
+    keys = [rng.randint(10, 99) for _ in range(n)]
     return [{"prompt": f"lookup {k}", "answer": str(lookup(k))} for k in keys]
 
 
