@@ -460,3 +460,30 @@ def test_a_stage_that_cannot_answer_calls_is_refused_tool_prompts(tiny, tmp_path
     with pytest.raises(RecipeError, match="does not run tool calls") as err:
         parse_recipe(text)
     assert "stages[1].data" in str(err.value)
+
+
+def calls_b3(prompts, completions, **_):
+    return [float('"b": 3' in c) for c in completions]
+
+
+@pytest.mark.parametrize("with_tools", [True, False])
+def test_num_generations_eval_scores_sampled_completions_as_trl(tiny, tok, tool_rows, tmp_path, with_tools):
+    """With `num_generations_eval: 2` the held-out score is the mean over two sampled completions a prompt (the
+    scripted engine's samples alternate between b = 3 and b = 4: reward 1 and 0), with its std and each function's
+    mean; without it, one greedy completion (b = 3 for the one prompt: 1.0)."""
+    model = load_causal_lm(str(tiny / "model"))
+    reward = LoadedReward("answered_five", answered_five) if with_tools else LoadedReward("calls_b3", calls_b3)
+    name = reward.name
+    trackers = {}
+    for n in (None, 2):
+        cfg = GRPOConfig(learning_rate=1e-3, max_steps=2, batch_size=4, num_generations=2, max_completion_length=160,
+                         eval_every=1, num_generations_eval=n, logging_every=1, sample_every=100)  # fmt: skip
+        trackers[n] = Tracker()
+        grpo.train(cfg, model, tok, tool_rows, RewardSet([reward]), trackers[n], tmp_path / str(n),
+                   engine=Scripted(tok), eval_rows=tool_rows[:1], tools=[add] if with_tools else None)  # fmt: skip
+    sampled, greedy = trackers[2], trackers[None]
+    assert sampled.series("eval/reward") == [0.5, 0.5]
+    assert sampled.series("eval/reward_std") == [pytest.approx(2**-0.5)] * 2
+    assert sampled.series(f"eval/rewards/{name}/mean") == [0.5, 0.5]
+    assert greedy.series("eval/reward") == [1.0, 1.0]
+    assert not greedy.series("eval/reward_std")

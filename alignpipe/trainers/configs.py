@@ -457,6 +457,10 @@ class GenerationBatchArgs(OnlineRLArgs):
     step per generation batch (= gradient_accumulation_steps)."""
     generation_batch_size: int | None = Field(None, gt=0)
     """The same in completions per process: steps_per_generation × batch_size. Set one of the two."""
+    num_generations_eval: int | None = Field(None, gt=0)
+    """How the held-out prompts are scored (at `eval_every` and at the end). null: one greedy completion each, its
+    reward as eval/reward. N: N completions each, sampled with the training `sampling` as TRL's evaluation samples
+    them; eval/reward is their mean, with eval/reward_std and eval/rewards/<fn>/mean."""
     max_tool_calling_iterations: int | None = Field(None, gt=0)
     """With tools (listed on the data's format stage): the most rounds of tool calls per completion (TRL's); null:
     until the model answers without a call or the completion reaches max_completion_length."""

@@ -22,7 +22,12 @@ Metrics (TRL's names, under train/): loss, reward, reward_std, rewards/<fn>/mean
 frac_reward_zero_std (groups with fewer than two scorable completions do not count as zero-std,
 as TRL counts them), completions/{mean,min,max}_length, completions/clipped_ratio, kl, entropy,
 clip_ratio/{low,high,region}_mean (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none), sampling/* (with
-a sampling correction), policy_loss and entropy_coef (with an entropy bonus); eval/reward (greedy, held-out prompts).
+a sampling correction), policy_loss and entropy_coef (with an entropy bonus), tools/call_frequency and
+tools/failure_frequency (with tools); eval/reward (held-out prompts: greedy, or the mean of `num_generations_eval`
+samples each, with eval/reward_std and eval/rewards/<fn>/mean).
+
+With tools (the prompts' format stage lists them), each rollout runs the model's calls (`tool_calls.tool_turns`):
+the results sit in the completions and are masked out of the loss.
 
 Entry point: `train(cfg, model, tokenizer, rows, rewards, tracker, output_dir, seed, ...)`.
 """
@@ -698,6 +703,35 @@ def greedy_reward(
     return float(finite.mean()) if len(finite) else 0.0
 
 
+@torch.no_grad()
+def sampled_rewards(run: GRPORun, rows: list[dict], sampling: SamplingParams, n: int, limit: int = 64) -> dict:
+    """TRL's evaluation: `n` completions of each of the first `limit` held-out prompts, sampled with the training
+    `sampling` (the same seed at every evaluation, so the points compare), calling the tools as in training;
+    reward (their mean), reward_std and rewards/<fn>/mean, unscorable completions left out."""
+    sample_rows = rows[:limit]
+    run.engine.update_weights(run.loop.unwrapped)
+    prompts = [p for p in run.encode_prompts(sample_rows) for _ in range(n)]
+    gens = run.engine.generate(prompts[::n], n, sampling, seed=run.seed)
+    turns = run.tools.turns(run.engine, prompts, gens, sampling, run.seed, False) if run.tools else None
+    repeated = [r for r in sample_rows for _ in range(n)]
+    total, per_fn = run.rewards(
+        [r["prompt"] for r in repeated],
+        turns.answers if turns else [g.completion for g in gens],
+        extra_columns(repeated),
+        turns.completion_ids if turns else [g.completion_ids for g in gens],
+        turns.messages if turns else None,
+    )
+
+    def mean_std(x: torch.Tensor) -> tuple[float, float]:
+        x = x[~torch.isnan(x)]
+        return (float(x.mean()) if len(x) else 0.0), (float(x.std()) if len(x) > 1 else 0.0)
+
+    out = dict(zip(("reward", "reward_std"), mean_std(total), strict=True))
+    for k, name in enumerate(run.rewards.names):
+        out[f"rewards/{name}/mean"] = mean_std(per_fn[:, k])[0]
+    return out
+
+
 RolloutFn = Callable[[GRPORun, list[dict]], tuple[GRPORollout, Samples]]
 UpdateFn = Callable[[GRPORun, GRPORollout, list[int]], dict[str, torch.Tensor]]
 
@@ -771,6 +805,9 @@ def train_on_samples(
         return {**update_fn(run, current["batch"], run.step_part(current["batch"])), **current["stats"]}
 
     def evaluate() -> dict[str, float]:
+        if cfg.num_generations_eval:
+            sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+            return sampled_rewards(run, eval_rows or [], sampling, cfg.num_generations_eval)
         greedy = SamplingParams(temperature=0, max_new_tokens=cfg.max_completion_length)
         return {
             "reward": greedy_reward(engine, loop, rewards, run.encode_prompts, eval_rows or [], greedy, tools=run.tools)
