@@ -174,3 +174,36 @@ def test_a_log_points_metrics_over_processes_take_means_sums_and_extremes(monkey
         "loss": 2.0, "tokens_per_s": 40.0, "completions/max_length": 9.0, "completions/min_length": 1.0,
         "sampling/importance_sampling_ratio/max": 1.5, "sampling/importance_sampling_ratio/min": 0.5, "only": 3.0,
     }  # fmt: skip
+
+
+def grpo(tiny, workdir):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pipelines" / "tiny-grpo.yaml").read_text()
+    return text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
+
+
+def test_grpo_with_several_steps_per_generation_and_a_sampling_correction_runs_on_two_ranks(tiny, tmp_path):
+    """Each rank samples its own completions, so two ranks cannot repeat one process's curve; what must hold is that
+    the collectives of a generation batch split over two optimizer steps (the dapo normaliser's token count, the
+    sampling correction's statistics) line up across ranks: the run ends, logs every step once from rank 0, and the
+    hf engine's sampler agrees with the trainer (importance weights 1)."""
+    overrides = [
+        "stages.sft.max_steps=10",
+        "stages.grpo.max_steps=4",
+        "stages.grpo.batch_size=8",
+        "stages.grpo.num_generations=4",
+        "stages.grpo.steps_per_generation=2",
+        "stages.grpo.sampling_correction=token_truncate",
+        "stages.grpo.logging_every=1",
+        "stages.grpo.resources.processes=2",  # DDP (FSDP is refused for stages whose policy generates)
+    ]
+    manifest, runs, losses = run_stage(tiny, tmp_path, grpo, "grpo", 2, overrides)
+    assert len(runs) == 1, "only rank 0 opened an MLflow run"
+    assert manifest.metrics["steps"] == 4 and len(losses) == 4
+    assert all(torch.isfinite(torch.tensor(losses)))
+    client = MlflowClient(parse_recipe(grpo(tiny, tmp_path / "runs"), overrides).tracking_uri)
+    ratios = [
+        m.value for m in client.get_metric_history(runs[0].info.run_id, "train/sampling/importance_sampling_ratio/mean")
+    ]
+    assert len(ratios) == 4 and all(abs(r - 1) < 1e-3 for r in ratios), ratios
