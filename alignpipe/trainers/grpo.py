@@ -675,46 +675,27 @@ def train(
 
 
 @torch.no_grad()
-def greedy_reward(
+def held_out_rewards(
     engine,
     loop: TrainLoop,
     rewards: RewardSet,
     encode,
     rows: list[dict],
-    greedy,
-    limit: int = 64,
+    sampling: SamplingParams,
+    n: int = 1,
     tools: ToolRunner | None = None,
-) -> float:
-    """The mean reward of greedy completions of the first `limit` held-out prompts (unscorable ones left out); with
-    `tools`, the completions call them as in training."""
+    seed: int | None = None,
+    limit: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reward set's (total, per function) for `n` completions of each of the first `limit` held-out prompts
+    (grouped by prompt), calling the tools as in training."""
     sample_rows = rows[:limit]
     engine.update_weights(loop.unwrapped)
     prompts = encode(sample_rows)
-    gens = engine.generate(prompts, 1, greedy)
-    turns = tools.turns(engine, prompts, gens, greedy, None, False) if tools else None
-    total, _ = rewards(
-        [r["prompt"] for r in sample_rows],
-        turns.answers if turns else [g.completion for g in gens],
-        extra_columns(sample_rows),
-        turns.completion_ids if turns else [g.completion_ids for g in gens],
-        turns.messages if turns else None,
-    )
-    finite = total[~torch.isnan(total)]
-    return float(finite.mean()) if len(finite) else 0.0
-
-
-@torch.no_grad()
-def sampled_rewards(run: GRPORun, rows: list[dict], sampling: SamplingParams, n: int, limit: int = 64) -> dict:
-    """TRL's evaluation: `n` completions of each of the first `limit` held-out prompts, sampled with the training
-    `sampling` (the same seed at every evaluation, so the points compare), calling the tools as in training;
-    reward (their mean), reward_std and rewards/<fn>/mean, unscorable completions left out."""
-    sample_rows = rows[:limit]
-    run.engine.update_weights(run.loop.unwrapped)
-    prompts = [p for p in run.encode_prompts(sample_rows) for _ in range(n)]
-    gens = run.engine.generate(prompts[::n], n, sampling, seed=run.seed)
-    turns = run.tools.turns(run.engine, prompts, gens, sampling, run.seed, False) if run.tools else None
+    gens = engine.generate(prompts, n, sampling, seed=seed)
+    turns = tools.turns(engine, [p for p in prompts for _ in range(n)], gens, sampling, seed, False) if tools else None
     repeated = [r for r in sample_rows for _ in range(n)]
-    total, per_fn = run.rewards(
+    return rewards(
         [r["prompt"] for r in repeated],
         turns.answers if turns else [g.completion for g in gens],
         extra_columns(repeated),
@@ -722,13 +703,30 @@ def sampled_rewards(run: GRPORun, rows: list[dict], sampling: SamplingParams, n:
         turns.messages if turns else None,
     )
 
-    def mean_std(x: torch.Tensor) -> tuple[float, float]:
-        x = x[~torch.isnan(x)]
-        return (float(x.mean()) if len(x) else 0.0), (float(x.std()) if len(x) > 1 else 0.0)
 
-    out = dict(zip(("reward", "reward_std"), mean_std(total), strict=True))
+def _mean_std(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and std of the scorable (non-NaN) values, 0 where there are too few."""
+    x = x[~torch.isnan(x)]
+    return (float(x.mean()) if len(x) else 0.0), (float(x.std()) if len(x) > 1 else 0.0)
+
+
+def greedy_reward(
+    engine, loop: TrainLoop, rewards: RewardSet, encode, rows: list[dict], greedy, tools: ToolRunner | None = None
+) -> float:
+    """The mean reward of greedy completions of the held-out prompts (unscorable ones left out)."""
+    total, _ = held_out_rewards(engine, loop, rewards, encode, rows, greedy, tools=tools)
+    return _mean_std(total)[0]
+
+
+def sampled_rewards(run: GRPORun, rows: list[dict], sampling: SamplingParams, n: int) -> dict[str, float]:
+    """TRL's evaluation: `n` completions of each held-out prompt, sampled with the training `sampling` (the same
+    seed at every evaluation, so the points compare); reward (their mean), reward_std and rewards/<fn>/mean."""
+    total, per_fn = held_out_rewards(
+        run.engine, run.loop, run.rewards, run.encode_prompts, rows, sampling, n, run.tools, run.seed
+    )
+    out = dict(zip(("reward", "reward_std"), _mean_std(total), strict=True))
     for k, name in enumerate(run.rewards.names):
-        out[f"rewards/{name}/mean"] = mean_std(per_fn[:, k])[0]
+        out[f"rewards/{name}/mean"] = _mean_std(per_fn[:, k])[0]
     return out
 
 
