@@ -25,23 +25,25 @@ from alignpipe.trainers.online import extra_columns
 log = logging.getLogger(__name__)
 
 
-def generate(ctx: StageContext[JudgeStage], ref: str, prompts: list[str]) -> list[str]:
+def generate(
+    ctx: StageContext[JudgeStage], ref: str, prompts: list[str], tool_stage: FormatStage | None = None
+) -> list[str]:
+    """Model `ref`'s completion of each prompt; where the prompts offer tools (`tool_stage`: the format stage that
+    rendered them), the model calls them as in training and its last turn is its answer."""
     s = ctx.stage
     model, tokenizer = ctx.load_model(ref, merge=True), ctx.tokenizer(ref)
     limit = model_position_limit(model)
     check_generation_window(limit, tokenizer, prompts, s.sampling.max_new_tokens, f"judge {s.id!r}, model {ref!r}")
     engine = HFEngine(model, tokenizer, batch_size=s.batch_size)
-    data = ctx.recipe.stage(s.prompts) if s.prompts else None
-    if not (isinstance(data, FormatStage) and data.tools):
+    if tool_stage is None:
         return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
-    # prompts that offer tools: each model calls them as in training, and its last turn is its answer
-    tools = ToolRunner.for_model(
-        load_tools(data.tools), tokenizer, model, s.tool_call_format, s.sampling.max_new_tokens,
-        s.max_tool_calling_iterations, data.chat_template_kwargs,
+    runner = ToolRunner.for_model(
+        load_tools(tool_stage.tools), tokenizer, model, s.tool_call_format, s.sampling.max_new_tokens,
+        s.max_tool_calling_iterations, tool_stage.chat_template_kwargs,
     )  # fmt: skip
     ids = encode(tokenizer, prompts)
     gens = engine.generate(ids, 1, s.sampling, seed=ctx.seed)
-    return tools.turns(engine, ids, gens, s.sampling, ctx.seed, False).answers
+    return runner.turns(engine, ids, gens, s.sampling, ctx.seed, False).answers
 
 
 def prompt_rows(ctx: StageContext[JudgeStage]) -> list[dict]:
@@ -102,7 +104,9 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
     prompts = [r["prompt"] for r in rows]
     columns = extra_columns(rows)
     models = list(dict.fromkeys(s.candidates + s.baselines))
-    outputs = {m: generate(ctx, m, prompts) for m in models}
+    data = ctx.recipe.stage(s.prompts) if s.prompts else None
+    offered = data if isinstance(data, FormatStage) and data.tools else None
+    outputs = {m: generate(ctx, m, prompts, offered) for m in models}
     pairs = s.pairs
     scores = {} if s.llm_judge else {m: score(judge_fn, judge_name, prompts, outputs[m], columns) for m in models}
     results: dict[tuple[str, str], WinRate] = {}
