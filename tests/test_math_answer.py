@@ -92,15 +92,17 @@ def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def test_gsm8k_grpo_recipe_runs_on_gsm8k_shaped_rows(prefect_harness, tiny, tmp_path):
-    """The shipped recipe, its model and dataset swapped for the tiny model and local GSM8K-shaped files and its
-    sizes shrunk: the system prompt reaches the chat-rendered prompts, the `answer` column reaches the reward in GRPO
-    and in the judge (a missing column would make every reward NaN), and the push gate reads the accuracies."""
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-gsm8k-grpo.yaml", "qwen2.5-0.5b-gsm8k-tools-grpo.yaml"])
+def test_gsm8k_grpo_recipe_runs_on_gsm8k_shaped_rows(prefect_harness, tiny, tmp_path, name):
+    """The shipped recipes (plain, and with the calculator), their model and dataset swapped for the tiny model and
+    local GSM8K-shaped files and their sizes shrunk: the system prompt (and the tool) reaches the chat-rendered
+    prompts, the `answer` column reaches the reward in GRPO and in the judge (a missing column would make every reward
+    NaN), and the push gate reads the accuracies."""
     from test_pipeline_flow import run_flow, summary_of
 
     for split, n in (("train", 48), ("test", 12)):
         (tmp_path / f"gsm8k-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(n, len(split))))
-    text = (Path(__file__).parents[1] / "pipelines" / "qwen2.5-0.5b-gsm8k-grpo.yaml").read_text()
+    text = (Path(__file__).parents[1] / "pipelines" / name).read_text()
     text = text.replace("Qwen/Qwen2.5-0.5B-Instruct", str(tiny / "model")).replace("bfloat16", "float32")
     text = text.replace("./runs", str(tmp_path / "runs")).replace("    subset: main\n", "")
     for split in ("train", "test"):
@@ -132,7 +134,8 @@ def test_gsm8k_grpo_recipe_runs_on_gsm8k_shaped_rows(prefect_harness, tiny, tmp_
     import datasets
 
     rows = datasets.load_from_disk(status["problems"]["output"])["train"].to_list()
-    assert len(rows) == 48 and "put your final answer within \\boxed{}" in rows[0]["prompt"]
+    assert len(rows) == 48 and "our final answer within \\boxed{}" in rows[0]["prompt"]
+    assert ("tools: calculator" in rows[0]["prompt"]) == ("tools" in name)  # the tiny template lists tools by name
     assert rows[0]["answer"].startswith("Sam has ") and "\n#### " in rows[0]["answer"]
 
     client = MlflowClient(recipe.tracking_uri)
@@ -140,6 +143,8 @@ def test_gsm8k_grpo_recipe_runs_on_gsm8k_shaped_rows(prefect_harness, tiny, tmp_
     grpo_run, judge_run = (tags[f"alignpipe.stage_run.{stage}"] for stage in ("grpo", "judge"))
     grpo = [m.value for m in client.get_metric_history(grpo_run, "train/rewards/math_answer/mean")]
     assert grpo and all(0.0 <= v <= 1.0 for v in grpo), grpo
+    calls = client.get_metric_history(grpo_run, "train/tools/call_frequency")
+    assert bool(calls) == ("tools" in name)  # the rollouts ran the tool path
     judge = client.get_run(judge_run).data.metrics
     for score in ("judge/candidate_score", "judge/baseline_score"):
         assert not math.isnan(judge[score]) and 0.0 <= judge[score] <= 1.0

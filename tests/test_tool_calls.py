@@ -487,3 +487,25 @@ def test_num_generations_eval_scores_sampled_completions_as_trl(tiny, tok, tool_
     assert sampled.series(f"eval/rewards/{name}/mean") == [0.5, 0.5]
     assert greedy.series("eval/reward") == [1.0, 1.0]
     assert not greedy.series("eval/reward_std")
+
+
+def test_the_calculator_does_arithmetic_and_nothing_else():
+    from alignpipe.builtin_tools import calculator
+
+    assert calculator("(48 - 12) * 3 / 4") == "27"
+    assert calculator("7 / 2") == "3.5" and calculator("2^10") == "1024" and calculator("1,000 + 1") == "1001"
+    assert calculator("-3**2") == "-9" and calculator("17 // 5 + 17 % 5") == "5"
+    for bad, message in [
+        ("__import__('os').system('true')", "not arithmetic"),
+        ("x + 1", "not arithmetic"),
+        ("9**9**9", "exponent 387420489 is too large"),
+        ("((10**64)**64)**64", "more than 4096 bits"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            calculator(bad)
+    messages, failures = run_calls(
+        [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1/0"}}}],
+        {"calculator": calculator},
+    )
+    assert failures == 1 and messages[0]["content"] == "{'error': 'division by zero'}"  # the model sees why
+    assert load_tools(["alignpipe.builtin_tools:calculator"]) == [calculator]
