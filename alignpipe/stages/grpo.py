@@ -19,8 +19,7 @@ def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, t
     s = ctx.stage
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
     data = ctx.recipe.stage(s.data)
-    assert isinstance(data, FormatStage)
-    tools = load_tools(data.tools) if data.tools else None  # the tools its prompts offer
+    offered = data if isinstance(data, FormatStage) and data.tools else None  # the format stage that renders tools
     p = start_policy(ctx, reference=bool(s.beta))
     result = train(
         s,
@@ -34,8 +33,8 @@ def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, t
         ref_model=p.ref,
         engine=p.engine,
         eval_rows=prompt_rows(ctx, s.data, "eval"),
-        tools=tools,
-        chat_template_kwargs=data.chat_template_kwargs,
+        tools=load_tools(offered.tools) if offered else None,
+        chat_template_kwargs=offered.chat_template_kwargs if offered else None,
     )
     return finish(ctx, title, CURVES, result, p.base_path, "eval/reward")
 
