@@ -326,14 +326,12 @@ def tool_turns(
         step = sampling.model_copy(update={"max_new_tokens": max(max(left), 1)})
         extra = {"logprobs": True} if logprobs else {}
         turn_seed = None if seed is None else seed + 100_003 * (iteration + 1)
-        more = engine.generate(
-            [prompts[i] + ids[i] + s for i, s in zip(contexts, suffixes)], 1, step, seed=turn_seed, **extra
-        )
+        inputs = [prompts[i] + ids[i] + s for i, s in zip(contexts, suffixes)]
+        more = engine.generate(inputs, 1, step, seed=turn_seed, **extra)
         calling = []
-        for i, suffix, answer, room, gen in zip(contexts, suffixes, answers, left, more, strict=True):
+        for i, context, suffix, answer, room, gen in zip(contexts, inputs, suffixes, answers, left, more, strict=True):
             new = list(gen.completion_ids)[: max(room, 0)]
             stopped = gen.finish_reason == "stop" and len(new) == len(gen.completion_ids)
-            context = prompts[i] + ids[i] + suffix
             ids[i] += suffix + new
             mask[i] += [0] * len(suffix) + [1] * len(new)
             if logps is not None:

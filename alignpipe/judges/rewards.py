@@ -300,7 +300,7 @@ class HTTPScorer:
         raise AssertionError("unreachable")
 
 
-def named_parameters(fn) -> set[str]:
+def parameter_names(fn) -> set[str]:
     """The parameter names of `fn` (none for a callable without a signature)."""
     import inspect
 
@@ -308,11 +308,6 @@ def named_parameters(fn) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin or C callable without a signature
         return set()
-
-
-def takes_completion_ids(fn) -> bool:
-    """Whether `fn` names a `completion_ids` parameter."""
-    return "completion_ids" in named_parameters(fn)
 
 
 def score(
@@ -327,7 +322,7 @@ def score(
 ) -> list[float | None]:
     """Call `fn` and check it returned one number (or None) per completion. `completion_ids` and
     `completion_messages` go to a function with a parameter of that name."""
-    named = named_parameters(fn)
+    named = parameter_names(fn)
     extra: dict[str, Any] = {"completion_ids": completion_ids} if "completion_ids" in named else {}
     if "completion_messages" in named:
         extra["completion_messages"] = completion_messages
