@@ -692,29 +692,41 @@ def check_host_copies(setup: Setup) -> Callable[[], None]:
     return run
 
 
+CHECKS = (
+    check_varlen,
+    check_padding_free_dpo,
+    check_fused_norm,
+    check_fused_silu,
+    check_fused_rotary,
+    check_sft_head,
+    check_dpo_head,
+    check_loss_watch,
+    check_step_syncs,
+    check_batch_transfer,
+    check_host_copies,
+    check_compiled_decode,
+    check_graphed_decode,
+    check_rollout_speed,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="checks to leave out, by name without `check_` (compiled_decode,rollout_speed): a short lease's minutes",
+    )
     args = parser.parse_args(argv)
+    skipped = {f"check_{name}" for name in args.skip.split(",") if name}
+    if unknown := skipped - {make.__name__ for make in CHECKS}:
+        parser.error(f"no check {', '.join(sorted(unknown))}; known: {', '.join(m.__name__[6:] for m in CHECKS)}")
     setup = Setup(force_cpu=args.cpu)
     print(f"device {setup.device} ({torch.cuda.get_device_name() if setup.cuda else 'CPU'}), {setup.dtype}", flush=True)
-    for make in (
-        check_varlen,
-        check_padding_free_dpo,
-        check_fused_norm,
-        check_fused_silu,
-        check_fused_rotary,
-        check_sft_head,
-        check_dpo_head,
-        check_loss_watch,
-        check_step_syncs,
-        check_batch_transfer,
-        check_host_copies,
-        check_compiled_decode,
-        check_graphed_decode,
-        check_rollout_speed,
-    ):
-        make(setup)()
+    for make in CHECKS:
+        if make.__name__ not in skipped:
+            make(setup)()
     failed = [name for name, ok, _ in RESULTS if ok is False]
     print(f"{len(RESULTS) - len(failed)} of {len(RESULTS)} passed or skipped; failed: {failed or 'none'}")
     return 1 if failed else 0

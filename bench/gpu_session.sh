@@ -24,10 +24,18 @@
 #      packed SFT
 # A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
+#
+# A 15-minute lease (the device tool's allowance since session 29) holds two calls, made back to back so that the
+# second finds the machine warm; their tables go to $OUT/gpu.md only (the lease's card alone in its header, not
+# merged into docs/benchmarks.md's rows of another card):
+#   a  gpu_checks without the compiled decode step (not a default), then packed SFT 8×2048 and DPO 8×1024 on varlen
+#      against TRL + Liger, the targets with the most users (timeout_s 590)
+#   b  GRPO 8×8×256 against TRL as a recipe runs it on a GPU (CUDA-graph rollouts, varlen updates); B_LIMIT seconds
+#      (default 150: one round), the lease's remaining seconds less a margin
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5)"}
-case $stage in 1 | 2 | 3 | 4 | 5) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a then b)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5, or a then b for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -67,6 +75,14 @@ case $stage in
   bench 160 --cases sft/4x4096 --attention varlen --steps 20
   bench 200 --cases sft/8x2048 --attention varlen --eager-kernels --contenders trl+liger --steps 25
   bench 200 --cases grpo/8x8x256 --attention varlen --compile --contenders trl --steps 7
+  ;;
+a)
+  timeout 140 python3 -m bench.gpu_checks --skip compiled_decode 2>&1 | tee "$out/checks"
+  bench 200 --cases sft/8x2048 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  ;;
+b)
+  bench "${B_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
   ;;
 5)
   for side in ours trl+liger; do
