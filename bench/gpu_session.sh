@@ -30,8 +30,9 @@
 # merged into docs/benchmarks.md's rows of another card):
 #   a  gpu_checks without the compiled decode step (not a default), then packed SFT 8×2048 and DPO 8×1024 on varlen
 #      against TRL + Liger, the targets with the most users (timeout_s 590)
-#   b  GRPO 8×8×256 against TRL as a recipe runs it on a GPU (CUDA-graph rollouts, varlen updates); B_LIMIT seconds
-#      (default 150: one round), the lease's remaining seconds less a margin
+#   b  gpu_checks of the step's syncs and the CUDA-graph rollouts, then GRPO 8×8×256 against TRL as a recipe runs it
+#      on a GPU (CUDA-graph rollouts, varlen updates) for B_LIMIT seconds (default 150: one round), the lease's
+#      remaining seconds less a margin
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a then b)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b) ;; *)
@@ -82,6 +83,7 @@ a)
   bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 b)
+  timeout 90 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed 2>&1 | tee "$out/checks"
   bench "${B_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
   ;;
 5)

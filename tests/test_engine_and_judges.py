@@ -462,6 +462,29 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
                 p.div_(1.01)
 
 
+def test_each_cuda_graph_recording_gets_a_memory_pool_of_its_own(trained, monkeypatch):
+    """By default (`cuda_graph_capture`) every rollout's recording asks for a new memory pool: on an H200 with torch
+    2.11, a second recording into the pool id of a dropped graph that still held blocks failed an allocator assert
+    inside `capture_begin`, the step was given up, and the CUDA generator was left in capture mode. Here the CPU
+    stand-in records, and the pools each recording was given are counted."""
+    from support import replayed_on_cpu
+
+    from alignpipe.engine import decode_steps
+
+    pools = iter(range(100))
+    given = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(pools)))
+    monkeypatch.setattr(decode_steps, "cuda_graph_capture", lambda fn, pool: given.append(pool) or replayed_on_cpu(fn))
+    model, tok = trained
+    engine = HFEngine(model, tok, 8)
+    engine.step = step = decode_steps.GraphedDecodeStep()
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    want = [g.completion_ids for g in HFEngine(model, tok, 8).generate(["The film", "A"], 1, greedy)]
+    for _ in range(3):
+        assert [g.completion_ids for g in engine.generate(["The film", "A"], 1, greedy)] == want
+    assert step.failed is None and given == [("pool", 0), ("pool", 1), ("pool", 2)]
+
+
 @pytest.mark.parametrize("how", ["not recording", "wrong replay"])
 def test_a_cuda_graph_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager_one(trained, caplog, how):
     """A recording that raises (an operator a CUDA graph cannot hold), or a replay whose logits are off from the

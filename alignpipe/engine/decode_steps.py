@@ -247,7 +247,7 @@ class GraphedDecodeStep(FixedShapeStep):
     and graph when the rollout ends: the training step that follows gets that memory back, and a model reloaded or
     moved between rollouts is simply recorded again. Optimizer steps between the tokens of one rollout do not happen.
     The first replay of each (rows, length) is checked against the eager step, once per process. `capture` records
-    a step (by default `cuda_graph_capture`, every recording in one memory pool)."""
+    a step (by default `cuda_graph_capture`, each recording in a memory pool of its own)."""
 
     what = "CUDA-graph decode step"
     off_switch = "cuda_graphs: false"
@@ -272,13 +272,13 @@ class GraphedDecodeStep(FixedShapeStep):
         key = _recording_key(shape)
         recording = self.recordings.get(key)
         if recording is None:
-            # One recording alive at a time, all in one memory pool: a graph's temporaries may then share memory
-            # with a dropped graph's, and none is replayed after another was recorded.
-            self.recordings.clear()
-            if self.capture is None:
-                self.capture = functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle())
+            self.recordings.clear()  # one recording alive at a time
+            # Each recording gets a memory pool of its own. A pool id shared with a dropped graph is refused by
+            # the allocator while that pool still holds blocks (an internal assert in `capture_begin`, seen on an
+            # H200 with torch 2.11), and that failure leaves the CUDA generator in capture mode for the process.
+            capture = self.capture or functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle())
             try:
-                recording = self.recordings[key] = Recording(args, self.capture)
+                recording = self.recordings[key] = Recording(args, capture)
             except RuntimeError as err:
                 why = f"it could not be recorded ({type(err).__name__}: {str(err).splitlines()[0]})"
                 raise Unrecorded(why) from err
