@@ -203,6 +203,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return _Rotary.apply(q, k, cos, sin)
 
 
+GRAPH_RECORDING: ContextVar[bool] = ContextVar("alignpipe_graph_recording", default=False)
+"""Set while a decode step is recorded as a CUDA graph (`decode_steps.Recording`): the rotary and SwiGLU kernels then
+serve one-position steps too. An eager decode step leaves them out: a compiled call's guards cost the host more than
+one position per row saves. A recording pays that host work once per rollout and its replays keep only the kernels,
+and a graphed step's time is its kernel count (an H200 replayed Qwen2-0.5B's ~26 kernels a layer, 64 rows, in 4.0 ms
+where its bytes need 0.28; docs/benchmarks.md, session 29): fused, a layer issues ~16."""
+
+
+def takes_one_position() -> bool:
+    """Whether a one-position forward (a decode step) takes the fused kernels: while it is recorded as a graph."""
+    return GRAPH_RECORDING.get()
+
+
 ROTARY_HERE: ContextVar[bool] = ContextVar("alignpipe_fused_rotary", default=False)
 """Set while a patched attention module runs (`lean_activations` with `fused`): the modeling module's rotary
 function then takes `rotary` on a CUDA device. Every other model in the process calls transformers' own."""
@@ -221,13 +234,13 @@ def take_rotary(modeling_module: str) -> bool:
         return True
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        # not while compiling (a compiled graph fuses the plain expression), nor in decode steps (one position)
+        # not while compiling (a compiled graph fuses the plain expression), nor in eager decode steps (one position)
         if (
             not torch.compiler.is_compiling()
             and ROTARY_HERE.get()
             and unsqueeze_dim == 1
             and q.dim() == 4
-            and q.size(2) > 1
+            and (q.size(2) > 1 or takes_one_position())
             and wanted(True, q.device)
         ):
             return rotary(q, k, cos, sin)

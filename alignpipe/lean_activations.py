@@ -94,12 +94,17 @@ def _norm_forward(self, hidden_states):
 
 def _mlp_forward(self, x):
     gate, up = self.gate_proj(x), self.up_proj(x)
-    # Not in decode steps (one position per row): inside a compiled graph (a compiled decode step) inductor fuses the
-    # plain expression itself, and an eager step's rows are too few for one pass less to pay for a compiled call's
-    # guards on the host. Every multi-token forward takes it, so a rollout's scoring passes and the update's forward
-    # round alike (a GRPO ratio of 1 stays 1).
+    # Not in eager decode steps (one position per row): their rows are too few for one pass less to pay for a
+    # compiled call's guards on the host. A decode step recorded as a CUDA graph takes it (the guards run once, at
+    # the recording), and inside a compiled graph (a compiled decode step) inductor fuses the plain expression itself.
+    # Every multi-token forward takes it, so a rollout's scoring passes and the update's forward round alike (a GRPO
+    # ratio of 1 stays 1).
     decode_step = gate.dim() == 3 and gate.size(1) == 1
-    fused = self.alignpipe_fused_silu and not decode_step and not torch.compiler.is_compiling()
+    fused = (
+        not torch.compiler.is_compiling()  # first: what follows reads a context variable, which dynamo cannot trace
+        and self.alignpipe_fused_silu
+        and (not decode_step or fused_kernels.takes_one_position())
+    )
     if fused and fused_kernels.wanted(True, gate.device):
         if fused_kernels.recomputes_product(self.down_proj):
             return fused_kernels.silu_mul_down(gate, up, self.down_proj.weight)
@@ -135,3 +140,8 @@ def lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
             continue
         patched += 1
     return patched
+
+
+def takes_fused_kernels(model: torch.nn.Module) -> bool:
+    """Whether `model` was patched with `fused` (its MLPs' products and rotary embeddings through `fused_kernels`)."""
+    return any(getattr(module, "alignpipe_fused_silu", False) for module in model.modules())

@@ -509,6 +509,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         from alignpipe.engine.decode_steps import GraphedDecodeStep
         from alignpipe.engine.hf import decode, decode_static
         from alignpipe.engine.sampling import SamplingParams
+        from alignpipe.lean_activations import lean_activations
         from bench.cases import QWEN_05B, decode_bytes_per_step
         from bench.peaks import copy_tb_per_s
 
@@ -534,17 +535,33 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
                 seed = torch.Generator(device=setup.device).manual_seed(5)
                 out[name], seconds = timed(lambda f=loop, kw=kwargs, g=seed: rollout(f, kw, g), True)
                 rate[name] = rows * new / seconds
+        plain_failed = step.failed
+        # as a GRPO stage's policy decodes: patched by `lean_activations` (torch's fused norm), its rotary and SwiGLU
+        # kernels fused in the recordings (`fused_kernels.GRAPH_RECORDING`)
+        lean_activations(model, fused=True)
+        step = GraphedDecodeStep()
+        with torch.inference_mode():
+            for name in ("graphed policy", "graphed policy again"):
+                seed = torch.Generator(device=setup.device).manual_seed(5)
+                _, seconds = timed(lambda g=seed: rollout(decode_static, {"step": step}, g), True)
+                rate[name] = rows * new / seconds
         sampling_ms = _sampling_ms(setup, rows, QWEN_05B["vocab_size"], sampling)
         bound = copy_tb_per_s() * 1e12 * rows / decode_bytes_per_step("qwen0.5b", rows, width + new / 2)
         same = int((out["graphed again"] == out["eager static"]).all(1).sum())
         rates = ", ".join(f"{name} {r / 1e3:.1f}k" for name, r in rate.items())
-        fell_back = f"; given up for the eager step: {step.failed}" if step.failed else ""
+        fell_back = f"; given up for the eager step: {plain_failed}" if plain_failed else ""
+        policy = (
+            f"given up for the eager step: {step.failed}"
+            if step.failed
+            else f"fused kernels {'recorded' if step.fused else 'left out after a failed recording'}"
+        )
         return (
-            not step.failed and rate["graphed again"] > max(rate["eager"], rate["eager static"]),
+            not plain_failed and not step.failed and rate["graphed again"] > max(rate["eager"], rate["eager static"]),
             f"{rows} rows × {new} tokens, Qwen2-0.5B bf16: generated tokens/s {rates} (bound {bound / 1e3:.0f}k at "
-            f"the measured copy rate); sampled rows equal to the eager static loop's {same}/{rows}{fell_back}; "
+            f"the measured copy rate; the policy patched as a stage patches it: {policy}); sampled rows of the plain "
+            f"model equal to the eager static loop's {same}/{rows}{fell_back}; "
             f"sampling, outside the graph: {sampling_ms:.3f} ms of each {rows * 1e3 / rate['graphed again']:.3f} ms "
-            "graphed step",
+            "graphed step of the plain model",
         )
 
     return run

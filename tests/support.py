@@ -3,6 +3,7 @@ built from the tiny assets."""
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 
 # A short GRPO/RLOO run on the tiny model: 2 updates of 8 completions (2 prompts × 4), a KL term and 2 iterations
@@ -121,9 +122,11 @@ def run_ppo(tiny: Path, tmp_path: Path, tracker=None, lora: bool = False, attent
 
 def replayed_on_cpu(step):
     """What recording a CUDA graph amounts to, on CPU (a `GraphedDecodeStep`'s `capture`): the warm-up runs the step
-    (and writes the cache); each replay runs it again on the same input buffers and writes the same output tensor."""
+    (and writes the cache); each replay runs it again on the same input buffers, in the context it was recorded in
+    (a graph replays the kernels chosen while it was recorded), and writes the same output tensor."""
+    recorded = contextvars.copy_context()
     out = step()
-    return (lambda: out.copy_(step())), out
+    return (lambda: out.copy_(recorded.run(step))), out
 
 
 def graphed_on_cpu(engine, device):

@@ -322,3 +322,76 @@ def test_scoring_passes_with_the_fused_kernels_train_as_the_eager_ones(tiny, tmp
     assert scoring[False] == 0 and scoring[True] > 0
     for key, eager in series[False].items():
         assert len(eager) >= 4 and series[True][key] == pytest.approx(eager, rel=1e-4, abs=1e-6), key
+
+
+def _decoded(engine, prompts, n=1):
+    from alignpipe.engine.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0 if n > 1 else 0, max_new_tokens=10)
+    return [g.completion_ids for g in engine.generate(prompts, n, sampling, seed=2)]
+
+
+def test_a_recorded_decode_step_takes_the_fused_kernels_an_eager_one_does_not(tiny, gate_open):
+    """A one-position decode step of a patched policy takes the fused rotary and SwiGLU kernels only while it is
+    recorded as a CUDA graph (here the CPU stand-in, whose replays run what was recorded): their host-side cost is
+    paid once per recording. The tokens equal the eager loop's, greedy and sampled; the eager loop's decode steps
+    take none (its prefill does: several positions)."""
+    from support import replayed_on_cpu
+
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.lean_activations import lean_activations, takes_fused_kernels
+    from alignpipe.modeling import load_tokenizer
+
+    model, tok = load_causal_lm(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
+    assert not takes_fused_kernels(model)
+    lean_activations(model, fused=True)
+    assert takes_fused_kernels(model)
+    layers = model.config.num_hidden_layers
+    prompts = ["The film", "I watched it and", "A"]
+    for n in (1, 3):
+        want = _decoded(HFEngine(model, tok, 8, static_cache=True), prompts, n)
+        assert gate_open["rotary"] == gate_open["silu_mul"] == layers, "the eager loop: its prefill only"
+        graphed = HFEngine(model, tok, 8)
+        graphed.step = step = GraphedDecodeStep(capture=replayed_on_cpu)
+        assert _decoded(graphed, prompts, n) == want
+        # prefill, the warm-up and each of the 9 replays (the last token needs no step), every layer
+        assert gate_open["rotary"] == gate_open["silu_mul"] == layers * (2 + 10), gate_open
+        assert step.fused and step.failed is None
+        gate_open.update(rotary=0, silu_mul=0)
+
+
+def test_a_recording_that_fails_with_the_fused_kernels_is_made_without_them(tiny, gate_open, caplog):
+    """Where a capture with the fused kernels fails (a compiled call a graph cannot hold), the step is recorded
+    without them, said once, and later rollouts do not try them again; the graph itself is kept."""
+    import logging
+
+    from support import replayed_on_cpu
+
+    from alignpipe import fused_kernels
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.lean_activations import lean_activations
+    from alignpipe.modeling import load_tokenizer
+
+    model, tok = load_causal_lm(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
+    lean_activations(model, fused=True)
+    tries = []
+
+    def capture(step):
+        tries.append(fused_kernels.GRAPH_RECORDING.get())
+        if fused_kernels.GRAPH_RECORDING.get():
+            step()  # the warm-up ran (and wrote the cache) before the capture failed
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return replayed_on_cpu(step)
+
+    prompts = ["The film", "I watched it and", "A"]
+    want = _decoded(HFEngine(model, tok, 8, static_cache=True), prompts)
+    engine = HFEngine(model, tok, 8)
+    engine.step = step = GraphedDecodeStep(capture=capture)
+    with caplog.at_level(logging.WARNING, logger="alignpipe.engine.decode_steps"):
+        assert _decoded(engine, prompts) == want
+        assert _decoded(engine, prompts) == want
+    assert tries == [True, False, False], "tried with them once, then recorded without them"
+    assert not step.fused and step.failed is None
+    assert len(caplog.records) == 1 and "recordings leave them out from now on" in caplog.text

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from alignpipe import fused_kernels, lean_activations
+
 log = logging.getLogger(__name__)
 
 # The narrowest prompt width of a fixed-shape decode; wider prompts round up to a power of two.
@@ -218,19 +220,21 @@ class Recording:
     """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them)
     and the output it writes. The weights and the static cache are read where they lie."""
 
-    def __init__(self, args: tuple, capture: Capture):
+    def __init__(self, args: tuple, capture: Capture, fused: bool = False):
         model, token, mask, pos, cache, cache_position = args
         self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
         restore = _counters_restorer(cache)
         token_in, mask_in, pos_in, cache_position_in = self.inputs
         # streams and graphs belong to the current device: the model's, also where another one is current
         on_device = torch.cuda.device(token.device) if token.is_cuda else contextlib.nullcontext()
+        recording = fused_kernels.GRAPH_RECORDING.set(fused)  # the warm-up compiles what the capture then records
         try:
             with on_device:
                 self.replay, self.out = capture(
                     lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
                 )
         finally:  # the warm-up wrote this step's entries and advanced the counters; the replay does it again
+            fused_kernels.GRAPH_RECORDING.reset(recording)
             restore()
 
     def __call__(self, token, mask, pos, cache_position) -> torch.Tensor:
@@ -257,6 +261,9 @@ class GraphedDecodeStep(FixedShapeStep):
         self.capture = capture
         self.recordings: dict[tuple[int, int, int], Recording] = {}
         self.checked: set[tuple[int, int]] = set()
+        self.fused = True
+        """Whether recordings take a patched policy's fused rotary and SwiGLU kernels (`fused_kernels.GRAPH_RECORDING`);
+        off for the rest of the process once a recording with them failed and one without them did not."""
 
     def release(self) -> None:
         self.caches.clear()
@@ -273,20 +280,41 @@ class GraphedDecodeStep(FixedShapeStep):
         recording = self.recordings.get(key)
         if recording is None:
             self.recordings.clear()  # one recording alive at a time
-            # Each recording gets a memory pool of its own. A pool id shared with a dropped graph is refused by
-            # the allocator while that pool still holds blocks (an internal assert in `capture_begin`, seen on an
-            # H200 with torch 2.11), and that failure leaves the CUDA generator in capture mode for the process.
-            capture = self.capture or functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle())
-            try:
-                recording = self.recordings[key] = Recording(args, capture)
-            except RuntimeError as err:
-                why = f"it could not be recorded ({type(err).__name__}: {str(err).splitlines()[0]})"
-                raise Unrecorded(why) from err
+            recording = self.recordings[key] = self._record(args)
         _, token, mask, pos, _, cache_position = args
         return recording(token, mask, pos, cache_position)
 
+    def _record(self, args: tuple) -> Recording:
+        """A new recording of the step on `args`; a policy patched with the fused kernels has them recorded too,
+        unless such a recording failed before (then it is recorded without them, for the rest of the process)."""
+        model, token = args[0], args[1]
+        if self.fused and lean_activations.takes_fused_kernels(model) and fused_kernels.wanted(True, token.device):
+            try:
+                return Recording(args, self._capture(), fused=True)
+            except RuntimeError as err:
+                self.fused = False
+                log.warning(
+                    "rollout: a CUDA-graph decode step with the fused rotary and SwiGLU kernels could not be recorded "
+                    "(%s); recordings leave them out from now on",
+                    _first_line(err),
+                )
+        try:
+            return Recording(args, self._capture())
+        except RuntimeError as err:
+            raise Unrecorded(f"it could not be recorded ({_first_line(err)})") from err
+
+    def _capture(self) -> Capture:
+        # Each recording gets a memory pool of its own. A pool id shared with a dropped graph is refused by the
+        # allocator while that pool still holds blocks (an internal assert in `capture_begin`, seen on an H200 with
+        # torch 2.11), and that failure leaves the CUDA generator in capture mode for the process.
+        return self.capture or functools.partial(cuda_graph_capture, pool=torch.cuda.graph_pool_handle())
+
     def _forget(self, narrower: Callable[[tuple], bool]) -> None:
         self.recordings = {k: r for k, r in self.recordings.items() if not narrower(k)}
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 def _recording_key(shape: tuple) -> tuple[int, int, int]:
