@@ -5,7 +5,7 @@ layers stay eager.
 Eager PyTorch runs every operator as its own kernel, reading and writing the whole tensor each time. Between the
 matmuls of a training step that is most of the memory traffic. Two places carry most of it:
 
-- the SwiGLU product of each MLP (decode steps aside), over (tokens × intermediate) tensors (16k × 4864 at
+- the SwiGLU product of each MLP (eager decode steps aside: `GRAPH_RECORDING`), over (tokens × intermediate) tensors (16k × 4864 at
   Qwen2-0.5B's SFT shape: 160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their
   temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`). Where the
   down projection is a plain trained `nn.Linear` (full fine-tuning), the product is not kept for it either: the
