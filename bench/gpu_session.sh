@@ -33,10 +33,13 @@
 #   b  gpu_checks of the step's syncs and the CUDA-graph rollouts, then GRPO 8×8×256 against TRL as a recipe runs it
 #      on a GPU (CUDA-graph rollouts, varlen updates) for B_LIMIT seconds (default 150: one round), the lease's
 #      remaining seconds less a margin
+#   c  what session 29's lease could not reach: gpu_checks of the decode steps (the graphed policy with its fused
+#      kernels recorded, the compiled step), reward 8×1024 against TRL + Liger, then PPO 64×256 against TRL 1.12
+#      (timeout_s 590)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a then b)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5, or a then b for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, a, b or c)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, or c, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -85,6 +88,11 @@ a)
 b)
   timeout 90 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed 2>&1 | tee "$out/checks"
   bench "${B_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
+  ;;
+c)
+  timeout 120 python3 -m bench.gpu_checks --only graphed_decode,rollout_speed,compiled_decode 2>&1 | tee "$out/checks"
+  bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 270 --cases ppo/64x256 --attention varlen --steps 7 --out "$out/gpu.md"
   ;;
 5)
   for side in ours trl+liger; do
