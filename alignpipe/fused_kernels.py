@@ -5,8 +5,8 @@ layers stay eager.
 Eager PyTorch runs every operator as its own kernel, reading and writing the whole tensor each time. Between the
 matmuls of a training step that is most of the memory traffic. Two places carry most of it:
 
-- the SwiGLU product of each MLP (eager decode steps aside: `GRAPH_RECORDING`), over (tokens × intermediate) tensors (16k × 4864 at
-  Qwen2-0.5B's SFT shape: 160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their
+- the SwiGLU product of each MLP (eager decode steps aside: `GRAPH_RECORDING`), over (tokens × intermediate)
+  tensors (16k × 4864 at Qwen2-0.5B's SFT shape: 160 MB each in bf16). Eagerly that is 2 kernels forward and 4 backward with their
   temporaries, about 16 passes over such a tensor; fused, one kernel each way and 8 passes (`silu_mul`). Where the
   down projection is a plain trained `nn.Linear` (full fine-tuning), the product is not kept for it either: the
   backward's kernel writes it again (`silu_mul_down`, one pass more, a quarter of a layer's kept bytes less).
@@ -206,9 +206,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 GRAPH_RECORDING: ContextVar[bool] = ContextVar("alignpipe_graph_recording", default=False)
 """Set while a decode step is recorded as a CUDA graph (`decode_steps.Recording`): the rotary and SwiGLU kernels then
 serve one-position steps too. An eager decode step leaves them out: a compiled call's guards cost the host more than
-one position per row saves. A recording pays that host work once per rollout and its replays keep only the kernels,
-and a graphed step's time is its kernel count (an H200 replayed Qwen2-0.5B's ~26 kernels a layer, 64 rows, in 4.0 ms
-where its bytes need 0.28; docs/benchmarks.md, session 29): fused, a layer issues ~16."""
+one position per row saves. A recording pays that host work once per rollout and its replays keep only the kernels.
+A graphed step's time goes mostly to its kernel count: an H200 replayed Qwen2-0.5B's step (64 rows, ~43 kernels a
+layer unpatched, ~26 patched) in 4.0 ms where its bytes need 0.28 (docs/benchmarks.md, session 29). Fused, a
+patched layer issues ~16."""
 
 
 def takes_one_position() -> bool:

@@ -263,7 +263,7 @@ class GraphedDecodeStep(FixedShapeStep):
         self.checked: set[tuple[int, int]] = set()
         self.fused = True
         """Whether recordings take a patched policy's fused rotary and SwiGLU kernels (`fused_kernels.GRAPH_RECORDING`);
-        off for the rest of the process once a recording with them failed and one without them did not."""
+        off from the first recording with them that failed on."""
 
     def release(self) -> None:
         self.caches.clear()
@@ -286,7 +286,7 @@ class GraphedDecodeStep(FixedShapeStep):
 
     def _record(self, args: tuple) -> Recording:
         """A new recording of the step on `args`; a policy patched with the fused kernels has them recorded too,
-        unless such a recording failed before (then it is recorded without them, for the rest of the process)."""
+        unless such a recording failed before (then, and from then on, it is recorded without them)."""
         model, token = args[0], args[1]
         if self.fused and lean_activations.takes_fused_kernels(model) and fused_kernels.wanted(True, token.device):
             try:
