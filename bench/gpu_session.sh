@@ -22,7 +22,7 @@
 #      compiled rollouts (inductor's kernels in the graph, paid by a compilation per shape)
 #   5  profiles of a DPO 8×1024 step on varlen, ours and TRL + Liger's (where the DPO target's gap is), then compiled
 #      packed SFT
-# A session's 30 minutes of device time hold about three stages (a machine's start takes a minute or two, and it
+# A session's 30 minutes of device time (until session 28) held about three stages (a machine's start takes a minute or two, and it
 # goes back 30 s after a call), so run them back to back in this order.
 #
 # A 15-minute lease (the device tool's allowance since session 29) holds two calls, made back to back so that the
