@@ -186,7 +186,13 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
         med = {
             impl: {
                 k: _median([r.get(k) for r in rs])
-                for k in ("samples_per_s", "steady_samples_per_s", "peak_mb", "mean_completion_length")
+                for k in (
+                    "samples_per_s",
+                    "steady_samples_per_s",
+                    "peak_mb",
+                    "mean_completion_length",
+                    "generation_tokens_per_s",
+                )
             }
             for impl, rs in runs.items()
         }
@@ -210,6 +216,7 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
                 row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks) for impl in ("ours", contender)]
                 row += [
                     _generated(case, rate[impl], med[impl]["mean_completion_length"], ph)
+                    + _engine(med[impl]["generation_tokens_per_s"], ph)
                     for impl in ("ours", contender)
                 ]
             row += [
@@ -238,6 +245,14 @@ def _generated(case: Case, rate: float, mean_length: float | None, ph: Physics) 
         return "–"
     tokens = rate * (2 if case.trainer == "online_dpo" else 1) * (mean_length or case.shape.completion)
     return f"{tokens:,.0f}" + (f" ({tokens / ph.decode_bound:.1%})" if ph.decode_bound else "")
+
+
+def _engine(tokens_per_s: float | None, ph: Physics) -> str:
+    """Where a trainer logs it (ours: `generation/tokens_per_s`), the rate of its rollouts' generation alone, beside
+    the same bound: what the engine does inside the stage, apart from the update's share of the step."""
+    if not tokens_per_s:
+        return ""
+    return f"; generating {tokens_per_s:,.0f}" + (f" ({tokens_per_s / ph.decode_bound:.1%})" if ph.decode_bound else "")
 
 
 def merge_rows(old: list[str], new: list[str]) -> list[str]:
@@ -453,7 +468,8 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
             "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "
             "the measured matmul. Generated tokens/s: samples/s × completions × their logged mean length (TRL 1.12's "
             "PPO logs none: its maximum), beside the bound a decode step reading every weight and the KV cache at the "
-            "measured copy rate allows. Memory: `torch.cuda.max_memory_allocated`. "
+            "measured copy rate allows; 'generating' after it: the rollouts' generation alone, as our trainers log it "
+            "(`generation/tokens_per_s`, the median of the steady steps). Memory: `torch.cuda.max_memory_allocated`. "
             if gpu
             else "Ratio: ours / contender, end to end (data preparation + training + saving; model loading "
             "excluded); tokens/s = samples/s × mean real tokens per sample of the identical data. Memory: peak RSS "

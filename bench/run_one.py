@@ -259,6 +259,7 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         "seconds": seconds,
         "loss": tracker.last("loss/policy_avg" if task == "ppo" else "train/loss"),
         "mean_completion_length": _mean_length(tracker, "completions/mean_length", "train/completions/mean_length"),
+        "generation_tokens_per_s": _steady_median(tracker, "generation/tokens_per_s", "train/generation/tokens_per_s"),
     }
 
 
@@ -266,6 +267,15 @@ def _mean_length(tracker, *names: str) -> float | None:
     for name in names:
         if tracker.last(name) is not None:
             return float(tracker.last(name))
+    return None
+
+
+def _steady_median(tracker, *names: str) -> float | None:
+    """The median of a metric's log points after the warm-up steps (all of them where a run logged fewer): with a
+    log every step (the GPU shapes), the steady window's."""
+    for name in names:
+        if values := tracker.series(name):
+            return float(statistics.median(values[WARMUP_STEPS:] or values))
     return None
 
 

@@ -176,6 +176,35 @@ def test_a_log_points_metrics_over_processes_take_means_sums_and_extremes(monkey
     }  # fmt: skip
 
 
+def test_a_windows_generation_rate_and_share_and_their_sum_over_processes(monkeypatch):
+    """`Throughput`: a rollout's generation (seconds, sampled tokens) gives the window's generation/tokens_per_s and
+    its share of the window's wall time; a window without one reports neither; over processes the rates add up (each
+    rank samples its share at once) and the shares are averaged."""
+    import accelerate.utils
+
+    from alignpipe.trainers import common
+
+    clock = iter([0.0, 4.0, 4.0, 9.0, 9.0])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    meter = common.Throughput()
+    meter.add(100, 2)
+    meter.add_generation(1.0, 300)
+    meter.add_generation(0.5, 150)
+    assert meter.read() == {
+        "tokens_per_s": 25.0, "samples_per_s": 0.5, "generation/tokens_per_s": 300.0, "generation/time_share": 0.375,
+    }  # fmt: skip
+    assert meter.read() == {"tokens_per_s": 0.0, "samples_per_s": 0.0}, "reset: a window with no rollout"
+    ranks = [{"generation/tokens_per_s": 300.0, "generation/time_share": 0.4}, {"generation/tokens_per_s": 200.0,
+             "generation/time_share": 0.2}]  # fmt: skip
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda _: ranks)
+
+    class TwoRanks:
+        num_processes = 2
+
+    out = common.across_processes(TwoRanks(), ranks[0])
+    assert out == {"generation/tokens_per_s": 500.0, "generation/time_share": pytest.approx(0.3)}
+
+
 def grpo(tiny, workdir):
     from pathlib import Path
 

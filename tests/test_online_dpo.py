@@ -121,6 +121,7 @@ def test_one_step_equals_trl_training_step(tiny, loss_type, monkeypatch):
     for key, value in trl_stats.items():
         assert tracker.last(f"train/{key}") == pytest.approx(value, abs=1e-4), key
     assert tracker.last("train/pairs_decided") == 1.0
+    assert tracker.last("train/generation/tokens_per_s") > 0 and 0 < tracker.last("train/generation/time_share") <= 1
 
 
 def test_judge_ties_do_not_train(tiny, tmp_path):

@@ -187,6 +187,9 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     kls = tracker.series("train/kl")
     assert len(kls) == 4 and kls[0] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(k) for k in kls)
     assert all(math.isfinite(x) for x in tracker.series("train/loss"))
+    # each step that sampled (num_iterations 2: every other one) logs its generation's rate and share of the step
+    rates, shares = tracker.series("train/generation/tokens_per_s"), tracker.series("train/generation/time_share")
+    assert len(rates) == len(shares) == 2 and all(r > 0 for r in rates) and all(0 < s <= 1 for s in shares)
 
 
 def test_grpo_with_static_cache_and_cuda_graph_rollouts_trains_identically(reversal_sft, tmp_path, monkeypatch):
@@ -293,6 +296,8 @@ def test_ppo_runs_updates_and_logs_the_seed_metrics(tiny, tmp_path):
         "lr",
         "episode",
         "eps",
+        "generation/tokens_per_s",
+        "generation/time_share",
     ):
         assert tracker.last(key) is not None and math.isfinite(tracker.last(key)), key
     assert tracker.series("objective/kl")[0] == pytest.approx(0.0, abs=1e-5), (

@@ -284,21 +284,34 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
 
 
 class Throughput:
-    """Tokens/s and samples/s between two log points. Token counts may be device tensors: they are summed where
-    they are and read once, in `read()`."""
+    """Tokens/s and samples/s between two log points, and for online trainers what their rollouts' generation took:
+    `generation/tokens_per_s` (tokens sampled per second of the engine's calls) and `generation/time_share` (those
+    calls' share of the window's wall time). Token counts may be device tensors: they are summed where they are and
+    read once, in `read()`."""
 
     def __init__(self):
         self.t0, self.samples = time.perf_counter(), 0
         self.tokens: int | torch.Tensor = 0
+        self.generation_s, self.generated = 0.0, 0
 
     def add(self, tokens: int | torch.Tensor, samples: int) -> None:
         self.tokens = self.tokens + tokens
         self.samples += samples
 
+    def add_generation(self, seconds: float, tokens: int) -> None:
+        """A rollout's generation: the wall time of the engine's calls (they end with the tokens on the host, so no
+        device work of theirs is left out) and the tokens they sampled."""
+        self.generation_s += seconds
+        self.generated += tokens
+
     def read(self) -> dict[str, float]:
         dt = max(1e-9, time.perf_counter() - self.t0)
         out = {"tokens_per_s": float(self.tokens) / dt, "samples_per_s": self.samples / dt}
+        if self.generation_s > 0:
+            out["generation/tokens_per_s"] = self.generated / self.generation_s
+            out["generation/time_share"] = min(1.0, self.generation_s / dt)
         self.t0, self.tokens, self.samples = time.perf_counter(), 0, 0
+        self.generation_s, self.generated = 0.0, 0
         return out
 
 
@@ -315,7 +328,7 @@ SHOWN = ("loss", "reward", "rewards/margins", "accuracy", "objective/scores", "o
 
 
 # Metrics that add up over processes (each rank's throughput is its share of the step's).
-SUMMED = frozenset({"tokens_per_s", "samples_per_s"})
+SUMMED = frozenset({"tokens_per_s", "samples_per_s", "generation/tokens_per_s"})
 
 
 def extreme(key: str):
@@ -495,6 +508,11 @@ class TrainLoop:
         """Add work done outside the data loader's batches (e.g. a rollout's generated tokens) to tokens_per_s and
         samples_per_s."""
         self.meter.add(tokens, samples)
+
+    def count_generation(self, seconds: float, tokens: int) -> None:
+        """Add a rollout's generation (its engine calls' wall time, the tokens they sampled) to this window's
+        generation/tokens_per_s and generation/time_share."""
+        self.meter.add_generation(seconds, tokens)
 
     @property
     def iteration(self) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -427,10 +428,13 @@ def sample(run: GRPORun, batch_rows: list[dict], logprobs: bool = False) -> Samp
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     extra = {"logprobs": True} if logprobs else {}  # engines that cannot give them need not take the argument
     seed = run.seed + loop.step
+    started = time.perf_counter()
     gens = run.engine.generate(prompt_lists, G, sampling, seed=seed, **extra)
     repeated = [p for p in prompt_lists for _ in range(G)]
     tools = run.tools.turns(run.engine, repeated, gens, sampling, seed, logprobs) if run.tools else None
     ids = tools.completion_ids if tools else [g.completion_ids for g in gens]
+    sampled = sum(map(sum, tools.tool_mask)) if tools else sum(map(len, ids))  # tool answers are not sampled
+    loop.count_generation(time.perf_counter() - started, sampled)
     prompt_ids, prompt_mask = pad_rows(repeated, pad, left=True)
     completion_ids, _ = pad_rows(ids, pad)
     lengths = torch.tensor([len(x) for x in ids])

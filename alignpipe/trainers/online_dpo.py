@@ -19,6 +19,7 @@ held-out prompts) with reward ranking.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,9 @@ def sample_pairs(run: OnlineDPORun, batch_rows: list[dict]) -> RankedPairs:
     prompt_ids = run.encode(batch_rows)
     run.engine.update_weights(loop.unwrapped)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    started = time.perf_counter()
     gens = run.engine.generate(prompt_ids, 2, sampling, seed=run.seed + loop.step)
+    loop.count_generation(time.perf_counter() - started, sum(len(g.completion_ids) for g in gens))
     first, second = gens[0::2], gens[1::2]
     prompts = [r["prompt"] for r in batch_rows]
     ranking = run.ranker(prompts, first, second, batch_rows)

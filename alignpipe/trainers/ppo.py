@@ -44,6 +44,7 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,8 @@ class PPORun:
     kl_ctl: KLController
     moments: RunningMoments | None
     seed: int
+    count_generation: Callable[[float, int], None]
+    """`TrainLoop.count_generation`: a rollout's generation time and sampled tokens, for the window's metrics."""
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -317,7 +320,9 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     prompts = prompt_ids(tok, batch_rows, cfg.max_prompt_length)
     run.engine.update_weights(unwrapped.policy)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
+    started = time.perf_counter()
     gens = run.engine.generate(prompts, 1, sampling, seed=run.seed + update_index)
+    run.count_generation(time.perf_counter() - started, sum(len(g.completion_ids) for g in gens))
     query, query_mask = pad_rows(prompts, tok.pad_token_id, left=True)
     response, _ = pad_rows([g.completion_ids for g in gens], tok.pad_token_id)
     lengths = torch.tensor([max(1, len(g.completion_ids)) for g in gens])
@@ -591,7 +596,19 @@ def train(
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, acc.unwrap_model(loop.model).policy, tokenizer)
     run = PPORun(
-        cfg, acc, loop.model, loop.optimizer, loop.scheduler, tokenizer, rewards, engine, ref, kl_ctl, moments, seed
+        cfg,
+        acc,
+        loop.model,
+        loop.optimizer,
+        loop.scheduler,
+        tokenizer,
+        rewards,
+        engine,
+        ref,
+        kl_ctl,
+        moments,
+        seed,
+        loop.count_generation,
     )
 
     def step(window: list[list[dict]]) -> dict[str, float]:
