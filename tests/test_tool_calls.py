@@ -315,7 +315,10 @@ def answered_five(prompts, completions, completion_messages, **_):
 
 def test_sampled_rollouts_mask_the_tool_answers(tiny, tok, tool_rows):
     cfg = GRPOConfig(batch_size=4, num_generations=2, max_completion_length=160)
-    loop = SimpleNamespace(step=1, unwrapped=None, count=lambda *a: None)
+    generated = []
+    loop = SimpleNamespace(
+        step=1, unwrapped=None, count=lambda *a: None, count_generation=lambda *a: generated.append(a)
+    )
     engine = Scripted(tok)
     run = SimpleNamespace(cfg=cfg, loop=loop, tokenizer=tok, engine=engine, seed=0,
                           encode_prompts=lambda rows: grpo.prompt_ids(tok, rows, None),
@@ -331,6 +334,8 @@ def test_sampled_rollouts_mask_the_tool_answers(tiny, tok, tool_rows):
     assert sm.completions == ["sum 5", "sum 6", "sum 5", "sum 6"]
     fields = sm.tool_fields()
     assert fields["tool_stats"] == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0}
+    [(seconds, sampled)] = generated  # one rollout: its rounds' wall time and the sampled tokens, tool answers not
+    assert seconds > 0 and sampled == sum(map(sum, sm.tools.tool_mask)) < int(sm.lengths.sum())
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])
