@@ -299,8 +299,9 @@ class Throughput:
         self.samples += samples
 
     def add_generation(self, seconds: float, tokens: int) -> None:
-        """A rollout's generation: the wall time of the engine's calls (they end with the tokens on the host, so no
-        device work of theirs is left out) and the tokens they sampled."""
+        """A rollout's generation: the wall time of the engine's calls and the tokens they sampled. The calls end with
+        the tokens on the host, so none of their device work is left out. On a GPU the first of them also waits for
+        what the previous step left queued (its last kernels, a small share)."""
         self.generation_s += seconds
         self.generated += tokens
 
