@@ -173,7 +173,7 @@ class CompiledDecodeStep(FixedShapeStep):
         try:
             return self.fn(*args)
         except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
-            raise Unrecorded(f"it did not compile ({type(err).__name__}: {str(err).splitlines()[0]})") from err
+            raise Unrecorded(f"it did not compile ({_first_line(err)})") from err
 
 
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
