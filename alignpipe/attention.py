@@ -9,9 +9,11 @@ runs each document causally from its cumulative offsets: no mask and no work out
 `flash_attention_2` does with padding-free batches, without the `flash-attn` package.
 
 Where the offsets come from: `sft.collate` counts each block's documents on the host and hands the model
-`cu_seq_lens_q` and `max_length_q` (transformers' names, passed through to every attention call), so the step needs
-no device read. A caller that passes only restarting `position_ids` (TRL's padding-free collator, in the
-benchmark) gets them derived once per forward, with one device read, as transformers' own packed-mask check does.
+`cu_seq_lens_q` and `max_length_q` (transformers' names, passed through to every attention call), with
+`documents_mask`'s marker as the attention mask, so that transformers does not look for the documents in the position
+ids itself (a device read): the step needs no device read. A caller that passes only restarting `position_ids` (TRL's
+padding-free collator, in the benchmark) gets them derived once per forward, with one device read, as transformers'
+own packed-row check does.
 
 Everything else runs SDPA unchanged: padded batches (a 2-D mask), decoding with a KV cache, rows without packing.
 The kernel needs a CUDA device and fp16/bf16 tensors; elsewhere (CPU, float32) the same documents run one by one
@@ -98,6 +100,29 @@ def _mask(**kwargs):
     return sdpa_mask(**kwargs)
 
 
+def implementation_of(model) -> str | None:
+    """transformers' `attn_implementation` of `model` (plain, peft, DDP- or FSDP-wrapped)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
+
+
+def is_documents_mask(mask: object) -> bool:
+    """Whether `mask` is `documents_mask`'s marker (told by its shape: a wrapper's move to the device copies it)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() == 0
+
+
+def documents_mask(model, attention_mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The `attention_mask` to hand `model` with a padding-free batch whose documents the caller counted on the host
+    (`document_kwargs`): on `varlen`, an empty 4-D tensor in place of None. transformers returns a 4-D mask as it is,
+    as one already prepared; given None with `position_ids`, it looks for packed rows in them (`masking_utils`'
+    `find_packed_sequence_indices`), a device read that makes the host wait for the GPU once a forward, for a mask
+    `varlen` never uses. `varlen_attention_forward` takes the marker for "no mask". Other kernels (and padded
+    batches: a 2-D mask) get `attention_mask` unchanged."""
+    if attention_mask is not None or implementation_of(model) != NAME:
+        return attention_mask
+    return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
+
+
 def document_offsets(position_ids: torch.Tensor) -> tuple[list[int], int]:
     """Cumulative offsets of the documents of (B, T) `position_ids` flattened row after row, and the longest
     document's length. A document starts where the position is 0 (every row starts one). Host tensors only: the
@@ -147,6 +172,8 @@ def varlen_attention_forward(
     attend to key document i, its last query to its last key (causal, aligned at the bottom right)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if is_documents_mask(attention_mask):
+        attention_mask = None
     batch, heads, length, dim = query.shape
     position_ids = kwargs.get("position_ids")
     cu = kwargs.get("cu_seq_lens_q")

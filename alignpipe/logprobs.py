@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from alignpipe.attention import documents_mask
 from alignpipe.compiled import compiled_function
 from alignpipe.linear_ce import linear_nll_sum
 from alignpipe.modeling import is_activation_checkpointing, mask_positions
@@ -190,6 +191,8 @@ def _hidden_and_head(model, input_ids, attention_mask, position_ids, documents: 
     (positions from `_positions`; `documents` as `token_nll_sum`'s). (None, None) where the head can only run
     inside the model's forward (`RESHARDS_HEAD`)."""
     extra = documents or {}
+    if documents:
+        attention_mask = documents_mask(model, attention_mask, input_ids.device)
     base = unwrapped(model)
     if base is not None:
         body, head = _decoder_and_head(base)

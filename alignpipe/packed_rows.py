@@ -25,28 +25,22 @@ from typing import Any
 
 import torch
 
-from alignpipe.attention import document_kwargs
+from alignpipe.attention import document_kwargs, documents_mask, implementation_of
 
 # transformers' `attn_implementation`s that run packed documents from their offsets, with no mask
 DOCUMENT_KERNELS = frozenset({"varlen", "flash_attention_2", "flash_attention_3"})
 
 
-def _implementation(model) -> str | None:
-    """transformers' `attn_implementation` of `model` (plain, peft, DDP- or FSDP-wrapped)."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
-
-
 def runs_documents(model) -> bool:
     """Whether `model` attends through a kernel in `DOCUMENT_KERNELS`."""
-    return _implementation(model) in DOCUMENT_KERNELS
+    return implementation_of(model) in DOCUMENT_KERNELS
 
 
 def layout(model) -> str | None:
     """How `model`'s preference batches are best laid out: `shared` on our `varlen` kernel (a prompt runs once for
     all its answers, `pack_groups`), `documents` on flash-attn's (every prompt + answer its own document: its varlen
     call takes no key layout of ours), None (padded) on the others."""
-    name = _implementation(model)
+    name = implementation_of(model)
     return "shared" if name == "varlen" else "documents" if name in DOCUMENT_KERNELS else None
 
 
@@ -209,13 +203,23 @@ def answers_part(packed: dict[str, Any], part: slice) -> dict[str, Any]:
     }
 
 
+def body_hidden(body, packed: dict[str, Any]) -> torch.Tensor:
+    """The last hidden states (1, N, d) of `body` (a decoder without its head, e.g. `model.model`) over a layout's one
+    row of documents: offsets counted on the host, and no mask for transformers to derive (`documents_mask`)."""
+    ids = packed["input_ids"]
+    return body(
+        input_ids=ids,
+        attention_mask=documents_mask(body, None, ids.device),
+        position_ids=packed["position_ids"],
+        use_cache=False,
+        **packed["documents"],
+    ).last_hidden_state
+
+
 def classifier_scores(classifier, packed: dict[str, Any]) -> torch.Tensor:
     """A sequence classifier's (transformers' `*ForSequenceClassification`, unwrapped) float scores of a
     `pack_scored` layout: its body over the one row of documents, its `score` head at each sequence's `last`."""
-    body = getattr(classifier, classifier.base_model_prefix)
-    hidden = body(
-        input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, **packed["documents"]
-    ).last_hidden_state
+    hidden = body_hidden(getattr(classifier, classifier.base_model_prefix), packed)
     return classifier.score(hidden[0].index_select(0, packed["last"])).squeeze(-1).float()
 
 

@@ -109,6 +109,22 @@ class Setup:
 
         return sft.collate(self.packed_blocks()[: self.rows], 0)
 
+    def dpo_batch(self) -> dict:
+        """`dpo.collate` of `rows` pairs of random prompts and answers, padding-free with each prompt shared."""
+        from alignpipe.trainers import dpo
+
+        g = torch.Generator().manual_seed(2)
+        vocab, n = self.model_shape["vocab"], self.length // 4
+
+        def ids(lo: int, hi: int) -> list[int]:
+            return torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+        examples = [
+            {"prompt_ids": ids(n // 8, n // 2), "chosen_ids": ids(8, n), "rejected_ids": ids(8, n)}
+            for _ in range(self.rows)
+        ]
+        return dpo.collate(examples, 0, self.length, packed="shared")
+
 
 def timed(fn: Callable, cuda: bool):
     """(fn(), seconds it took), the device's queue drained before and after on CUDA."""
@@ -188,17 +204,7 @@ def check_padding_free_dpo(setup: Setup) -> Callable[[], None]:
 
         from alignpipe.trainers import dpo
 
-        g = torch.Generator().manual_seed(2)
-        vocab, n = setup.model_shape["vocab"], setup.length // 4
-
-        def ids(lo: int, hi: int) -> list[int]:
-            return torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-
-        examples = [
-            {"prompt_ids": ids(n // 8, n // 2), "chosen_ids": ids(8, n), "rejected_ids": ids(8, n)}
-            for _ in range(setup.rows)
-        ]
-        batch = send_to_device(dpo.collate(examples, 0, setup.length, packed="shared"), setup.device)
+        batch = send_to_device(setup.dpo_batch(), setup.device)
         out = {}
         for attention in ("sdpa", "varlen"):
             model = setup.model(attention)
@@ -633,28 +639,40 @@ def behind_queued_work(setup: Setup, fn: Callable) -> tuple[list[tuple[str, str]
 
 
 def check_step_syncs(setup: Setup) -> Callable[[], None]:
-    @check("an SFT micro-step (packed, varlen) waits for the device only in transformers' packed-mask check")
+    @check("packed SFT and padding-free DPO micro-steps on varlen never wait for the device")
     def run():
         from accelerate.utils import send_to_device
 
-        from alignpipe.trainers import sft
+        from alignpipe.trainers import dpo, sft
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_host_sync.py runs the CPU proxy of this check)"
         model = setup.model("varlen")
-        batch = send_to_device(setup.packed_batch(), setup.device)
-        sft.token_loss_sum(model, batch)[0].backward()  # first call: kernels load, compile caches fill
-        torch.cuda.synchronize()
-        seen: list[tuple[str, str]] = []  # (the warning's own line, the innermost caller outside torch)
+        sft_batch = send_to_device(setup.packed_batch(), setup.device)
+        dpo_batch = send_to_device(setup.dpo_batch(), setup.device)
 
-        with recorded_syncs(seen):
-            loss, _ = sft.token_loss_sum(model, batch)
-            loss.backward()
-        ours = sorted({caller for _, caller in seen if "transformers" not in caller})
-        where = sorted({f"{line} from {caller.rsplit('/', 1)[-1]}" for line, caller in seen})
+        def sft_step():
+            sft.token_loss_sum(model, sft_batch)[0].backward()
+
+        def dpo_step():  # the reference's pass (the policy's weights under inference mode), then the policy's
+            with torch.inference_mode():
+                dpo.completion_logps(model, dpo_batch)
+            dpo.completion_logps(model, dpo_batch)[0].float().sum().backward()
+
+        found = []
+        for name, step in (("SFT", sft_step), ("DPO", dpo_step)):
+            step()  # first call: kernels load, compile caches fill, varlen's one-time check reads the device
+            torch.cuda.synchronize()
+            seen: list[tuple[str, str]] = []  # (the warning's own line, the innermost caller outside torch)
+            with recorded_syncs(seen):
+                step()
+            where = sorted({f"{line} from {caller.rsplit('/', 1)[-1]}" for line, caller in seen})
+            found.append((name, seen, where))
         return (
-            not ours,
-            f"{len(seen)} synchronising calls ({', '.join(where) or 'none'}); outside transformers: {ours}",
+            not any(seen for _, seen, _ in found),
+            "; ".join(
+                f"{name}: {len(seen)} synchronising calls ({', '.join(where) or 'none'})" for name, seen, where in found
+            ),
         )
 
     return run

@@ -66,12 +66,17 @@ def _outside_torch(frame):
 
 
 class DeviceReads(TorchDispatchMode):
-    """Raises at any operator that would wait for a CUDA device (`_syncs`), outside transformers' own code: the
-    boolean index and the `.item()` that Python-level patching cannot see, found on a CPU."""
+    """Raises at any operator that would wait for a CUDA device (`_syncs`): the boolean index and the `.item()` that
+    Python-level patching cannot see, found on a CPU. Outside transformers' own code unless `strict`: on `varlen`
+    our batches leave transformers nothing to read (its packed-row check included: `attention.documents_mask`)."""
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        self.strict = strict
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _syncs(func, args, kwargs) and not _from_transformers():
+        if _syncs(func, args, kwargs) and (self.strict or not _from_transformers()):
             raise HostRead(f"a training step ran {func}, which waits for the device")
         return func(*args, **kwargs)
 
@@ -136,7 +141,7 @@ def guard(monkeypatch):
         def run(*args, **kwargs):
             inside["step"] = True
             try:
-                with DeviceReads(), HostCopies():
+                with DeviceReads(inside_a_step.strict), HostCopies():
                     return fn(*args, **kwargs)
             finally:
                 inside["step"] = False
@@ -160,17 +165,20 @@ def guard(monkeypatch):
         return run
 
     inside_a_step.host_side = host_side
+    inside_a_step.strict = False
     return inside_a_step
 
 
-def varlen_on_cpu(monkeypatch, guard) -> list[int]:
+def varlen_on_cpu(monkeypatch, guard, attention: str) -> list[int]:
     """`model.attention: varlen` as a GPU runs it, on CPU: its per-document loop, which stands in for the CUDA kernel
-    and reads the host offsets, exempt from the guard; returns the list that counts the attention calls."""
-    from alignpipe import attention
+    and reads the host offsets, exempt from the guard; on `attention` "varlen", transformers' reads are not exempt
+    (`DeviceReads`' `strict`). Returns the list that counts the attention calls."""
+    from alignpipe import attention as kernels
 
+    guard.strict = attention == "varlen"
     calls: list[int] = []
-    loop = attention._per_document
-    monkeypatch.setattr(attention, "_per_document", lambda *a: calls.append(1) or guard.host_side(loop)(*a))
+    loop = kernels._per_document
+    monkeypatch.setattr(kernels, "_per_document", lambda *a: calls.append(1) or guard.host_side(loop)(*a))
     return calls
 
 
@@ -198,7 +206,7 @@ def test_the_guard_catches_what_python_cannot_see():
 )
 def test_an_sft_step_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, steps_read_nothing, packing, attention):
     """Packed or not; on varlen the blocks' documents (an unpacked batch runs as one block) are counted by `collate`."""
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     tok, train, evals = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=120, max_length=64)
     cfg = SFTConfig(max_steps=3, batch_size=4, gradient_accumulation_steps=2, packing=packing, max_length=128)
     tracker = Tracker()
@@ -221,7 +229,7 @@ def test_dpo_and_reward_steps_read_nothing_back(
     from alignpipe import logprobs
 
     calls: list[str] = []
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     if share:
         monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
         fused = dpo.fused_pair_loss
@@ -262,7 +270,7 @@ def test_a_kto_step_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, steps
     (a GPU batch's) groups completions by host counts; on varlen its halves run padding-free."""
     from alignpipe import logprobs
 
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     monkeypatch.setattr(logprobs, "SHARE_MIN_SAVED", 0)
     monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 0)
     fused: list = []
@@ -365,7 +373,7 @@ def test_an_online_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard,
     )
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
     tracker = Tracker()
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     policy = load_causal_lm(str(tiny / "model"), attention=attention)
     module.train(cfg, policy, tok, rows, rewards, tracker, tmp_path, ref_model=copy.deepcopy(policy))
     assert len(updates) == 2 and tracker.last("train/loss") is not None
@@ -389,7 +397,7 @@ def test_an_online_dpo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, gu
     cfg = OnlineDPOConfig(max_steps=2, batch_size=4, gradient_accumulation_steps=2, max_completion_length=6)
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
     tracker = Tracker()
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     policy = load_causal_lm(str(tiny / "model"), attention=attention)
     ranker = online_dpo.RewardRanker(rewards, 1.0)
     online_dpo.train(cfg, policy, tok, rows, ranker, tracker, tmp_path, ref_model=copy.deepcopy(policy))
@@ -412,7 +420,7 @@ def test_a_ppo_update_reads_nothing_back(tiny, tmp_path, monkeypatch, guard, lor
     passes = []
     epochs = ppo._epochs
     monkeypatch.setattr(ppo, "_epochs", lambda *a: passes.append(1) or guard(epochs)(*a))
-    documents = varlen_on_cpu(monkeypatch, guard)
+    documents = varlen_on_cpu(monkeypatch, guard, attention)
     _, tracker, _ = run_ppo(tiny, tmp_path, lora=lora, attention=attention, max_steps=2)
     assert len(passes) == 2 and len(tracker.series("loss/policy_avg")) == 2
     assert bool(documents) == (attention == "varlen")

@@ -271,6 +271,35 @@ def test_key_documents_apart_from_the_queries_attend_at_the_bottom_right():
     torch.library.opcheck(documents_attention_op, (q, k, v, cu_q, cu_k, 5, 7, 0.3))
 
 
+def test_documents_counted_on_the_host_leave_transformers_nothing_to_search(tiny, monkeypatch):
+    """A packed forward on varlen with host offsets hands transformers `documents_mask`'s marker: it never looks for
+    packed rows in the position ids (a device read a forward), and each row's hidden states equal the row run alone
+    on SDPA. Other kernels, and padded batches, keep the mask they were given."""
+    import transformers.masking_utils as masking
+
+    searched: list[int] = []
+    search = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda p: searched.append(1) or search(p))
+    rows = [[5, 9, 13, 2], [7, 7, 3, 11, 4, 8], [6, 1]]
+    layout = pack(rows)
+    model = load_causal_lm(str(tiny / "model"), attention="varlen")
+    hidden, _ = logprobs._hidden_and_head(model, layout["input_ids"], None, layout["position_ids"], layout["documents"])
+    assert not searched
+    alone = load_causal_lm(str(tiny / "model"), attention="sdpa")
+    offsets = layout["offsets"]
+    for i, row in enumerate(rows):
+        want = alone.model(input_ids=torch.tensor([row])).last_hidden_state[0]
+        torch.testing.assert_close(hidden[0, offsets[i] : offsets[i + 1]], want, rtol=1e-5, atol=1e-5)
+    # the marker is told by its shape: a wrapper that moves inputs to the device hands over a copy
+    marker = varlen.documents_mask(model, None, "cpu")
+    assert varlen.is_documents_mask(marker.clone()) and not varlen.is_documents_mask(torch.ones(1, 1, 2, 2))
+    padded = torch.ones(2, 4, dtype=torch.long)
+    assert varlen.documents_mask(model, padded, "cpu") is padded
+    assert varlen.documents_mask(alone, None, "cpu") is None
+    alone.model(input_ids=layout["input_ids"], position_ids=layout["position_ids"], use_cache=False)
+    assert searched, "the check still runs where the kernel takes no offsets (SDPA derives its block mask)"
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_online_updates_on_varlen_run_padding_free_and_train_as_on_sdpa(tiny, tok, tmp_path, monkeypatch, algorithm):
     """GRPO's and RLOO's updates on varlen (the policy's, the old policy's and the reference's log-probs) run each

@@ -58,7 +58,7 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import completion_hidden, decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import mask_positions, under_attention_kernels
-from alignpipe.packed_rows import pack_answers, runs, runs_documents
+from alignpipe.packed_rows import body_hidden, pack_answers, runs, runs_documents
 from alignpipe.rl_math import advantages_and_returns, kl_estimate, kl_rewards, masked_mean
 from alignpipe.trainers.common import (
     TrainLoop,
@@ -170,10 +170,7 @@ def response_values(value_model, query, query_mask, response, packed: dict[str, 
     """The value head at the positions that score each response token, (B, R) (the prompt's last position for
     token 0). `packed`: as `response_logprobs`'."""
     if packed is not None and runs(packed, value_model):
-        backbone = getattr(value_model, value_model.base_model_prefix)
-        hidden = backbone(
-            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False, **packed["documents"]
-        ).last_hidden_state
+        hidden = body_hidden(getattr(value_model, value_model.base_model_prefix), packed)
         scoring = packed["scoring"]
         return value_model.score(hidden[0].index_select(0, scoring.flatten())).view(scoring.shape).float()
     ids, mask = _episode(query, query_mask, response)
