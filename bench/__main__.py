@@ -37,7 +37,7 @@ from bench.cases import (
     tokens_per_sample,
     train_flops_per_token,
 )
-from bench.run_one import ATTENTION_ENV, COMPILE_ENV, EAGER_KERNELS_ENV, IMPLS, UNFUSED_ENV
+from bench.run_one import ATTENTION_ENV, COMPILE_ENV, EAGER_KERNELS_ENV, IMPLS, SKIP_STEPS_ENV, UNFUSED_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,18 @@ def trl_with_ppo() -> Path:
 
 def measure_variant(impl: str, key: str, model: str, args: argparse.Namespace, assets: Path) -> dict:
     """`measure` with the variant the command line asks for (attention kernel, compile, unfused, eager kernels)."""
-    return measure(impl, key, model, args.steps, assets, args.attention, args.compile, args.unfused, args.eager_kernels)
+    return measure(
+        impl,
+        key,
+        model,
+        args.steps,
+        assets,
+        args.attention,
+        args.compile,
+        args.unfused,
+        args.eager_kernels,
+        args.skip_steps,
+    )
 
 
 def measure(
@@ -96,11 +107,15 @@ def measure(
     compile: bool = False,
     unfused: bool = False,
     eager_kernels: bool = False,
+    skip_steps: int | None = None,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
     `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`,
-    `fused_kernels: false` when `eager_kernels`): its JSON figures."""
+    `fused_kernels: false` when `eager_kernels`; its steady rate after `skip_steps` steps, default 5): its JSON
+    figures."""
     env = dict(os.environ)
+    if skip_steps is not None:
+        env[SKIP_STEPS_ENV] = str(skip_steps)
     if attention:
         env[ATTENTION_ENV] = attention
     if compile and impl == "ours":
@@ -344,6 +359,13 @@ def main(argv: list[str] | None = None) -> None:
         "what the compiled element-wise kernels buy on a GPU; its rows name the model `qwen0.5b+eager-kernels`",
     )
     parser.add_argument(
+        "--skip-steps",
+        type=int,
+        default=None,
+        help="steps each run leaves out of its steady-state rate (default 5): fewer for cases whose steps take long "
+        "(PPO 64×256 against TRL 1.12), so that more runs fit a device call; the rows' `runs × steps` says so",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -421,7 +443,17 @@ def main(argv: list[str] | None = None) -> None:
                 # written after every round of every case: a call cut short (a device call's time limit) keeps the
                 # rounds it finished, its rows naming how many runs each side had
                 results[(case, label)] = runs
-                rows = merge_rows(old, table(results, phys, peaks, gpu, f"{{runs}} × {args.steps}"))
+                rows = merge_rows(
+                    old,
+                    table(
+                        results,
+                        phys,
+                        peaks,
+                        gpu,
+                        f"{{runs}} × {args.steps}"
+                        + (f" (steady after {args.skip_steps})" if args.skip_steps is not None else ""),
+                    ),
+                )
                 write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
     print("\n".join(rows))
 
@@ -461,8 +493,8 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
         + (f" (after {warmup} discarded warm-up run{'s' if warmup > 1 else ''} per side)" if warmup else "")
         + "; checkpointing off; identical data, model and hyperparameters on every side. "
         + (
-            "Ratio: ours / contender at steady state (from the end of step 5 to the last step: data preparation, "
-            "warm-up and saving left out); end-to-end ratio: data preparation + training + saving. tokens/s = "
+            "Ratio: ours / contender at steady state (from the end of step 5, or of the step the `runs × steps` "
+            "column names, to the last step: data preparation, warm-up and saving left out); end-to-end ratio: data preparation + training + saving. tokens/s = "
             "samples/s × real tokens per sample of the identical data (a packed block: as our best-fit packer fills "
             "it, which TRL's `bfd` matches). MFU: tokens/s × model FLOPs per token (6·N + 12·L·d·s, s the span a "
             "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "

@@ -28,7 +28,10 @@ LR = 1e-4
 ASSETS = ""  # set by main
 
 
-WARMUP_STEPS = 5  # steps left out of the steady-state rate (CUDA/cuBLAS warm-up, allocator growth)
+# Set by `python -m bench --skip-steps N`: the steps left out of the steady-state rate (default 5).
+SKIP_STEPS_ENV = "ALIGNPIPE_BENCH_SKIP_STEPS"
+# steps left out of the steady-state rate (CUDA/cuBLAS warm-up, allocator growth)
+WARMUP_STEPS = int(os.environ.get(SKIP_STEPS_ENV, "5"))
 
 
 class StepClock:

@@ -4,6 +4,7 @@ in tests)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False, *_):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
@@ -355,7 +356,7 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     `--cases` picks cases by key."""
     import bench.__main__ as bench_main
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False):
+    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False, *_):
         if key.startswith("dpo/"):
             raise RuntimeError("cut short")
         return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
@@ -425,6 +426,35 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
     assert envs["ours"][ATTENTION_ENV] == envs["trl"][ATTENTION_ENV] == "flex_attention"
 
 
+def test_fewer_warm_up_steps_reach_the_runs_and_their_rows_say_so(tiny, tmp_path, monkeypatch):
+    """`--skip-steps N` (long PPO steps): every run's steady rate leaves out N steps (`bench.run_one` reads it from
+    the environment at import), and the rows' `runs × steps` names it."""
+    import bench.__main__ as bench_main
+    from bench.run_one import SKIP_STEPS_ENV
+
+    envs = {}
+
+    def run(cmd, env, **_):
+        envs[cmd[3]] = env
+        return subprocess.CompletedProcess(cmd, 0, '{"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1}', "")
+
+    monkeypatch.setattr(bench_main.subprocess, "run", run)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    out = tmp_path / "report.md"
+    args = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0", "--trainers", "sft"]
+    bench_main.main([*args, "--skip-steps", "2", "--steps", "4"])
+    assert envs["ours"][SKIP_STEPS_ENV] == envs["trl"][SKIP_STEPS_ENV] == "2"
+    assert "| 1 × 4 (steady after 2) |" in out.read_text()
+    bench_main.main(args)
+    assert SKIP_STEPS_ENV not in envs["ours"] and "| 1 × 20 |" in out.read_text()
+    monkeypatch.undo()  # `subprocess.run` itself was patched
+    probe = "import bench.run_one as r; print(r.WARMUP_STEPS)"
+    got = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, SKIP_STEPS_ENV: "2"}, capture_output=True, text=True
+    )
+    assert got.stdout.strip() == "2", got.stderr
+
+
 def test_the_decode_overhead_probe_times_each_loop(capsys):
     """`python -m bench.decode_overhead`: each decode loop's milliseconds per new token on the 24-layer probe."""
     from bench.decode_overhead import main
@@ -470,16 +500,17 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
 
     script = Path(__file__).parents[1] / "bench" / "gpu_session.sh"
     text = script.read_text()
-    stages = dict(re.findall(r"^(\d)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
-    assert sorted(stages) == ["1", "2", "3", "4", "5"]
+    stages = dict(re.findall(r"^(\w)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
+    assert sorted(stages) == ["1", "2", "3", "4", "5", "a", "b", "c", "d"]
+    limit = r'(?:bench|timeout) "?(?:\$\{\w+:-)?(\d+)'  # a number, or a variable's default (B_LIMIT)
     known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
     for stage, body in stages.items():
-        limits = [int(n) for n in re.findall(r"(?:bench|timeout) (\d+)", body)]
+        limits = [int(n) for n in re.findall(limit, body)]
         for items, loop in re.findall(r"for \w+ in ([^;]+); do\n(.*?)\n\s*done", body, flags=re.S):
             # a step inside a loop runs once per item
-            limits += [int(n) * (len(items.split()) - 1) for n in re.findall(r"(?:bench|timeout) (\d+)", loop)]
+            limits += [int(n) * (len(items.split()) - 1) for n in re.findall(limit, loop)]
         assert limits and sum(limits) <= 570, (stage, limits)
-        for line in re.findall(r"^\s*bench \d+ (.*)$", body, flags=re.M):
+        for line in re.findall(r'^\s*bench "?(?:\$\{\w+:-)?\d+\}?"? (.*)$', body, flags=re.M):
             args = shlex.split(line)
             assert set(args[args.index("--cases") + 1].split(",")) <= known, line
     out = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, cwd=tmp_path)
