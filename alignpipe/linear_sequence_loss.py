@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from alignpipe.compiled import compiled_function
+from alignpipe.device_copies import to_device
 
-GroupLoss = Callable[[torch.Tensor, list[int]], torch.Tensor]
-"""(S of a group's rows (k,), their row numbers) -> that group's share of the loss (a scalar)."""
+GroupLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(S of a group's rows (k,), their row numbers (k,), a long tensor on the device) -> that group's share of the loss (a
+scalar)."""
 
 
 def _scores_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype):
@@ -43,6 +45,23 @@ def _grad_fusable(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor,
     return (coef[:, None] * (hit.to(precise) - softmax)).to(logits.dtype)
 
 
+def _group_indices(groups: list[list[int]], row_tokens: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per group, on `device`: its rows (k,), and the row (0..k−1 within the group) of each of its tokens. Built on the
+    host and copied once for all groups without a wait (`to_device`): a tensor indexed by a host list, or sized by a
+    device count, would make the host wait for the device's queue to drain at every group."""
+    rows = torch.tensor([r for group in groups for r in group], dtype=torch.long)
+    local = []
+    for group in groups:
+        counts = [row_tokens[r] for r in group]
+        local.append(torch.repeat_interleave(torch.arange(len(group)), torch.tensor(counts), output_size=sum(counts)))
+    flat = to_device(torch.cat([rows, *local]), device)
+    out, at, token_at = [], 0, len(rows)
+    for group, n in zip(groups, local, strict=True):
+        out.append((flat[at : at + len(group)], flat[token_at : token_at + len(n)]))
+        at, token_at = at + len(group), token_at + len(n)
+    return out
+
+
 class _LinearSequenceLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, row_tokens, groups, loss_of: GroupLoss, grads: bool, compiled: bool):
@@ -58,13 +77,10 @@ class _LinearSequenceLoss(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
-        for group in groups:
+        for group, (rows, local) in zip(groups, _group_indices(groups, row_tokens, device), strict=True):
             spans = [(starts[r], starts[r + 1]) for r in group]
             h = torch.cat([hidden[s:e] for s, e in spans])
             y = torch.cat([labels[s:e] for s, e in spans])
-            lengths = torch.tensor([e - s for s, e in spans])
-            local = torch.repeat_interleave(torch.arange(len(group)), lengths, output_size=int(h.size(0)))
-            local = local.to(device, non_blocking=True)  # built on the host: no device read to size it
             logits = F.linear(h, weight, bias)
             if compiled:
                 lse, token_lp = compiled_function(_scores_fusable)(logits, y, precise)
@@ -72,10 +88,10 @@ class _LinearSequenceLoss(torch.autograd.Function):
                 lsm = torch.log_softmax(logits, -1, dtype=precise)
                 token_lp = lsm.gather(-1, y[:, None]).squeeze(-1)
             s_group = torch.zeros(len(group), dtype=precise, device=device).index_add_(0, local, token_lp)
-            sums[group] = s_group
+            sums.index_copy_(0, rows, s_group)
             with torch.enable_grad():
                 leaf = s_group.detach().requires_grad_()
-                loss = loss_of(leaf, group)
+                loss = loss_of(leaf, rows)
                 (g,) = torch.autograd.grad(loss, leaf) if loss.requires_grad else (torch.zeros_like(leaf),)
             total += loss.detach().to(precise)
             if not (want_h or want_w or want_b):

@@ -639,25 +639,40 @@ def behind_queued_work(setup: Setup, fn: Callable) -> tuple[list[tuple[str, str]
 
 
 def check_step_syncs(setup: Setup) -> Callable[[], None]:
-    @check("packed SFT and padding-free DPO micro-steps on varlen never wait for the device")
+    @check("packed SFT and padding-free DPO micro-steps (reference, fused head) on varlen never wait for the device")
     def run():
         from accelerate.utils import send_to_device
 
         from alignpipe.trainers import dpo, sft
+        from alignpipe.trainers.configs import DPOConfig
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_host_sync.py runs the CPU proxy of this check)"
         model = setup.model("varlen")
+        reference = setup.model("varlen").eval().requires_grad_(False)
         sft_batch = send_to_device(setup.packed_batch(), setup.device)
         dpo_batch = send_to_device(setup.dpo_batch(), setup.device)
+        fused: list[bool] = []
 
         def sft_step():
             sft.token_loss_sum(model, sft_batch)[0].backward()
 
-        def dpo_step():  # the reference's pass (the policy's weights under inference mode), then the policy's
+        def reference_logps(batch):  # as `dpo._Reference.compute` runs a frozen copy
             with torch.inference_mode():
-                dpo.completion_logps(model, dpo_batch)
-            dpo.completion_logps(model, dpo_batch)[0].float().sum().backward()
+                logps = dpo.completion_logps(reference, batch, compiled=True)[0]
+            return logps.clone().chunk(2)
+
+        def fused_head(*args, _original=dpo.fused_pair_loss):
+            out = _original(*args)
+            fused.append(out is not None)
+            return out
+
+        def dpo_step():  # `dpo.batch_loss` as a stage runs it: the reference's pass, then the policy's fused head
+            dpo.fused_pair_loss, original = fused_head, dpo.fused_pair_loss
+            try:
+                dpo.batch_loss(model, dpo_batch, reference_logps, DPOConfig())[0].backward()
+            finally:
+                dpo.fused_pair_loss = original
 
         found = []
         for name, step in (("SFT", sft_step), ("DPO", dpo_step)):
@@ -672,7 +687,8 @@ def check_step_syncs(setup: Setup) -> Callable[[], None]:
             not any(seen for _, seen, _ in found),
             "; ".join(
                 f"{name}: {len(seen)} synchronising calls ({', '.join(where) or 'none'})" for name, seen, where in found
-            ),
+            )
+            + f" (DPO's fused head taken: {bool(fused) and all(fused)})",
         )
 
     return run
@@ -701,10 +717,10 @@ def check_batch_transfer(setup: Setup) -> Callable[[], None]:
 
 
 def check_host_copies(setup: Setup) -> Callable[[], None]:
-    @check("the online trainers' per-micro-batch pieces reach the GPU without a wait (`common.to_device`)")
+    @check("the online trainers' per-micro-batch pieces reach the GPU without a wait (`device_copies.to_device`)")
     def run():
+        from alignpipe.device_copies import to_device
         from alignpipe.packed_rows import pack_answers
-        from alignpipe.trainers.common import to_device
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_host_sync.py checks the online updates copy with to_device)"

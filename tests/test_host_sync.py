@@ -3,7 +3,7 @@
 stay device tensors until the loop reads them at a log point. (Reads inside transformers, e.g. its check of an SDPA
 padding mask, are outside this test: they are the same for every trainer built on it.) Nor does a step copy from the
 host in a way that waits: a plain `.to("cuda")` of a host tensor synchronises the stream too (`HostCopies`); the
-online trainers' updates, which build their micro-batches' pieces on the host, queue them (`common.to_device`)."""
+online trainers' updates, which build their micro-batches' pieces on the host, queue them (`device_copies.to_device`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from support import tiny_split
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from alignpipe import device_copies
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import common, dpo, kto, reward, sft
@@ -108,8 +109,9 @@ class BlockingCopy(AssertionError):
 
 class HostCopies(TorchFunctionMode):
     """Raises at a copy from the host that would make the host wait on a GPU: alignpipe's `t.to(device)` without
-    `non_blocking=True`, or `torch.tensor(..., device=...)` / `torch.as_tensor(..., device=...)` (a copy from pageable
-    memory synchronises the stream; `common.to_device` stages and queues it instead)."""
+    `non_blocking=True`, `torch.tensor(..., device=...)` / `torch.as_tensor(..., device=...)`, or `t[list]` /
+    `t[list] = x` (torch copies the list to the device; a copy from pageable memory synchronises the stream;
+    `device_copies.to_device` stages and queues it instead)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,7 +120,17 @@ class HostCopies(TorchFunctionMode):
             raise BlockingCopy(f"a training step copied a tensor with .to{args[1:]}, which waits on a GPU")
         if name in ("tensor", "as_tensor") and kwargs.get("device") is not None and _from_alignpipe():
             raise BlockingCopy(f"a training step built torch.{name}(..., device=...), which waits on a GPU")
+        if name in ("__getitem__", "__setitem__") and _lists_in(args[1]) and _from_alignpipe():
+            raise BlockingCopy(
+                f"a training step indexed a tensor with a host list ({args[1]!r}): on a GPU the list is copied to the "
+                "device from pageable memory, and the host waits for the queue to drain"
+            )
         return func(*args, **kwargs)
+
+
+def _lists_in(index) -> bool:
+    """Whether a tensor index holds a Python list (alone or in a tuple of indices)."""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
 
 
 @pytest.fixture
@@ -473,11 +485,11 @@ def test_to_device_stages_host_tensors_in_pinned_memory_and_queues_their_copies(
 
     data = {"mask": torch.ones(2, 3), "rows": [torch.arange(2), 5], "longest": 7, "name": "x"}
     with Record():
-        moved = common.to_device(data, "cuda")
+        moved = device_copies.to_device(data, "cuda")
     assert calls == ["pin", ("to", "cuda", True)] * 2
     assert moved["rows"][1] == 5 and moved["longest"] == 7 and moved["name"] == "x"
     assert torch.equal(moved["mask"], data["mask"]) and torch.equal(moved["rows"][0], data["rows"][0])
     calls.clear()
     with Record():
-        common.to_device(data, torch.device("cpu"))
+        device_copies.to_device(data, torch.device("cpu"))
     assert calls == [("to", "cpu", True)] * 2, "no page-locking off CUDA"

@@ -367,26 +367,6 @@ def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]
     return out
 
 
-def to_device(data, device):
-    """`data` (a tensor, or dicts, lists and tuples of them; other values pass through) on `device`, without the host
-    waiting for the device. A plain `.to("cuda")` of a host tensor synchronises the stream: the host waits until every
-    kernel already queued has run, so the GPU then idles while the host prepares what comes next. On CUDA each host
-    tensor is staged in page-locked memory and copied `non_blocking`, queued behind that work (the caching host
-    allocator keeps the staging buffer alive until the copy has run); elsewhere it is a plain move. For the
-    per-micro-batch pieces trainers build on the host: index lists, masks, advantages, padding-free layouts."""
-    from accelerate.utils import recursively_apply
-
-    target = torch.device(device)
-    stage = target.type == "cuda"
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if stage and t.device.type == "cpu":
-            t = t.pin_memory()
-        return t.to(target, non_blocking=True)
-
-    return recursively_apply(move, data, error_on_other_type=False)
-
-
 def batch_loader(accelerator, examples: list, batch_size: int, collate, generator=None, drop_last: bool = False):
     """The shuffled, prepared loader of a stage's examples. On a GPU its batches are page-locked and copied without a
     wait (`make_accelerator`): a blocking copy would drain the device's queue at every batch."""

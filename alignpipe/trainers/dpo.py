@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels, logprobs
+from alignpipe.device_copies import to_device
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
@@ -50,7 +51,6 @@ from alignpipe.trainers.common import (
     frozen_reference,
     pad_rows,
     resolve_seed,
-    to_device,
 )
 from alignpipe.trainers.configs import DPOConfig
 from alignpipe.trainers.ref_cache import cached_reference_logps
@@ -188,8 +188,10 @@ def fused_pair_loss(model, batch: dict, losses_of, cfg: DPOConfig):
     B = batch["prompt_ids"].size(0)
     chosen_tokens = sum(rows[:B])
 
-    def group_loss(sums: torch.Tensor, group_rows: list[int]) -> torch.Tensor:
-        pairs = group_rows[0::2]  # the group is its pairs' rows, chosen then rejected, pair after pair
+    def group_loss(sums: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
+        # the group is its pairs' rows, chosen then rejected, pair after pair: the chosen rows number the pairs (a
+        # device index, as the rows are: a host list would be copied to the device with a wait, at every group)
+        pairs = group_rows[0::2]
         loss = losses_of(sums[0::2], sums[1::2], pairs)[0].sum() / B
         if cfg.nll_weight is not None:
             loss = loss - cfg.nll_weight * sums[0::2].sum() / chosen_tokens
@@ -210,7 +212,7 @@ def fused_answers_loss(model, batch: dict, units: list[list[int]], group_loss, c
     row % B) with the LM head's gradients formed in the forward (`linear_sequence_loss`). `units` are the answer
     rows one term of the loss couples (DPO: a chosen answer and its rejected one; KTO: one answer); units are
     grouped up to `FUSED_GROUP_MAX` logits, and `group_loss(S of a group's rows, those rows)` is the group's share
-    of the loss, its rows being its units' rows, unit after unit. None where it cannot run (no host token counts,
+    of the loss, its rows being its units' rows, unit after unit (a long tensor on the device). None where it cannot run (no host token counts,
     a head that runs only inside the forward, a unit over the budget) or need not (logits small enough for the head
     to run in one piece and keep them for backward, which costs the same 3 matmuls)."""
     rows = batch.get("scored_per_row")

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels
+from alignpipe.device_copies import to_device
 from alignpipe.engine.factory import hf_engine
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
@@ -63,7 +64,7 @@ from alignpipe.rl_math import (
     vespo_weights,
 )
 from alignpipe.tool_calls import ToolRollout, ToolRunner
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.entropy_control import EntropyControl, entropy_bonus
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels
+from alignpipe.device_copies import to_device
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, resolve_seed
 from alignpipe.trainers.configs import KTOConfig
 from alignpipe.trainers.ref_cache import cached_reference_logps
 from alignpipe.trainers.ref_sync import synced

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels
+from alignpipe.device_copies import to_device
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.pairwise import judge_pairs
 from alignpipe.judges.reward_set import RewardSet
@@ -34,7 +35,7 @@ from alignpipe.losses import dpo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.trainers import dpo
-from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import OnlineDPOConfig
 from alignpipe.trainers.grpo import greedy_reward
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids

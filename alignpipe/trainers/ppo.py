@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from alignpipe import fused_kernels
+from alignpipe.device_copies import to_device
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import completion_hidden, decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
@@ -68,7 +69,6 @@ from alignpipe.trainers.common import (
     resolve_seed,
     save_model,
     seed_everything,
-    to_device,
 )
 from alignpipe.trainers.configs import PPOConfig
 from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from alignpipe.trainers.common import TrainLoop, to_device
+from alignpipe.device_copies import to_device
+from alignpipe.trainers.common import TrainLoop
 
 log = logging.getLogger(__name__)
 

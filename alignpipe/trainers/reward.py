@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from alignpipe.device_copies import to_device
 from alignpipe.logprobs import can_share_prefix, shared_prefix_hidden, unwrapped
 from alignpipe.losses import bradley_terry_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.packed_rows import classifier_scores, layout, pack_scored, runs
 from alignpipe.special_tokens import encode, with_eos
-from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, accumulate, pad_rows, resolve_seed
 from alignpipe.trainers.configs import RewardConfig
 
 

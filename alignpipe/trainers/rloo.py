@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from alignpipe.device_copies import to_device
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.losses import rloo_loss
 from alignpipe.modeling import under_attention_kernels
 from alignpipe.rl_math import kl_penalized_rewards, leave_one_out_advantages, masked_mean, nanstd
-from alignpipe.trainers.common import TrainResult, to_device
+from alignpipe.trainers.common import TrainResult
 from alignpipe.trainers.configs import RLOOConfig
 from alignpipe.trainers.grpo import (
     GRPORollout,

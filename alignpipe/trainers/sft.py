@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from alignpipe.attention import document_kwargs, document_offsets
+from alignpipe.device_copies import to_device
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
 from alignpipe.packed_rows import layout
 from alignpipe.special_tokens import encode, encode_with_offsets, with_eos
-from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed, to_device
+from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
 from alignpipe.trainers.configs import SFTConfig
 
 log = logging.getLogger(__name__)
