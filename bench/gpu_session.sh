@@ -33,12 +33,13 @@
 #   b  gpu_checks of the step's syncs and the CUDA-graph rollouts, then GRPO 8×8×256 against TRL as a recipe runs it
 #      on a GPU (CUDA-graph rollouts, varlen updates) for B_LIMIT seconds (default 150: one round), the lease's
 #      remaining seconds less a margin
-#   c  what session 29's lease could not reach: gpu_checks of the step's syncs (none since session 30, DPO's
-#      micro-step included) and of the decode steps (the graphed policy with its fused kernels recorded), reward
-#      8×1024 against TRL + Liger, then PPO 64×256 against TRL 1.12, 4 steps a run with the steady rate after step 2
-#      (TRL 1.12's PPO steps are long: 7 steps a run would leave room for one round) (timeout_s 590)
-#   d  then, at once: profiles of a DPO 8×1024 step on varlen, ours and TRL + Liger's (where DPO's last few percent
-#      to 1.3× go), D_LIMIT seconds each (default 90)
+#   c  what session 29's lease could not reach, and DPO again: gpu_checks of the step's syncs (none since session 30,
+#      DPO's fused head included) and of the decode steps (the graphed policy with its fused kernels recorded), then
+#      DPO 8×1024 (session 30 removed ~7 syncs a pair from its fused head) and reward 8×1024 against TRL + Liger
+#      (timeout_s 450)
+#   d  then, at once: PPO 64×256 against TRL 1.12 for D_LIMIT seconds (default 280), 4 steps a run with the steady
+#      rate after step 2 (a TRL 1.12 PPO step decodes with `generate`, ~20 s: 7 steps a run would leave room for one
+#      round)
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, a, b, c or d)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d) ;; *)
@@ -93,15 +94,12 @@ b)
   bench "${B_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
   ;;
 c)
-  timeout 100 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed 2>&1 | tee "$out/checks"
+  timeout 90 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed 2>&1 | tee "$out/checks"
+  bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
-  bench 290 --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 d)
-  for side in ours trl+liger; do
-    ALIGNPIPE_BENCH_ATTENTION=varlen timeout "${D_LIMIT:-90}" python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b \
-      --steps 8 --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
-  done
+  bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 5)
   for side in ours trl+liger; do
