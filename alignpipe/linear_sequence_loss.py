@@ -53,7 +53,8 @@ def _group_indices(groups: list[list[int]], row_tokens: list[int], device) -> li
     local = []
     for group in groups:
         counts = [row_tokens[r] for r in group]
-        local.append(torch.repeat_interleave(torch.arange(len(group)), torch.tensor(counts), output_size=sum(counts)))
+        ids = torch.arange(len(group))
+        local.append(torch.repeat_interleave(ids, torch.tensor(counts, dtype=torch.long), output_size=sum(counts)))
     flat = to_device(torch.cat([rows, *local]), device)
     out, at, token_at = [], 0, len(rows)
     for group, n in zip(groups, local, strict=True):

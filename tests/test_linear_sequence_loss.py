@@ -279,3 +279,28 @@ def test_ld_dpo_and_wpo_take_the_chunked_head(tiny, monkeypatch):
     assert dpo.fused_pair_loss(model, batch, lambda c, r, p: (c - r, c, r), DPOConfig()) is not None
     assert dpo.fused_pair_loss(model, batch, None, DPOConfig(ld_alpha=0.5)) is None
     assert dpo.fused_pair_loss(model, batch, None, DPOConfig(use_weighting=True)) is None  # WPO: log Σp² per token
+
+
+def test_each_group_s_rows_and_token_ids_reach_the_device_in_one_staged_copy(monkeypatch):
+    """The groups' rows and each token's row within its group are built on the host and copied once (`to_device`:
+    page-locked, queued on a GPU); the group loss is handed its rows as that device index, never as a host list,
+    which torch would copy to the device with a wait at every group."""
+    from alignpipe import linear_sequence_loss as module
+
+    copies = []
+    monkeypatch.setattr(module, "to_device", lambda t, device: copies.append(t.clone()) or t)
+    got = module._group_indices([[0, 2], [1], []], [3, 0, 2], torch.device("cpu"))
+    assert len(copies) == 1
+    assert [(rows.tolist(), local.tolist()) for rows, local in got] == [
+        ([0, 2], [0, 0, 0, 1, 1]),
+        ([1], []),
+        ([], []),
+    ]
+    seen = []
+    hidden = torch.randn(5, 4, dtype=torch.float64)
+    weight = torch.randn(7, 4, dtype=torch.float64)
+    labels = torch.tensor([1, 2, 3, 4, 5])
+    module.linear_sequence_loss(
+        hidden, weight, None, labels, [3, 0, 2], [[0, 2], [1]], lambda s, rows: seen.append(rows) or -s.sum()
+    )
+    assert all(isinstance(rows, torch.Tensor) and rows.dtype == torch.long for rows in seen)
