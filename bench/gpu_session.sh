@@ -40,10 +40,12 @@
 #   d  then, at once: PPO 64×256 against TRL 1.12 for D_LIMIT seconds (default 280), 4 steps a run with the steady
 #      rate after step 2 (a TRL 1.12 PPO step decodes with `generate`, ~20 s: 7 steps a run would leave room for one
 #      round)
+#   e  the lease after: SFT 4×4096 against TRL + Liger (the SFT target's other shape), then GRPO 8×8×256 against
+#      TRL + Liger (the GRPO row owed since session 29: TRL's layer kernels under its generation) (timeout_s 520)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, a, b, c or d)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, or c then d, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to e)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, or e, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -100,6 +102,10 @@ c)
   ;;
 d)
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
+  ;;
+e)
+  bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 280 --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
   ;;
 5)
   for side in ours trl+liger; do
