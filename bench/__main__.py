@@ -411,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     section = ("gpu" if gpu else "cpu") + ("" if suite == default_suite else f"-{suite}")
     old = read_table(Path(args.out), section) if args.merge else []
     wanted = args.cases.split(",") if args.cases else None
+    runs_label = f"{{runs}} × {args.steps}" + (
+        f" (steady after {args.skip_steps})" if args.skip_steps is not None else ""
+    )
     for model in models:
         label = model + (f"/{args.attention}" if args.attention else "") + ("+compile" if args.compile else "")
         label += "+unfused" if args.unfused else ""
@@ -443,17 +446,7 @@ def main(argv: list[str] | None = None) -> None:
                 # written after every round of every case: a call cut short (a device call's time limit) keeps the
                 # rounds it finished, its rows naming how many runs each side had
                 results[(case, label)] = runs
-                rows = merge_rows(
-                    old,
-                    table(
-                        results,
-                        phys,
-                        peaks,
-                        gpu,
-                        f"{{runs}} × {args.steps}"
-                        + (f" (steady after {args.skip_steps})" if args.skip_steps is not None else ""),
-                    ),
-                )
+                rows = merge_rows(old, table(results, phys, peaks, gpu, runs_label))
                 write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
     print("\n".join(rows))
 
@@ -494,7 +487,8 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
         + "; checkpointing off; identical data, model and hyperparameters on every side. "
         + (
             "Ratio: ours / contender at steady state (from the end of step 5, or of the step the `runs × steps` "
-            "column names, to the last step: data preparation, warm-up and saving left out); end-to-end ratio: data preparation + training + saving. tokens/s = "
+            "column names, to the last step: data preparation, warm-up and saving left out); end-to-end ratio: "
+            "data preparation + training + saving. tokens/s = "
             "samples/s × real tokens per sample of the identical data (a packed block: as our best-fit packer fills "
             "it, which TRL's `bfd` matches). MFU: tokens/s × model FLOPs per token (6·N + 12·L·d·s, s the span a "
             "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "

@@ -662,13 +662,15 @@ def check_step_syncs(setup: Setup) -> Callable[[], None]:
                 logps = dpo.completion_logps(reference, batch, compiled=True)[0]
             return logps.clone().chunk(2)
 
-        def fused_head(*args, _original=dpo.fused_pair_loss):
-            out = _original(*args)
+        original = dpo.fused_pair_loss
+
+        def fused_head(*args):  # stands in for `dpo.fused_pair_loss` during the DPO step, noting whether it ran
+            out = original(*args)
             fused.append(out is not None)
             return out
 
         def dpo_step():  # `dpo.batch_loss` as a stage runs it: the reference's pass, then the policy's fused head
-            dpo.fused_pair_loss, original = fused_head, dpo.fused_pair_loss
+            dpo.fused_pair_loss = fused_head
             try:
                 dpo.batch_loss(model, dpo_batch, reference_logps, DPOConfig())[0].backward()
             finally:
