@@ -425,6 +425,7 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
     from support import replayed_on_cpu
 
     from alignpipe.engine.decode_steps import GraphedDecodeStep
+    from alignpipe.engine.hf import aligned
 
     model, tok = trained
     prompts = ["The film", "I watched it and", "A", "Honestly, the plot was", "What a"]
@@ -439,7 +440,8 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
         graphed = engine.generate(prompts, n, sampling, seed=3)
         assert [g.completion_ids for g in graphed] == [g.completion_ids for g in eager], (n, temperature)
         assert not step.caches and not step.recordings, "freed for the training step"
-    assert step.failed is None and len(recorded) == 3 and step.checked == {(5, width + 12), (15, width + 12)}
+    length = aligned(width + 12)  # the static cache's length, rounded up for the attention bias's rows
+    assert step.failed is None and len(recorded) == 3 and step.checked == {(5, length), (15, length)}
     chunked = HFEngine(model, tok, 2)  # chunks of 2, 2 and 1 prompts: each recorded with no other alive
     alive = []
     chunked.step = in_chunks = GraphedDecodeStep(
@@ -530,11 +532,11 @@ def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, 
     """What a CUDA graph can hold, checked on CPU: the static-cache decode step with its ready padding mask traces as
     one graph (`fullgraph=True`), so it has no `.item()`, no data-dependent branch and no mask built from the values
     on the host; any of them would be a read of the device, which a recording cannot contain. On both attention
-    kernels a GPU decodes with, for a plain model, a policy patched as the trainers patch it, and a LoRA policy."""
+    kernels a GPU decodes with, for a plain model, a policy patched as the trainers patch it, and a LoRA policy, with
+    the static cache the graphed step records (`static_cache`)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import StaticCache
 
-    from alignpipe.engine.decode_steps import decode_step
+    from alignpipe.engine.decode_steps import decode_step, new_cache
     from alignpipe.lean_activations import lean_activations
     from alignpipe.modeling import attention_kernels, implementation
 
@@ -547,7 +549,8 @@ def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, 
         model = get_peft_model(model, config).eval()
     rows, width = 3, 8
     ids = torch.randint(3, 100, (rows, width))
-    cache = StaticCache(config=model.config, max_cache_len=width + 4)
+    cache = new_cache(model, width + 4)  # its layers writing at positions shared per step, as on a GPU
+    assert type(cache.layers[0]).__name__ == "SharedPositionLayer"
     keys = torch.zeros(rows, width + 4, dtype=torch.bool)
     keys[:, : width + 1] = True
     traced = torch.compile(decode_step, backend="eager", fullgraph=True)
@@ -557,6 +560,94 @@ def test_the_decode_step_reads_nothing_back_from_the_device(trained, attention, 
         got = traced(model, *args)
     assert got.shape == (rows, model.config.vocab_size) and torch.isfinite(got).all()
     torch._dynamo.reset()
+
+
+def test_a_static_cache_s_layers_work_out_where_to_write_once_a_step(trained):
+    """`static_cache`: transformers' static layers each work out their write positions (an arange, an add, and an
+    in-place add to their own counter: 3 kernels a layer a decode step); here the first layer to write in a forward
+    does it for all. The positions are worked out once a step whatever the depth; the keys, values and tokens-written
+    count after a prefill and three decode steps equal transformers' `StaticCache`'s, and again after `reset`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import StaticCache
+
+    from alignpipe.engine.decode_steps import decode_step, new_cache
+
+    class Positions(TorchDispatchMode):
+        """Counts two of the three operators that work out write positions (the third, an add, is not told apart
+        from the model's own adds)."""
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.split(".")[0] in ("arange", "add_")
+            return func(*args, **(kwargs or {}))
+
+    model, _ = trained
+    rows, width, steps = 3, 6, 3
+    ids = torch.randint(3, 100, (rows, width + steps), generator=torch.Generator().manual_seed(0))
+    keys = torch.ones(rows, width + steps, dtype=torch.bool)
+
+    def fill(cache) -> list[int]:
+        """Prefill and decode into `cache`; how many position operators each decode step ran."""
+        counts = []
+        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
+        for t in range(width, width + steps):
+            with Positions() as seen:
+                decode_step(model, ids[:, t : t + 1], keys[:, None, None, :], torch.full((rows, 1), t), cache, None)
+            counts.append(seen.count)
+        return counts
+
+    with torch.inference_mode():
+        plain, shared = StaticCache(config=model.config, max_cache_len=width + steps), new_cache(model, width + steps)
+        layers = len(shared.layers)
+        assert layers > 1 and len({id(layer.cumulative_length) for layer in shared.layers}) == 1
+        assert fill(plain) == [2 * layers] * steps and fill(shared) == [2] * steps, "arange and add_ once a step"
+        for _ in range(2):
+            for mine, theirs in zip(shared.layers, plain.layers, strict=True):
+                assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+                assert int(mine.cumulative_length) == int(theirs.cumulative_length) == width + steps
+            shared.reset(), plain.reset()
+            assert not shared.layers[-1].keys.any() and int(shared.layers[0].cumulative_length) == 0
+            fill(plain), fill(shared)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_decode_steps_hand_sdpa_a_bias_it_takes_as_it_is(trained, monkeypatch, static):
+    """Given a boolean mask, SDPA makes an additive bias of it at every call (a fill and a `where`), and its
+    memory-efficient kernel (a GPU's, for masked decode steps) copies a bias whose rows do not start at multiples of
+    8 elements into a padded one: up to four kernels per layer per step. The decode loops hand it a bias in the
+    model's dtype, rows aligned, that SDPA runs as it is (no `where` in a step); the tokens are unchanged (the other
+    tests)."""
+    from torch.profiler import profile
+
+    from alignpipe.engine import hf
+
+    model, tok = trained
+    enc = HFEngine(model, tok)._encode(["The film", "I watched it and", "A"])
+    masks, converted = [], []
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        if kwargs["input_ids"].size(1) > 1:  # the prefill
+            return original(*args, **kwargs)
+        masks.append(kwargs["attention_mask"])
+        with profile() as prof:
+            out = original(*args, **kwargs)
+        converted.extend(e.name for e in prof.events() if e.name in ("aten::where", "aten::scalar_tensor"))
+        return out
+
+    monkeypatch.setattr(model, "forward", forward)
+    loop = hf.decode_static if static else hf.decode
+    args = (enc["input_ids"], enc["attention_mask"], SamplingParams(temperature=0, max_new_tokens=5), None, 0)
+    with torch.inference_mode():
+        loop(model, *args)
+    assert len(masks) == 4 and not converted, converted
+    for mask in masks:
+        assert mask.dtype == model.dtype and mask.dim() == 4 and mask.stride(-1) == 1
+        assert all(stride % hf.MASK_ALIGNMENT == 0 for stride in mask.stride()[:-1]), mask.stride()
+        assert torch.isin(mask, torch.tensor([0.0, torch.finfo(mask.dtype).min])).all()
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

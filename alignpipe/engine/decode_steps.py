@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels, lean_activations
+from alignpipe.engine import static_cache
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class FixedShapeStep(abc.ABC):
 
     what = "replayed decode step"
     off_switch = ""
+    shared_positions = True
+    """Whether its static caches' layers share one write position per step (`static_cache.static_cache`)."""
 
     def __init__(self):
         self.caches: dict[tuple[int, int, int], Any] = {}
@@ -77,14 +80,12 @@ class FixedShapeStep(abc.ABC):
     def cache(self, model, rows: int, length: int):
         """The static cache of (model, rows, length), emptied for a new rollout (a new cache object would be a new
         recording); once the width grows, the narrower caches are never run again and are dropped."""
-        from transformers import StaticCache
-
         key = (id(model), rows, length)
         cache = self.caches.get(key)
         if cache is None:
             self.caches = {k: c for k, c in self.caches.items() if k[2] == length}
             self._forget(lambda k: k[2] != length)
-            cache = self.caches[key] = StaticCache(config=model.config, max_cache_len=length)
+            cache = self.caches[key] = new_cache(model, length, self.shared_positions)
         else:
             cache.reset()
         return cache
@@ -151,6 +152,7 @@ class CompiledDecodeStep(FixedShapeStep):
 
     what = "compiled decode step"
     off_switch = "compile: false"
+    shared_positions = False  # inductor fuses the position arithmetic itself; dynamo need not trace the sharing
 
     def __init__(self):
         super().__init__()
@@ -313,6 +315,18 @@ class GraphedDecodeStep(FixedShapeStep):
         self.recordings = {k: r for k, r in self.recordings.items() if not narrower(k)}
 
 
+def new_cache(model, length: int, shared_positions: bool = True):
+    """An empty static KV cache of `length` positions for `model`'s decode loop: by default with the positions each
+    forward writes at worked out once for all layers (`static_cache`, for a model on one device), else transformers'
+    own `StaticCache`."""
+    devices = {p.device for p in model.parameters()}
+    if shared_positions and len(devices) == 1:
+        return static_cache.static_cache(model.config, length, devices.pop())
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=length)
+
+
 def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
@@ -338,4 +352,5 @@ def _cache_counters(cache) -> list[torch.Tensor]:
     """The tokens-written counters of a static cache's layers (transformers 5's `StaticLayer.cumulative_length`, a
     device tensor each step advances in place and writes its entries at), where it keeps them."""
     layers = getattr(cache, "layers", None) or []
-    return [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+    counters = [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+    return list({id(c): c for c in counters}.values())  # layers writing at shared positions share one

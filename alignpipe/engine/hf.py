@@ -7,7 +7,13 @@ from typing import Any
 import torch
 
 from alignpipe.engine.base import FinishReason, Generation
-from alignpipe.engine.decode_steps import CompiledDecodeStep, FixedShapeStep, GraphedDecodeStep, decode_step
+from alignpipe.engine.decode_steps import (
+    CompiledDecodeStep,
+    FixedShapeStep,
+    GraphedDecodeStep,
+    decode_step,
+    new_cache,
+)
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.host_reads import HostRead
 from alignpipe.modeling import mask_positions, under_attention_kernels
@@ -154,11 +160,11 @@ def decode(
     logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
     ends = RowEnds(rows, sampling.max_new_tokens, ids.device)
     pos = position[:, -1:] + 1
-    masks = [mask, torch.ones((rows, sampling.max_new_tokens), dtype=mask.dtype, device=mask.device)]
-    full_mask = torch.cat(masks, dim=1)
-    if _takes_padding_mask(model):  # (rows, 1, 1, keys): the model skips building the mask on every step
-        full_mask = full_mask.bool()[:, None, None, :]
     width = ids.shape[1]
+    length = aligned(width + sampling.max_new_tokens)
+    full_mask = torch.cat([mask, mask.new_ones((rows, length - width))], dim=1)
+    if _takes_padding_mask(model):  # (rows, 1, 1, keys): the model skips building the mask on every step
+        full_mask = attention_bias(full_mask, model.get_input_embeddings().weight.dtype)
     for t in range(sampling.max_new_tokens):
         token, logp = next_token(seen(logits) if seen else logits, sampling, generator, logprobs)
         token = token.masked_fill(ends.done, pad)
@@ -247,7 +253,8 @@ def decode_static(
     step: FixedShapeStep | None = None,
     logprobs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache) and
+    """`decode` with a KV cache of fixed size (prompt + `max_new_tokens` positions, transformers' StaticCache, its
+    layers writing at positions worked out once a step: `static_cache`) and
     every decode step the same shapes: a (rows, 1) token, the full-length attention mask (future positions 0 until
     written) and the cache position as a tensor. Nothing is re-allocated per token, and "have all rows ended?" is
     asked every `CHECK_EVERY` steps on a GPU and read a check late (`RowEnds`), so the GPU is not held up by the
@@ -255,8 +262,6 @@ def decode_static(
     written into the rows of its `n` samples (models with sliding-window layers prefill each sample's row). With
     `step` (`alignpipe.engine.decode_steps`) each decode step is replayed (a CUDA graph, compiled or not), prompts
     left-padded to the step's width so that a few shapes serve every rollout."""
-    from transformers import StaticCache
-
     extra = step.width(ids.size(1)) - ids.size(1) if step is not None else 0
     if extra:  # left padding: masked, positions unchanged
         ids = torch.cat([ids.new_full((ids.size(0), extra), pad), ids], dim=1)
@@ -267,16 +272,14 @@ def decode_static(
     width = ids.size(1)
     rows = ids.size(0) * (n if shared else 1)
     steps = sampling.max_new_tokens
-    if step is not None:
-        cache = step.cache(model, rows, width + steps)
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=width + steps)
+    length = aligned(width + steps)  # the positions past the last step stay masked
+    cache = step.cache(model, rows, length) if step is not None else new_cache(model, length)
     position = mask_positions(mask)
     seen_of = (ids, mask, rows // ids.size(0))  # the prompts, shared by their samples or already one row each
     if shared:
         logits = _prefill_once(model, ids, mask, position, cache, n)
         mask, position = mask.repeat_interleave(n, 0), position.repeat_interleave(n, 0)
-    full_mask = torch.cat([mask, mask.new_zeros((rows, steps))], dim=1)
+    full_mask = torch.cat([mask, mask.new_zeros((rows, length - width))], dim=1)
     if not shared:
         logits = model(
             input_ids=ids,
@@ -287,10 +290,10 @@ def decode_static(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-    keys = step_mask = full_mask  # which cache entries the next step attends to; what the step is given
-    if _takes_padding_mask(model):  # (rows, 1, 1, keys), a view: the steps build no mask (which reads the device)
-        keys = full_mask.bool()
-        step_mask = keys[:, None, None, :]
+    step_mask, attend = full_mask, 1.0  # what a step is given; what marks a cache entry it attends to
+    if _takes_padding_mask(model):  # ready for SDPA: the steps build no mask (which reads the device)
+        step_mask, attend = attention_bias(full_mask, model.get_input_embeddings().weight.dtype), 0.0
+    keys = step_mask.view(rows, length)  # which cache entries the next step attends to
     new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
     logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
     ends = RowEnds(rows, steps, ids.device)
@@ -308,7 +311,7 @@ def decode_static(
         ends.record(token, t, stops)
         if ends.finished(t):
             return _cut(new, logps, ends.width())
-        keys[:, width + t] = 1
+        keys[:, width + t] = attend
         logits = (step or decode_step)(model, token[:, None], step_mask, pos, cache, cache_position)
         pos = pos + 1
         cache_position = cache_position + 1
@@ -340,6 +343,25 @@ def _prefill_once(model, ids, mask, position, cache, n: int) -> torch.Tensor:
     for index, layer in enumerate(layers):
         cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), index)
     return logits.repeat_interleave(n, 0)
+
+
+MASK_ALIGNMENT = 8
+"""A static cache's length is a multiple of this: SDPA's memory-efficient kernel takes an attention bias whose rows
+start at multiples of 8 elements as it is, and copies any other into a padded one at every call (every layer of
+every decode step)."""
+
+
+def aligned(length: int) -> int:
+    """`length` rounded up to a multiple of `MASK_ALIGNMENT`."""
+    return -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (rows, keys) 0/1 mask as the (rows, 1, 1, keys) additive bias SDPA adds to the scores: 0 where attended,
+    the dtype's lowest value elsewhere. Given a boolean mask instead, SDPA converts it at every call (a fill and a
+    `where`: two kernels per layer per decode step)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, torch.finfo(dtype).min)
+    return bias[:, None, None, :]
 
 
 def _sliding(model) -> bool:
