@@ -465,6 +465,20 @@ def test_the_decode_overhead_probe_times_each_loop(capsys):
     assert all(float(line.split("then ")[1].split("–")[0]) > 0 for line in lines)
 
 
+def test_the_decode_kernel_count_sees_the_cache_s_and_the_mask_s_kernels_per_layer(capsys):
+    """`python -m bench.decode_kernels`: a decode layer on transformers' cache and a boolean mask runs 5 kernels more
+    than on the loop's own: the write positions (an arange, an add, an in-place add) and SDPA's conversion of the
+    mask (a fill and a `where`); the loop's step works its positions out once (2 kernels more in the fixed part)."""
+    from bench import decode_kernels
+
+    theirs, ours = ([len(decode_kernels.kernels(n, mine, 4, 8)) for n in (2, 3)] for mine in (False, True))
+    assert theirs[1] - theirs[0] == ours[1] - ours[0] + 5
+    assert "aten::where" in decode_kernels.kernels(2, False, 4, 8)
+    decode_kernels.main(["--rows", "4", "--width", "8"])
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split(" | ")[1] for row in rows] == [str(theirs[1] - theirs[0]), str(ours[1] - ours[0])]
+
+
 def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     """`python -m bench.gpu_checks`, the first call of a GPU session, runs on CPU too (float32, small sizes): varlen
     attention against SDPA's mask with every layer taking the flattened path, padding-free DPO rows against padded

@@ -1,0 +1,108 @@
+"""How many kernels one decode step of the hf engine issues, counted on CPU.
+
+A decode step replayed as a CUDA graph spends its time on the number of kernels it runs, not on their bytes (an H200
+replayed Qwen2-0.5B's step at 64 rows in 4.0 ms, 14× what its bytes need: docs/benchmarks.md, session 29). This
+counts the operators of one static-cache decode step of a Qwen2-shaped model (Qwen2-0.5B's layout, small widths)
+through torch's profiler, which also sees what SDPA runs inside. Leaf operators only, views, allocations and
+no-op casts left out: what is left launches one kernel each on a GPU. The difference between a 2-layer and a 3-layer
+model is the count per layer; the rest is the step's fixed part (embedding, rotary tables, final norm, LM head).
+
+Two setups: transformers' `StaticCache` given a boolean mask (the loop until session 31), and the loop's cache
+(`static_cache`: write positions worked out once a step) given the additive bias (`hf.attention_bias`). On a GPU,
+SDPA's memory-efficient kernel also copies a bias whose rows are not 8-aligned into a padded one (the loop's rows
+are aligned since session 31); the CPU path has no such copy, so the count below leaves it out. The patched
+policy's compiled kernels (fused rotary and SwiGLU) run on CUDA only and are not counted here.
+
+    python -m bench.decode_kernels [--rows 64] [--width 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach_"}
+
+# What SDPA runs inside, before its kernel, to turn a boolean mask into a bias (and to pad an unaligned one)
+MASK_WORK = {"aten::where", "aten::scalar_tensor", "aten::logical_not", "aten::constant_pad_nd", "aten::masked_fill_"}
+
+
+class Kernels:
+    """Counts the operators that launch a kernel: in place, or writing a new tensor (views and no-op casts share
+    their input's storage and launch none; allocations alone launch none)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.seen(func.__name__.split(".")[0], (args, kwargs), out)
+                return out
+
+        self.mode = Mode()
+        self.names: list[str] = []
+
+    def seen(self, name: str, inputs, out) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        def storages(tree) -> set[int]:
+            return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+        if name not in NO_KERNEL and (name.endswith("_") or storages(out) - storages(inputs)):
+            self.names.append(name)
+
+
+def kernels(layers: int, ours: bool, rows: int, width: int) -> list[str]:
+    """The kernels one decode step issues, by operator name: a Qwen2-shaped model of `layers` layers in bf16, `rows`
+    rows after a `width`-token prefill; `ours`: the loop's cache and bias, else transformers' cache and a boolean
+    mask."""
+    from torch.profiler import profile
+
+    from alignpipe.engine.decode_steps import decode_step, new_cache
+    from alignpipe.engine.hf import aligned, attention_bias
+    from bench.decode_overhead import tiny_qwen
+
+    model = tiny_qwen(layers).to(torch.bfloat16)  # as a GPU decodes: the norms' float32 casts are kernels too
+    length = aligned(width + 8)
+    cache = new_cache(model, length, shared_positions=ours)
+    ids = torch.randint(2, 500, (rows, width + 1), generator=torch.Generator().manual_seed(0))
+    keys = torch.zeros(rows, length, dtype=torch.long)
+    keys[:, : width + 1] = 1
+    mask = attention_bias(keys, torch.bfloat16) if ours else keys.bool()[:, None, None, :]
+    args = (ids[:, width:], mask, torch.full((rows, 1), width), cache, torch.tensor([width]))
+    counted = Kernels()
+    with torch.inference_mode():
+        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
+        with profile() as prof, counted.mode:
+            decode_step(model, *args)
+    inside = [
+        e.name for e in prof.events() if e.name in MASK_WORK and _parent(e) == "aten::scaled_dot_product_attention"
+    ]
+    return counted.names + inside
+
+
+def _parent(event) -> str | None:
+    """The name of the profiled operator that called `event`'s (its direct children are SDPA's own steps)."""
+    return event.cpu_parent.name if event.cpu_parent is not None else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_kernels")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    args = parser.parse_args(argv)
+    print("| decode step | kernels per layer | fixed per step | Qwen2-0.5B (24 layers) |")
+    print("|---|---|---|---|")
+    for name, ours in (("transformers' StaticCache, boolean mask", False), ("the loop's cache and bias", True)):
+        two, three = (len(kernels(n, ours, args.rows, args.width)) for n in (2, 3))
+        per = three - two
+        fixed = two - 2 * per
+        print(f"| {name} | {per} | {fixed} | {fixed + 24 * per} |")
+
+
+if __name__ == "__main__":
+    main()
