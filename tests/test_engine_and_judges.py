@@ -566,11 +566,13 @@ def test_a_static_cache_s_layers_work_out_where_to_write_once_a_step(trained):
     """`static_cache`: transformers' static layers each work out their write positions (an arange, an add, and an
     in-place add to their own counter: 3 kernels a layer a decode step); here the first layer to write in a forward
     does it for all. The positions are worked out once a step whatever the depth; the keys, values and tokens-written
-    count after a prefill and three decode steps equal transformers' `StaticCache`'s, and again after `reset`."""
+    count after a prefill and three decode steps equal transformers' `StaticCache`'s, and again after `reset`. A
+    model with sliding-window layers keeps transformers' cache."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import StaticCache
+    from transformers import MistralConfig, StaticCache
 
     from alignpipe.engine.decode_steps import decode_step, new_cache
+    from alignpipe.engine.static_cache import static_cache
 
     class Positions(TorchDispatchMode):
         """Counts two of the three operators that work out write positions (the third, an add, is not told apart
@@ -611,6 +613,16 @@ def test_a_static_cache_s_layers_work_out_where_to_write_once_a_step(trained):
             shared.reset(), plain.reset()
             assert not shared.layers[-1].keys.any() and int(shared.layers[0].cumulative_length) == 0
             fill(plain), fill(shared)
+    sliding = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        sliding_window=8,
+    )
+    kept = static_cache(sliding, 32, "cpu")  # sliding-window layers write in their own way: left as they are
+    assert [type(layer).__name__ for layer in kept.layers] == ["StaticSlidingWindowLayer"] * 2
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -2,13 +2,14 @@
 
 transformers' `StaticLayer.update` works out where to write in each layer: an `arange`, an add of its own
 tokens-written counter, and an in-place add to that counter, before its two writes. That is three small kernels per
-layer per decode step (72 of a 24-layer step's ~700), each costing a kernel's fixed few microseconds on a GPU even
-inside a CUDA graph. Here the layers of one cache share one counter; the first layer a forward writes works the
-positions out once and the others write at them: two kernels per layer (`index_copy_` of keys and of values).
+layer per decode step (72 of a 24-layer step's ~1,100: `python -m bench.decode_kernels`), each costing a kernel's
+fixed few microseconds on a GPU even inside a CUDA graph. Here the layers of one cache share one counter; the first
+layer a forward writes works the positions out once and the others write at them: two kernels per layer
+(`index_copy_` of keys and of values).
 
-Only for caches whose layers are all plain full-attention `StaticLayer`s (sliding-window layers write differently),
-and not under `torch.compile`, whose inductor fuses the position arithmetic anyway (the compiled decode step keeps
-transformers' cache).
+Only for caches whose layers are all plain full-attention `StaticLayer`s keeping such a counter (sliding-window
+layers write differently), and not under `torch.compile`, whose inductor fuses the position arithmetic anyway (the
+compiled decode step keeps transformers' cache).
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def _layer_class():
 _LAYER: type | None = None
 
 
+def _counting(layer, static_layer: type) -> bool:
+    """Whether `layer` is a plain full-attention static layer that writes at its own tokens-written counter (a
+    tensor, as transformers 5.2x keeps it): the layer this module replaces."""
+    return type(layer) is static_layer and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+
+
 def static_cache(config, max_cache_len: int, device: torch.device | str):
     """transformers' `StaticCache` for `config`, its full-attention layers writing at positions shared per forward
     (on `device`, where the keys and values will be); a cache with other layers is returned as transformers made it."""
@@ -82,7 +89,7 @@ def static_cache(config, max_cache_len: int, device: torch.device | str):
     from transformers.cache_utils import StaticLayer
 
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    if not cache.layers or any(type(layer) is not StaticLayer for layer in cache.layers):
+    if not cache.layers or any(not _counting(layer, StaticLayer) for layer in cache.layers):
         return cache
     _LAYER = _LAYER or _layer_class()
     shared = SharedPositions(device)
