@@ -6,7 +6,8 @@ prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the f
 compiled kernels on Triton (with the SwiGLU product, its down projection keeping no product, and the rotary
 embedding, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
 device alone, and the hf engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against
-its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound.
+its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound and the kernels one
+decode step runs there.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
 
@@ -573,6 +574,87 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_decode_kernels(setup: Setup) -> Callable[[], None]:
+    @check("kernels one decode step at GRPO's shape issues on the GPU: the plain model's, and the policy's as recorded")
+    def run():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from alignpipe.lean_activations import lean_activations
+        from bench.cases import QWEN_05B
+        from bench.decode_kernels import Kernels
+
+        if setup.cuda:
+            shape, rows, width = QWEN_05B, 64, 128
+        else:  # the same steps on a small model, operators counted instead of kernels (what the CPU tests run)
+            shape, rows, width = {**QWEN_05B, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, 4, 8
+            shape.update(num_attention_heads=2, num_key_value_heads=1)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(setup.device, setup.dtype).eval()
+        counts = {}
+        for name in ("plain", "policy"):
+            if name == "policy":  # patched as a stage patches it, its fused kernels taken as a recording takes them
+                lean_activations(model, fused=True)
+            step = _one_decode_step(model, rows, width, recorded=name == "policy")
+            if setup.cuda:
+                counts[name] = _cuda_kernels(step)
+            else:
+                counter = Kernels()
+                with counter.mode:
+                    step()
+                counts[name] = len(counter.names)
+        layers = shape["num_hidden_layers"]
+        detail = ", ".join(f"{name} {n} ({n / layers:.1f} a layer)" for name, n in counts.items())
+        if not setup.cuda:
+            return None, f"no CUDA device; operators counted on CPU instead (no fused kernels there): {detail}"
+        return counts["policy"] < counts["plain"], (
+            f"{rows} rows after a {width}-token prompt, Qwen2-0.5B bf16, CUDA kernels and copies a step: {detail} "
+            "(divide the rollout line's graphed milliseconds a step by these for the time a kernel takes)"
+        )
+
+    return run
+
+
+def _one_decode_step(model, rows: int, width: int, recorded: bool) -> Callable[[], None]:
+    """A function running one static-cache decode step of `model` as the hf engine's loop runs it (its cache and
+    attention bias), after a prefill; `recorded`: with the fused kernels a CUDA-graph recording takes
+    (`fused_kernels.GRAPH_RECORDING`). Run once here first (kernels compile, lazy work happens outside a count)."""
+    from alignpipe import fused_kernels
+    from alignpipe.engine.decode_steps import decode_step, new_cache
+    from alignpipe.engine.hf import aligned, attention_bias
+
+    device, dtype = model.device, model.dtype
+    length = aligned(width + 8)
+    cache = new_cache(model, length)
+    ids = torch.randint(2, model.config.vocab_size, (rows, width + 1), device=device)
+    keys = torch.zeros(rows, length, dtype=torch.long, device=device)
+    keys[:, : width + 1] = 1
+    args = (ids[:, width:], attention_bias(keys, dtype), torch.full((rows, 1), width, device=device), cache, None)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
+
+    def step() -> None:
+        recording = fused_kernels.GRAPH_RECORDING.set(recorded)
+        try:
+            with torch.inference_mode():
+                decode_step(model, *args)
+        finally:
+            fused_kernels.GRAPH_RECORDING.reset(recording)
+
+    step()
+    return step
+
+
+def _cuda_kernels(step: Callable[[], None]) -> int:
+    """How many kernels, copies and fills `step()` runs on the GPU (torch's profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
     """Milliseconds per decode step of the hf engine's token choice (`next_token`, run eagerly after each replayed
     step) on (rows, vocab) bf16 logits: the share of a graphed step that moving sampling into the graph would save."""
@@ -762,6 +844,7 @@ CHECKS = (
     check_compiled_decode,
     check_graphed_decode,
     check_rollout_speed,
+    check_decode_kernels,
 )
 
 
