@@ -7,8 +7,9 @@ through torch's profiler, which also sees what SDPA runs inside. Leaf operators 
 no-op casts left out: what is left launches one kernel each on a GPU. The difference between a 2-layer and a 3-layer
 model is the count per layer; the rest is the step's fixed part (embedding, rotary tables, final norm, LM head).
 
-Two setups: transformers' `StaticCache` given a boolean mask (the loop until session 31), and the loop's cache
-(`static_cache`: write positions worked out once a step) given the additive bias (`hf.attention_bias`). On a GPU,
+Three setups: transformers' `StaticCache` given a boolean mask (the loop until session 31), the loop's cache
+(`static_cache`: write positions worked out once a step) given the additive bias (`hf.attention_bias`), and the same
+with each layer's sibling projections merged as a recording of a policy runs them (`merged_projections`). On a GPU,
 SDPA's memory-efficient kernel also copies a bias whose rows are not 8-aligned into a padded one (the loop's rows
 are aligned since session 31); the CPU path has no such copy, so the count below leaves it out. The patched
 policy's compiled kernels (fused rotary and SwiGLU) run on CUDA only and are not counted here.
@@ -56,14 +57,17 @@ class Kernels:
             self.names.append(name)
 
 
-def kernels(layers: int, ours: bool, rows: int, width: int) -> list[str]:
+def kernels(layers: int, ours: bool, rows: int, width: int, merged: bool = False) -> list[str]:
     """The kernels one decode step issues, by operator name: a Qwen2-shaped model of `layers` layers in bf16, `rows`
     rows after a `width`-token prefill; `ours`: the loop's cache and bias, else transformers' cache and a boolean
-    mask."""
+    mask; `merged`: the sibling projections merged, as a recording of a policy runs them (`merged_projections`)."""
+    import contextlib
+
     from torch.profiler import profile
 
     from alignpipe.engine.decode_steps import decode_step, new_cache
     from alignpipe.engine.hf import aligned, attention_bias
+    from alignpipe.engine.merged_projections import MergedProjections
     from bench.decode_overhead import tiny_qwen
 
     model = tiny_qwen(layers).to(torch.bfloat16)  # as a GPU decodes: the norms' float32 casts are kernels too
@@ -77,7 +81,8 @@ def kernels(layers: int, ours: bool, rows: int, width: int) -> list[str]:
     counted = Kernels()
     with torch.inference_mode():
         model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
-        with profile() as prof, counted.mode:
+        projections = MergedProjections(model).active() if merged else contextlib.nullcontext()
+        with projections, profile() as prof, counted.mode:
             decode_step(model, *args)
     inside = [
         e.name for e in prof.events() if e.name in MASK_WORK and _parent(e) == "aten::scaled_dot_product_attention"
@@ -97,8 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("| decode step | kernels per layer | fixed per step | Qwen2-0.5B (24 layers) |")
     print("|---|---|---|---|")
-    for name, ours in (("transformers' StaticCache, boolean mask", False), ("the loop's cache and bias", True)):
-        two, three = (len(kernels(n, ours, args.rows, args.width)) for n in (2, 3))
+    setups = (
+        ("transformers' StaticCache, boolean mask", False, False),
+        ("the loop's cache and bias", True, False),
+        ("the same, projections merged (a policy's recording)", True, True),
+    )
+    for name, ours, merged in setups:
+        two, three = (len(kernels(n, ours, args.rows, args.width, merged)) for n in (2, 3))
         per = three - two
         fixed = two - 2 * per
         print(f"| {name} | {per} | {fixed} | {fixed + 24 * per} |")

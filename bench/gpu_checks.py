@@ -616,11 +616,13 @@ def check_decode_kernels(setup: Setup) -> Callable[[], None]:
 
 def _one_decode_step(model, rows: int, width: int, recorded: bool) -> Callable[[], None]:
     """A function running one static-cache decode step of `model` as the hf engine's loop runs it (its cache and
-    attention bias), after a prefill; `recorded`: with the fused kernels a CUDA-graph recording takes
-    (`fused_kernels.GRAPH_RECORDING`). Run once here first (kernels compile, lazy work happens outside a count)."""
+    attention bias), after a prefill; `recorded`: with the fused kernels and merged projections a CUDA-graph
+    recording of a policy takes (`fused_kernels.GRAPH_RECORDING`, `merged_projections`). Run once here first
+    (kernels compile, lazy work happens outside a count)."""
     from alignpipe import fused_kernels
     from alignpipe.engine.decode_steps import decode_step, new_cache
     from alignpipe.engine.hf import aligned, attention_bias
+    from alignpipe.engine.merged_projections import MergedProjections
 
     device, dtype = model.device, model.dtype
     length = aligned(width + 8)
@@ -631,11 +633,12 @@ def _one_decode_step(model, rows: int, width: int, recorded: bool) -> Callable[[
     args = (ids[:, width:], attention_bias(keys, dtype), torch.full((rows, 1), width, device=device), cache, None)
     with torch.inference_mode():
         model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
+        merged = MergedProjections(model) if recorded else None
 
     def step() -> None:
         recording = fused_kernels.GRAPH_RECORDING.set(recorded)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), merged.active() if merged else contextlib.nullcontext():
                 decode_step(model, *args)
         finally:
             fused_kernels.GRAPH_RECORDING.reset(recording)

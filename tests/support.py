@@ -69,14 +69,15 @@ def kill_at_checkpoint(command: list[str], checkpoint: Path, timeout_s: float = 
 
 
 def matmuls(fn) -> int:
-    """How many matrix products `fn()` runs."""
+    """How many matrix products `fn()` runs (under inference mode a `linear` or `matmul` is seen whole, not as the
+    `addmm` or `mm` it runs)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_", "bmm"):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_", "bmm", "linear", "matmul"):
                 seen.append(func)
             return func(*args, **(kwargs or {}))
 

@@ -468,15 +468,16 @@ def test_the_decode_overhead_probe_times_each_loop(capsys):
 def test_the_decode_kernel_count_sees_the_cache_s_and_the_mask_s_kernels_per_layer(capsys):
     """`python -m bench.decode_kernels`: a decode layer on transformers' cache and a boolean mask runs 5 kernels more
     than on the loop's own: the write positions (an arange, an add, an in-place add) and SDPA's conversion of the
-    mask (a fill and a `where`); the loop's step works its positions out once (2 kernels more in the fixed part)."""
+    mask (a fill and a `where`); with its sibling projections merged, 3 fewer again (7 matmuls → 4)."""
     from bench import decode_kernels
 
     theirs, ours = ([len(decode_kernels.kernels(n, mine, 4, 8)) for n in (2, 3)] for mine in (False, True))
-    assert theirs[1] - theirs[0] == ours[1] - ours[0] + 5
+    merged = [len(decode_kernels.kernels(n, True, 4, 8, merged=True)) for n in (2, 3)]
+    assert theirs[1] - theirs[0] == ours[1] - ours[0] + 5 == merged[1] - merged[0] + 8
     assert "aten::where" in decode_kernels.kernels(2, False, 4, 8)
     decode_kernels.main(["--rows", "4", "--width", "8"])
     rows = capsys.readouterr().out.splitlines()[2:]
-    assert [row.split(" | ")[1] for row in rows] == [str(theirs[1] - theirs[0]), str(ours[1] - ours[0])]
+    assert [row.split(" | ")[1] for row in rows] == [str(b - a) for a, b in (theirs, ours, merged)]
 
 
 def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):

@@ -355,10 +355,71 @@ def test_a_recorded_decode_step_takes_the_fused_kernels_an_eager_one_does_not(ti
         graphed = HFEngine(model, tok, 8)
         graphed.step = step = GraphedDecodeStep(capture=replayed_on_cpu)
         assert _decoded(graphed, prompts, n) == want
-        # prefill, the warm-up and each of the 9 replays (the last token needs no step), every layer
-        assert gate_open["rotary"] == gate_open["silu_mul"] == layers * (2 + 10), gate_open
+        # every layer: the prefill, the step that compiles them and the warm-up, then the 10 replays
+        assert gate_open["rotary"] == gate_open["silu_mul"] == layers * (3 + 10), gate_open
         assert step.fused and step.failed is None
         gate_open.update(rotary=0, silu_mul=0)
+
+
+def test_a_recording_runs_each_layer_s_sibling_projections_as_one_matmul(tiny, gate_open, monkeypatch):
+    """`merged_projections`: while merged, each layer's q, k and v projections run as one matmul, and gate and up as
+    another (7 → 4 a layer); the logits equal the separate matmuls' (float32, 1e-5). A LoRA policy keeps its adapted
+    group apart and merges the other; a budget too small merges nothing; merging twice wraps nothing twice. A
+    recording of a patched policy (here the CPU stand-in, whose replays run in the recorded context) merges them
+    for its warm-up, capture and every replay, and its tokens equal the eager loop's."""
+    from peft import LoraConfig, get_peft_model
+    from support import matmuls, replayed_on_cpu
+
+    from alignpipe.engine import decode_steps
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.engine.merged_projections import MergedProjections
+    from alignpipe.lean_activations import lean_activations
+    from alignpipe.modeling import load_tokenizer
+
+    model, tok = load_causal_lm(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
+    lean_activations(model, fused=True)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 100, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits
+        separate = matmuls(lambda: model(input_ids=ids))
+        merged = MergedProjections(model)
+        assert len(merged) == 2 * layers and len(MergedProjections(model, budget=0)) == 0
+        with merged.active():
+            assert torch.allclose(model(input_ids=ids).logits, plain, rtol=1e-5, atol=1e-5)
+            assert separate - matmuls(lambda: model(input_ids=ids)) == 3 * layers
+        assert separate == matmuls(lambda: model(input_ids=ids)), "only while active"
+        MergedProjections(model)  # the members' forwards are wrapped once
+        assert model.model.layers[0].self_attn.q_proj.forward.__func__.__name__ == "_member_forward"
+        lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+        apart = MergedProjections(lora)
+        assert len(apart) == layers, "gate and up merged; the adapted q, k and v group kept apart"
+        lora_logits, lora_separate = lora(input_ids=ids).logits, matmuls(lambda: lora(input_ids=ids))
+        with apart.active():
+            assert torch.allclose(lora(input_ids=ids).logits, lora_logits, rtol=1e-5, atol=1e-5)
+            assert lora_separate - matmuls(lambda: lora(input_ids=ids)) == layers
+        model = lora.unload()
+
+    made = []
+
+    class Counted(MergedProjections):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(len(self))
+
+    monkeypatch.setattr(decode_steps, "MergedProjections", Counted)
+    prompts = ["The film", "I watched it and", "A"]
+    want = _decoded(HFEngine(model, tok, 8, static_cache=True), prompts)
+    replayed = []
+
+    def capture(step):  # the stand-in, counting each replay's matmuls
+        replay, out = replayed_on_cpu(step)
+        return (lambda: replayed.append(matmuls(replay))), out
+
+    graphed = HFEngine(model, tok, 8)
+    graphed.step = decode_steps.GraphedDecodeStep(capture=capture)
+    assert _decoded(graphed, prompts) == want
+    assert made == [2 * layers] and set(replayed) == {4 * layers + 1}, (made, set(replayed))
 
 
 def test_a_recording_that_fails_with_the_fused_kernels_is_made_without_them(tiny, gate_open, caplog):

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from alignpipe import fused_kernels, lean_activations
-from alignpipe.engine import static_cache
+from alignpipe.engine import merged_projections, static_cache
+from alignpipe.engine.merged_projections import MergedProjections
 
 log = logging.getLogger(__name__)
 
@@ -220,18 +221,25 @@ def cuda_graph_capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[Cal
 
 class Recording:
     """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them)
-    and the output it writes. The weights and the static cache are read where they lie."""
+    and the output it writes. The weights and the static cache are read where they lie; with `fused`, the patched
+    policy's fused kernels are recorded, and its sibling projections as one matmul each where their merged weights
+    fit (`merged_projections`; kept here, as long as the graph that reads them)."""
 
     def __init__(self, args: tuple, capture: Capture, fused: bool = False):
         model, token, mask, pos, cache, cache_position = args
         self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
         restore = _counters_restorer(cache)
         token_in, mask_in, pos_in, cache_position_in = self.inputs
+        self.merged = MergedProjections(model, merged_projections.budget(token.device)) if fused else None
         # streams and graphs belong to the current device: the model's, also where another one is current
         on_device = torch.cuda.device(token.device) if token.is_cuda else contextlib.nullcontext()
+        merged = self.merged.active() if self.merged else contextlib.nullcontext()
         recording = fused_kernels.GRAPH_RECORDING.set(fused)  # the warm-up compiles what the capture then records
         try:
-            with on_device:
+            with on_device, merged:
+                if fused:  # the kernels compile for this step here, not under the capture's warm-up and its sync check
+                    decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
+                    restore()
                 self.replay, self.out = capture(
                     lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
                 )
