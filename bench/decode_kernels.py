@@ -20,8 +20,11 @@ policy's compiled kernels (fused rotary and SwiGLU) run on CUDA only and are not
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", "detach_"}
 
@@ -29,60 +32,62 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh", 
 MASK_WORK = {"aten::where", "aten::scalar_tensor", "aten::logical_not", "aten::constant_pad_nd", "aten::masked_fill_"}
 
 
-class Kernels:
-    """Counts the operators that launch a kernel: in place, or writing a new tensor (views and no-op casts share
-    their input's storage and launch none; allocations alone launch none)."""
+class Kernels(TorchDispatchMode):
+    """Within: counts the operators that launch a kernel (`names`): in place, or writing a new tensor (views and
+    no-op casts share their input's storage and launch none; allocations alone launch none)."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                counter.seen(func.__name__.split(".")[0], (args, kwargs), out)
-                return out
-
-        self.mode = Mode()
+        super().__init__()
         self.names: list[str] = []
 
-    def seen(self, name: str, inputs, out) -> None:
-        from torch.utils._pytree import tree_leaves
-
-        def storages(tree) -> set[int]:
-            return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
-
-        if name not in NO_KERNEL and (name.endswith("_") or storages(out) - storages(inputs)):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name not in NO_KERNEL and (name.endswith("_") or _storages(out) - _storages((args, kwargs))):
             self.names.append(name)
+        return out
+
+
+def _storages(tree) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def prefilled_step(model, rows: int, width: int, ours: bool = True) -> tuple:
+    """The arguments of `decode_steps.decode_step` for one step of `model` after a `width`-token prefill of `rows`
+    random rows, as the hf engine's loop lays them out (`ours`: its cache and attention bias; else transformers'
+    cache and a boolean mask)."""
+    from alignpipe.engine.decode_steps import new_cache
+    from alignpipe.engine.hf import aligned, attention_bias
+
+    device = model.device
+    length = aligned(width + 8)
+    cache = new_cache(model, length, shared_positions=ours)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, model.config.vocab_size, (rows, width + 1), generator=generator).to(device)
+    keys = torch.zeros(rows, length, dtype=torch.long, device=device)
+    keys[:, : width + 1] = 1
+    mask = attention_bias(keys, model.dtype) if ours else keys.bool()[:, None, None, :]
+    with torch.inference_mode():
+        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
+    position = torch.full((rows, 1), width, device=device)
+    return ids[:, width:], mask, position, cache, torch.tensor([width], device=device)
 
 
 def kernels(layers: int, ours: bool, rows: int, width: int, merged: bool = False) -> list[str]:
     """The kernels one decode step issues, by operator name: a Qwen2-shaped model of `layers` layers in bf16, `rows`
     rows after a `width`-token prefill; `ours`: the loop's cache and bias, else transformers' cache and a boolean
     mask; `merged`: the sibling projections merged, as a recording of a policy runs them (`merged_projections`)."""
-    import contextlib
-
     from torch.profiler import profile
 
-    from alignpipe.engine.decode_steps import decode_step, new_cache
-    from alignpipe.engine.hf import aligned, attention_bias
+    from alignpipe.engine.decode_steps import decode_step
     from alignpipe.engine.merged_projections import MergedProjections
     from bench.decode_overhead import tiny_qwen
 
     model = tiny_qwen(layers).to(torch.bfloat16)  # as a GPU decodes: the norms' float32 casts are kernels too
-    length = aligned(width + 8)
-    cache = new_cache(model, length, shared_positions=ours)
-    ids = torch.randint(2, 500, (rows, width + 1), generator=torch.Generator().manual_seed(0))
-    keys = torch.zeros(rows, length, dtype=torch.long)
-    keys[:, : width + 1] = 1
-    mask = attention_bias(keys, torch.bfloat16) if ours else keys.bool()[:, None, None, :]
-    args = (ids[:, width:], mask, torch.full((rows, 1), width), cache, torch.tensor([width]))
-    counted = Kernels()
+    args = prefilled_step(model, rows, width, ours)
     with torch.inference_mode():
-        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
         projections = MergedProjections(model).active() if merged else contextlib.nullcontext()
-        with projections, profile() as prof, counted.mode:
+        with projections, profile() as prof, Kernels() as counted:
             decode_step(model, *args)
     inside = [
         e.name for e in prof.events() if e.name in MASK_WORK and _parent(e) == "aten::scaled_dot_product_attention"

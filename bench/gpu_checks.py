@@ -598,8 +598,7 @@ def check_decode_kernels(setup: Setup) -> Callable[[], None]:
             if setup.cuda:
                 counts[name] = _cuda_kernels(step)
             else:
-                counter = Kernels()
-                with counter.mode:
+                with Kernels() as counter:
                     step()
                 counts[name] = len(counter.names)
         layers = shape["num_hidden_layers"]
@@ -620,19 +619,12 @@ def _one_decode_step(model, rows: int, width: int, recorded: bool) -> Callable[[
     recording of a policy takes (`fused_kernels.GRAPH_RECORDING`, `merged_projections`). Run once here first
     (kernels compile, lazy work happens outside a count)."""
     from alignpipe import fused_kernels
-    from alignpipe.engine.decode_steps import decode_step, new_cache
-    from alignpipe.engine.hf import aligned, attention_bias
+    from alignpipe.engine.decode_steps import decode_step
     from alignpipe.engine.merged_projections import MergedProjections
+    from bench.decode_kernels import prefilled_step
 
-    device, dtype = model.device, model.dtype
-    length = aligned(width + 8)
-    cache = new_cache(model, length)
-    ids = torch.randint(2, model.config.vocab_size, (rows, width + 1), device=device)
-    keys = torch.zeros(rows, length, dtype=torch.long, device=device)
-    keys[:, : width + 1] = 1
-    args = (ids[:, width:], attention_bias(keys, dtype), torch.full((rows, 1), width, device=device), cache, None)
+    args = prefilled_step(model, rows, width)
     with torch.inference_mode():
-        model(input_ids=ids[:, :width], past_key_values=cache, use_cache=True)
         merged = MergedProjections(model) if recorded else None
 
     def step() -> None:
