@@ -142,6 +142,11 @@ def lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
     return patched
 
 
+def is_patched_norm(module: torch.nn.Module | None) -> bool:
+    """Whether `module` is an RMSNorm this module patched (its forward: the fused kernel on CUDA, else the lean norm)."""
+    return getattr(getattr(module, "forward", None), "__func__", None) is _norm_forward
+
+
 def takes_fused_kernels(model: torch.nn.Module) -> bool:
     """Whether `model` was patched with `fused` (its MLPs' products and rotary embeddings through `fused_kernels`)."""
     return any(getattr(module, "alignpipe_fused_silu", False) for module in model.modules())

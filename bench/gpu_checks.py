@@ -615,25 +615,19 @@ def check_decode_kernels(setup: Setup) -> Callable[[], None]:
 
 def _one_decode_step(model, rows: int, width: int, recorded: bool) -> Callable[[], None]:
     """A function running one static-cache decode step of `model` as the hf engine's loop runs it (its cache and
-    attention bias), after a prefill; `recorded`: with the fused kernels and merged projections a CUDA-graph
-    recording of a policy takes (`fused_kernels.GRAPH_RECORDING`, `merged_projections`). Run once here first
-    (kernels compile, lazy work happens outside a count)."""
-    from alignpipe import fused_kernels
-    from alignpipe.engine.decode_steps import decode_step
-    from alignpipe.engine.merged_projections import MergedProjections
+    attention bias), after a prefill; `recorded`: as a CUDA-graph recording of a policy runs it (`StepFusions`: fused
+    kernels, merged projections, residual adds fused with norms). Run once here first (kernels compile, lazy work
+    happens outside a count)."""
+    from alignpipe.engine.decode_steps import StepFusions, decode_step
     from bench.decode_kernels import prefilled_step
 
     args = prefilled_step(model, rows, width)
     with torch.inference_mode():
-        merged = MergedProjections(model) if recorded else None
+        fusions = StepFusions(model, model.device) if recorded else None
 
     def step() -> None:
-        recording = fused_kernels.GRAPH_RECORDING.set(recorded)
-        try:
-            with torch.inference_mode(), merged.active() if merged else contextlib.nullcontext():
-                decode_step(model, *args)
-        finally:
-            fused_kernels.GRAPH_RECORDING.reset(recording)
+        with torch.inference_mode(), fusions.active() if fusions else contextlib.nullcontext():
+            decode_step(model, *args)
 
     step()
     return step

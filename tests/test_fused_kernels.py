@@ -422,6 +422,90 @@ def test_a_recording_runs_each_layer_s_sibling_projections_as_one_matmul(tiny, g
     assert made == [2 * layers] and set(replayed) == {4 * layers + 1}, (made, set(replayed))
 
 
+def test_add_norm_adds_as_eager_and_normalises_in_float32_rounding_once():
+    """`fused_residuals.add_norm` in bfloat16: the sum is the eager add's bit for bit; the normalised copy is the
+    float32 RMSNorm of that sum, scaled, rounded once (torch's fused RMSNorm kernel's numerics)."""
+    from alignpipe.engine.fused_residuals import add_norm
+
+    g = torch.Generator().manual_seed(0)
+    residual, delta = (torch.randn(4, 1, 96, generator=g).to(torch.bfloat16) for _ in range(2))
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.rand(96, generator=g).to(torch.bfloat16) + 0.5)
+    norm.variance_epsilon = 1e-6
+    total, normed = add_norm(residual, delta, norm)
+    assert torch.equal(total, residual + delta)
+    x = (residual + delta).float()
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
+    assert normed.dtype == torch.bfloat16
+    assert torch.allclose(normed.float(), want, rtol=2**-8, atol=1e-6), (normed.float() - want).abs().max()
+
+
+def test_a_recording_adds_each_residual_in_the_kernel_of_the_norm_after_it(tiny, gate_open, monkeypatch):
+    """`fused_residuals`: while active, each layer's two residual adds run in one kernel with the norm after them
+    (`add_norm`, 2·layers − 1 calls a forward: the last layer's final add stays apart), and each layer's input norm
+    but the first takes the copy the add made (the norms' own forwards run twice: the first layer's input norm and
+    the model's final norm). The logits equal the unfused model's (float32, 1e-5); only while active, and only for a
+    model whose norms `lean_activations` patched. A recording of a patched policy (the CPU stand-in, whose replays run
+    in the recorded context) fuses them for its warm-up, capture and every replay; its tokens equal the eager loop's,
+    greedy and sampled."""
+    from support import replayed_on_cpu
+
+    from alignpipe.engine import decode_steps, fused_residuals
+    from alignpipe.engine.fused_residuals import FusedResiduals
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.lean_activations import lean_activations
+    from alignpipe.modeling import load_tokenizer
+
+    model, tok = load_causal_lm(str(tiny / "model")).eval(), load_tokenizer(str(tiny / "model"))
+    assert len(FusedResiduals(model)) == 0, "unpatched norms: nothing fused"
+    lean_activations(model, fused=True)
+    layers = model.config.num_hidden_layers
+    calls = {"add_norm": 0, "norm": 0}
+    add_norm = fused_residuals.add_norm
+
+    def counted_add_norm(*args):
+        calls["add_norm"] += 1
+        return add_norm(*args)
+
+    monkeypatch.setattr(fused_residuals, "add_norm", counted_add_norm)
+    for norm in [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]:
+        norm.register_forward_hook(lambda *_: calls.__setitem__("norm", calls["norm"] + 1))
+
+    def counted(fn):
+        calls.update(add_norm=0, norm=0)
+        out = fn()
+        return out, dict(calls)
+
+    ids = torch.randint(3, 100, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain, unfused = counted(lambda: model(input_ids=ids).logits)
+        assert unfused == {"add_norm": 0, "norm": 2 * layers + 1}
+        fused = FusedResiduals(model)
+        assert len(fused) == layers
+        with fused.active():
+            logits, seen = counted(lambda: model(input_ids=ids).logits)
+        assert seen == {"add_norm": 2 * layers - 1, "norm": 2}, seen
+        assert torch.allclose(logits, plain, rtol=1e-5, atol=1e-5)
+        assert counted(lambda: model(input_ids=ids).logits)[1] == unfused, "only while active"
+        FusedResiduals(model)  # the layers' forwards are wrapped once
+        assert model.model.layers[0].forward.__func__.__name__ == "_layer_forward"
+
+    prompts = ["The film", "I watched it and", "A"]
+    for n in (1, 3):
+        want = _decoded(HFEngine(model, tok, 8, static_cache=True), prompts, n)
+        replayed = []
+
+        def capture(step, replayed=replayed):  # the stand-in, counting each replay's fused adds
+            replay, out = replayed_on_cpu(step)
+            return (lambda: replayed.append(counted(replay)[1]["add_norm"])), out
+
+        graphed = HFEngine(model, tok, 8)
+        graphed.step = step = decode_steps.GraphedDecodeStep(capture=capture)
+        assert _decoded(graphed, prompts, n) == want
+        assert step.fused and step.failed is None
+        assert set(replayed) == {2 * layers - 1}, replayed
+
+
 def test_a_recording_that_fails_with_the_fused_kernels_is_made_without_them(tiny, gate_open, caplog):
     """Where a capture with the fused kernels fails (a compiled call a graph cannot hold), the step is recorded
     without them, said once, and later rollouts do not try them again; the graph itself is kept."""

@@ -31,6 +31,7 @@ import torch
 
 from alignpipe import fused_kernels, lean_activations
 from alignpipe.engine import merged_projections, static_cache
+from alignpipe.engine.fused_residuals import FusedResiduals
 from alignpipe.engine.merged_projections import MergedProjections
 
 log = logging.getLogger(__name__)
@@ -219,24 +220,41 @@ def cuda_graph_capture(step: Callable[[], torch.Tensor], pool=None) -> tuple[Cal
     return graph.replay, out
 
 
+class StepFusions:
+    """What a recording of a patched policy changes in its decode step while `active`: the fused rotary and SwiGLU
+    kernels taken (`fused_kernels.GRAPH_RECORDING`), the sibling projections merged into one matmul each where their
+    weights fit (`merged_projections`; the merged weights live as long as this object, as long as the graph that
+    reads them), and each residual add fused with the norm after it (`fused_residuals`)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.merged = MergedProjections(model, merged_projections.budget(device))
+        self.residuals = FusedResiduals(model)
+
+    @contextlib.contextmanager
+    def active(self):
+        recording = fused_kernels.GRAPH_RECORDING.set(True)
+        try:
+            with self.merged.active(), self.residuals.active():
+                yield
+        finally:
+            fused_kernels.GRAPH_RECORDING.reset(recording)
+
+
 class Recording:
     """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them)
     and the output it writes. The weights and the static cache are read where they lie; with `fused`, the patched
-    policy's fused kernels are recorded, and its sibling projections as one matmul each where their merged weights
-    fit (`merged_projections`; kept here, as long as the graph that reads them)."""
+    policy's step is recorded with its `StepFusions` (kept here, as long as the graph)."""
 
     def __init__(self, args: tuple, capture: Capture, fused: bool = False):
         model, token, mask, pos, cache, cache_position = args
         self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
         restore = _counters_restorer(cache)
         token_in, mask_in, pos_in, cache_position_in = self.inputs
-        self.merged = MergedProjections(model, merged_projections.budget(token.device)) if fused else None
+        self.fusions = StepFusions(model, token.device) if fused else None
         # streams and graphs belong to the current device: the model's, also where another one is current
         on_device = torch.cuda.device(token.device) if token.is_cuda else contextlib.nullcontext()
-        merged = self.merged.active() if self.merged else contextlib.nullcontext()
-        recording = fused_kernels.GRAPH_RECORDING.set(fused)  # the warm-up compiles what the capture then records
         try:
-            with on_device, merged:
+            with on_device, self.fusions.active() if self.fusions else contextlib.nullcontext():
                 if fused:  # the kernels compile for this step here, not under the capture's warm-up and its sync check
                     decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
                     restore()
@@ -244,7 +262,6 @@ class Recording:
                     lambda: decode_step(model, token_in, mask_in, pos_in, cache, cache_position_in)
                 )
         finally:  # the warm-up wrote this step's entries and advanced the counters; the replay does it again
-            fused_kernels.GRAPH_RECORDING.reset(recording)
             restore()
 
     def __call__(self, token, mask, pos, cache_position) -> torch.Tensor:
