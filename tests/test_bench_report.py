@@ -509,6 +509,31 @@ def test_the_rollout_line_times_the_engine_s_own_token_choice():
         assert 0 < _sampling_ms(setup, 8, 512, sampling) < 1e3
 
 
+def test_the_rollout_line_times_a_recording_s_replay_alone(tiny):
+    """The rollout-speed line's "replay alone" replays the last rollout's recording with its static cache emptied
+    first: more replays than the cache has positions left still write inside it (on CPU, the recording's stand-in
+    replays the step; a write past the cache's end raises). Without a recording it says why, and the line stands."""
+    import torch
+    from support import replayed_on_cpu
+
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+    from alignpipe.engine.hf import decode_static
+    from alignpipe.engine.sampling import SamplingParams
+    from alignpipe.modeling import load_causal_lm
+    from bench.gpu_checks import _replay_ms
+
+    model = load_causal_lm(str(tiny / "model")).eval()
+    step = GraphedDecodeStep(capture=replayed_on_cpu)
+    ids = torch.randint(3, 100, (2, 4), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        decode_static(model, ids, torch.ones_like(ids), SamplingParams(temperature=0, max_new_tokens=6), None, 0,
+                      step=step)  # fmt: skip
+        (cache,) = step.caches.values()
+        assert 0 < _replay_ms(step, cuda=False, replays=cache.get_max_length() - 1) < 1e3
+    step.release()
+    assert _replay_ms(step, cuda=False).startswith("not measured (ValueError")
+
+
 def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     """`bench/gpu_session.sh`: every stage's cases exist in the GPU suite, its steps' time limits add up to less
     than one device call (600 s, with room for the install), and an unknown stage is refused."""
