@@ -3,10 +3,10 @@
 A Llama-family decoder layer adds its attention's output to the residual stream and normalises the sum for its MLP,
 then adds the MLP's output, which the next layer's input norm normalises. Eagerly each add is a kernel of its own
 before the norm's. At a decode step's few rows a kernel's time is its launch and its fixed start and finish, not its
-bytes, so the adds cost about what the norms do. While a `FusedResiduals` is `active` (a context variable, set
-around a recording's warm-up and capture, as `merged_projections` is), the layers compute each sum and its
-normalised copy in one compiled kernel (`add_norm`), and a layer's input norm takes the copy the previous layer's
-last add made: 2 kernels fewer a layer (the last layer's final add stays apart; the model's final norm is its own).
+bytes, so the adds cost about what the norms do. While a `FusedResiduals` is `active` (`scoped_patch`: set around
+a recording's warm-up and capture), the layers compute each sum and its normalised copy in one compiled kernel
+(`add_norm`), and a layer's input norm takes the copy the previous layer's last add made: 2 kernels fewer a layer
+(the last layer's final add stays apart; the model's final norm is its own).
 
 Numerics: the sum is the eager add's, bit for bit. The normalised copy is the fused RMSNorm's that a patched policy
 runs on a GPU (`lean_activations`): normalised and scaled in float32, rounded once, up to the order of the
@@ -18,21 +18,17 @@ and only where the fused kernels are taken (`fused_kernels.wanted`: on CUDA).
 
 from __future__ import annotations
 
-import contextlib
-import types
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 
 from alignpipe import fused_kernels, lean_activations
 from alignpipe.compiled import compiled_function
+from alignpipe.engine.scoped_patch import ScopedPatch
 
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"}
 """Decoder layers whose forward is `input_layernorm → self_attn → add → post_attention_layernorm → mlp → add` (the
 same source in transformers 5.2x for all four)."""
-
-ACTIVE: ContextVar[FusedResiduals | None] = ContextVar("alignpipe_fused_residuals", default=None)
 
 
 def _add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -48,7 +44,7 @@ def add_norm(residual: torch.Tensor, delta: torch.Tensor, norm: torch.nn.Module)
     return compiled_function(_add_norm)(residual, delta, norm.weight, norm.variance_epsilon)
 
 
-class FusedResiduals:
+class FusedResiduals(ScopedPatch):
     """The decoder layers of `model` whose adds are fused with the norms after them while `active` (none where the
     model has no such layers)."""
 
@@ -61,23 +57,14 @@ class FusedResiduals:
             for k, layer in enumerate(layers):
                 following: Any = layers[k + 1].input_layernorm if k + 1 < len(layers) else None
                 self.following[id(layer)] = following
-                if getattr(layer, "alignpipe_fused_residuals", False) is False:
-                    layer.forward = types.MethodType(_layer_forward, layer)
-                    object.__setattr__(layer, "alignpipe_fused_residuals", True)  # a plain flag, not a buffer
+                self.wrap(layer, _layer_forward, "alignpipe_fused_residuals")
 
     def __len__(self) -> int:
         """How many layers are fused."""
         return len(self.following)
 
-    @contextlib.contextmanager
-    def active(self):
-        """Within (and in contexts copied from within): the fused layers fuse their adds."""
-        token = ACTIVE.set(self)
-        try:
-            yield
-        finally:
-            ACTIVE.reset(token)
-            self.prenormed = None
+    def forget(self) -> None:
+        self.prenormed = None
 
     def layer(self, layer: Any, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """`layer`'s forward with its adds fused: transformers' pre-norm block, step for step."""
@@ -116,7 +103,7 @@ def _stacks(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
 
 
 def _layer_forward(self, hidden_states, *args, **kwargs):
-    fused = None if torch.compiler.is_compiling() else ACTIVE.get()  # first: dynamo does not trace a context variable
+    fused = FusedResiduals.in_effect()
     if (
         fused is None
         or args  # positional extras: not the call the model makes

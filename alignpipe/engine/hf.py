@@ -156,9 +156,7 @@ def decode(
         cache.batch_repeat_interleave(n)
         logits, mask, position = (x.repeat_interleave(n, 0) for x in (logits, mask, position))
     rows = logits.shape[0]
-    new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=ids.device)
-    logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
-    ends = RowEnds(rows, sampling.max_new_tokens, ids.device)
+    out = Sampled(rows, sampling, pad, ids.device, generator, logprobs, stops, seen)
     pos = position[:, -1:] + 1
     width = ids.shape[1]
     length = aligned(width + sampling.max_new_tokens)
@@ -166,16 +164,9 @@ def decode(
     if _takes_padding_mask(model):  # (rows, 1, 1, keys): the model skips building the mask on every step
         full_mask = attention_bias(full_mask, model.get_input_embeddings().weight.dtype)
     for t in range(sampling.max_new_tokens):
-        token, logp = next_token(seen(logits) if seen else logits, sampling, generator, logprobs)
-        token = token.masked_fill(ends.done, pad)
-        if seen:
-            seen.add(token)
-        new[:, t] = token
-        if logps is not None and logp is not None:
-            logps[:, t] = logp
-        ends.record(token, t, stops)
-        if ends.finished(t):
-            return _cut(new, logps, ends.width())
+        token = out.add(logits, t)
+        if out.ends.finished(t):
+            return out.result()
         logits = model(
             input_ids=token[:, None],
             attention_mask=full_mask[..., : width + t + 1],
@@ -184,11 +175,51 @@ def decode(
             use_cache=True,
         ).logits[:, -1]
         pos = pos + 1
-    return new, logps
+    return out.result()
 
 
-def _cut(new: torch.Tensor, logps: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return new[:, :width], (logps[:, :width] if logps is not None else None)
+class Sampled:
+    """What a decode loop has sampled so far: each row's new tokens (`pad` after its end), with `logprobs` their
+    sampling log-probs (`next_token`), and which rows have ended (`RowEnds`, at a token of `stops`). `add` chooses
+    and records a step's tokens; `result` cuts the columns after the last row's end."""
+
+    def __init__(
+        self,
+        rows: int,
+        sampling: SamplingParams,
+        pad: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+        logprobs: bool,
+        stops: torch.Tensor | None,
+        seen: SeenTokens | None,
+    ):
+        self.sampling, self.pad, self.generator, self.logprobs, self.stops, self.seen = (
+            sampling, pad, generator, logprobs, stops, seen
+        )  # fmt: skip
+        self.new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
+        self.logps = torch.zeros(self.new.shape, device=device) if logprobs else None
+        self.ends = RowEnds(rows, sampling.max_new_tokens, device)
+
+    def add(self, logits: torch.Tensor, t: int) -> torch.Tensor:
+        """Step `t`'s token of each row, chosen from its next-token `logits` and recorded."""
+        seen = self.seen
+        token, logp = next_token(seen(logits) if seen else logits, self.sampling, self.generator, self.logprobs)
+        token = token.masked_fill(self.ends.done, self.pad)
+        if seen:
+            seen.add(token)
+        self.new[:, t] = token
+        if self.logps is not None and logp is not None:
+            self.logps[:, t] = logp
+        self.ends.record(token, t, self.stops)
+        return token
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new tokens, log-probs or None), up to the step the last row ended at (all columns if none ended)."""
+        if self.new.size(1) == 0:
+            return self.new, self.logps
+        width = self.ends.width()
+        return self.new[:, :width], (self.logps[:, :width] if self.logps is not None else None)
 
 
 # How often a decode loop on a GPU asks "have all rows ended?". Each answer is read one check late (`RowEnds`), so
@@ -294,28 +325,19 @@ def decode_static(
     if _takes_padding_mask(model):  # ready for SDPA: the steps build no mask (which reads the device)
         step_mask, attend = attention_bias(full_mask, model.get_input_embeddings().weight.dtype), 0.0
     keys = step_mask.view(rows, length)  # which cache entries the next step attends to
-    new = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
-    logps = torch.zeros(new.shape, device=ids.device) if logprobs else None
-    ends = RowEnds(rows, steps, ids.device)
+    seen = SeenTokens.of(*seen_of, logits.shape[-1], sampling)
+    out = Sampled(rows, sampling, pad, ids.device, generator, logprobs, stops, seen)
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
-    seen = SeenTokens.of(*seen_of, logits.shape[-1], sampling)
     for t in range(steps):
-        token, logp = next_token(seen(logits) if seen else logits, sampling, generator, logprobs)
-        token = token.masked_fill(ends.done, pad)
-        if seen:
-            seen.add(token)
-        new[:, t] = token
-        if logps is not None and logp is not None:
-            logps[:, t] = logp
-        ends.record(token, t, stops)
-        if ends.finished(t):
-            return _cut(new, logps, ends.width())
+        token = out.add(logits, t)
+        if out.ends.finished(t):
+            return out.result()
         keys[:, width + t] = attend
         logits = (step or decode_step)(model, token[:, None], step_mask, pos, cache, cache_position)
         pos = pos + 1
         cache_position = cache_position + 1
-    return new, logps
+    return out.result()
 
 
 def prefill(model, ids, mask, position):

@@ -16,19 +16,15 @@ matmul may round differently from three.
 
 from __future__ import annotations
 
-import contextlib
-import types
-from contextvars import ContextVar
-
 import torch
+
+from alignpipe.engine.scoped_patch import ScopedPatch
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections of one input in Llama-family attention and MLP modules, in the order their forwards call them."""
 
 FREE_SHARE = 4
 """The merged weights are made only where they take at most 1/FREE_SHARE of the device's free memory."""
-
-ACTIVE: ContextVar[MergedProjections | None] = ContextVar("alignpipe_merged_projections", default=None)
 
 
 class _Group:
@@ -50,8 +46,9 @@ class _Group:
         return self.last[1][self.members[id(linear)]]
 
 
-class MergedProjections:
-    """The merged groups of `model` for one recording (none where they would not fit, `budget` bytes)."""
+class MergedProjections(ScopedPatch):
+    """The merged groups of `model` for one recording (none where they would not fit, `budget` bytes); while
+    `active`, the members return slices of their group's product."""
 
     def __init__(self, model: torch.nn.Module, budget: int | None = None):
         found = [linears for module in model.modules() if (linears := _siblings(module))]
@@ -63,24 +60,15 @@ class MergedProjections:
             group = _Group(linears)
             for linear in linears:
                 self.groups[id(linear)] = group
-                if getattr(linear, "alignpipe_merged", False) is False:
-                    linear.forward = types.MethodType(_member_forward, linear)  # type: ignore[method-assign]
-                    object.__setattr__(linear, "alignpipe_merged", True)  # a plain flag, not a buffer
+                self.wrap(linear, _member_forward, "alignpipe_merged")
 
     def __len__(self) -> int:
         """How many groups are merged."""
         return len({id(group) for group in self.groups.values()})
 
-    @contextlib.contextmanager
-    def active(self):
-        """Within (and in contexts copied from within): the members return slices of their group's product."""
-        token = ACTIVE.set(self)
-        try:
-            yield
-        finally:
-            ACTIVE.reset(token)
-            for group in self.groups.values():
-                group.last = None
+    def forget(self) -> None:
+        for group in self.groups.values():
+            group.last = None
 
     def output(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         group = self.groups.get(id(linear))
@@ -119,8 +107,7 @@ def _siblings(module: torch.nn.Module) -> list[torch.nn.Linear] | None:
 
 
 def _member_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not torch.compiler.is_compiling():  # first: a context variable is not something dynamo traces
-        merged = ACTIVE.get()
-        if merged is not None and (out := merged.output(self, x)) is not None:
-            return out
+    merged = MergedProjections.in_effect()
+    if merged is not None and (out := merged.output(self, x)) is not None:
+        return out
     return torch.nn.functional.linear(x, self.weight, self.bias)

@@ -543,73 +543,93 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
     return batch, sm
 
 
+class StepMetrics(dict):
+    """An optimizer step's metrics over its micro-batches, as device tensors (read when logged)."""
+
+    def __init__(self, parts: int):
+        super().__init__()
+        self.parts = parts
+
+    def mean(self, key: str, value: torch.Tensor) -> None:
+        """Adds `value`'s share of the step's mean over its micro-batches."""
+        self[key] = self.get(key, 0) + value.detach() / self.parts
+
+    def total(self, key: str, value: torch.Tensor) -> None:
+        """Adds `value` as it is (a micro-batch's loss already is its share of the step's)."""
+        self[key] = self.get(key, 0) + value.detach()
+
+
+def micro_batches(run: GRPORun, batch: GRPORollout, micro: list[int]):
+    """The micro-batches of one optimizer step, starting at the rollout's rows `micro`: each one's rows (a slice) and
+    its completion mask and advantages on the device, its body run with gradients synchronised across processes at
+    the last one's backward only."""
+    loop = run.loop
+    for j, start in enumerate(micro):
+        rows = slice(start, start + run.cfg.batch_size)
+        mask, adv = to_device((batch.mask[rows], batch.advantages[rows]), loop.accelerator.device)
+        with loop.no_sync_unless(j == len(micro) - 1):
+            yield rows, mask, adv
+
+
 def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torch.Tensor]:
     """One optimizer step's forward and backward over the rollout's micro-batches starting at `micro` (the loop then
     clips and steps). Returns the loss and TRL's per-token metrics as device tensors, read when logged."""
-    cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
+    cfg, acc = run.cfg, run.loop.accelerator
     assert isinstance(cfg, GRPOConfig)
     device, eps_high = acc.device, run.epsilon_high
-    sums: dict[str, torch.Tensor] = {}
-
-    def add(key: str, value: torch.Tensor) -> None:
-        sums[key] = sums.get(key, 0) + value.detach() / len(micro)
-
-    for j, s in enumerate(micro):
-        sl = slice(s, s + cfg.batch_size)
-        mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
-        with loop.no_sync_unless(j == len(micro) - 1):
-            logps, entropy_grad = run.micro_logps(batch, sl)
-            entropy = entropy_grad.detach()
-            policy_tokens, weights, high = None, None, None
-            if batch.sampling_weights is not None:
-                weights = to_device(batch.sampling_weights[sl], device)
-            if cfg.top_entropy_quantile < 1:
-                pool = acc.num_processes > 1
-                gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
-                policy_tokens = high = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
-            if cfg.off_policy_mask_threshold is not None:  # (B, 1): keeps the policy term of whole completions
-                assert batch.sampling_logps is not None
-                sampled = to_device(batch.sampling_logps[sl], device)
-                keep = off_policy_mask(adv, logps.float(), sampled, mask, cfg.off_policy_mask_threshold)
-                policy_tokens = keep if policy_tokens is None else policy_tokens * keep
-            old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
-            ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
-            ptl, ratio, kl = per_token_loss(
-                logps.float(),
-                old,
-                ref,
-                adv,
-                cfg.epsilon,
-                eps_high,
-                cfg.beta,
-                cfg.kl_importance_correction,
-                mask,
-                cfg.importance_sampling_level,
-                cfg.loss_type,
-                (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
-                cfg.delta,
-                policy_tokens,
-                weights,
-                ((cfg.vespo_k_pos, cfg.vespo_lambda_pos), (cfg.vespo_k_neg, cfg.vespo_lambda_neg)),
-            )
-            policy_loss = loss = aggregate(
-                ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
-            )
-            if run.entropy is not None:  # on the tokens the policy term trains (TRL's: the high-entropy ones, if set)
-                tokens = mask if high is None else mask * high
-                loss = loss - run.entropy.applied() * entropy_bonus(entropy_grad.float(), tokens) / len(micro)
-                run.entropy.observe(entropy, tokens)
-            acc.backward(loss)
+    sums = StepMetrics(len(micro))
+    for sl, mask, adv in micro_batches(run, batch, micro):
+        logps, entropy_grad = run.micro_logps(batch, sl)
+        entropy = entropy_grad.detach()
+        policy_tokens, weights, high = None, None, None
+        if batch.sampling_weights is not None:
+            weights = to_device(batch.sampling_weights[sl], device)
+        if cfg.top_entropy_quantile < 1:
+            pool = acc.num_processes > 1
+            gather = (lambda x: acc.gather(acc.pad_across_processes(x, pad_index=float("nan")))) if pool else None
+            policy_tokens = high = high_entropy_tokens(entropy, mask, cfg.top_entropy_quantile, gather).float()
+        if cfg.off_policy_mask_threshold is not None:  # (B, 1): keeps the policy term of whole completions
+            assert batch.sampling_logps is not None
+            sampled = to_device(batch.sampling_logps[sl], device)
+            keep = off_policy_mask(adv, logps.float(), sampled, mask, cfg.off_policy_mask_threshold)
+            policy_tokens = keep if policy_tokens is None else policy_tokens * keep
+        old = to_device(batch.old_logps[sl], device) if batch.old_logps is not None else None
+        ref = to_device(batch.ref_logps[sl], device) if batch.ref_logps is not None else None
+        ptl, ratio, kl = per_token_loss(
+            logps.float(),
+            old,
+            ref,
+            adv,
+            cfg.epsilon,
+            eps_high,
+            cfg.beta,
+            cfg.kl_importance_correction,
+            mask,
+            cfg.importance_sampling_level,
+            cfg.loss_type,
+            (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
+            cfg.delta,
+            policy_tokens,
+            weights,
+            ((cfg.vespo_k_pos, cfg.vespo_lambda_pos), (cfg.vespo_k_neg, cfg.vespo_lambda_neg)),
+        )
+        policy_loss = loss = aggregate(
+            ptl, mask, cfg.loss_type, cfg.max_completion_length, batch.step_tokens_per_process, len(micro)
+        )
+        if run.entropy is not None:  # on the tokens the policy term trains (TRL's: the high-entropy ones, if set)
+            tokens = mask if high is None else mask * high
+            loss = loss - run.entropy.applied() * entropy_bonus(entropy_grad.float(), tokens) / len(micro)
+            run.entropy.observe(entropy, tokens)
+        acc.backward(loss)
         with torch.no_grad():
-            # each micro-batch's loss is its share of the step's: they add up
-            sums["loss"] = sums.get("loss", 0) + loss.detach()
+            sums.total("loss", loss)  # each micro-batch's loss is its share of the step's: they add up
             if run.entropy is not None:
-                sums["policy_loss"] = sums.get("policy_loss", 0) + policy_loss.detach()
+                sums.total("policy_loss", policy_loss)
             for key, value in ratio_metrics(cfg, ratio, adv, eps_high, mask, weights).items():
-                add(key, value)
-            add("entropy", masked_mean(entropy, mask))
+                sums.mean(key, value)
+            sums.mean("entropy", masked_mean(entropy, mask))
             if kl is not None:
-                add("kl", masked_mean(kl, mask))
+                sums.mean("kl", masked_mean(kl, mask))
     if run.entropy is not None:
         run.entropy.step()
         sums["entropy_coef"] = run.entropy.coef  # as TRL logs it: the coefficient after the step's update

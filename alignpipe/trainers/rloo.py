@@ -32,7 +32,9 @@ from alignpipe.trainers.grpo import (
     GRPORollout,
     GRPORun,
     Samples,
+    StepMetrics,
     clip_fractions,
+    micro_batches,
     sample,
     step_tokens_per_process,
     train_on_samples,
@@ -86,31 +88,23 @@ def rollout(run: GRPORun, batch_rows: list[dict]) -> tuple[GRPORollout, Samples]
 def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torch.Tensor]:
     """One optimizer step's forward and backward over the rollout's micro-batches starting at `micro`. Returns the
     loss and TRL's metrics as device tensors, read when logged."""
-    cfg, loop, acc = run.cfg, run.loop, run.loop.accelerator
+    cfg, acc = run.cfg, run.loop.accelerator
     assert isinstance(cfg, RLOOConfig)
-    device, eps_high = acc.device, run.epsilon_high
-    sums: dict[str, torch.Tensor] = {}
-
-    def add(key: str, value: torch.Tensor) -> None:
-        sums[key] = sums.get(key, 0) + value.detach() / len(micro)
-
-    for j, s in enumerate(micro):
-        sl = slice(s, s + cfg.batch_size)
-        mask, adv = to_device((batch.mask[sl], batch.advantages[sl]), device)
-        with loop.no_sync_unless(j == len(micro) - 1):
-            logps, entropy = run.micro_logps(batch, sl)
-            seq_logps = (logps.float() * mask).sum(1)
-            if batch.old_logps is not None and run.reuses_rollouts:
-                old = (to_device(batch.old_logps[sl], device) * mask).sum(1)
-            else:
-                old = seq_logps.detach()
-            loss, ratio = rloo_loss(seq_logps, old, adv, cfg.epsilon, eps_high)
-            acc.backward(loss / len(micro))
+    sums = StepMetrics(len(micro))
+    for sl, mask, adv in micro_batches(run, batch, micro):
+        logps, entropy = run.micro_logps(batch, sl)
+        seq_logps = (logps.float() * mask).sum(1)
+        if batch.old_logps is not None and run.reuses_rollouts:
+            old = (to_device(batch.old_logps[sl], acc.device) * mask).sum(1)
+        else:
+            old = seq_logps.detach()
+        loss, ratio = rloo_loss(seq_logps, old, adv, cfg.epsilon, run.epsilon_high)
+        acc.backward(loss / len(micro))
         with torch.no_grad():
-            add("loss", loss)
-            for key, value in clip_fractions(ratio, adv, cfg.epsilon, eps_high).items():
-                add(key, value)
-            add("entropy", masked_mean(entropy, mask))
+            sums.mean("loss", loss)
+            for key, value in clip_fractions(ratio, adv, cfg.epsilon, run.epsilon_high).items():
+                sums.mean(key, value)
+            sums.mean("entropy", masked_mean(entropy, mask))
     return sums
 
 
