@@ -289,8 +289,8 @@ class GraphedDecodeStep(FixedShapeStep):
         self.recordings: dict[tuple[int, int, int], Recording] = {}
         self.checked: set[tuple[int, int]] = set()
         self.fused = True
-        """Whether recordings take a patched policy's fused rotary and SwiGLU kernels (`fused_kernels.GRAPH_RECORDING`);
-        off from the first recording with them that failed on."""
+        """Whether recordings of a patched policy take its `StepFusions` (fused rotary, SwiGLU and residual-add
+        kernels, merged projections); off from the first recording with them that failed on."""
 
     def release(self) -> None:
         self.caches.clear()
@@ -321,7 +321,7 @@ class GraphedDecodeStep(FixedShapeStep):
             except RuntimeError as err:
                 self.fused = False
                 log.warning(
-                    "rollout: a CUDA-graph decode step with the fused rotary and SwiGLU kernels could not be recorded "
+                    "rollout: a CUDA-graph decode step with the fused kernels and merged projections could not be recorded "
                     "(%s); recordings leave them out from now on",
                     _first_line(err),
                 )
