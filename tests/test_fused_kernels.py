@@ -539,4 +539,6 @@ def test_a_recording_that_fails_with_the_fused_kernels_is_made_without_them(tiny
         assert _decoded(engine, prompts) == want
     assert tries == [True, False, False], "tried with them once, then recorded without them"
     assert not step.fused and step.failed is None
-    assert len(caplog.records) == 1 and "recordings leave them out from now on" in caplog.text
+    # torch's own records (its compile traces, where this test compiles the kernels first) are not the step's
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.engine.decode_steps"]
+    assert len(said) == 1 and "recordings leave them out from now on" in said[0], said
