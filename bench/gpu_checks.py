@@ -530,13 +530,12 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
         step, rate, out = GraphedDecodeStep(), {}, {}
 
-        def rollout(loop, kwargs, seed, before_release=None):  # as the engine runs it: recorded, then released
+        def rollout(loop, kwargs, seed, keep=False):  # as the engine runs it: recorded, then released (unless kept)
             try:
                 return loop(model, ids, mask, sampling, None, 0, seed, **kwargs)[0]
             finally:
-                if before_release is not None:
-                    before_release()
-                step.release()
+                if not keep:
+                    step.release()
 
         loops = (("eager", decode, {}), ("eager static", decode_static, {}), ("graphed", decode_static, {"step": step}))
         with torch.inference_mode():
@@ -548,13 +547,15 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         # as a GRPO stage's policy decodes: patched by `lean_activations` (torch's fused norm), its rotary and SwiGLU
         # kernels fused in the recordings (`fused_kernels.GRAPH_RECORDING`)
         lean_activations(model, fused=True)
-        step, replay = GraphedDecodeStep(), {}
+        step = GraphedDecodeStep()
         with torch.inference_mode():
             for name in ("graphed policy", "graphed policy again"):
                 seed = torch.Generator(device=setup.device).manual_seed(5)
-                last = (lambda: replay.update(ms=_replay_ms(step))) if name.endswith("again") else None
-                _, seconds = timed(lambda g=seed, f=last: rollout(decode_static, {"step": step}, g, f), True)
+                kept = name.endswith("again")  # its recording is timed alone below, outside the rollout's time
+                _, seconds = timed(lambda g=seed, k=kept: rollout(decode_static, {"step": step}, g, k), True)
                 rate[name] = rows * new / seconds
+            replay_ms = _replay_ms(step)
+        step.release()
         policy_step_ms = rows * 1e3 / rate["graphed policy again"]
         sampling_ms = _sampling_ms(setup, rows, QWEN_05B["vocab_size"], sampling)
         bound = copy_tb_per_s() * 1e12 * rows / decode_bytes_per_step("qwen0.5b", rows, width + new / 2)
@@ -573,7 +574,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
             f"model equal to the eager static loop's {same}/{rows}{fell_back}; "
             f"sampling, outside the graph: {sampling_ms:.3f} ms of each {rows * 1e3 / rate['graphed again']:.3f} ms "
             f"graphed step of the plain model; the policy's {policy_step_ms:.3f} ms a token (prefill and recording "
-            f"included), its replay alone {_ms(replay.get('ms'))}",
+            f"included), its replay alone {_ms(replay_ms)}",
         )
 
     return run
@@ -652,8 +653,8 @@ def _cuda_kernels(step: Callable[[], None]) -> int:
 def _replay_ms(step, cuda: bool = True, replays: int = 64) -> float | str:
     """Milliseconds one replay of `step`'s recording takes alone, its static cache emptied first (so the replays
     write inside it). Beside the graphed loop's time a token, the rest is what the loop runs outside the graph each
-    token (the token choice, the input copies, the bookkeeping), where the device waits for the host; a string
-    saying why, where it could not be measured."""
+    token (the token choice, the input copies, the bookkeeping); a string saying why, where it could not be
+    measured."""
     try:
         (recording,) = step.recordings.values()
         for cache in step.caches.values():
@@ -665,7 +666,7 @@ def _replay_ms(step, cuda: bool = True, replays: int = 64) -> float | str:
         return f"not measured ({type(err).__name__}: {err})"
 
 
-def _ms(value: float | str | None) -> str:
+def _ms(value: float | str) -> str:
     return f"{value:.3f} ms" if isinstance(value, float) else str(value)
 
 

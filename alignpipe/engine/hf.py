@@ -216,8 +216,6 @@ class Sampled:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new tokens, log-probs or None), up to the step the last row ended at (all columns if none ended)."""
-        if self.new.size(1) == 0:
-            return self.new, self.logps
         width = self.ends.width()
         return self.new[:, :width], (self.logps[:, :width] if self.logps is not None else None)
 
