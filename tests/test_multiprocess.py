@@ -14,10 +14,11 @@ from alignpipe.recipe import parse_recipe
 
 
 def run_stage(tiny, tmp_path, text_fn, stage: str, processes: int, overrides: list[str]):
-    """Run `stage` with `processes` ranks after its ancestors; both runs of a test share one workdir, so the
-    ancestors (same config, same cache key) are trained once and reused."""
+    """Run `stage` with `processes` ranks after its ancestors. The runs of a test share one workdir, so the ancestors
+    (same config, same cache key) are trained once and reused; `stage` itself always runs again (its cache key
+    ignores `resources`: the DDP and FSDP runs share a folder, which the later run clears)."""
     recipe = parse_recipe(text_fn(tiny, tmp_path / "runs"), overrides)
-    plans = plan(recipe)
+    plans = plan(recipe, force=[stage])
     tracking = start_pipeline_run(recipe, f"p{processes}")
     done = {}
     for sid in recipe.ancestors(stage):
@@ -72,12 +73,12 @@ def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_
     from transformers import AutoModelForCausalLM
 
     one, _, single = run_stage(tiny, tmp_path, text_fn, stage, 1, per_process + [f"stages.{stage}.batch_size=16"])
+    alone = AutoModelForCausalLM.from_pretrained(one.outputs["model"])
     two = per_process + [f"stages.{stage}.batch_size=8", f"stages.{stage}.resources.processes=2"]
     curves = {}
     for strategy in ("ddp", "fsdp"):
-        # a workdir per strategy (the stage's cache key ignores `resources`), ancestors trained again
         manifest, runs, curves[strategy] = run_stage(
-            tiny, tmp_path / strategy, text_fn, stage, 2, two + [f"stages.{stage}.resources.strategy={strategy}"]
+            tiny, tmp_path, text_fn, stage, 2, two + [f"stages.{stage}.resources.strategy={strategy}"]
         )
         assert len(runs) == 1, "only rank 0 opened an MLflow run"
         assert manifest.metrics["steps"] == one.metrics["steps"]
@@ -85,7 +86,6 @@ def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_
         assert len(single) == len(curves[strategy])
         assert max(abs(a - b) for a, b in zip(single, curves[strategy])) <= 1e-4, (strategy, single, curves[strategy])
     sharded = AutoModelForCausalLM.from_pretrained(manifest.outputs["model"])
-    alone = AutoModelForCausalLM.from_pretrained(one.outputs["model"])
     for (name, a), b in zip(alone.state_dict().items(), sharded.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-4), name
 
