@@ -20,8 +20,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.
 
 These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy); here
-inductor writes them from the same expressions the CPU path runs. Each compiles once per process with symbolic
-sizes, a few seconds in the first step. `compile: true` goes further (whole layers, norms and rotary included) at
+inductor writes them from the same expressions the CPU path runs. Each compiles with symbolic sizes, on token
+rows (`_rows`), a few seconds in the first step: once per process and direction for training, once more for the
+inference-mode passes (rollouts, reference scoring), whose tensors dynamo tells apart. `compile: true` goes further (whole layers, norms and rotary included) at
 the price of compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
 tests compare against, and inductor's CPU code would buy little for what it costs to compile.
 
@@ -86,18 +87,30 @@ def _silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor)
     return d_gate.to(gate.dtype), (dy * g * sig).to(up.dtype)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (rows, last dim): the kernels see 2-D tensors whatever a caller's leading dimensions are.
+
+    `torch.compile` with dynamic sizes still specialises a dimension of size 1: a packed training row (1, T, ·), a
+    decode step's (rows, 1, ·) and padded rows (B, T, ·) were three graphs of one kernel, each compiled in the
+    step that first met its shape (seconds on a GPU; in a padded run, in the middle of training, at the first
+    one-row batch). As rows they are one. Detached, because dynamo guards a view's base's sizes too (the kernels
+    run inside autograd functions, which wire the gradients themselves)."""
+    return (t.flatten(0, -2) if t.dim() > 2 else t).detach()
+
+
 class _SiluMul(torch.autograd.Function):
     """silu(gate) · up keeping gate and up for backward, each direction one compiled kernel."""
 
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return compiled_function(_silu_mul_forward)(gate, up)
+        return compiled_function(_silu_mul_forward)(_rows(gate), _rows(up)).view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return compiled_function(_silu_mul_backward)(grad, gate, up)
+        d_gate, d_up = compiled_function(_silu_mul_backward)(_rows(grad), _rows(gate), _rows(up))
+        return d_gate.view(gate.shape), d_up.view(up.shape)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -122,17 +135,19 @@ class _SiluMulDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight):
         ctx.save_for_backward(gate, up, weight)
-        return torch.nn.functional.linear(compiled_function(_silu_mul_forward)(gate, up), weight)
+        product = compiled_function(_silu_mul_forward)(_rows(gate), _rows(up))
+        return torch.nn.functional.linear(product.view(gate.shape), weight)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
-        grad_product = grad @ weight
+        grad_product = _rows(grad @ weight)
         if not ctx.needs_input_grad[2]:
-            return (*compiled_function(_silu_mul_backward)(grad_product, gate, up), None)
-        d_gate, d_up, product = compiled_function(_silu_mul_backward_and_product)(grad_product, gate, up)
-        grad_weight = grad.reshape(-1, grad.size(-1)).t() @ product.reshape(-1, product.size(-1))
-        return d_gate, d_up, grad_weight
+            d_gate, d_up = compiled_function(_silu_mul_backward)(grad_product, _rows(gate), _rows(up))
+            return d_gate.view(gate.shape), d_up.view(up.shape), None
+        d_gate, d_up, product = compiled_function(_silu_mul_backward_and_product)(grad_product, _rows(gate), _rows(up))
+        grad_weight = _rows(grad).t() @ product
+        return d_gate.view(gate.shape), d_up.view(up.shape), grad_weight
 
 
 def silu_mul_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -182,18 +197,40 @@ def _rotary_backward(grad_q, grad_k, cos, sin):
     return _unrotate(grad_q, c, s, precise).to(grad_q.dtype), _unrotate(grad_k, c, s, precise).to(grad_k.dtype)
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """(B, heads, T, D) queries or keys as (B·T, heads, D) token rows without a copy, as an attention module lays
+    them out (the projection's (B, T, heads, D), transposed); None where they are laid out otherwise."""
+    b, _, t, _ = x.shape
+    tokens = x.transpose(1, 2)
+    if b == 1 or t == 1 or tokens.stride(0) == t * tokens.stride(1):
+        return tokens.view(b * t, *tokens.shape[2:]).detach()  # detached: `_rows` says why
+    return None
+
+
+def _rotary_call(fn, x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`fn` (the rotary kernel either way) on token rows, where the four tensors give them without a copy (`_rows`
+    says why: one compiled graph for packed rows, decode steps and padded rows); on the (B, heads, T, D) tensors
+    otherwise. Its outputs in the inputs' shape and layout."""
+    b, _, t, _ = x.shape
+    rows = _token_rows(x), _token_rows(y)
+    if rows[0] is None or rows[1] is None or cos.shape[:2] != (b, t) or sin.shape[:2] != (b, t):
+        return fn(x, y, cos, sin)
+    out = fn(*rows, _rows(cos), _rows(sin))
+    return tuple(o.view(b, t, *o.shape[1:]).transpose(1, 2) for o in out)
+
+
 class _Rotary(torch.autograd.Function):
     """Queries and keys rotated, each direction one compiled kernel; only cos and sin are kept for backward."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return compiled_function(_rotary_forward)(q, k, cos, sin)
+        return _rotary_call(compiled_function(_rotary_forward), q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        return (*compiled_function(_rotary_backward)(grad_q, grad_k, cos, sin), None, None)
+        return (*_rotary_call(compiled_function(_rotary_backward), grad_q, grad_k, cos, sin), None, None)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -142,6 +142,47 @@ def test_rotary_equals_transformers_in_float32_and_rounds_once_in_bfloat16():
         assert torch.allclose(got.double(), want, rtol=2**-8 + 1e-6, atol=1e-30), (got.double() - want).abs().max()
 
 
+def test_each_kernel_compiles_once_for_packed_rows_decode_steps_and_padded_rows():
+    """Dynamo specialises a dimension of size 1, so a packed row (1, T, ·), a decode step's (rows, 1, ·) and padded
+    rows (B, T, ·) were three graphs of each kernel, compiled in whichever step first met the shape (in a padded
+    run, at the first one-row batch). As token rows they are one graph a kernel and direction; the values and
+    gradients are still transformers' (rotary, with its gradients laid out as the attention kernels hand them
+    back) and eager's (SwiGLU)."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    original = getattr(apply_rotary_pos_emb, "alignpipe_original", apply_rotary_pos_emb)
+    g = torch.Generator().manual_seed(3)
+    H, KV, D, WIDE, OUT = 4, 2, 16, 24, 8
+    weight = torch.randn(OUT, WIDE, generator=g)
+
+    def step(b, t):
+        tokens_first = lambda *shape: torch.randn(b, t, *shape, generator=g).transpose(1, 2)  # noqa: E731
+        q, k, grads = tokens_first(H, D), tokens_first(KV, D), (tokens_first(H, D), tokens_first(KV, D))
+        angles = torch.randn(b, t, D, generator=g)
+        got = rotary_and_grads(fused_kernels.rotary, q, k, angles.cos(), angles.sin(), grads)
+        want = rotary_and_grads(original, q, k, angles.cos(), angles.sin(), grads)
+        gate, up = (torch.randn(b, t, WIDE, generator=g).requires_grad_() for _ in range(2))
+        w = weight.clone().requires_grad_()
+        out = fused_kernels.silu_mul_down(gate, up, w)
+        got += (out, *torch.autograd.grad(out, (gate, up, w), torch.ones_like(out)))
+        out = torch.nn.functional.linear(eager(gate, up), w)
+        want += (out, *torch.autograd.grad(out, (gate, up, w), torch.ones_like(out)))
+        got += silu_mul_and_grads(silu_mul, gate, up, torch.ones(b, t, WIDE))
+        want += silu_mul_and_grads(eager, gate, up, torch.ones(b, t, WIDE))
+        for a, e in zip(got, want, strict=True):
+            assert a.shape == e.shape and torch.allclose(a, e, rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    step(3, 7)  # padded rows
+    compiled = stats["unique_graphs"]
+    assert compiled > 0
+    step(1, 11)  # a packed row
+    step(5, 1)  # a decode step
+    step(2, 9)
+    assert stats["unique_graphs"] == compiled, "a shape compiled a kernel again"
+
+
 def test_only_patched_models_take_the_fused_rotary(tiny, gate_open):
     """The modeling module's rotary function is switched for the whole process, but only a patched model's
     attention modules route it to the fused kernel: a model left as transformers built it runs its own."""
