@@ -440,7 +440,12 @@ def main(argv: list[str] | None = None) -> None:
                     print(
                         f"{case.key:22} {model:8} {impl:9} rep {rep}: {r['samples_per_s']:.1f}/s end to end, "
                         f"steady {r.get('steady_samples_per_s')}, {r['peak_mb']:.0f} MB, loss {r['loss']}"
-                        + (f", mean length {n}" if (n := r.get("mean_completion_length")) else ""),
+                        + (f", mean length {n}" if (n := r.get("mean_completion_length")) else "")
+                        + (
+                            f", {g} graphs compiled in {r['compile_s']:.1f} s"
+                            if (g := r.get("compiled_graphs"))
+                            else ""
+                        ),
                         flush=True,
                     )
                 # written after every round of every case: a call cut short (a device call's time limit) keeps the

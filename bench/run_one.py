@@ -444,6 +444,15 @@ def peak_mb(gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def compilations() -> tuple[int, float]:
+    """What `torch.compile` has built in this process so far: (graphs, seconds dynamo and inductor took over them).
+    Ours compiles its fused kernels on a GPU; a run's share of it is the part of its fixed cost that compiling is."""
+    from torch._dynamo import utils
+
+    seconds = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner") or []
+    return utils.counters["stats"]["unique_graphs"], float(sum(seconds))
+
+
 IMPLS = ("ours", "trl", "trl+liger")
 
 
@@ -464,12 +473,14 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock()
+    graphs, compile_s = compilations()
     with around():
         if impl == "ours":
             out = ours(c, model, tok, data, steps, kind, clock)
         else:
             out = trl_run(c, model, tok, data, steps, kind, clock, liger=impl == "trl+liger")
     per_step = c.shape.per_step
+    graphs_after, compile_s_after = compilations()
     return {
         "impl": impl,
         "case": c.key,
@@ -478,6 +489,8 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
         "samples_per_s": steps * per_step / out["seconds"],
         "steady_samples_per_s": clock.steady(per_step) if c.shape.log_every else None,
         "peak_mb": peak_mb(gpu),
+        "compiled_graphs": graphs_after - graphs,
+        "compile_s": compile_s_after - compile_s,
     }
 
 

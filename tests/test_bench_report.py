@@ -106,6 +106,33 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     ).startswith("| grpo")
 
 
+def test_each_run_counts_what_it_compiled_and_its_line_says_so(tiny, tmp_path, monkeypatch, capsys):
+    """A run reports the graphs `torch.compile` built during it and the seconds that took (its share of the fixed
+    cost a GPU run of ours pays for its fused kernels); the per-run line prints them where there were any."""
+    import torch
+
+    import bench.__main__ as bench_main
+    from bench.run_one import case, compilations
+
+    graphs, seconds = compilations()
+    square = torch.compile(lambda x: x * x + 1, dynamic=True)
+    square(torch.ones(3))
+    after = compilations()
+    assert after[0] == graphs + 1 and after[1] > seconds
+    run = case("ours", "sft/8x64", "tiny", 2, str(tiny))
+    assert run["compiled_graphs"] == 0 and run["compile_s"] == 0.0  # on a CPU our stages compile nothing
+
+    def fake(impl, key, model, steps, assets, *_):
+        compiled = {"compiled_graphs": 6, "compile_s": 4.25} if impl == "ours" else {"compiled_graphs": 0}
+        return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1, **compiled}
+
+    monkeypatch.setattr(bench_main, "measure", fake)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    bench_main.main(["--cases", "sft/8x64", "--assets", str(tiny), "--out", str(tmp_path / "r.md"), "--repeats", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if " rep 0: " in line]
+    assert [", 6 graphs compiled in 4.2 s" in line for line in lines] == [True, False], lines
+
+
 def test_steady_rate_leaves_out_the_warm_up_steps():
     clock = StepClock()
     clock.times = [0.0] * WARMUP_STEPS + [10.0, 11.0, 12.0, 13.0]  # slow start, then 1 s per step
