@@ -374,3 +374,25 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
     manifest = Manifest.read(stage_dir)
     assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
     assert manifest.info["prefect_flow_run_id"], "the retry ran on the pool again"
+
+
+def test_the_gpu_pools_keep_their_caches_on_the_volume_every_job_mounts():
+    """A docker or kubernetes job is a fresh container: the caches a stage fills (Hub downloads, torch.compile's
+    inductor and Triton kernels) must lie on the volume every job mounts, or each stage downloads and compiles
+    again (`ALIGNPIPE_HOME` is the image's own checkout and stays out)."""
+    pools = REPO / "infra" / "work-pools"
+    docker = json.loads((pools / "docker-gpu.json").read_text())["variables"]["properties"]
+    kube = json.loads((pools / "kubernetes-gpu.json").read_text())
+    pod = kube["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    claims = {v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    mounted = {
+        "docker": [Path(v.split(":")[1]) for v in docker["volumes"]["default"]],
+        "kubernetes": [Path(m["mountPath"]) for m in pod["containers"][0]["volumeMounts"] if m["name"] in claims],
+    }
+    envs = {"docker": docker["env"]["default"], "kubernetes": kube["variables"]["properties"]["env"]["default"]}
+    for pool, env in envs.items():
+        assert mounted[pool], pool
+        for var in ("HF_HOME", "TORCHINDUCTOR_CACHE_DIR"):
+            assert any(Path(env[var]).is_relative_to(m) for m in mounted[pool]), (pool, var, env.get(var))
+    image = (REPO / "infra" / "docker" / "Dockerfile.gpu-worker").read_text()
+    assert f"TORCHINDUCTOR_CACHE_DIR={envs['docker']['TORCHINDUCTOR_CACHE_DIR']}" in image
