@@ -449,7 +449,9 @@ def compilations() -> tuple[int, float]:
     Ours compiles its fused kernels on a GPU; a run's share of it is the part of its fixed cost that compiling is."""
     from torch._dynamo import utils
 
-    seconds = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner") or []
+    timed = getattr(utils, "compilation_time_metrics", {})
+    # dynamo's timer of a whole compilation (named `_compile.compile_inner` in torch 2.13; older names end alike)
+    seconds = [t for name, ts in timed.items() if name.endswith("compile_inner") for t in ts]
     return utils.counters["stats"]["unique_graphs"], float(sum(seconds))
 
 
