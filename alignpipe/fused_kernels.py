@@ -99,19 +99,31 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t.flatten(0, -2) if t.dim() > 2 else t).detach()
 
 
+def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up in gate's shape, from one compiled kernel on rows."""
+    return compiled_function(_silu_mul_forward)(_rows(gate), _rows(up)).view(gate.shape)
+
+
+def _product_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, product: bool = False):
+    """(d gate, d up) in gate's and up's shapes from one compiled kernel on rows; with `product`, also the product
+    written again, as rows."""
+    fn = _silu_mul_backward_and_product if product else _silu_mul_backward
+    d_gate, d_up, *again = compiled_function(fn)(_rows(grad), _rows(gate), _rows(up))
+    return (d_gate.view(gate.shape), d_up.view(up.shape), *again)
+
+
 class _SiluMul(torch.autograd.Function):
     """silu(gate) · up keeping gate and up for backward, each direction one compiled kernel."""
 
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return compiled_function(_silu_mul_forward)(_rows(gate), _rows(up)).view(gate.shape)
+        return _product(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = compiled_function(_silu_mul_backward)(_rows(grad), _rows(gate), _rows(up))
-        return d_gate.view(gate.shape), d_up.view(up.shape)
+        return _product_grads(grad, gate, up)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -136,19 +148,16 @@ class _SiluMulDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight):
         ctx.save_for_backward(gate, up, weight)
-        product = compiled_function(_silu_mul_forward)(_rows(gate), _rows(up))
-        return torch.nn.functional.linear(product.view(gate.shape), weight)
+        return torch.nn.functional.linear(_product(gate, up), weight)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
-        grad_product = _rows(grad @ weight)
+        grad_product = grad @ weight
         if not ctx.needs_input_grad[2]:
-            d_gate, d_up = compiled_function(_silu_mul_backward)(grad_product, _rows(gate), _rows(up))
-            return d_gate.view(gate.shape), d_up.view(up.shape), None
-        d_gate, d_up, product = compiled_function(_silu_mul_backward_and_product)(grad_product, _rows(gate), _rows(up))
-        grad_weight = _rows(grad).t() @ product
-        return d_gate.view(gate.shape), d_up.view(up.shape), grad_weight
+            return (*_product_grads(grad_product, gate, up), None)
+        d_gate, d_up, product = _product_grads(grad_product, gate, up, product=True)
+        return d_gate, d_up, _rows(grad).t() @ product
 
 
 def silu_mul_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
