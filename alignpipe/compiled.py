@@ -44,3 +44,14 @@ def compiled_function(fn):
     """`fn` through `torch.compile` with dynamic shapes, compiled once per process (chunks of an LM head differ in
     rows): the loss kernels `compile: true` fuses (`linear_ce`, `logprobs`)."""
     return torch.compile(fn, dynamic=True)
+
+
+def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) pieces of at most `size` of `n` items in order, except that a last piece of one item joins the
+    one before it (which then holds `size` + 1). A compiled kernel specialises a dimension of size 1 even with
+    dynamic shapes, so the one-item piece that a batch's token count makes now and then (once in `size` batches of
+    varying length) would compile the chunk kernel again, seconds in the middle of training."""
+    bounds = [(s, min(s + size, n)) for s in range(0, n, max(1, size))]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds

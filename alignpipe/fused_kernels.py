@@ -46,11 +46,17 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def available(device: torch.device) -> bool:
-    """Whether `torch.compile` can build and run a kernel on `device` (tried once per device and process)."""
+    """Whether `torch.compile` can build and run a kernel on `device` (tried once per device and process).
+
+    The kernel it tries is the SwiGLU product's forward as a bf16 training step calls it (two distinct row-major
+    token-row tensors, gradients off, as inside an autograd function), so on such a step the graph compiled here
+    is the one the first MLP runs: the probe costs no compilation of its own."""
     try:
-        probe = compiled_function(_silu_mul_forward)
-        x = torch.ones(8, device=device)
-        return bool(torch.equal(probe(x, x), _silu_mul_forward(x, x)))
+        dtype = torch.bfloat16 if torch.device(device).type != "cuda" or torch.cuda.is_bf16_supported() else None
+        with torch.no_grad():
+            gate, up = (torch.full((2, 8), value, dtype=dtype, device=device) for value in (0.5, 2.0))
+            got = compiled_function(_silu_mul_forward)(gate, up)
+        return bool(torch.allclose(got.float(), _silu_mul_forward(gate, up).float(), rtol=1e-2))
     except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError, RuntimeError) as err:
         log.warning(
             "fused_kernels: torch.compile cannot build kernels on %s (%s); eager kernels run instead", device, err
@@ -64,7 +70,10 @@ def wanted(enabled: bool, device: torch.device | str) -> bool:
     if not enabled:
         return False
     device = torch.device(device)
-    return device.type == "cuda" and available(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return available(torch.device("cuda", index))  # one probe for "cuda" and "cuda:0"
 
 
 def loss_kernels(cfg, device: torch.device | str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignpipe.compiled import compiled_function
+from alignpipe.compiled import chunk_bounds, compiled_function
 
 
 def _nll_sum(x: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, dft: bool = False) -> torch.Tensor:
@@ -68,8 +68,8 @@ class _LinearNLLSum(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
         nll_and_grad = compiled_function(_nll_and_grad_fusable) if compiled else _nll_and_grad
-        for s in range(0, hidden.size(0), rows_per_chunk):
-            h, y = hidden[s : s + rows_per_chunk], labels[s : s + rows_per_chunk]
+        for s, e in chunk_bounds(hidden.size(0), rows_per_chunk):
+            h, y = hidden[s:e], labels[s:e]
             logits = F.linear(h, weight, bias)
             if not (want_h or want_w or want_b):
                 x = logits.to(precise)
@@ -81,7 +81,7 @@ class _LinearNLLSum(torch.autograd.Function):
                 grad_b += grad.to(precise).sum(0)
             grad = grad.to(weight.dtype)
             if grad_h is not None:
-                grad_h[s : s + rows_per_chunk] = grad @ weight
+                grad_h[s:e] = grad @ weight
             if grad_w is not None:
                 grad_w.addmm_(grad.t(), h)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -113,9 +113,9 @@ def linear_nll_sum(
     dft: bool = False,
 ) -> torch.Tensor:
     """Σ −log softmax(hidden Wᵀ + b)[label] over the N rows of `hidden` (N, d), in float32 (float64 for float64
-    inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time; where gradients are wanted they
-    are computed here, chunk by chunk, and only scaled in backward (under `no_grad`, none are: evaluation pays one
-    head matmul per token). The weight's gradient accumulates in the weight's dtype over chunks, as autograd's sum
+    inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time (`chunk_bounds`: a last row
+    alone joins the chunk before it); where gradients are wanted they are computed here, chunk by chunk, and only
+    scaled in backward (under `no_grad`, none are: evaluation pays one head matmul per token). The weight's gradient accumulates in the weight's dtype over chunks, as autograd's sum
     of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
     as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits. `dft`
     (Dynamic Fine-Tuning, Wu et al. 2025): each token's NLL weighted by its probability p, held constant, so the

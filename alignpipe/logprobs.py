@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from alignpipe.attention import documents_mask
-from alignpipe.compiled import compiled_function
+from alignpipe.compiled import chunk_bounds, compiled_function
 from alignpipe.linear_ce import linear_nll_sum
 from alignpipe.modeling import is_activation_checkpointing, mask_positions
 
@@ -88,7 +88,7 @@ def token_logprobs(
     on (a completion after a prompt of `start + 1` tokens), and, with `only` (a (B, T-1-start) mask), only at
     its true positions (completion tokens of padded rows; elsewhere the result is 0). When the logits would be
     large (> WHOLE_LOGITS_MAX values) they run over chunks of at most `chunk_tokens` positions and
-    WHOLE_LOGITS_MAX values, each under activation checkpointing when gradients are on, so peak memory holds
+    WHOLE_LOGITS_MAX values (a last position alone joins the chunk before it: `chunk_bounds`), each under activation checkpointing when gradients are on, so peak memory holds
     one chunk of logits; small ones are computed in one piece.
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
@@ -470,8 +470,8 @@ def _head_logprobs(
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []
-    for s in range(0, T, step):
-        args = (hidden[:, s : s + step], weight, bias, labels[:, s : s + step], temperature, _second(with_entropy))
+    for s, e in chunk_bounds(T, step):
+        args = (hidden[:, s:e], weight, bias, labels[:, s:e], temperature, _second(with_entropy))
         if torch.is_grad_enabled():
             lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:

@@ -583,3 +583,19 @@ def test_a_recording_that_fails_with_the_fused_kernels_is_made_without_them(tiny
     # torch's own records (its compile traces, where this test compiles the kernels first) are not the step's
     said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.engine.decode_steps"]
     assert len(said) == 1 and "recordings leave them out from now on" in said[0], said
+
+
+def test_the_availability_probe_compiles_the_graph_a_bf16_step_runs_first():
+    """`available` tries the compiler on the SwiGLU forward as a bf16 training step calls it, so its graph is the
+    one that step's first MLP runs, not one more compilation a process (on a GPU ~0.5 s warm, seconds cold)."""
+    torch._dynamo.reset()
+    fused_kernels.available.cache_clear()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    assert fused_kernels.available(torch.device("cpu"))
+    assert stats["unique_graphs"] == before + 1
+    g = torch.Generator().manual_seed(8)
+    gate, up = (torch.randn(1, 37, 48, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    got = fused_kernels.silu_mul(gate, up)
+    assert stats["unique_graphs"] == before + 1, "the step's forward compiled a graph of its own"
+    assert torch.allclose(got.float(), eager(gate, up).float(), rtol=1e-2, atol=1e-2)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from support import matmuls
 
-from alignpipe.compiled import compiled_function
+from alignpipe.compiled import chunk_bounds, compiled_function
 from alignpipe.linear_ce import _nll_and_grad, _nll_and_grad_fusable, linear_nll_sum
 
 
@@ -176,3 +176,50 @@ def test_the_compiled_chunk_kernel_gives_the_eager_softmax_and_gradient(dtype):
     fused = torch.autograd.grad(linear_nll_sum(hidden, weight, None, labels, 7, compiled=True), (hidden, weight))
     for a, b in zip(fused, eager):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7])
+def test_chunk_bounds_cover_the_items_in_order_and_never_leave_one_alone(size):
+    for n in range(0, 30):
+        bounds = chunk_bounds(n, size)
+        assert [i for s, e in bounds for i in range(s, e)] == list(range(n))
+        assert all(e - s <= size for s, e in bounds[:-1]) and all(e - s <= size + 1 for s, e in bounds[-1:])
+        assert n == 1 or all(e - s > 1 for s, e in bounds), (n, bounds)
+
+
+def test_a_last_row_alone_compiles_no_chunk_kernel_again():
+    """Dynamo specialises a dimension of size 1, so a batch whose token count left one row for the last chunk
+    compiled the chunk kernels again mid-training (SFT's fused head; the scoring passes' log-softmax, whose chunks
+    are positions). That row now joins the chunk before it; the values are unchanged."""
+    from alignpipe import logprobs
+
+    g = torch.Generator().manual_seed(6)
+    d, V = 16, 97
+    weight = torch.randn(V, d, generator=g, requires_grad=True)
+
+    def sft_head(n):
+        hidden = torch.randn(n, d, generator=g, requires_grad=True)
+        labels = torch.randint(0, V, (n,), generator=g)
+        got = torch.autograd.grad(linear_nll_sum(hidden, weight, None, labels, 4, compiled=True), (hidden, weight))
+        want = torch.autograd.grad(reference(hidden, weight, None, labels), (hidden, weight))
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+    def scoring_pass(t):
+        hidden, labels = torch.randn(1, t, d, generator=g), torch.randint(0, V, (1, t), generator=g)
+        with torch.no_grad():
+            got = logprobs._head_logprobs(hidden, weight, None, labels, 1.0, 4, False, compiled=True)
+            want = F.linear(hidden, weight).log_softmax(-1).gather(-1, labels[..., None]).squeeze(-1)
+        assert torch.allclose(got, want, atol=1e-5)
+
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logprobs, "WHOLE_LOGITS_MAX", 4 * V)  # chunks of 4 positions
+        sft_head(10)  # chunks of 4, 4 and 2 rows
+        scoring_pass(10)
+        compiled = stats["unique_graphs"]
+        assert compiled > 0
+        sft_head(9)  # 4 and 5, not 4, 4 and 1
+        scoring_pass(13)
+    assert stats["unique_graphs"] == compiled, "a one-row chunk compiled a kernel again"
