@@ -76,6 +76,16 @@ def wanted(enabled: bool, device: torch.device | str) -> bool:
     return available(torch.device("cuda", index))  # one probe for "cuda" and "cuda:0"
 
 
+def without_grad(fused: bool):
+    """The context of a pass that needs no gradients (a frozen reference's log-probs, a rollout):
+    `torch.inference_mode()`, which skips autograd's bookkeeping per op, unless the pass takes the fused kernels
+    (`fused`); then `torch.no_grad()`. Dynamo guards a tensor's dispatch keys, which inference tensors lack the
+    autograd ones of, so under inference mode each kernel compiled a second graph beside the training step's (on a
+    GPU ~0.5 s each from a warm cache, seconds cold), while the bookkeeping `no_grad` keeps is host time that a
+    GPU's kernels hide."""
+    return torch.no_grad() if fused else torch.inference_mode()
+
+
 def loss_kernels(cfg, device: torch.device | str) -> bool:
     """Whether a stage's LM-head loss runs its compiled kernels per chunk: under `compile: true` anywhere, under
     `fused_kernels` on CUDA (`cfg`: a stage's `TrainingArgs`)."""

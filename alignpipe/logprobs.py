@@ -465,6 +465,8 @@ def _head_logprobs(
     # compiled: with grad, the chunk's forward and backward (under `compile: true`); without, one inference kernel
     # after the head's matmul (`fused_kernels`' scoring passes: reference and old-policy log-probs)
     chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
+    if not torch.is_grad_enabled():  # dynamo guards requires_grad: the policy's head and a frozen one, one graph
+        weight, bias = weight.detach(), bias.detach() if bias is not None else None
     if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, _second(with_entropy))
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp

@@ -599,3 +599,69 @@ def test_the_availability_probe_compiles_the_graph_a_bf16_step_runs_first():
     got = fused_kernels.silu_mul(gate, up)
     assert stats["unique_graphs"] == before + 1, "the step's forward compiled a graph of its own"
     assert torch.allclose(got.float(), eager(gate, up).float(), rtol=1e-2, atol=1e-2)
+
+
+KERNELS = (fused_kernels._rotary_forward, fused_kernels._silu_mul_forward, logprobs._chunk_logprobs)
+
+
+def graphs_of(fn) -> int:
+    """How many graphs `torch.compile` holds for `fn` (its cache entries: one per guard set it was compiled for)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+@pytest.fixture
+def kernels_on_gpu_batches(gate_open, monkeypatch):
+    """The gate opened, the LM head run in chunks as at a GPU batch's size, and no graph compiled yet."""
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 16 * 512)
+    torch._dynamo.reset()
+    return gate_open
+
+
+def test_a_frozen_reference_runs_the_graphs_the_policy_s_step_compiled(tiny, tmp_path, kernels_on_gpu_batches):
+    """DPO's reference log-probs run under no_grad where they take the fused kernels: under inference mode, whose
+    tensors lack the autograd dispatch keys that dynamo guards, each forward kernel compiled a second graph beside
+    the training step's (seconds a process on a GPU), and the head's chunk kernel one more."""
+    import copy
+
+    from alignpipe.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tiny / "model"))
+    _, prefs, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=24)
+    policy = load_causal_lm(str(tiny / "model"))
+    cfg = DPOConfig(learning_rate=5e-4, max_steps=2, batch_size=8, logging_every=1)
+    dpo.train(cfg, policy, tok, prefs, [], Tracker(), tmp_path / "dpo", ref_model=copy.deepcopy(policy))
+    assert kernels_on_gpu_batches["rotary"] and kernels_on_gpu_batches["scoring"], "the passes took the kernels"
+    assert [graphs_of(fn) for fn in KERNELS] == [1, 1, 1]
+
+
+def test_rollouts_and_scoring_passes_run_the_graphs_the_training_step_compiled(tiny, tmp_path, kernels_on_gpu_batches):
+    """GRPO with recorded decode steps (the GPU default; here the CPU stand-in): the rollout's prefill runs under
+    no_grad and shares the training step's forward graphs; the recorded steps read their merged projections' outputs
+    (strided views), one graph more per kernel, where inference mode made it two. The old policy's and reference's
+    scoring passes share one chunk kernel: the trained head and the frozen one differed in the requires_grad that
+    dynamo guards."""
+    import copy
+
+    from support import replayed_on_cpu
+
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+    from alignpipe.engine.hf import HFEngine
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.trainers import grpo
+    from alignpipe.trainers.configs import GRPOConfig
+
+    tok = load_tokenizer(str(tiny / "model"))
+    _, prompts, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=16)
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    policy = load_causal_lm(str(tiny / "model"))
+    rows = [{"prompt": r["prompt"]} for r in prompts]
+    engine = HFEngine(policy, tok)
+    engine.step = step = GraphedDecodeStep(capture=replayed_on_cpu)
+    reference = copy.deepcopy(policy)
+    cfg = GRPOConfig(**SHORT_GROUPS)
+    grpo.train(cfg, policy, tok, rows, rewards, Tracker(), tmp_path / "grpo", ref_model=reference, engine=engine)
+    assert step.fused and step.failed is None, "the recordings took the fused kernels"
+    assert [graphs_of(fn) for fn in KERNELS] == [2, 2, 1]

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from alignpipe import fused_kernels, lean_activations
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import (
     CompiledDecodeStep,
@@ -54,8 +55,6 @@ class HFEngine:
             self.step = GraphedDecodeStep()
         return self.step
 
-    @torch.inference_mode()  # no autograd bookkeeping per op (~10–20% of a tiny model's decode step); only lists leave
-    @under_attention_kernels
     def generate(
         self,
         prompts: list[str] | list[list[int]],
@@ -64,10 +63,28 @@ class HFEngine:
         seed: int | None = None,
         logprobs: bool = False,
     ) -> list[Generation]:
-        sampling = sampling or SamplingParams()
-        generator = None
         device = next(self.model.parameters()).device
         step = self._decode_step(device)
+        # Inference mode skips autograd's bookkeeping per op (~10–20% of an eager decode step's host time; only
+        # lists leave). Steps replayed from a recording have no per-op host work to save, and under no_grad their
+        # prefill and recordings run the fused kernels' graphs that training compiles (`without_grad`).
+        replayed = isinstance(step, GraphedDecodeStep) and not step.failed
+        fused = replayed and lean_activations.takes_fused_kernels(self.model) and fused_kernels.wanted(True, device)
+        with fused_kernels.without_grad(fused):
+            return self._generate(prompts, n, sampling or SamplingParams(), seed, logprobs, step)
+
+    @under_attention_kernels
+    def _generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        logprobs: bool,
+        step: FixedShapeStep | None,
+    ) -> list[Generation]:
+        generator = None
+        device = next(self.model.parameters()).device
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         stops = stop_token_ids(self.tok, self.model)

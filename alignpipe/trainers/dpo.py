@@ -280,11 +280,11 @@ class _Reference:
         model = self.model if self.model is not None else self.loop.model
         # the LM head's chunks compiled on a GPU
         kernels = fused_kernels.wanted(self.cfg.fused_kernels, batch["prompt_ids"].device)
-        with torch.inference_mode(), self._context():  # no autograd bookkeeping per op, unlike no_grad
+        with fused_kernels.without_grad(kernels), self._context():
             logps, per_token, mask = completion_logps(model, batch, compiled=kernels)
             if self.cfg.ld_alpha is not None:
                 logps = length_desensitized(per_token, mask, self.cfg.ld_alpha)
-        chosen, rejected = logps.clone().chunk(2)  # cloned outside inference mode: a plain tensor the loss may save
+        chosen, rejected = logps.clone().chunk(2)  # cloned: an inference tensor is one the loss may not save
         return chosen, rejected
 
     def precompute(self, splits: dict[str, list[dict]], collate_fn, path: Path) -> None:

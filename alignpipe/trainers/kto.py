@@ -128,7 +128,7 @@ class Losses:
     def reference_logps(self, batch: dict, kernels: bool = False) -> torch.Tensor:
         """The reference's summed log-probs of a collated batch's answers (its completions, then its KL partners)."""
         ref_model, context = self.reference()
-        with torch.inference_mode(), context:
+        with fused_kernels.without_grad(kernels), context:
             logps, _, _ = dpo.completion_logps(ref_model, batch, compiled=kernels)
         return logps
 
@@ -143,7 +143,7 @@ class Losses:
             ref_logps = self.reference_logps(batch, kernels)
         # the policy's own pass over the mismatched pairs: outside the reference's context, which under LoRA
         # disables the adapter
-        with torch.inference_mode():
+        with fused_kernels.without_grad(kernels):
             kl = torch.zeros((), device=ref_logps.device)
             if self.with_kl:
                 kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)), compiled=kernels)
