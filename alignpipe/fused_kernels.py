@@ -21,9 +21,10 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
 
 These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy); here
 inductor writes them from the same expressions the CPU path runs. Each compiles with symbolic sizes, on token
-rows (`_rows`), a few seconds in the first step: once per process and direction for training, once more for the
-inference-mode passes (rollouts; the frozen reference of DPO, KTO and online DPO), whose tensors dynamo tells
-apart. `compile: true` goes further (whole layers, norms and rotary included) at
+rows (`_rows`), a few seconds in the first step: once per process and direction. The passes without gradients
+that take them (a frozen reference's log-probs, a recorded rollout's prefill) run under `no_grad` rather than
+inference mode to share those graphs (`without_grad`); a recorded decode step's merged projections hand it strided
+rows, one graph more. `compile: true` goes further (whole layers, norms and rotary included) at
 the price of compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
 tests compare against, and inductor's CPU code would buy little for what it costs to compile.
 
