@@ -88,8 +88,9 @@ def token_logprobs(
     on (a completion after a prompt of `start + 1` tokens), and, with `only` (a (B, T-1-start) mask), only at
     its true positions (completion tokens of padded rows; elsewhere the result is 0). When the logits would be
     large (> WHOLE_LOGITS_MAX values) they run over chunks of at most `chunk_tokens` positions and
-    WHOLE_LOGITS_MAX values (a last position alone joins the chunk before it: `chunk_bounds`), each under activation checkpointing when gradients are on, so peak memory holds
-    one chunk of logits; small ones are computed in one piece.
+    WHOLE_LOGITS_MAX values (a last position alone joins the chunk before it: `chunk_bounds`), each under
+    activation checkpointing when gradients are on, so peak memory holds one chunk of logits; small ones are
+    computed in one piece.
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
     `compiled`: each chunk of the head runs compiled (`compiled.compiled_function`): with gradients on, its
