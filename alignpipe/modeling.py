@@ -32,8 +32,8 @@ def attention_kernels():
 
 
 def under_attention_kernels(fn):
-    """Decorator: `fn` runs inside `attention_kernels()` (each trainer's `train`, the engine's `generate`, the
-    reward-model scorer)."""
+    """Decorator: `fn` runs inside `attention_kernels()` (each trainer's `train`, the hf engine's
+    `HFEngine._generate`, the reward-model scorer)."""
     import functools
 
     @functools.wraps(fn)
