@@ -73,8 +73,9 @@ def wanted(enabled: bool, device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return available(torch.device("cuda", index))  # one probe for "cuda" and "cuda:0"
+    if device.index is None:  # one probe for "cuda" and "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
+    return available(device)
 
 
 def without_grad(fused: bool):

@@ -315,7 +315,7 @@ class GraphedDecodeStep(FixedShapeStep):
         """A new recording of the step on `args`; a policy patched with the fused kernels has them recorded too,
         unless such a recording failed before (then, and from then on, it is recorded without them)."""
         model, token = args[0], args[1]
-        if self.fused and lean_activations.takes_fused_kernels(model) and fused_kernels.wanted(True, token.device):
+        if self.fused and takes_fused_kernels(model, token.device):
             try:
                 return Recording(args, self._capture(), fused=True)
             except RuntimeError as err:
@@ -338,6 +338,13 @@ class GraphedDecodeStep(FixedShapeStep):
 
     def _forget(self, narrower: Callable[[tuple], bool]) -> None:
         self.recordings = {k: r for k, r in self.recordings.items() if not narrower(k)}
+
+
+def takes_fused_kernels(model, device: torch.device) -> bool:
+    """Whether `model`'s forwards on `device` take `fused_kernels`' rotary and SwiGLU kernels: a policy patched with
+    them (`lean_activations`), on a device where they compile. Its multi-token forwards (a prefill) always do, its
+    one-position steps while recorded (`fused_kernels.GRAPH_RECORDING`)."""
+    return lean_activations.takes_fused_kernels(model) and fused_kernels.wanted(True, device)
 
 
 def new_cache(model, length: int, shared_positions: bool = True):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from alignpipe import fused_kernels, lean_activations
+from alignpipe import fused_kernels
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.decode_steps import (
     CompiledDecodeStep,
@@ -14,6 +14,7 @@ from alignpipe.engine.decode_steps import (
     GraphedDecodeStep,
     decode_step,
     new_cache,
+    takes_fused_kernels,
 )
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.host_reads import HostRead
@@ -69,9 +70,8 @@ class HFEngine:
         # lists leave). Steps replayed from a recording have no per-op host work to save, and under no_grad their
         # prefill and recordings run the fused kernels' graphs that training compiles (`without_grad`).
         replayed = isinstance(step, GraphedDecodeStep) and not step.failed
-        fused = replayed and lean_activations.takes_fused_kernels(self.model) and fused_kernels.wanted(True, device)
-        with fused_kernels.without_grad(fused):
-            return self._generate(prompts, n, sampling or SamplingParams(), seed, logprobs, step)
+        with fused_kernels.without_grad(replayed and takes_fused_kernels(self.model, device)):
+            return self._generate(prompts, n, sampling or SamplingParams(), seed, logprobs, step, device)
 
     @under_attention_kernels
     def _generate(
@@ -82,9 +82,9 @@ class HFEngine:
         seed: int | None,
         logprobs: bool,
         step: FixedShapeStep | None,
+        device: torch.device,
     ) -> list[Generation]:
         generator = None
-        device = next(self.model.parameters()).device
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         stops = stop_token_ids(self.tok, self.model)
