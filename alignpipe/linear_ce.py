@@ -116,8 +116,9 @@ def linear_nll_sum(
     inputs), with `labels` (N,) all scored. Runs `rows_per_chunk` rows at a time (`chunk_bounds`: a last row
     alone joins the chunk before it); where gradients are wanted they are computed here, chunk by chunk, and only
     scaled in backward (under `no_grad`, none are: evaluation pays one head matmul per token). The weight's
-    gradient accumulates in the weight's dtype over chunks, as autograd's sum of per-chunk gradients would. `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run
-    as one compiled kernel (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits. `dft`
+    gradient accumulates in the weight's dtype over chunks, as autograd's sum of per-chunk gradients would.
+    `compiled` (a stage's `compile: true`): each chunk's softmax and gradient run as one compiled kernel
+    (`_nll_and_grad_fusable`) instead of several passes over the chunk's logits. `dft`
     (Dynamic Fine-Tuning, Wu et al. 2025): each token's NLL weighted by its probability p, held constant, so the
     value is Σ p·NLL and the gradient p·(softmax − one-hot), as TRL's `loss_type: dft`."""
     rows = max(1, rows_per_chunk)

@@ -514,7 +514,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         from alignpipe import fused_kernels
-        from alignpipe.engine.decode_steps import GraphedDecodeStep
+        from alignpipe.engine.decode_steps import GraphedDecodeStep, takes_fused_kernels
         from alignpipe.engine.hf import decode, decode_static
         from alignpipe.engine.sampling import SamplingParams
         from alignpipe.lean_activations import lean_activations
@@ -549,7 +549,7 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         # kernels fused in the recordings (`fused_kernels.GRAPH_RECORDING`)
         lean_activations(model, fused=True)
         step = GraphedDecodeStep()
-        with fused_kernels.without_grad(fused_kernels.wanted(True, setup.device)):  # as `HFEngine.generate` runs it
+        with fused_kernels.without_grad(takes_fused_kernels(model, setup.device)):  # as `HFEngine.generate` runs it
             for name in ("graphed policy", "graphed policy again"):
                 seed = torch.Generator(device=setup.device).manual_seed(5)
                 kept = name.endswith("again")  # its recording is timed alone below, outside the rollout's time
