@@ -260,6 +260,114 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     assert {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad} == lora_before and lora_before
 
 
+def _fake_vllm(monkeypatch, built: list):
+    """A stand-in `vllm` package with what `VLLMColocateEngine` imports: `LLM` (recording its arguments and the
+    launcher variables it saw while built) and `EngineArgs` (a dataclass with `logprobs_mode`)."""
+    import dataclasses
+    import os
+    import sys
+    import types
+
+    from alignpipe.engine.vllm import LAUNCHER_VARIABLES
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append((kwargs, {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}))
+
+    @dataclasses.dataclass
+    class EngineArgs:
+        logprobs_mode: str = "raw_logprobs"
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = LLM
+    engine = types.ModuleType("vllm.engine")
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = EngineArgs
+    for name, module in (("vllm", vllm), ("vllm.engine", engine), ("vllm.engine.arg_utils", arg_utils)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_vllm_colocate_runs_its_engine_in_this_process_with_the_launcher_variables_for_the_build_only(
+    tiny, monkeypatch
+):
+    """The colocate engine's `LLM` is built with vLLM's external launcher (its engine in the training process, where
+    the policy's weights are handed over as GPU tensors), under rank 0 of 1 on a free loopback port when the process
+    has no launcher variables, and those are gone again afterwards (accelerate must still see one process)."""
+    import os
+
+    from alignpipe.engine.vllm import LAUNCHER_VARIABLES, VLLMColocateEngine
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    built: list = []
+    _fake_vllm(monkeypatch, built)
+    model, tok = load_causal_lm(str(tiny / "model")), load_tokenizer(str(tiny / "model"))
+    engine = VLLMColocateEngine(model, tok, gpu_memory_utilization=0.25, sleep_between_rollouts=False, seed=3)
+    ((kwargs, seen),) = built
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["model"] == str(tiny / "model") and kwargs["seed"] == 3 and kwargs["gpu_memory_utilization"] == 0.25
+    assert kwargs["enable_sleep_mode"] is False and kwargs["logprobs_mode"] == "processed_logprobs"
+    assert engine.processed_logprobs
+    assert {k: v for k, v in seen.items() if k != "MASTER_PORT"} == {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    assert 0 < int(seen["MASTER_PORT"]) < 65536
+    assert not any(name in os.environ for name in LAUNCHER_VARIABLES)
+
+    # a launcher's own variables (one process of `accelerate launch`, say) are used as they are and left in place
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    built.clear()
+    VLLMColocateEngine(model, tok, sleep_between_rollouts=False)
+    assert built[0][1]["MASTER_PORT"] == "29999" and built[0][1]["RANK"] == "0"
+    assert os.environ["MASTER_PORT"] == "29999" and "RANK" not in os.environ
+
+
+def _join_as_rank(rank: int, port: int, result) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from alignpipe.engine.vllm import launcher_environment
+
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    with launcher_environment():
+        made = dist.is_initialized() and dist.get_world_size() == 2 and dist.get_rank() == rank
+    dist.barrier()
+    result.put((rank, made, os.environ["WORLD_SIZE"]))
+    dist.destroy_process_group()
+
+
+def test_vllm_colocate_on_a_multi_process_stage_joins_the_stages_process_group():
+    """Each rank of a 2-process stage builds its engine inside the stage's process group (made from the launcher's
+    variables before vLLM sees them, as the trainer's accelerator would), and keeps the launcher's variables."""
+    import torch.multiprocessing as mp
+
+    from alignpipe.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_join_as_rank, args=(rank, port, result)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(result.get() for _ in range(2)) == [(0, True, "2"), (1, True, "2")]
+
+
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
     """A briefly SFT-trained tiny model: it ends completions with EOS, so rows stop at different steps."""

@@ -6,7 +6,11 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
 
 - `VLLMColocateEngine`: a vLLM `LLM` in the training process. `update_weights(model)` loads the policy's
   current weights into vLLM after each optimizer step; with `sleep_between_rollouts` vLLM sleeps
-  (frees its KV cache and weights) while the trainer steps and wakes before generating.
+  (frees its KV cache and weights) while the trainer steps and wakes before generating. vLLM's engine runs in
+  this process, not in the engine process vLLM starts by default (`distributed_executor_backend="external_launcher"`,
+  as TRL's colocate mode): weights are handed to vLLM's model as tensors on the GPU, where a separate engine process
+  would receive them pickled (a copy through host memory of every weight at every step, and refused by vLLM versions
+  that do not allow pickled callables).
 - `VLLMServerEngine`: completions from a running `vllm serve` (OpenAI-compatible `/v1/completions`).
   The served model is what samples: keep it in sync yourself (e.g. reload from checkpoints), or use it
   for judging. Token ids are recovered by tokenizing the returned text (EOS appended when
@@ -15,7 +19,9 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -52,20 +58,24 @@ class VLLMColocateEngine:
         # `sampling_correction`; a vLLM without the option returns the raw model's, which `generate` refuses to use.
         self.processed_logprobs = _has_engine_arg("logprobs_mode")
         extra = {"logprobs_mode": "processed_logprobs"} if self.processed_logprobs else {}
-        self.llm = LLM(
-            model=source,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=dtype,
-            seed=seed,
-            enable_sleep_mode=sleep_between_rollouts,
-            **extra,
-        )
+        with launcher_environment():
+            self.llm = LLM(
+                model=source,
+                gpu_memory_utilization=gpu_memory_utilization,
+                dtype=dtype,
+                seed=seed,
+                enable_sleep_mode=sleep_between_rollouts,
+                distributed_executor_backend="external_launcher",
+                **extra,
+            )
         self._asleep = False
 
     def _vllm_model(self):
+        """vLLM's model, where its engine runs in this process (V0's engine, V1's under the external launcher: its
+        `model_executor`, whose driver worker wraps the worker holding the model runner)."""
         engine = self.llm.llm_engine
         executor = getattr(engine, "model_executor", None)
-        if executor is not None and hasattr(executor, "driver_worker"):  # V0 engine
+        if executor is not None and hasattr(executor, "driver_worker"):
             worker = executor.driver_worker
             runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
             return runner.model
@@ -83,7 +93,7 @@ class VLLMColocateEngine:
         target = self._vllm_model()
         if target is not None:
             target.load_weights(state.items())
-        else:  # V1 engine: run load_weights on every worker
+        else:  # a layout without the executor attribute: the same call through vLLM's RPC (in this process)
             self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(state.items()))
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
@@ -136,6 +146,42 @@ class VLLMColocateEngine:
             self.llm.sleep(level=1)
             self._asleep = True
         return gens
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What vLLM's external launcher reads to join (or make) the process group: `torchrun` and `accelerate launch` set
+them for every rank of a multi-process stage."""
+
+
+@contextlib.contextmanager
+def launcher_environment():
+    """The environment vLLM's external launcher needs while an `LLM` is built, and the process group it joins.
+
+    A multi-process stage's ranks carry the launcher's variables; their process group is made here first if the
+    trainer has not made it yet (the engine is built before the trainer's accelerator), so that vLLM joins the
+    stage's group, as under TRL's colocate mode, rather than making one of its own. A single process has none of them:
+    it gets rank 0 of 1 on a free loopback port for the build only, and the variables are removed again afterwards,
+    so that accelerate still sees one process, not a distributed run of one."""
+    import torch
+    import torch.distributed as dist
+
+    from alignpipe.launch import free_port
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and dist.is_available() and not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:  # each rank's NCCL communicator on its own GPU, where vLLM will put its engine (LOCAL_RANK)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    added = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    for name in added:
+        os.environ[name] = defaults.get(name) or str(free_port())
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _has_engine_arg(name: str) -> bool:
