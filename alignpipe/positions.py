@@ -125,3 +125,16 @@ def check_generation_window(
             f"{longest + new_tokens} positions, but the model's learned position table holds {limit}; "
             f"{prompt_fix.format(n=limit - new_tokens)} or lower {new_field}"
         )
+
+
+def rollout_window(tokenizer, prompts: list[str], max_prompt_length: int | None, new_tokens: int, config) -> int:
+    """The longest sequence an RL stage's rollouts decode: its longest prompt (cut to `max_prompt_length`, as the
+    trainers cut them) plus `new_tokens`, within the positions the model's `config` declares. What a vLLM colocate
+    engine sizes its KV cache for, rather than the model's whole context (128k positions for Llama 3.1, more KV cache
+    than a colocated engine's share of the GPU holds)."""
+    longest = max((len(ids) for ids in encode(tokenizer, prompts)), default=0)
+    if max_prompt_length is not None:
+        longest = min(longest, max_prompt_length)
+    window = longest + new_tokens
+    declared = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return min(window, declared) if isinstance(declared, int) else window

@@ -302,8 +302,11 @@ def test_vllm_colocate_runs_its_engine_in_this_process_with_the_launcher_variabl
     built: list = []
     _fake_vllm(monkeypatch, built)
     model, tok = load_causal_lm(str(tiny / "model")), load_tokenizer(str(tiny / "model"))
-    engine = VLLMColocateEngine(model, tok, gpu_memory_utilization=0.25, sleep_between_rollouts=False, seed=3)
+    engine = VLLMColocateEngine(
+        model, tok, gpu_memory_utilization=0.25, sleep_between_rollouts=False, seed=3, max_model_len=320
+    )
     ((kwargs, seen),) = built
+    assert kwargs["max_model_len"] == 320
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["model"] == str(tiny / "model") and kwargs["seed"] == 3 and kwargs["gpu_memory_utilization"] == 0.25
     assert kwargs["enable_sleep_mode"] is False and kwargs["logprobs_mode"] == "processed_logprobs"
@@ -323,7 +326,56 @@ def test_vllm_colocate_runs_its_engine_in_this_process_with_the_launcher_variabl
     built.clear()
     VLLMColocateEngine(model, tok, sleep_between_rollouts=False)
     assert built[0][1]["MASTER_PORT"] == "29999" and built[0][1]["RANK"] == "0"
+    assert "max_model_len" not in built[0][0]  # none given: vLLM's own, the model's whole context
     assert os.environ["MASTER_PORT"] == "29999" and "RANK" not in os.environ
+
+
+def test_a_vllm_colocate_engine_is_sized_for_the_stages_longest_rollout(tiny, monkeypatch):
+    """`max_model_len` of a colocate engine: the stage's longest prompt (cut to `max_prompt_length`) plus
+    `max_completion_length`, within the model's declared positions; the recipe's own value wins; none with tools
+    (their turns grow a completion) or a server; refused on the hf engine."""
+    from types import SimpleNamespace
+
+    from alignpipe.engine import factory
+    from alignpipe.positions import rollout_window
+    from alignpipe.recipe.stages import FormatStage
+    from alignpipe.special_tokens import encode
+    from alignpipe.stages.online import _vllm_window
+    from alignpipe.trainers.configs import RolloutSpec
+
+    tok = load_tokenizer(str(tiny / "model"))
+    prompts = ["The film", "I watched it and then I watched it again, twice over, all of it", "A movie"]
+    longest = max(len(ids) for ids in encode(tok, prompts))
+    config = SimpleNamespace(max_position_embeddings=10_000)
+    assert rollout_window(tok, prompts, None, 48, config) == longest + 48
+    assert rollout_window(tok, prompts, 4, 48, config) == 4 + 48
+    assert rollout_window(tok, prompts, 10_000, 48, config) == longest + 48  # the prompts are shorter than the cut
+    assert rollout_window(tok, prompts, None, 48, SimpleNamespace(max_position_embeddings=20)) == 20
+    assert rollout_window(tok, prompts, None, 48, SimpleNamespace()) == longest + 48
+
+    def ctx(rollout, tools=()):
+        data = FormatStage.model_construct(tools=list(tools))
+        stage = SimpleNamespace(rollout=rollout, data="d", max_prompt_length=None, max_completion_length=48)
+        rows = {"train": [{"prompt": p} for p in prompts[:2]], "eval": [{"prompt": prompts[2]}]}
+        return SimpleNamespace(
+            stage=stage, recipe=SimpleNamespace(stage=lambda _: data), rows=lambda _, split: rows[split]
+        )
+
+    colocate = RolloutSpec(backend="vllm")
+    assert _vllm_window(ctx(colocate), tok, config) == longest + 48
+    assert _vllm_window(ctx(colocate, tools=["calculator"]), tok, config) is None
+    assert _vllm_window(ctx(RolloutSpec(backend="vllm", mode="server", server_url="http://x")), tok, config) is None
+
+    made: list = []
+    monkeypatch.setattr("alignpipe.engine.vllm.VLLMColocateEngine", lambda *args, **kwargs: made.append(kwargs))
+    factory.make_engine(colocate, None, tok, window=200)
+    factory.make_engine(RolloutSpec(backend="vllm", max_model_len=4096), None, tok, window=200)
+    factory.make_engine(colocate, None, tok)
+    assert [m["max_model_len"] for m in made] == [200, 4096, None]
+    with pytest.raises(ValueError, match="max_model_len"):
+        RolloutSpec(max_model_len=4096)
+    with pytest.raises(ValueError, match="max_model_len"):
+        RolloutSpec(backend="vllm", mode="server", server_url="http://x", max_model_len=4096)
 
 
 def _join_as_rank(rank: int, port: int, result) -> None:

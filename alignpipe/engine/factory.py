@@ -17,8 +17,9 @@ def hf_engine(spec, model, tokenizer):
     )
 
 
-def make_engine(spec, model, tokenizer):
-    """An engine for `spec` (a `RolloutSpec`) generating from `model`'s weights."""
+def make_engine(spec, model, tokenizer, window: int | None = None):
+    """An engine for `spec` (a `RolloutSpec`) generating from `model`'s weights; a vLLM colocate engine sized for
+    sequences of `spec.max_model_len` tokens, else `window` (None: the model's whole context)."""
     if spec.backend == "hf":
         return hf_engine(spec, model, tokenizer)
     if spec.mode == "server":
@@ -32,4 +33,5 @@ def make_engine(spec, model, tokenizer):
         tokenizer,
         gpu_memory_utilization=spec.gpu_memory_utilization,
         sleep_between_rollouts=spec.sleep_between_rollouts,
+        max_model_len=spec.max_model_len or window,
     )

@@ -39,6 +39,7 @@ class VLLMColocateEngine:
         sleep_between_rollouts: bool = True,
         dtype: str = "auto",
         seed: int = 0,
+        max_model_len: int | None = None,
     ):
         try:
             from vllm import LLM
@@ -57,7 +58,9 @@ class VLLMColocateEngine:
         # Sampling log-probs after temperature and the filters (what the sample was drawn from), for GRPO's
         # `sampling_correction`; a vLLM without the option returns the raw model's, which `generate` refuses to use.
         self.processed_logprobs = _has_engine_arg("logprobs_mode")
-        extra = {"logprobs_mode": "processed_logprobs"} if self.processed_logprobs else {}
+        extra: dict = {"logprobs_mode": "processed_logprobs"} if self.processed_logprobs else {}
+        if max_model_len is not None:
+            extra["max_model_len"] = max_model_len
         with launcher_environment():
             self.llm = LLM(
                 model=source,

@@ -8,7 +8,8 @@ from typing import Any
 
 from alignpipe.engine.factory import make_engine
 from alignpipe.plots import curves_figure
-from alignpipe.positions import check_generation_window, model_position_limit
+from alignpipe.positions import check_generation_window, model_position_limit, rollout_window
+from alignpipe.recipe.stages import FormatStage
 from alignpipe.stages.context import StageContext, StageResult
 
 Curves = tuple[tuple[list[str], str], ...]
@@ -53,8 +54,21 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
             "set max_prompt_length: {n} (prompts keep their last tokens)",
         )
     ref = ctx.load_model(s.model, merge=True) if reference and not s.lora else None
-    engine = make_engine(s.rollout, model, tokenizer) if s.rollout.backend != "hf" else None
+    engine = None
+    if s.rollout.backend != "hf":
+        engine = make_engine(s.rollout, model, tokenizer, _vllm_window(ctx, tokenizer, model.config))
     return Policy(model, tokenizer, base_path, ref, engine)
+
+
+def _vllm_window(ctx: StageContext, tokenizer, config) -> int | None:
+    """The longest sequence a vLLM colocate engine decodes for this stage (`positions.rollout_window`); None where the
+    format stage renders tools (their turns grow a completion past one sampling call) or vLLM is a server."""
+    s: Any = ctx.stage
+    data = ctx.recipe.stage(s.data)
+    if s.rollout.mode != "colocate" or (isinstance(data, FormatStage) and data.tools):
+        return None
+    prompts = [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)]
+    return rollout_window(tokenizer, prompts, s.max_prompt_length, s.max_completion_length, config)
 
 
 def finish(ctx: StageContext, title: str, curves: Curves, result, base_path: str, key_metric: str) -> StageResult:

@@ -359,6 +359,12 @@ class RolloutSpec(Strict):
     """vllm colocate: fraction of GPU memory vLLM may take."""
     sleep_between_rollouts: bool = True
     """vllm colocate: put vLLM to sleep during training steps to free its memory (vLLM ≥ 0.7)."""
+    max_model_len: int | None = Field(None, gt=0)
+    """vllm colocate: the longest sequence (prompt + completion) vLLM sizes its KV cache for (TRL's
+    `vllm_max_model_length`). Null: the stage's longest prompt (cut to `max_prompt_length`) plus
+    `max_completion_length`, within the model's positions; with tools, whose turns grow a completion, the model's own
+    context. The model's whole context (128k for Llama 3.1) may need more KV cache than `gpu_memory_utilization`
+    leaves, which vLLM refuses at start."""
     batch_size: int = Field(64, gt=0)
     """hf: prompts per `generate` call."""
     static_cache: bool = False
@@ -387,6 +393,11 @@ class RolloutSpec(Strict):
     def _check(self):
         if self.backend == "vllm" and self.mode == "server" and not self.server_url:
             raise ValueError("rollout mode 'server' needs `server_url` (e.g. http://127.0.0.1:8000)")
+        if self.max_model_len is not None and (self.backend != "vllm" or self.mode != "colocate"):
+            raise ValueError(
+                "rollout `max_model_len` sizes a vLLM colocate engine's KV cache; the hf engine and a vLLM server "
+                "size their own: remove it, or set `backend: vllm` with `mode: colocate`"
+            )
         if self.backend == "vllm" and (self.compile or self.static_cache):
             raise ValueError(
                 "rollout `compile` and `static_cache` are options of the hf engine; vLLM captures its own CUDA graphs"
