@@ -959,7 +959,7 @@ def test_sampling_logprobs_are_those_of_the_distribution_each_token_was_drawn_fr
 
 
 def test_the_vllm_server_engine_refuses_to_give_sampling_logprobs():
-    """Its ids are the returned text tokenized again, which its log-probs would not line up with."""
+    """A server's log-probs follow its own `--logprobs-mode` (raw by default), not what was sampled from."""
     from alignpipe.engine.vllm import VLLMServerEngine
 
     with pytest.raises(ValueError, match="would not line up"):

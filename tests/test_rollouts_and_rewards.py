@@ -57,6 +57,29 @@ def test_vllm_server_engine_meets_the_contract_over_http(tiny):
     assert out[1].finish_reason == "length" and out[1].completion_ids[-1] != tok.eos_token_id
 
 
+def test_vllm_server_engine_takes_the_token_ids_the_server_sampled(tiny):
+    """A vLLM server that returns the sampled ids (`return_token_ids`) is taken at its word, not tokenized again (a
+    text's tokenization need not be the sampled one); a stop without the EOS among them gets it appended."""
+    tok = load_tokenizer(str(tiny / "model"))
+    eos = tok.eos_token_id
+
+    def with_ids(method, path, body, headers):
+        status, answer = completions_handler(method, path, body, headers)
+        if path == "/v1/completions" and body.get("return_token_ids"):
+            for c in answer["choices"]:
+                c["token_ids"] = (
+                    [11, 12, eos] if c["index"] == 0 else [11, 12, 13] if c["finish_reason"] == "stop" else [21, 22]
+                )
+        return status, answer
+
+    with serve(with_ids) as url:
+        out = check_engine_contract(VLLMServerEngine(url, tok), tok, ["a", "b"], n=2)
+        post = [r for r in url.requests if r["method"] == "POST"][-1]["body"]
+    assert post["return_token_ids"] is True
+    assert [g.completion_ids for g in out] == [[11, 12, eos], [21, 22], [21, 22], [11, 12, 13, eos]]
+    assert out[0].completion == " good film"
+
+
 def test_reward_set_weights_and_none():
     half = LoadedReward("half", lambda p, c, **_: [0.5 if x else None for x in c], weight=2.0)
     one = LoadedReward("one", lambda p, c, **_: [1.0 if x == "a" else None for x in c])

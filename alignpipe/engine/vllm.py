@@ -13,8 +13,9 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
   that do not allow pickled callables).
 - `VLLMServerEngine`: completions from a running `vllm serve` (OpenAI-compatible `/v1/completions`).
   The served model is what samples: keep it in sync yourself (e.g. reload from checkpoints), or use it
-  for judging. Token ids are recovered by tokenizing the returned text (EOS appended when
-  `finish_reason == "stop"`).
+  for judging. Token ids are the ones the server sampled where it returns them (vLLM's `return_token_ids`, since
+  0.10.2), else recovered by tokenizing the returned text; EOS is appended when `finish_reason == "stop"` and they
+  do not end with it.
 """
 
 from __future__ import annotations
@@ -237,9 +238,10 @@ class VLLMServerEngine:
 
         if logprobs:
             raise ValueError(
-                "the vLLM server engine returns text, whose token ids are recovered by tokenizing it again: its "
-                "sampling log-probs would not line up with them. Use rollout mode 'colocate' or the hf backend for "
-                "sampling_correction, or set sampling_correction: none"
+                "the vLLM server engine cannot give the sampler's log-probs: a server's are those of its own "
+                "`--logprobs-mode` (by default the raw model's, before temperature and filters), and an older "
+                "server's completions come back as text tokenized again, which they would not line up with. Use "
+                "rollout mode 'colocate' or the hf backend for sampling_correction, or set sampling_correction: none"
             )
 
         sampling = sampling or SamplingParams()
@@ -258,6 +260,7 @@ class VLLMServerEngine:
             payload["repetition_penalty"] = sampling.repetition_penalty  # a vLLM extension of the OpenAI API
         if seed is not None:
             payload["seed"] = seed
+        payload["return_token_ids"] = True  # a vLLM extension; older servers ignore fields they do not know
         with httpx.Client(timeout=self.timeout_s) as client:
             payload["model"] = self._model(client)
             response = client.post(f"{self.base}/v1/completions", json=payload)
@@ -267,9 +270,10 @@ class VLLMServerEngine:
             raise RuntimeError(f"server returned {len(choices)} completions for {len(prompts)} prompts × n={n}")
         gens = []
         for k, c in enumerate(choices):
-            ids = self.tok(c["text"], add_special_tokens=False)["input_ids"]
+            sampled = c.get("token_ids")
+            ids = list(sampled) if sampled is not None else self.tok(c["text"], add_special_tokens=False)["input_ids"]
             reason: FinishReason = "stop" if c.get("finish_reason") == "stop" else "length"
-            if reason == "stop":
-                ids = ids + [self.tok.eos_token_id]
+            if reason == "stop" and (sampled is None or not ids or ids[-1] != self.tok.eos_token_id):
+                ids = ids + [self.tok.eos_token_id]  # the text leaves the stop token out; a stop string is not one
             gens.append(Generation(k // n, c["text"], ids, reason))
         return gens

@@ -585,7 +585,8 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
     [`sampling_correction_min`, `sampling_correction_max`] (TIS), *_mask zeroes those outside it (MIS). Costs one
     forward of the rollout under the current policy when no other setting takes it. auto: TRL's default,
     sequence_mask, with the vLLM colocate engine; none with the hf engine (the trainer's own forward samples) and the
-    vLLM server (its text is tokenized again, so its log-probs do not line up)."""
+    vLLM server (its log-probs follow the server's own `--logprobs-mode`, raw by default, and an older server's text
+    is tokenized again)."""
     sampling_correction_min: float | None = Field(None, ge=0)
     """Lower bound of the correction's weights (TRL's `vllm_importance_sampling_clip_min`); null: none."""
     sampling_correction_max: float | None = Field(3.0, gt=0)
@@ -635,7 +636,8 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
         if server and self.needs_sampling_logprobs:
             raise ValueError(
                 "sampling_correction and off_policy_mask_threshold need the engine's log-probs of each sampled token, "
-                "and the vLLM server's completions come back as text tokenized again: use rollout mode 'colocate' "
+                "which a vLLM server does not give (its log-probs follow its own --logprobs-mode, raw by default, "
+                "and an older server's completions come back as text tokenized again): use rollout mode 'colocate' "
                 "or backend 'hf', or set sampling_correction: none and off_policy_mask_threshold: null"
             )
         if self.entropy_coef_min > self.entropy_coef_max:
