@@ -260,6 +260,39 @@ def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     assert {n for n, p in policy.named_parameters() if "lora_" in n and p.requires_grad} == lora_before and lora_before
 
 
+def test_vllm_colocate_wakes_its_weights_loads_them_then_wakes_its_kv_cache(tiny):
+    """An engine asleep between rollouts wakes its weights, takes the policy's, and only then allocates its KV cache
+    again (less memory held while the weights are merged and copied); an awake one is not woken."""
+    from alignpipe.engine.vllm import VLLMColocateEngine
+
+    calls: list = []
+    model = type("M", (), {"load_weights": lambda self, weights: calls.append(("load", len(list(weights))))})()
+    runner = type("R", (), {"model": model})()
+    executor = type(
+        "X", (), {"driver_worker": type("W", (), {"worker": type("V", (), {"model_runner": runner})()})()}
+    )()
+
+    class FakeLLM:  # V1 under the external launcher: the driver worker wraps the worker holding the runner
+        llm_engine = type("E", (), {"model_executor": executor})()
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tuple(tags or ())))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    policy = load_causal_lm(str(tiny / "model"))
+    engine = object.__new__(VLLMColocateEngine)
+    engine.llm, engine._asleep = FakeLLM(), True
+    engine.update_weights(policy)
+    n = len(policy.state_dict())
+    assert calls == [("wake_up", ("weights",)), ("load", n), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+    assert not engine._asleep
+    calls.clear()
+    engine.update_weights(policy)
+    assert calls == [("load", n), ("reset_prefix_cache",)]
+
+
 def _fake_vllm(monkeypatch, built: list):
     """A stand-in `vllm` package with what `VLLMColocateEngine` imports: `LLM` (recording its arguments and the
     launcher variables it saw while built) and `EngineArgs` (a dataclass with `logprobs_mode`)."""

@@ -90,15 +90,18 @@ class VLLMColocateEngine:
         model: its adapter stays in training)."""
         from alignpipe.modeling import merged_state_dict
 
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        if self._asleep:  # the weights first, the KV cache once they are loaded: less memory held while merging
+            self.llm.wake_up(tags=["weights"])
         state = merged_state_dict(model)
         target = self._vllm_model()
         if target is not None:
             target.load_weights(state.items())
         else:  # a layout without the executor attribute: the same call through vLLM's RPC (in this process)
             self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(state.items()))
+        state.clear()  # merged LoRA weights are copies: freed before the KV cache is allocated
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
