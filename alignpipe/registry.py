@@ -3,8 +3,9 @@
 
 The pyfunc folder holds `MLmodel`, the signature (strings in, one column or a list; a string out; `max_new_tokens`,
 `temperature`, `top_p` and `seed` as params) and the model folder itself (weights, tokenizer, model card) as its
-`model` artifact; a LoRA adapter is merged first, so the version stands alone. Loading needs alignpipe installed
-(listed in the model's requirements): the model class is imported from here. MLflow's own transformers flavor is
+`model` artifact, and an input example; a LoRA adapter is merged first, so the version stands alone. Loading needs
+alignpipe installed (listed in the model's requirements): MLflow runs `pyfunc_model.py` ("models from code"), which
+builds the model from the class here; nothing is unpickled. MLflow's own transformers flavor is
 not used: with MLflow 3.17 and transformers 5 saving a local folder fails, and loading imports torchvision.
 """
 
@@ -13,9 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from mlflow.pyfunc import PythonModel
 
 DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+INPUT_EXAMPLE = ["Write one sentence about the sea."]
+"""Saved with the model (MLflow's UI shows it, `mlflow models serve` users copy it); saving it runs nothing."""
 
 
 class TextGenerator(PythonModel):
@@ -28,7 +32,10 @@ class TextGenerator(PythonModel):
         folder = context.artifacts["model"]
         self.engine = HFEngine(load_causal_lm(folder), load_tokenizer(folder))
 
-    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
+        """One completion per prompt. `model_input` is what pyfunc hands over after enforcing the signature (a
+        DataFrame); a list of strings or one string is taken too (`prompts_of`). The type hint tells MLflow to
+        validate nothing beyond the signature."""
         from alignpipe.engine.sampling import SamplingParams
 
         prompts = prompts_of(model_input)
@@ -82,9 +89,10 @@ def save_pyfunc(model_folder: Path, dest: Path) -> Path:
         shutil.rmtree(dest)
     mlflow.pyfunc.save_model(
         path=str(dest),
-        python_model=TextGenerator(),
+        python_model=str(Path(__file__).with_name("pyfunc_model.py")),  # built by code at load time, no pickle
         artifacts={"model": str(model_folder)},
         signature=signature(),
+        input_example=INPUT_EXAMPLE,
         pip_requirements=requirements(),
         metadata={"task": "text-generation", "alignpipe": True},
     )

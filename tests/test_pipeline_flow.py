@@ -240,7 +240,8 @@ def test_gate_opened_so_publish_registered_the_model_as_champion(demo_run):
 
 def test_the_registered_model_loads_with_mlflow_pyfunc_and_generates(demo_run, monkeypatch):
     """What an MLflow user does with a registered model: load it by alias and predict (greedy: equal to the
-    published model's own greedy completions)."""
+    published model's own greedy completions). Saving and loading it warn of nothing (no pickled model, a typed
+    `predict`, an input example)."""
     import mlflow
     import pandas as pd
 
@@ -254,6 +255,9 @@ def test_the_registered_model_loads_with_mlflow_pyfunc_and_generates(demo_run, m
     mlflow.set_tracking_uri(recipe.tracking_uri)
     model = mlflow.pyfunc.load_model("models:/tiny-demo-sft@champion")
     assert [c.type.name for c in model.metadata.signature.inputs.inputs] == ["string"]
+    # built by code at load time (nothing unpickled), with an input example for MLflow's UI and serving users
+    assert model.metadata.flavors["python_function"]["loader_module"] == "mlflow.pyfunc.loaders.code_model"
+    assert model.metadata.saved_input_example_info["artifact_path"] == "input_example.json"
     prompts = ["The film was", "I watched this movie and"]
     got = model.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 12})
     published = str(recipe.run_root / "published" / "publish")
