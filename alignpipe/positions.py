@@ -118,7 +118,7 @@ def check_generation_window(
     tokens."""
     if limit is None or not prompts:
         return
-    longest = max(len(ids) for ids in encode(tokenizer, prompts))
+    longest = longest_prompt(tokenizer, prompts)
     if longest + new_tokens > limit:
         raise ValueError(
             f"{name}: the longest prompt is {longest} tokens, and with {new_field} ({new_tokens}) generation needs "
@@ -132,9 +132,14 @@ def rollout_window(tokenizer, prompts: list[str], max_prompt_length: int | None,
     trainers cut them) plus `new_tokens`, within the positions the model's `config` declares. What a vLLM colocate
     engine sizes its KV cache for, rather than the model's whole context (128k positions for Llama 3.1, more KV cache
     than a colocated engine's share of the GPU holds)."""
-    longest = max((len(ids) for ids in encode(tokenizer, prompts)), default=0)
+    longest = longest_prompt(tokenizer, prompts)
     if max_prompt_length is not None:
         longest = min(longest, max_prompt_length)
     window = longest + new_tokens
     declared = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return min(window, declared) if isinstance(declared, int) else window
+
+
+def longest_prompt(tokenizer, prompts: list[str]) -> int:
+    """Tokens in the longest of `prompts`, encoded as the trainers encode them (`special_tokens.encode`); 0 for none."""
+    return max((len(ids) for ids in encode(tokenizer, prompts)), default=0)

@@ -389,15 +389,13 @@ def test_a_vllm_colocate_engine_is_sized_for_the_stages_longest_rollout(tiny, mo
     def ctx(rollout, tools=()):
         data = FormatStage.model_construct(tools=list(tools))
         stage = SimpleNamespace(rollout=rollout, data="d", max_prompt_length=None, max_completion_length=48)
-        rows = {"train": [{"prompt": p} for p in prompts[:2]], "eval": [{"prompt": prompts[2]}]}
-        return SimpleNamespace(
-            stage=stage, recipe=SimpleNamespace(stage=lambda _: data), rows=lambda _, split: rows[split]
-        )
+        return SimpleNamespace(stage=stage, recipe=SimpleNamespace(stage=lambda _: data))
 
     colocate = RolloutSpec(backend="vllm")
-    assert _vllm_window(ctx(colocate), tok, config) == longest + 48
-    assert _vllm_window(ctx(colocate, tools=["calculator"]), tok, config) is None
-    assert _vllm_window(ctx(RolloutSpec(backend="vllm", mode="server", server_url="http://x")), tok, config) is None
+    assert _vllm_window(ctx(colocate), tok, config, lambda: prompts) == longest + 48
+    assert _vllm_window(ctx(colocate, tools=["calculator"]), tok, config, lambda: prompts) is None
+    server = RolloutSpec(backend="vllm", mode="server", server_url="http://x")
+    assert _vllm_window(ctx(server), tok, config, lambda: prompts) is None
 
     made: list = []
     monkeypatch.setattr("alignpipe.engine.vllm.VLLMColocateEngine", lambda *args, **kwargs: made.append(kwargs))

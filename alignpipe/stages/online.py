@@ -3,6 +3,8 @@ reference and rollout engine, the curves they plot and the result they hand back
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +44,17 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
     stands in, and the rollout engine."""
     s: Any = ctx.stage
     model, tokenizer, base_path = ctx.start_model(s.model, lora=s.lora is not None)
+
+    @functools.cache
+    def prompts() -> list[str]:  # read once, and only where a check or the engine needs them
+        return [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)]
+
     limit = model_position_limit(model)
     if s.max_prompt_length is None and limit:  # whole prompts: the data sets the window
         check_generation_window(
             limit,
             tokenizer,
-            [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)],
+            prompts(),
             s.max_completion_length,
             f"stage {s.id!r}",
             "max_completion_length",
@@ -56,19 +63,19 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
     ref = ctx.load_model(s.model, merge=True) if reference and not s.lora else None
     engine = None
     if s.rollout.backend != "hf":
-        engine = make_engine(s.rollout, model, tokenizer, _vllm_window(ctx, tokenizer, model.config))
+        engine = make_engine(s.rollout, model, tokenizer, _vllm_window(ctx, tokenizer, model.config, prompts))
     return Policy(model, tokenizer, base_path, ref, engine)
 
 
-def _vllm_window(ctx: StageContext, tokenizer, config) -> int | None:
-    """The longest sequence a vLLM colocate engine decodes for this stage (`positions.rollout_window`); None where the
-    format stage renders tools (their turns grow a completion past one sampling call) or vLLM is a server."""
+def _vllm_window(ctx: StageContext, tokenizer, config, prompts: Callable[[], list[str]]) -> int | None:
+    """The longest sequence a vLLM colocate engine decodes for this stage (`positions.rollout_window`) over the
+    stage's `prompts()`; None where the format stage renders tools (their turns grow a completion past one sampling
+    call) or vLLM is a server."""
     s: Any = ctx.stage
     data = ctx.recipe.stage(s.data)
     if s.rollout.mode != "colocate" or (isinstance(data, FormatStage) and data.tools):
         return None
-    prompts = [r["prompt"] for split in ("train", "eval") for r in ctx.rows(s.data, split)]
-    return rollout_window(tokenizer, prompts, s.max_prompt_length, s.max_completion_length, config)
+    return rollout_window(tokenizer, prompts(), s.max_prompt_length, s.max_completion_length, config)
 
 
 def finish(ctx: StageContext, title: str, curves: Curves, result, base_path: str, key_metric: str) -> StageResult:
