@@ -185,10 +185,11 @@ def test_reward_loss_and_metrics_equal_trl(tiny, rows, margin, center):
     assert float(stats["margin"]) == pytest.approx(trl_metrics["margin"], abs=TOL)
 
 
-def _trajectories(tiny, task: str, steps: int = 6):
-    """(ours, TRL's) per-step (loss, grad norm) of `steps` optimizer steps from the same weights on one batch of 8
-    rows: with a single batch every step sees the same data whatever order each side's sampler draws, so the
-    optimizer, schedule, clipping and loss normalisation are compared, not the luck of the shuffle."""
+def _trajectories(tiny, task: str, steps: int = 6, model_dir=None, moe: dict | None = None):
+    """(ours, TRL's) per-step (loss, grad norm, MoE aux loss or None) of `steps` optimizer steps from the same
+    weights on one batch of 8 rows: with a single batch every step sees the same data whatever order each side's
+    sampler draws, so the optimizer, schedule, clipping and loss normalisation are compared, not the luck of the
+    shuffle. `model_dir`: another model with the tiny tokenizer; `moe`: both sides' `router_aux_loss_coef`."""
     import copy
 
     from alignpipe.modeling import load_sequence_scorer
@@ -206,11 +207,12 @@ def _trajectories(tiny, task: str, steps: int = 6):
         torch.manual_seed(0)  # the reward model's score head starts random: the same on both sides
         if task == "reward":
             return load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
-        return load_causal_lm(str(tiny / "model"))
+        return load_causal_lm(str(model_dir or tiny / "model"))
 
     common = dict(
         learning_rate=lr, max_steps=steps, batch_size=8, max_length=max_length, logging_every=1, lr_scheduler="linear"
     )
+    common |= moe or {}
     tracker, m = Tracker(), model()
     if task.startswith("sft"):
         sft.train(SFTConfig(**common, loss_type=loss_type), m, tok, data, [], tracker, tempfile.mkdtemp())
@@ -218,7 +220,11 @@ def _trajectories(tiny, task: str, steps: int = 6):
         dpo.train(DPOConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp(), ref_model=copy.deepcopy(m))
     else:
         reward.train(RewardConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp())
-    ours = [(d["train/loss"], d["train/grad_norm"]) for _, d in tracker.history if "train/loss" in d]
+    ours = [
+        (d["train/loss"], d["train/grad_norm"], d.get("train/aux_loss"))
+        for _, d in tracker.history
+        if "train/loss" in d
+    ]
 
     args = dict(
         output_dir=tempfile.mkdtemp(),
@@ -234,6 +240,7 @@ def _trajectories(tiny, task: str, steps: int = 6):
         lr_scheduler_type="linear",
         max_length=max_length,
         disable_tqdm=True,
+        **(moe or {}),
     )
     ds, m = Dataset.from_list(data), model()
     if task.startswith("sft"):
@@ -246,7 +253,8 @@ def _trajectories(tiny, task: str, steps: int = 6):
     else:
         trainer = trl.RewardTrainer(model=m, args=trl.RewardConfig(**args), processing_class=tok, train_dataset=ds)
     trainer.train()
-    theirs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    history = trainer.state.log_history
+    theirs = [(h["loss"], h["grad_norm"], h.get("aux_loss")) for h in history if "loss" in h and "grad_norm" in h]
     return ours, theirs
 
 
@@ -257,8 +265,25 @@ def test_training_trajectory_equals_trl(tiny, task):
     DFT's probability-weighted loss rises while the tokens' probabilities climb toward 1/e, so not that one)."""
     ours, theirs = _trajectories(tiny, task)
     assert len(ours) == len(theirs) == 6
-    for step, ((loss, gn), (trl_loss, trl_gn)) in enumerate(zip(ours, theirs), 1):
+    for step, ((loss, gn, _), (trl_loss, trl_gn, _)) in enumerate(zip(ours, theirs), 1):
         assert loss == pytest.approx(trl_loss, rel=1e-4), f"step {step} loss"
         assert gn == pytest.approx(trl_gn, rel=1e-3), f"step {step} grad norm"
     if task != "sft_dft":
         assert ours[-1][0] < 0.75 * ours[0][0]
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_an_moe_model_trains_with_trl_s_load_balancing_loss(tiny, tmp_path, task):
+    """A Mixture-of-Experts model (a tiny Qwen3-MoE) adds its routers' load-balancing loss to the training loss, as
+    TRL's trainers do (`router_aux_loss_coef`, here 0.5 so that it weighs): every step's loss (the sum, as TRL logs
+    it), gradient norm and aux loss equal TRL's, though our trainers run the decoder and LM head themselves."""
+    from moe_models import save_moe
+
+    model_dir = save_moe(tiny, tmp_path)
+    ours, theirs = _trajectories(tiny, task, steps=4, model_dir=model_dir, moe={"router_aux_loss_coef": 0.5})
+    assert len(ours) == len(theirs) == 4
+    for step, ((loss, gn, aux), (trl_loss, trl_gn, trl_aux)) in enumerate(zip(ours, theirs), 1):
+        assert aux is not None and trl_aux is not None and aux > 1.0  # top-2 of 4 experts: 2 when balanced
+        assert aux == pytest.approx(trl_aux, rel=1e-4), f"step {step} aux loss"
+        assert loss == pytest.approx(trl_loss, rel=1e-4), f"step {step} loss"
+        assert gn == pytest.approx(trl_gn, rel=1e-3), f"step {step} grad norm"

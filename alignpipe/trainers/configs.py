@@ -92,7 +92,18 @@ class TrainingArgs(Strict):
     """Seed for this stage; null uses the recipe's `seed`."""
 
 
-class SFTConfig(TrainingArgs):
+class RouterAuxArgs(Strict):
+    """The load-balancing loss of Mixture-of-Experts models, for the stages TRL adds it in (SFT, DPO, KTO, GRPO,
+    RLOO)."""
+
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Weight of a Mixture-of-Experts model's load-balancing loss (Switch Transformer's, as transformers computes
+    it from each MoE layer's router logits) added to the training loss, logged as `aux_loss`. Null takes the
+    model's own (its config's `router_aux_loss_coef`: 0.001 for Qwen3-MoE and Mixtral, 0.01 for OLMoE), so an MoE model
+    trains with it by default, as in TRL; 0 turns it off. A dense model has none: a non-zero value fails there."""
+
+
+class SFTConfig(TrainingArgs, RouterAuxArgs):
     """Supervised fine-tuning (the design of TRL's SFTTrainer)."""
 
     disable_dropout: bool = False
@@ -183,7 +194,7 @@ class ReferenceSyncArgs(Strict):
         return self
 
 
-class DPOConfig(TrainingArgs, ReferenceSyncArgs):
+class DPOConfig(TrainingArgs, ReferenceSyncArgs, RouterAuxArgs):
     """Direct Preference Optimization (the design of TRL's DPOTrainer)."""
 
     learning_rate: float = Field(1e-6, gt=0)
@@ -299,7 +310,7 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs):
         return super()._no_reference_copy()
 
 
-class KTOConfig(TrainingArgs, ReferenceSyncArgs):
+class KTOConfig(TrainingArgs, ReferenceSyncArgs, RouterAuxArgs):
     """Kahneman-Tversky Optimization on unpaired thumbs-up/down data (the design of TRL's KTOTrainer)."""
 
     learning_rate: float = Field(1e-6, gt=0)
@@ -511,7 +522,7 @@ class GenerationBatchArgs(OnlineRLArgs):
         return self.micro_batches_per_generation // self.gradient_accumulation_steps
 
 
-class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
+class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
     """Group Relative Policy Optimization (the design of TRL's GRPOTrainer)."""
 
     compares_samples: ClassVar[bool] = True
@@ -682,7 +693,7 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs):
         return self
 
 
-class RLOOConfig(GenerationBatchArgs, ReferenceSyncArgs):
+class RLOOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024; the design of TRL 1.16's RLOOTrainer): k completions per prompt,
     each one's baseline the mean reward of its k − 1 siblings, no value model."""
 

@@ -42,6 +42,7 @@ from alignpipe.linear_sequence_loss import linear_sequence_loss
 from alignpipe.logprobs import completion_hidden, output_vocab, scored_index, shared_prompt_logprobs
 from alignpipe.losses import dpo_loss, length_desensitized
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.moe import RouterLoss, RouterTotals, answer_masks, recording
 from alignpipe.packed_rows import layout, pack_answers, runs
 from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers.common import (
@@ -259,6 +260,16 @@ def fused_answers_loss(model, batch: dict, units: list[list[int]], group_loss, c
     )
 
 
+def batch_answer_masks(batch: dict, router: RouterLoss | None) -> tuple:
+    """The real-token masks of a collated batch's answer forwards (`moe.answer_masks`; answer row r answers prompt
+    r % prompts), for an MoE policy's load-balancing loss; none without one."""
+    if router is None:
+        return ()
+    mask = batch["completion_tokens"]
+    index = torch.arange(mask.size(0), device=mask.device) % batch["prompt_ids"].size(0)
+    return answer_masks(batch["prompt_mask"], mask, index)
+
+
 class _Reference:
     """Reference log-probs for a batch: precomputed, adapter-disabled policy, frozen copy, or none."""
 
@@ -417,14 +428,18 @@ def train(
     if cfg.precompute_ref_logps:
         reference.precompute({"train": train_ex, "eval": eval_ex}, collate_fn, Path(output_dir) / "ref_logps.pt")
 
+    router = RouterLoss.of(loop.model, cfg.router_aux_loss_coef, cfg.compile)
+
     def step(window: list[dict]) -> dict[str, torch.Tensor]:
         totals: dict[str, torch.Tensor] = {}
+        aux = RouterTotals(router, acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                loss, stats = batch_loss(loop.model, batch, reference.compute, cfg)
-                acc.backward(loss / len(window))
+                with recording(router, *batch_answer_masks(batch, router)):  # the reference's pass runs without grad
+                    loss, stats = batch_loss(loop.model, batch, reference.compute, cfg)
+                acc.backward(loss / len(window) + aux.term(1 / len(window)))
             accumulate(totals, stats, 1 / len(window))
-        return totals
+        return aux.into(totals)
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:

@@ -52,6 +52,7 @@ from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import WithEntropy, every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import aggregate, per_token_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.moe import RouterLoss, RouterTotals, answer_masks, recording
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import (
     frac_zero_std,
@@ -272,6 +273,8 @@ class GRPORun:
     """GRPO's entropy bonus (`entropy_coef`), when it has one."""
     tools: ToolRunner | None = None
     """The tools the prompts offer, called during rollouts."""
+    router: RouterLoss | None = None
+    """An MoE policy's load-balancing loss (`router_aux_loss_coef`), recorded in each micro-batch's forward."""
 
     @property
     def temperature(self) -> float:
@@ -332,8 +335,18 @@ class GRPORun:
         return torch.cat(parts)
 
     def micro_logps(self, batch: GRPORollout, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trained policy's log-probs and entropies of one micro-batch of `batch`, with grad, on the device."""
+        """The trained policy's log-probs and entropies of one micro-batch of `batch`, with grad, on the device (an
+        MoE policy's routers recorded for its load-balancing loss)."""
         device = self.loop.accelerator.device
+        masks: tuple = ()
+        if self.router is not None:
+            mask = to_device(batch.mask[sl], device)
+            rows = torch.arange(mask.size(0), device=device)
+            masks = answer_masks(to_device(batch.prompt_mask[sl], device), mask, rows)
+        with recording(self.router, *masks):
+            return self._micro_logps(batch, sl, device)
+
+    def _micro_logps(self, batch: GRPORollout, sl: slice, device) -> tuple[torch.Tensor, torch.Tensor]:
         return completion_logps(
             self.loop.model,
             batch.prompt_ids[sl],
@@ -578,6 +591,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
     assert isinstance(cfg, GRPOConfig)
     device, eps_high = acc.device, run.epsilon_high
     sums = StepMetrics(len(micro))
+    aux = RouterTotals(run.router, device)
     for sl, mask, adv in micro_batches(run, batch, micro):
         logps, entropy_grad = run.micro_logps(batch, sl)
         entropy = entropy_grad.detach()
@@ -620,6 +634,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
             tokens = mask if high is None else mask * high
             loss = loss - run.entropy.applied() * entropy_bonus(entropy_grad.float(), tokens) / len(micro)
             run.entropy.observe(entropy, tokens)
+        loss = loss + aux.term(1 / len(micro))  # TRL's: the micro-batch's MoE loss over the accumulation steps
         acc.backward(loss)
         with torch.no_grad():
             sums.total("loss", loss)  # each micro-batch's loss is its share of the step's: they add up
@@ -633,6 +648,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
     if run.entropy is not None:
         run.entropy.step()
         sums["entropy_coef"] = run.entropy.coef  # as TRL logs it: the coefficient after the step's update
+    sums |= aux.metrics()
     return sums
 
 
@@ -805,6 +821,7 @@ def train_on_samples(
     ref = frozen_reference(ref_model, cfg, loop.accelerator.device) if (cfg.beta and not cfg.lora) else None
     synced(ref, cfg, loop)
     run = GRPORun(cfg, loop, tokenizer, rewards, engine, ref, seed)
+    run.router = RouterLoss.of(loop.model, cfg.router_aux_loss_coef)
     if tools:
         run.tools = ToolRunner.for_model(
             tools, tokenizer, loop.unwrapped, cfg.tool_call_format, cfg.max_completion_length,

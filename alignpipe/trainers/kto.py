@@ -37,6 +37,7 @@ from alignpipe.device_copies import to_device
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.moe import RouterLoss, RouterTotals, recording
 from alignpipe.packed_rows import answers_part, runs_documents
 from alignpipe.special_tokens import encode, with_eos
 from alignpipe.trainers import dpo
@@ -120,8 +121,14 @@ class Losses:
     """One micro-batch's KTO loss, and the step's metric sums kept on the device (read when logged) beside the host
     counts of desirable and undesirable rows. `reference()` gives the reference model and the context it runs in."""
 
-    def __init__(self, cfg: KTOConfig, accelerator, reference: Callable[[], tuple[Any, Any]]):
-        self.cfg, self.acc, self.reference = cfg, accelerator, reference
+    def __init__(
+        self,
+        cfg: KTOConfig,
+        accelerator,
+        reference: Callable[[], tuple[Any, Any]],
+        router: RouterLoss | None = None,
+    ):
+        self.cfg, self.acc, self.reference, self.router = cfg, accelerator, reference, router
         self.with_kl = cfg.loss_type == "kto"
 
     @torch.no_grad()
@@ -166,22 +173,8 @@ class Losses:
             )
 
         own = answers(batch, main)
-        fused = None
-        if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
-            units = [[i] for i in range(B)]
-            fused = dpo.fused_answers_loss(
-                model,
-                own,
-                units,
-                lambda s, rows: losses_of(s, rows)[0] * len(rows) / B,
-                loss_kernels(cfg, own["prompt_ids"].device),
-            )
-        if fused is not None:
-            loss, logps = fused
-            rewards = losses_of(logps, main)[1]
-        else:
-            logps, _, _ = dpo.completion_logps(model, own, compiled=cfg.compile)
-            loss, rewards = losses_of(logps, main)
+        with recording(self.router, *dpo.batch_answer_masks(own, self.router)):  # an MoE policy's routers
+            loss, logps, rewards = self._policy_loss(model, own, main, losses_of)
         detached, zero = logps.detach(), logps.new_zeros(())
         chosen = batch["num_chosen"]
         for key, value in (
@@ -197,6 +190,24 @@ class Losses:
         counts["chosen"] = counts.get("chosen", 0) + chosen
         counts["rejected"] = counts.get("rejected", 0) + B - chosen
         return loss
+
+    def _policy_loss(self, model, own: dict, main: slice, losses_of) -> tuple[torch.Tensor, ...]:
+        """(loss, summed log-probs, rewards) of the policy's pass over the batch's own completions."""
+        cfg, B = self.cfg, main.stop
+        if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
+            fused = dpo.fused_answers_loss(
+                model,
+                own,
+                [[i] for i in range(B)],
+                lambda s, rows: losses_of(s, rows)[0] * len(rows) / B,
+                loss_kernels(cfg, own["prompt_ids"].device),
+            )
+            if fused is not None:
+                loss, logps = fused
+                return loss, logps, losses_of(logps, main)[1]
+        logps, _, _ = dpo.completion_logps(model, own, compiled=cfg.compile)
+        loss, rewards = losses_of(logps, main)
+        return loss, logps, rewards
 
 
 def precompute_reference(
@@ -284,7 +295,7 @@ def train(
             return loop.model, loop.unwrapped.disable_adapter()
         return loop.model, contextlib.nullcontext()  # precomputing: the policy before its first step
 
-    losses = Losses(cfg, acc, reference)
+    losses = Losses(cfg, acc, reference, RouterLoss.of(loop.model, cfg.router_aux_loss_coef, cfg.compile))
     if cfg.precompute_ref_logps:
         precompute_reference(losses, loop, splits, collate_examples, Path(output_dir) / "ref_logps.pt", ref is not None)
         ref = ref_model = None  # no reference pass from here on: a copy's memory goes back
@@ -292,10 +303,11 @@ def train(
     def step(window: list[dict]) -> dict[str, torch.Tensor]:
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
+        aux = RouterTotals(losses.router, acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                acc.backward(losses(loop.model, batch, sums, counts) / len(window))
-        return metrics(sums, counts)
+                acc.backward(losses(loop.model, batch, sums, counts) / len(window) + aux.term(1 / len(window)))
+        return aux.into(metrics(sums, counts))
 
     @torch.no_grad()
     def evaluate() -> dict[str, float]:

@@ -25,6 +25,7 @@ from alignpipe.device_copies import to_device
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.losses import rloo_loss
 from alignpipe.modeling import under_attention_kernels
+from alignpipe.moe import RouterTotals
 from alignpipe.rl_math import kl_penalized_rewards, leave_one_out_advantages, masked_mean, nanstd
 from alignpipe.trainers.common import TrainResult
 from alignpipe.trainers.configs import RLOOConfig
@@ -91,6 +92,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
     cfg, acc = run.cfg, run.loop.accelerator
     assert isinstance(cfg, RLOOConfig)
     sums = StepMetrics(len(micro))
+    aux = RouterTotals(run.router, acc.device)
     for sl, mask, adv in micro_batches(run, batch, micro):
         logps, entropy = run.micro_logps(batch, sl)
         seq_logps = (logps.float() * mask).sum(1)
@@ -99,13 +101,13 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
         else:
             old = seq_logps.detach()
         loss, ratio = rloo_loss(seq_logps, old, adv, cfg.epsilon, run.epsilon_high)
-        acc.backward(loss / len(micro))
+        acc.backward(loss / len(micro) + aux.term(1 / len(micro)))
         with torch.no_grad():
             sums.mean("loss", loss)
             for key, value in clip_fractions(ratio, adv, cfg.epsilon, run.epsilon_high).items():
                 sums.mean(key, value)
             sums.mean("entropy", masked_mean(entropy, mask))
-    return sums
+    return aux.into(sums)
 
 
 @under_attention_kernels

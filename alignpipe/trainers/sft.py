@@ -34,6 +34,7 @@ from alignpipe.device_copies import to_device
 from alignpipe.fused_kernels import loss_kernels
 from alignpipe.logprobs import token_nll_sum
 from alignpipe.modeling import add_neftune, under_attention_kernels
+from alignpipe.moe import RouterLoss, RouterTotals, recording
 from alignpipe.packed_rows import layout
 from alignpipe.special_tokens import encode, encode_with_offsets, with_eos
 from alignpipe.trainers.common import TrainLoop, TrainResult, resolve_seed
@@ -254,6 +255,7 @@ def train(
         _suggest_varlen(loop.unwrapped)
     kernels = loss_kernels(cfg, acc.device)
     dft = cfg.loss_type == "dft"
+    router = RouterLoss.of(loop.model, cfg.router_aux_loss_coef, cfg.compile)
     num_tokens: int | torch.Tensor = 0
 
     def step(window: list[dict]) -> dict[str, float]:
@@ -265,14 +267,17 @@ def train(
         # DDP averages gradients over processes
         scale = acc.num_processes / (max(1, n_global) if isinstance(n_global, int) else n_global.clamp(min=1))
         loss_total = torch.zeros((), device=acc.device)
+        aux = RouterTotals(router, acc.device)
         for i, batch in enumerate(window):
             with loop.no_sync_unless(i == len(window) - 1):
-                loss_sum, _ = token_loss_sum(loop.model, batch, compiled=kernels, dft=dft)
-                acc.backward(loss_sum * scale)
+                with recording(router, batch["attention_mask"]):
+                    loss_sum, _ = token_loss_sum(loop.model, batch, compiled=kernels, dft=dft)
+                # the MoE loss is a micro-batch mean that DDP averages over ranks (TRL's): not scaled by `scale`
+                acc.backward(loss_sum * scale + aux.term(1 / len(window)))
             loss_total += loss_sum.detach().float()
         num_tokens += n_global
         # this rank's share of the step's token-averaged loss, scaled so the mean over ranks is that loss
-        return {"loss": loss_total * scale, "num_tokens": num_tokens}
+        return {"loss": loss_total * scale + aux.weighted, "num_tokens": num_tokens} | aux.metrics()
 
     eval_fn = (
         (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free, dft)}) if eval_ex else None
