@@ -144,3 +144,27 @@ def test_online_stages_and_kto_add_the_load_balancing_loss(tiny, tmp_path, train
     assert "aux_loss" not in without
     assert 1.5 < with_aux["aux_loss"] < 3.0
     assert with_aux["loss"] - without["loss"] == pytest.approx(coef * with_aux["aux_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_validate_names_the_option_a_model_cannot_take(tiny, tmp_path):
+    """`alignpipe validate` reads the base model's config: a non-zero coefficient on a dense model, and `compile`
+    on an MoE model that trains with its loss, fail there with the field and the fix; an MoE base takes both."""
+    from support import demo_recipe
+
+    from alignpipe.recipe import RecipeError, parse_recipe
+
+    text = demo_recipe(tiny, tmp_path / "runs")
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(text, ["stages.sft.router_aux_loss_coef=0.1"])
+    msg = str(e.value)
+    assert "stages[2].router_aux_loss_coef (stage 'sft')" in msg and "not a Mixture-of-Experts model" in msg
+    assert "fix: remove router_aux_loss_coef from the stage" in msg
+    assert parse_recipe(text, ["stages.sft.router_aux_loss_coef=0"]).stage("sft").router_aux_loss_coef == 0
+
+    moe_text = text.replace(f"path: {tiny}/model", f"path: {save_moe(tiny, tmp_path)}", 1)
+    assert parse_recipe(moe_text, ["stages.sft.router_aux_loss_coef=0.1"]).stage("sft").router_aux_loss_coef == 0.1
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(moe_text, ["stages.sft.compile=true"])
+    msg = str(e.value)
+    assert "stages[2].compile (stage 'sft')" in msg and "router_aux_loss_coef 0.001" in msg
+    assert parse_recipe(moe_text, ["stages.sft.compile=true", "stages.sft.router_aux_loss_coef=0"])

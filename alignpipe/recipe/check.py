@@ -59,6 +59,7 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
     if check_files:
         problems += _check_model(recipe)
         problems += _check_position_windows(recipe)
+        problems += _check_router_loss(recipe)
         problems += _check_datasets(recipe)
     return problems
 
@@ -410,6 +411,40 @@ def _check_position_windows(recipe) -> list[Problem]:
         problem = window_problem(limit, window, recipe.model.path)
         if problem and window:
             problems.append(Problem(("stages", i, window[1].split(" + ")[0]), *problem))
+    return problems
+
+
+def _check_router_loss(recipe) -> list[Problem]:
+    """`router_aux_loss_coef` against the base model's `config.json` where that is on disk (every stage that takes
+    the option trains a causal LM derived from the base): a non-zero one on a dense model, and an MoE model's loss
+    under `compile` (`alignpipe.moe.RouterLoss.of` refuses both when the stage starts)."""
+    config = local_config(recipe.model.path, recipe.model.revision)
+    if config is None:
+        return []
+    text = config.get("text_config") or config
+    moe = "output_router_logits" in text
+    problems = []
+    for i, s in enumerate(recipe.stages):
+        coef = getattr(s, "router_aux_loss_coef", None)
+        if coef and not moe:
+            problems.append(
+                Problem(
+                    ("stages", i, "router_aux_loss_coef"),
+                    f"router_aux_loss_coef is {coef}, but {recipe.model.path} is not a Mixture-of-Experts model (its "
+                    "config declares no router logits), so there is no load-balancing loss to weight",
+                    "remove router_aux_loss_coef from the stage",
+                )
+            )
+        weight = (text.get("router_aux_loss_coef") or 0.0) if coef is None else coef
+        if moe and weight and getattr(s, "compile", False):
+            problems.append(
+                Problem(
+                    ("stages", i, "compile"),
+                    f"{recipe.model.path} is a Mixture-of-Experts model trained with its load-balancing loss "
+                    f"(router_aux_loss_coef {weight}), which is recorded from its routers and cannot be under compile",
+                    "set compile: false, or router_aux_loss_coef: 0 to train without the loss",
+                )
+            )
     return problems
 
 
