@@ -3,10 +3,10 @@
 transformers computes it inside a causal LM's forward from every MoE layer's router logits. The trainers here run
 the decoder stack and the LM head themselves (chunked and fused heads, shared prompts, padding-free rows), so no
 forward of theirs returns it. `RouterLoss` records it instead: while `recording()` is open, a hook on each router
-(the modules transformers itself records, `_can_record_outputs["router_logits"]`) adds that call's expert counts
-and router probabilities to running sums, and `take()` turns them into the loss. The sums are transformers'
-`load_balancing_loss_func`'s, so one forward gives its value exactly (tested); several forwards in one recording
-(a shared prompt, then its completions) count each token they run once.
+(the modules transformers itself records, `_can_record_outputs["router_logits"]`) keeps that call's logits and
+which of its tokens are real, and `take()` turns them into the loss with the sums of transformers'
+`load_balancing_loss_func`, so one forward gives its value exactly (tested); several forwards in one recording (a
+shared prompt, then its completions) count each token they run once.
 
 Only forwards with gradients are recorded: a LoRA policy's reference pass (its adapter disabled, under `no_grad`),
 old log-probs and evaluation are not, and neither is activation checkpointing's recomputation in backward, which
@@ -30,7 +30,7 @@ class RouterLoss:
         self.coef = 0.0
         self._candidates: tuple[torch.Tensor, ...] = ()
         self._mask: torch.Tensor | None = None
-        self._reset()
+        self._calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     @classmethod
     def of(cls, model, coef: float | None, compiled: bool = False) -> RouterLoss | None:
@@ -84,16 +84,16 @@ class RouterLoss:
 
     def take(self) -> torch.Tensor:
         """The unweighted loss of what was recorded since the last `take` (0 if nothing was), and start again."""
-        counts, probs, rows = self._counts, self._probs, self._rows
-        self._reset()
-        if counts is None or probs is None:
+        calls, self._calls = self._calls, []
+        if not calls:
             return torch.zeros(())
+        counts = probs = None
+        rows: torch.Tensor | float = 0.0
+        for logits, mask in calls:
+            c, p, r = self._sums(logits, mask)
+            counts, probs, rows = (c, p, r) if counts is None or probs is None else (counts + c, probs + p, rows + r)
+        assert counts is not None and probs is not None
         return (counts / rows * probs / rows).sum() * self.experts
-
-    def _reset(self) -> None:
-        self._counts: torch.Tensor | None = None
-        self._probs: torch.Tensor | None = None
-        self._rows: torch.Tensor | float = 0.0
 
     def _tokens(self, _module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -102,38 +102,34 @@ class RouterLoss:
         given = kwargs.get("attention_mask")
         if mask is None and isinstance(given, torch.Tensor) and given.dim() == 2 and given.size(0) == shape[0]:
             mask = given[:, -shape[1] :]
-        self._mask = None if mask is None else mask.reshape(-1).float()
+        self._mask = None if mask is None else mask.reshape(-1)
 
     def _route(self, index: int):
+        # Only the logits are kept here: work done in the hook would be missing when activation checkpointing runs
+        # the layer again in backward (the hook is gone by then), and torch refuses a recomputation that saves
+        # fewer tensors than the forward did.
         def hook(_module, _args, output) -> None:
             if not torch.is_grad_enabled():
                 return
             logits = output[index] if isinstance(output, tuple | list) else output
-            self._add(logits.reshape(-1, logits.size(-1)))
+            logits = logits.reshape(-1, logits.size(-1))
+            mask = self._mask if self._mask is not None and self._mask.numel() == logits.size(0) else None
+            self._calls.append((logits, mask))
 
         return hook
 
-    def _add(self, logits: torch.Tensor) -> None:
-        """One router call's share, as `load_balancing_loss_func` sums a layer (softmax in the logits' dtype, the
-        top-k of it, float32 sums)."""
+    def _sums(self, logits: torch.Tensor, mask: torch.Tensor | None):
+        """(expert counts, router probability sums, tokens) of one router call, as `load_balancing_loss_func` sums a
+        layer (softmax in the logits' dtype, its top-k, float32 sums; `mask` 1 for the tokens that count)."""
         weights = torch.softmax(logits, dim=-1)
         chosen = torch.topk(weights, self.top_k, dim=-1).indices.reshape(-1)
-        mask = self._mask
-        if mask is not None and mask.numel() != logits.size(0):
-            mask = None  # a call whose tokens were not the ones the mask was read for
         counts = torch.zeros(self.experts, dtype=torch.float32, device=logits.device)
         if mask is None:
             counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-            probs = weights.float().sum(0)
-            rows: torch.Tensor | float = float(logits.size(0))
-        else:
-            mask = mask.to(logits.device)
-            counts.scatter_add_(0, chosen, mask.repeat_interleave(self.top_k))
-            probs = (weights.float() * mask[:, None]).sum(0)
-            rows = mask.sum()
-        self._counts = counts if self._counts is None else self._counts + counts
-        self._probs = probs if self._probs is None else self._probs + probs
-        self._rows = self._rows + rows
+            return counts, weights.float().sum(0), float(logits.size(0))
+        mask = mask.to(device=logits.device, dtype=torch.float32)
+        counts.scatter_add_(0, chosen, mask.repeat_interleave(self.top_k))
+        return counts, (weights.float() * mask[:, None]).sum(0), mask.sum()
 
 
 class RouterTotals:

@@ -168,3 +168,20 @@ def test_validate_names_the_option_a_model_cannot_take(tiny, tmp_path):
     msg = str(e.value)
     assert "stages[2].compile (stage 'sft')" in msg and "router_aux_loss_coef 0.001" in msg
     assert parse_recipe(moe_text, ["stages.sft.compile=true", "stages.sft.router_aux_loss_coef=0"])
+
+
+def test_activation_checkpointing_keeps_the_loss(tiny, tmp_path):
+    """With activation checkpointing the layers run again in backward, after the recording has closed: the MoE loss
+    is counted once, and two SFT steps log what they log without it."""
+    from alignpipe.trainers import sft
+
+    model_dir = save_moe(tiny, tmp_path)
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=40, max_length=64)
+    runs = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        tracker = Tracker()
+        cfg = SFTConfig(max_steps=2, batch_size=8, logging_every=1, gradient_checkpointing=checkpointing)
+        sft.train(cfg, load_causal_lm(str(model_dir)), tok, train, [], tracker, tmp_path / f"sft{checkpointing}")
+        runs.append([d[f"train/{k}"] for _, d in tracker.history for k in ("loss", "aux_loss", "grad_norm")])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)
