@@ -87,12 +87,7 @@ class RouterLoss:
         calls, self._calls = self._calls, []
         if not calls:
             return torch.zeros(())
-        counts = probs = None
-        rows: torch.Tensor | float = 0.0
-        for logits, mask in calls:
-            c, p, r = self._sums(logits, mask)
-            counts, probs, rows = (c, p, r) if counts is None or probs is None else (counts + c, probs + p, rows + r)
-        assert counts is not None and probs is not None
+        counts, probs, rows = (sum(parts) for parts in zip(*(self._sums(logits, mask) for logits, mask in calls)))
         return (counts / rows * probs / rows).sum() * self.experts
 
     def _tokens(self, _module, args, kwargs) -> None:

@@ -99,8 +99,9 @@ class RouterAuxArgs(Strict):
     router_aux_loss_coef: float | None = Field(None, ge=0)
     """Weight of a Mixture-of-Experts model's load-balancing loss (Switch Transformer's, as transformers computes
     it from each MoE layer's router logits) added to the training loss, logged as `aux_loss`. Null takes the
-    model's own (its config's `router_aux_loss_coef`: 0.001 for Qwen3-MoE and Mixtral, 0.01 for OLMoE), so an MoE model
-    trains with it by default, as in TRL; 0 turns it off. A dense model has none: a non-zero value fails there."""
+    model's own (its config's `router_aux_loss_coef`: 0.001 for Qwen3-MoE and Mixtral, 0.01 for OLMoE), so an MoE
+    model trains with it by default, as in TRL; 0 turns it off. A dense model has none: a non-zero value fails
+    there. Evaluation losses leave it out."""
 
 
 class SFTConfig(TrainingArgs, RouterAuxArgs):
