@@ -553,7 +553,8 @@ def full_kl(
 
 
 def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:
-    logits = F.linear(hidden, head[0], head[1]).float()
+    # a head kept in float32 (`modeling.float32_head`) takes the decoder's output cast up, as its forward does
+    logits = F.linear(hidden.to(head[0].dtype), head[0], head[1]).float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.log_softmax(-1)

@@ -180,7 +180,16 @@ def lora_model(model, spec, task_type: str = "CAUSAL_LM"):
         target_modules=spec.target_modules,
         task_type=task_type,
     )
-    return get_peft_model(model, cfg)
+    wrapped = get_peft_model(model, cfg)
+    head = model.get_output_embeddings() if task_type == "CAUSAL_LM" else None
+    if head is not None and hasattr(head, "base_layer"):  # a peft tuner layer
+        name = next(n for n, m in model.named_modules() if m is head)
+        raise ValueError(
+            f"lora.target_modules adapts the LM head ({name}): the trainers compute it from its weight chunk by "
+            f"chunk, so an adapter on it would never train; remove {name} from target_modules (all-linear leaves it "
+            "out)"
+        )
+    return wrapped
 
 
 def add_neftune(model, alpha: float):
@@ -244,6 +253,38 @@ def disable_dropout(model) -> None:
         for name, value in list(vars(module).items()):
             if type(value) is float and (name in ("dropout", "layerdrop") or name.endswith("_dropout")):
                 setattr(module, name, 0.0)
+
+
+def float32_head(model) -> None:
+    """Keep `model`'s LM head in float32 (the ScaleRL recipe; TRL GRPO's `cast_lm_head_to_fp32`): its weight is cast
+    and trained in float32, and its forward casts the decoder's output up, so the logits that rollouts sample from
+    and the log-probs the loss reads are computed in float32 in a bf16 model. A head tied to the input embeddings
+    is cast with them; their output is cast back to the model's dtype, so the layers run as before. The chunked
+    head of `logprobs` casts its input the same way. A float32 model has nothing to change; a head carrying a LoRA
+    adapter is refused."""
+    import torch
+    import torch.nn.functional as F
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if head is None or not isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            f"cast_lm_head_to_fp32: {type(base).__name__}'s LM head is not a plain linear layer (a LoRA adapter on "
+            "it, or none); drop lm_head from lora.target_modules or set cast_lm_head_to_fp32: false"
+        )
+    dtype = head.weight.dtype
+    if dtype == torch.float32:
+        return
+    embeddings = base.get_input_embeddings()
+    tied = embeddings is not None and embeddings.weight is head.weight
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), head.weight, head.bias)
+
+    head.forward = forward  # type: ignore[method-assign,assignment]
+    if tied:
+        embeddings.register_forward_hook(lambda _m, _a, out: out.to(dtype))
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.strict import Strict
@@ -25,7 +25,18 @@ class LoraSpec(Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    """Module names to adapt, or "all-linear" for every linear layer except the output head. The LM head cannot
+    be adapted: the trainers compute it from its weight chunk by chunk, where an adapter would never train."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _not_the_head(cls, value):
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError(
+                "lm_head cannot be a LoRA target: the trainers compute the LM head from its weight chunk by chunk, "
+                "so an adapter on it would never train; remove lm_head from target_modules (all-linear leaves it out)"
+            )
+        return value
 
 
 class TrainingArgs(Strict):
@@ -571,6 +582,12 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
     delta: float | None = Field(None, gt=1)
     """Cap the unclipped ratio at `delta` too (two-sided clipping, INTELLECT-2; above 1 + `epsilon_high`), so a token
     with a negative advantage cannot pull with an unbounded ratio; null: the usual one-sided clip."""
+    cast_lm_head_to_fp32: bool = False
+    """Keep the LM head of the policy and its reference in float32 (the ScaleRL recipe, Khatri et al. 2025; TRL's
+    option): the head's weight is trained in float32 and its logits computed from the decoder's output cast up,
+    in the rollouts and in the loss alike, which narrows the gap between the probabilities tokens were sampled
+    with and those the loss reads in a bf16 model. Nothing changes for a float32 model. A head tied to the input
+    embeddings (Qwen2.5 up to 3B) is cast with them, and the saved model keeps the head in float32."""
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)
     """Train the policy term on the highest-entropy tokens only: this fraction of the micro-batch's completion tokens
     by entropy (Wang et al. 2025 recommend 0.2; TRL's ρ); 1 keeps all. The KL term stays on every token."""

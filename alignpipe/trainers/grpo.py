@@ -51,7 +51,7 @@ from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.reward_set import RewardSet
 from alignpipe.logprobs import WithEntropy, every_row_holds_a_token, shared_prompt_logprobs
 from alignpipe.losses import aggregate, per_token_loss
-from alignpipe.modeling import under_attention_kernels
+from alignpipe.modeling import float32_head, under_attention_kernels
 from alignpipe.moe import RouterLoss, RouterTotals, answer_masks, recording
 from alignpipe.packed_rows import layout, pack_answers
 from alignpipe.rl_math import (
@@ -801,6 +801,10 @@ def train_on_samples(
         raise ValueError(f"batch_size ({cfg.batch_size}) must be a multiple of num_generations ({G})")
     seed = resolve_seed(cfg.seed, seed)
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))  # a broken reward fails before any rollout
+    if getattr(cfg, "cast_lm_head_to_fp32", False):  # before the optimizer sees the head's weight
+        for m in (model, ref_model):
+            if m is not None:
+                float32_head(m)
     loop = TrainLoop(
         name,
         cfg,
