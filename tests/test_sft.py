@@ -512,3 +512,29 @@ def test_a_template_that_marks_its_replies_gives_assistant_only_loss_its_spans(t
     assert ModelSpec(path="m", chat_template=REASONING_TEMPLATE).chat_template == REASONING_TEMPLATE
     with pytest.raises(ValueError, match="neither a Jinja template"):
         ModelSpec(path="m", chat_template=str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_shuffle_off_keeps_the_data_s_order(tiny, data, tmp_path, monkeypatch, shuffle):
+    """`shuffle: false` (a curriculum): the steps take the rows in the data's order, epoch after epoch; by default
+    each epoch is a new permutation."""
+    tok, train, _ = data
+    rows = train[:12]
+    seen: list[list[int]] = []
+    collate = sft.collate
+
+    def recording(batch, *args):
+        seen.append([b["input_ids"] for b in batch])
+        return collate(batch, *args)
+
+    monkeypatch.setattr(sft, "collate", recording)
+    cfg = SFTConfig(max_steps=6, batch_size=4, logging_every=1, shuffle=shuffle)
+    sft.train(cfg, load_causal_lm(str(tiny / "model")), tok, rows, [], Tracker(), tmp_path)
+    in_order = sft.tokenize(rows, tok, cfg.max_length, cfg.completion_only_loss)
+    assert len(seen) == 6  # two epochs of three batches
+    first, second = seen[:3], seen[3:]
+    flat = [ids for batch in first for ids in batch]
+    if shuffle:
+        assert flat != [r["input_ids"] for r in in_order] and first != second
+    else:
+        assert flat == [r["input_ids"] for r in in_order] and first == second

@@ -367,17 +367,26 @@ def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]
     return out
 
 
-def batch_loader(accelerator, examples: list, batch_size: int, collate, generator=None, drop_last: bool = False):
-    """The shuffled, prepared loader of a stage's examples. On a GPU its batches are page-locked and copied without a
-    wait (`make_accelerator`): a blocking copy would drain the device's queue at every batch."""
+def batch_loader(
+    accelerator,
+    examples: list,
+    batch_size: int,
+    collate,
+    generator=None,
+    drop_last: bool = False,
+    shuffle: bool = True,
+):
+    """The prepared loader of a stage's examples, shuffled by `generator` unless `shuffle` is off. On a GPU its
+    batches are page-locked and copied without a wait (`make_accelerator`): a blocking copy would drain the device's
+    queue at every batch."""
     from torch.utils.data import DataLoader, Dataset
 
     return accelerator.prepare_data_loader(
         DataLoader(
             cast("Dataset", examples),
             batch_size=batch_size,
-            shuffle=True,
-            generator=generator,
+            shuffle=shuffle,
+            generator=generator if shuffle else None,
             collate_fn=collate,
             drop_last=drop_last,
             pin_memory=accelerator.device.type == "cuda",
@@ -390,8 +399,8 @@ class TrainLoop:
 
     Set-up: Accelerator, optional LoRA, optimizer + schedule, resume from the newest checkpoint.
     `run(step_fn)`: each step takes a window of `batches_per_step` micro-batches (default
-    `gradient_accumulation_steps`; epochs are re-shuffled with `seed + epoch`, so a resumed run sees the same
-    batches), calls `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of
+    `gradient_accumulation_steps`; epochs are re-shuffled with `seed + epoch` unless `shuffle` is off, so a resumed
+    run sees the same batches), calls `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of
     the step metrics every `logging_every` steps under `metric_prefix`, evaluates with `eval_fn() -> metrics`
     under `eval/`, and checkpoints every `save_every` steps (with `checkpoint_state()` beside the step).
 
@@ -465,7 +474,8 @@ class TrainLoop:
 
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
-            return batch_loader(self.accelerator, examples, rows_per_batch or cfg.batch_size, collate, g, drop_last)
+            size = rows_per_batch or cfg.batch_size
+            return batch_loader(self.accelerator, examples, size, collate, g, drop_last, cfg.shuffle)
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))

@@ -52,6 +52,10 @@ class TrainingArgs(Strict):
     """Rows per forward pass on each process."""
     gradient_accumulation_steps: int = Field(1, gt=0)
     """Forward passes per optimizer step. Global batch = batch_size × accumulation × processes."""
+    shuffle: bool = True
+    """Draw the training rows in a new random order each epoch (from the stage's seed); false keeps the data's
+    order, e.g. a curriculum sorted easy to hard (TRL's `shuffle_dataset`). Several processes take turns at the
+    rows either way."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate decay after warmup."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
