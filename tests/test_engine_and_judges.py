@@ -31,6 +31,22 @@ def test_n_completions_per_prompt_grouped_and_bounded(engine):
     assert engine.tok.padding_side == "right", "left padding is restored afterwards"
 
 
+def test_a_labelled_engine_shows_its_progress_and_samples_the_same(engine, capsys):
+    """`HFEngine(progress=...)` (the judge's models): a bar of completions done, on stderr; the same tokens."""
+    s = SamplingParams(max_new_tokens=4, temperature=1.0)
+    prompts = ["The film", "I watched it and", "A long one", "Short"]
+    plain = [g.completion_ids for g in engine.generate(prompts, 2, s, seed=3)]
+    capsys.readouterr()
+    engine.progress = "judge j: sft"
+    try:
+        labelled = [g.completion_ids for g in engine.generate(prompts, 2, s, seed=3)]
+    finally:
+        engine.progress = None
+    assert labelled == plain
+    err = capsys.readouterr().err
+    assert "judge j: sft: 100%" in err and "8/8" in err
+
+
 def test_seed_reproducibility_and_greedy(engine):
     s = SamplingParams(max_new_tokens=6, temperature=1.0)
     a = [g.completion_ids for g in engine.generate(["The film"], 2, s, seed=7)]

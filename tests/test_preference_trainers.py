@@ -113,6 +113,19 @@ def test_precomputed_reference_matches_a_live_reference_and_is_cached(tiny, pair
     assert cache.stat().st_mtime_ns == stamp, "a re-run reuses the cached reference log-probs"
 
 
+def test_the_reference_pass_takes_its_own_batch_size(tiny, pairs, tmp_path, capsys):
+    """`precompute_ref_batch_size`: the pass without gradients runs larger batches (here 32 pairs, not 4) and
+    gives the same log-probs, under a progress bar."""
+    tok, train, _ = pairs
+    cached = {}
+    for size in (None, 32):
+        cfg = DPOConfig(max_steps=1, batch_size=4, precompute_ref_logps=True, precompute_ref_batch_size=size)
+        dpo.train(cfg, load_causal_lm(str(tiny / "model")), tok, train[:40], [], Tracker(), tmp_path / f"b{size}")
+        cached[size] = torch.load(tmp_path / f"b{size}" / "ref_logps.pt")["train"]
+        assert "dpo reference log-probs: 100%" in capsys.readouterr().err
+    assert cached[None].shape == (40, 2) and torch.allclose(cached[32], cached[None], atol=1e-5)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_reward_scores_with_a_shared_prefix_equal_whole_rows(tiny, lora, monkeypatch):
     """Each pair's common prefix runs once: scores and gradients equal the classifier's own forward on whole rows."""

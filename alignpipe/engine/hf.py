@@ -19,6 +19,7 @@ from alignpipe.engine.decode_steps import (
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.host_reads import HostRead
 from alignpipe.modeling import mask_positions, under_attention_kernels
+from alignpipe.progress import progress
 from alignpipe.special_tokens import encode, stop_token_ids
 
 
@@ -40,10 +41,12 @@ class HFEngine:
         static_cache: bool = False,
         compile: bool = False,
         cuda_graphs: bool = True,
+        progress: str | None = None,
     ):
         self.model = model
         self.tok = tokenizer
         self.batch_size = batch_size
+        self.progress = progress  # a bar's label: each `generate` call shows its completions done (judging)
         self.static_cache = static_cache or compile
         self.step: FixedShapeStep | None = CompiledDecodeStep() if compile else None
         self.cuda_graphs = cuda_graphs and not compile
@@ -92,6 +95,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         out: list[Generation] = []
+        bar = progress(len(prompts) * n, self.progress) if self.progress else None
         try:
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start : start + self.batch_size]
@@ -112,7 +116,11 @@ class HFEngine:
                 rows = logps.tolist() if logps is not None else [None] * len(tokens)
                 for k, (row, row_logps) in enumerate(zip(tokens.tolist(), rows)):
                     out.append(self._finish(start + k // n, row, stops, row_logps))
+                if bar is not None:
+                    bar.update(len(chunk) * n)
         finally:
+            if bar is not None:
+                bar.close()
             self.model.train(was_training)
             if step is not None:
                 step.release()

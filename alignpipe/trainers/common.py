@@ -6,10 +6,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ import torch
 from alignpipe import fused_kernels
 from alignpipe.compiled import compile_layers
 from alignpipe.lean_activations import lean_activations
+from alignpipe.progress import progress
 from alignpipe.trainers.configs import TrainingArgs
 from alignpipe.trainers.loss_watch import LossWatch
 
@@ -264,23 +263,6 @@ def save_model(accelerator, model, tokenizer, out: Path) -> bool:
             ) from e
     accelerator.wait_for_everyone()
     return adapter
-
-
-def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
-    """A tqdm bar on stderr (live in a terminal, a line every 10 s in logs)."""
-    from tqdm.auto import tqdm
-
-    interactive = sys.stderr.isatty() or os.environ.get("ALIGNPIPE_TTY") == "1"
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        disable=not enabled,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=0.2 if interactive else 10.0,
-        ascii=not interactive,
-    )
 
 
 class Throughput:

@@ -258,6 +258,9 @@ class DPOConfig(TrainingArgs, ReferenceSyncArgs, RouterAuxArgs):
     precompute_ref_logps: bool = False
     """Compute the reference log-probs once before training and cache them on disk (a re-run reuses
     them); frees the reference model during training."""
+    precompute_ref_batch_size: int | None = Field(None, gt=0)
+    """Pairs per batch of that pass (it keeps nothing for backward, so larger batches than `batch_size` fit);
+    null uses `batch_size`."""
     max_prompt_length: int | None = Field(None, gt=0)
     """Keep only the last N prompt tokens; null keeps the whole prompt (then `max_length` truncates)."""
     fused_loss: bool = True
@@ -351,6 +354,9 @@ class KTOConfig(TrainingArgs, ReferenceSyncArgs, RouterAuxArgs):
     them on disk (a re-run reuses them): no reference pass per step and, for a full model, no reference copy in
     memory. Each row's KL partner is then fixed as TRL fixes it: the completion of the row before it in its chunk of
     `batch_size` rows, in the data's order; without it the partners are the shuffled batch's, rotated by one."""
+    precompute_ref_batch_size: int | None = Field(None, gt=0)
+    """Rows per batch of that pass (it keeps nothing for backward, so larger batches than `batch_size` fit); null
+    uses `batch_size`. The KL partners stay those of `batch_size` chunks."""
     fused_loss: bool = True
     """Form the LM head's gradients in the forward, completions grouped up to 256 MB of float32 logits
     (`alignpipe/linear_sequence_loss.py`; each completion's loss depends on its own log-prob, the KL reference point

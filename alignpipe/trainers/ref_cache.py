@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from alignpipe.device_copies import to_device
+from alignpipe.progress import progress
 from alignpipe.trainers.common import TrainLoop
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,8 @@ def cached_reference_logps(
 ) -> None:
     """Fill the two `fields` of every example of `splits` with its reference log-probs, from the cache at `path` when
     it was computed for the same examples (their `identity`: the token ids the values depend on), else by
-    `score(collated batch) -> (first, second)` over batches of the stage's `batch_size`, then cached (by the main
-    process). A run resumed past step 0 without its cache is refused unless `can_recompute` (a frozen copy, or the
+    `score(collated batch) -> (first, second)` over batches of the stage's `precompute_ref_batch_size` (else its
+    `batch_size`), under a progress bar, then cached (by the main process). A run resumed past step 0 without its cache is refused unless `can_recompute` (a frozen copy, or the
     adapter-disabled policy, still holds the reference; a full model's policy has moved)."""
     key = hashlib.sha256(
         json.dumps({name: [identity(e) for e in examples] for name, examples in splits.items()}).encode()
@@ -42,14 +43,18 @@ def cached_reference_logps(
                 "the stage from scratch (--force) or pass a reference model"
             )
         cached = {"key": key}
-        device, size = loop.accelerator.device, loop.cfg.batch_size
+        device, size = loop.accelerator.device, getattr(loop.cfg, "precompute_ref_batch_size", None)
+        size = size or loop.cfg.batch_size
         loop.model.eval()
-        for name, examples in splits.items():
-            values = []
-            for i in range(0, len(examples), size):
-                first, second = score(to_device(collate_fn(examples[i : i + size]), device))
-                values.append(torch.stack([first, second], 1).float().cpu())
-            cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
+        rows = sum(len(examples) for examples in splits.values())
+        with progress(rows, f"{loop.name} reference log-probs", loop.accelerator.is_main_process) as bar:
+            for name, examples in splits.items():
+                values = []
+                for i in range(0, len(examples), size):
+                    first, second = score(to_device(collate_fn(examples[i : i + size]), device))
+                    values.append(torch.stack([first, second], 1).float().cpu())
+                    bar.update(len(examples[i : i + size]))
+                cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
         loop.model.train()
         if loop.accelerator.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
