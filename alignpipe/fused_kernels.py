@@ -78,14 +78,22 @@ def wanted(enabled: bool, device: torch.device | str) -> bool:
     return available(device)
 
 
-def without_grad(fused: bool):
+def without_grad(fused: bool, model=None):
     """The context of a pass that needs no gradients (a frozen reference's log-probs, a rollout):
     `torch.inference_mode()`, which skips autograd's bookkeeping per op, unless the pass takes the fused kernels
-    (`fused`); then `torch.no_grad()`. Dynamo guards a tensor's dispatch keys, which inference tensors lack the
-    autograd ones of, so under inference mode each kernel compiled a second graph beside the training step's (on a
-    GPU ~0.5 s each from a warm cache, seconds cold), while the bookkeeping `no_grad` keeps is host time that a
-    GPU's kernels hide."""
-    return torch.no_grad() if fused else torch.inference_mode()
+    (`fused`) or runs a `model` sharded by FSDP; then `torch.no_grad()`. Dynamo guards a tensor's dispatch keys,
+    which inference tensors lack the autograd ones of, so under inference mode each kernel compiled a second graph
+    beside the training step's (on a GPU ~0.5 s each from a warm cache, seconds cold), while the bookkeeping
+    `no_grad` keeps is host time that a GPU's kernels hide. FSDP keeps the buffers it gathers shards into from one
+    forward to the next, and buffers made under inference mode refuse the training step's gathers."""
+    return torch.no_grad() if fused or (model is not None and sharded(model)) else torch.inference_mode()
+
+
+def sharded(model) -> bool:
+    """Whether FSDP2 shards any part of `model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def loss_kernels(cfg, device: torch.device | str) -> bool:

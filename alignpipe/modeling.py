@@ -274,6 +274,7 @@ def float32_head(model) -> None:
         )
     dtype = head.weight.dtype
     if dtype == torch.float32:
+        log.info("cast_lm_head_to_fp32: %s is float32 already; nothing to cast", type(base).__name__)
         return
     embeddings = base.get_input_embeddings()
     tied = embeddings is not None and embeddings.weight is head.weight

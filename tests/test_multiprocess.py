@@ -63,8 +63,15 @@ def dpo(tiny, workdir):
             ["stages.sft.max_steps=10", "stages.dpo.max_steps=9", "stages.dpo.logging_every=3"]
             + ["stages.dpo.sync_ref_model=true", "stages.dpo.ref_model_sync_steps=3"],
         ),
+        # the reference pass shared out over the ranks (each scores every other pair) and gathered back in order
+        (
+            dpo,
+            "dpo",
+            ["stages.sft.max_steps=10", "stages.dpo.max_steps=6", "stages.dpo.logging_every=3"]
+            + ["stages.dpo.precompute_ref_logps=true", "stages.dpo.precompute_ref_batch_size=3"],
+        ),
     ],
-    ids=["sft", "dpo", "dpo-synced-reference"],
+    ids=["sft", "dpo", "dpo-synced-reference", "dpo-precomputed-reference"],
 )
 def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_fn, stage, per_process):
     """The same global batch (16 rows: one process × 16, or two × 8) gives the same logged loss curve, whether the

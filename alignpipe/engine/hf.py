@@ -73,7 +73,7 @@ class HFEngine:
         # lists leave). Steps replayed from a recording have no per-op host work to save, and under no_grad their
         # prefill and recordings run the fused kernels' graphs that training compiles (`without_grad`).
         replayed = isinstance(step, GraphedDecodeStep) and not step.failed
-        with fused_kernels.without_grad(replayed and takes_fused_kernels(self.model, device)):
+        with fused_kernels.without_grad(replayed and takes_fused_kernels(self.model, device), self.model):
             return self._generate(prompts, n, sampling or SamplingParams(), seed, logprobs, step, device)
 
     @under_attention_kernels

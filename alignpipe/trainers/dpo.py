@@ -291,7 +291,7 @@ class _Reference:
         model = self.model if self.model is not None else self.loop.model
         # the LM head's chunks compiled on a GPU
         kernels = fused_kernels.wanted(self.cfg.fused_kernels, batch["prompt_ids"].device)
-        with fused_kernels.without_grad(kernels), self._context():
+        with fused_kernels.without_grad(kernels, model), self._context():
             logps, per_token, mask = completion_logps(model, batch, compiled=kernels)
             if self.cfg.ld_alpha is not None:
                 logps = length_desensitized(per_token, mask, self.cfg.ld_alpha)

@@ -135,7 +135,7 @@ class Losses:
     def reference_logps(self, batch: dict, kernels: bool = False) -> torch.Tensor:
         """The reference's summed log-probs of a collated batch's answers (its completions, then its KL partners)."""
         ref_model, context = self.reference()
-        with fused_kernels.without_grad(kernels), context:
+        with fused_kernels.without_grad(kernels, ref_model), context:
             logps, _, _ = dpo.completion_logps(ref_model, batch, compiled=kernels)
         return logps
 
@@ -150,7 +150,7 @@ class Losses:
             ref_logps = self.reference_logps(batch, kernels)
         # the policy's own pass over the mismatched pairs: outside the reference's context, which under LoRA
         # disables the adapter
-        with fused_kernels.without_grad(kernels):
+        with fused_kernels.without_grad(kernels, model):
             kl = torch.zeros((), device=ref_logps.device)
             if self.with_kl:
                 kl_logps, _, _ = dpo.completion_logps(model, answers(batch, slice(B, 2 * B)), compiled=kernels)

@@ -239,7 +239,7 @@ def update(run: OnlineDPORun, pairs: RankedPairs) -> dict:
         with loop.no_sync_unless(j == len(pairs.batches) - 1):
             logps, _, _ = dpo.completion_logps(loop.model, batch)
             ref_model, context = run.reference()
-            with fused_kernels.without_grad(run.kernels), context:
+            with fused_kernels.without_grad(run.kernels, ref_model), context:
                 ref_logps = dpo.completion_logps(ref_model, batch, compiled=run.kernels)[0]
             ref_logps = ref_logps.clone()
             c, r = logps.chunk(2)

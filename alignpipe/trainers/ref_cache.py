@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def cached_reference_logps(
     """Fill the two `fields` of every example of `splits` with its reference log-probs, from the cache at `path` when
     it was computed for the same examples (their `identity`: the token ids the values depend on), else by
     `score(collated batch) -> (first, second)` over batches of the stage's `precompute_ref_batch_size` (else its
-    `batch_size`), under a progress bar, then cached (by the main process). A run resumed past step 0 without its cache is refused unless `can_recompute` (a frozen copy, or the
+    `batch_size`), shared out over the stage's processes, under a progress bar, then cached (by the main
+    process). A run resumed past step 0 without its cache is refused unless `can_recompute` (a frozen copy, or the
     adapter-disabled policy, still holds the reference; a full model's policy has moved)."""
     key = hashlib.sha256(
         json.dumps({name: [identity(e) for e in examples] for name, examples in splits.items()}).encode()
@@ -43,18 +45,13 @@ def cached_reference_logps(
                 "the stage from scratch (--force) or pass a reference model"
             )
         cached = {"key": key}
-        device, size = loop.accelerator.device, getattr(loop.cfg, "precompute_ref_batch_size", None)
-        size = size or loop.cfg.batch_size
+        size = getattr(loop.cfg, "precompute_ref_batch_size", None) or loop.cfg.batch_size
         loop.model.eval()
+        acc = loop.accelerator
         rows = sum(len(examples) for examples in splits.values())
-        with progress(rows, f"{loop.name} reference log-probs", loop.accelerator.is_main_process) as bar:
+        with progress(rows, f"{loop.name} reference log-probs", acc.is_main_process) as bar:
             for name, examples in splits.items():
-                values = []
-                for i in range(0, len(examples), size):
-                    first, second = score(to_device(collate_fn(examples[i : i + size]), device))
-                    values.append(torch.stack([first, second], 1).float().cpu())
-                    bar.update(len(examples[i : i + size]))
-                cached[name] = torch.cat(values) if values else torch.zeros(0, 2)
+                cached[name] = _scored_by_all_ranks(examples, score, collate_fn, size, acc, bar)
         loop.model.train()
         if loop.accelerator.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,3 +62,29 @@ def cached_reference_logps(
     for name, examples in splits.items():
         for e, (first, second) in zip(examples, cached[name].tolist(), strict=True):
             e[fields[0]], e[fields[1]] = first, second
+
+
+def _scored_by_all_ranks(examples: list[dict], score, collate_fn, size: int, acc, bar) -> torch.Tensor:
+    """(len(examples), 2) reference log-probs on the host. Several processes share the work: rank r scores examples
+    r, r + world, … in batches of `size` and every rank gets all of them back (`gather_object`). Each rank runs the
+    same number of batches, a rank out of rows scoring one row again unused, because an FSDP model's forward
+    gathers its shards from every rank."""
+    rank, world = acc.process_index, acc.num_processes
+    mine = examples[rank::world]
+    batches = math.ceil(math.ceil(len(examples) / world) / size)
+    values = []
+    for b in range(batches):
+        chunk = mine[b * size : (b + 1) * size]
+        first, second = score(to_device(collate_fn(chunk or examples[:1]), acc.device))
+        if chunk:
+            values.append(torch.stack([first, second], 1).float().cpu())
+        bar.update(min(len(examples) - b * size * world, size * world))
+    local = torch.cat(values) if values else torch.zeros(0, 2)
+    if world == 1:
+        return local
+    from accelerate.utils import gather_object
+
+    scored = torch.zeros(len(examples), 2)
+    for r, part in enumerate(gather_object([local])):
+        scored[r::world] = part
+    return scored
