@@ -16,10 +16,13 @@ runs after the recording closes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import cast
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class RouterLoss:
@@ -65,6 +68,10 @@ class RouterLoss:
             )
         loss = cls(body, routers, int(experts), int(top_k))
         loss.coef = weight
+        log.info(
+            "%s: the routers' load-balancing loss is added at %g (%s; router_aux_loss_coef: 0 turns it off)",
+            type(base).__name__, weight, "the model's own" if coef is None else "router_aux_loss_coef",
+        )  # fmt: skip
         return loss
 
     @contextlib.contextmanager
