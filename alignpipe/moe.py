@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 class RouterLoss:
     """The load-balancing loss of one MoE model's training forwards, weighted by `coef`."""
 
-    def __init__(self, body: torch.nn.Module, routers: list[tuple[torch.nn.Module, int]], experts: int, top_k: int):
-        self.body, self.routers, self.experts, self.top_k = body, routers, experts, top_k
-        self.coef = 0.0
+    def __init__(
+        self, body: torch.nn.Module, routers: list[tuple[torch.nn.Module, int]], experts: int, top_k: int, coef: float
+    ):
+        self.body, self.routers, self.experts, self.top_k, self.coef = body, routers, experts, top_k, coef
         self._candidates: tuple[torch.Tensor, ...] = ()
         self._mask: torch.Tensor | None = None
         self._calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -66,8 +67,7 @@ class RouterLoss:
                 f"{type(base).__name__} declares a load-balancing loss, but its routers or its numbers of experts "
                 "could not be found; set router_aux_loss_coef: 0 to train it without the loss"
             )
-        loss = cls(body, routers, int(experts), int(top_k))
-        loss.coef = weight
+        loss = cls(body, routers, int(experts), int(top_k), weight)
         log.info(
             "%s: the routers' load-balancing loss is added at %g (%s; router_aux_loss_coef: 0 turns it off)",
             type(base).__name__, weight, "the model's own" if coef is None else "router_aux_loss_coef",
