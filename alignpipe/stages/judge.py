@@ -34,7 +34,7 @@ def generate(
     model, tokenizer = ctx.load_model(ref, merge=True), ctx.tokenizer(ref)
     limit = model_position_limit(model)
     check_generation_window(limit, tokenizer, prompts, s.sampling.max_new_tokens, f"judge {s.id!r}, model {ref!r}")
-    engine = HFEngine(model, tokenizer, batch_size=s.batch_size, progress=f"judge {s.id}: {ref}")
+    engine = HFEngine(model, tokenizer, batch_size=s.batch_size, progress=f"{s.id}: generating with {ref}")
     if tool_stage is None:
         return [g.completion for g in engine.generate(prompts, 1, s.sampling, seed=ctx.seed)]
     runner = ToolRunner.for_model(
