@@ -90,10 +90,11 @@ def without_grad(fused: bool, model=None):
 
 
 def sharded(model) -> bool:
-    """Whether FSDP2 shards any part of `model`."""
+    """Whether `model` is an FSDP2 root (accelerate shards the root with its layers; a check at every pass, so no
+    scan of the modules)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return isinstance(model, FSDPModule)
 
 
 def loss_kernels(cfg, device: torch.device | str) -> bool:

@@ -37,11 +37,11 @@ def run(tiny, prompts, tmp_path, monkeypatch, module, config, **overrides):
         rollouts.append(batch)
         return batch, sm
 
-    def recorded_micro(run_, batch, sl):
+    def recorded_micro(run_, batch, sl, mask):
         while len(trained) <= run_.loop.step:
             trained.append([])
         trained[run_.loop.step].append((sl.start, sl.stop))
-        return micro_logps(run_, batch, sl)
+        return micro_logps(run_, batch, sl, mask)
 
     monkeypatch.setattr(module, "rollout", recorded)
     monkeypatch.setattr(grpo.GRPORun, "micro_logps", recorded_micro)

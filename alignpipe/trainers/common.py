@@ -368,7 +368,7 @@ def batch_loader(
             cast("Dataset", examples),
             batch_size=batch_size,
             shuffle=shuffle,
-            generator=generator if shuffle else None,
+            generator=generator,
             collate_fn=collate,
             drop_last=drop_last,
             pin_memory=accelerator.device.type == "cuda",
@@ -382,9 +382,9 @@ class TrainLoop:
     Set-up: Accelerator, optional LoRA, optimizer + schedule, resume from the newest checkpoint.
     `run(step_fn)`: each step takes a window of `batches_per_step` micro-batches (default
     `gradient_accumulation_steps`; epochs are re-shuffled with `seed + epoch` unless `shuffle` is off, so a resumed
-    run sees the same batches), calls `step_fn(window) -> metrics` (which does the backward passes), clips, steps, logs the mean of
-    the step metrics every `logging_every` steps under `metric_prefix`, evaluates with `eval_fn() -> metrics`
-    under `eval/`, and checkpoints every `save_every` steps (with `checkpoint_state()` beside the step).
+    run sees the same batches), calls `step_fn(window) -> metrics` (which does the backward passes), clips, steps,
+    logs the mean of the step metrics every `logging_every` steps under `metric_prefix`, evaluates with
+    `eval_fn() -> metrics` under `eval/`, and checkpoints every `save_every` steps (with `checkpoint_state()` beside the step).
 
     A trainer that takes several optimizer steps per step itself (PPO: epochs × mini-batches over one rollout)
     passes `updates_per_step`: the schedule is sized for that many and the loop leaves the optimizer alone.

@@ -334,32 +334,29 @@ class GRPORun:
                 )
         return torch.cat(parts)
 
-    def micro_logps(self, batch: GRPORollout, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_logps(self, batch: GRPORollout, sl: slice, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trained policy's log-probs and entropies of one micro-batch of `batch`, with grad, on the device (an
-        MoE policy's routers recorded for its load-balancing loss)."""
+        MoE policy's routers recorded for its load-balancing loss; `mask`: the micro-batch's completion mask, on the
+        device already)."""
         device = self.loop.accelerator.device
         masks: tuple = ()
         if self.router is not None:
-            mask = to_device(batch.mask[sl], device)
             rows = torch.arange(mask.size(0), device=device)
             masks = answer_masks(to_device(batch.prompt_mask[sl], device), mask, rows)
         with recording(self.router, *masks):
-            return self._micro_logps(batch, sl, device)
-
-    def _micro_logps(self, batch: GRPORollout, sl: slice, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return completion_logps(
-            self.loop.model,
-            batch.prompt_ids[sl],
-            batch.prompt_mask[sl],
-            batch.completion_ids[sl],
-            self.temperature,
-            self.cfg.logprob_chunk_tokens,
-            with_entropy="grad" if self.entropy is not None else True,  # a bonus trains through the entropy
-            group=self.cfg.num_generations,
-            device=device,
-            mask=batch.mask[sl],
-            rollout=batch.facts(sl, self.cfg.num_generations),
-        )
+            return completion_logps(
+                self.loop.model,
+                batch.prompt_ids[sl],
+                batch.prompt_mask[sl],
+                batch.completion_ids[sl],
+                self.temperature,
+                self.cfg.logprob_chunk_tokens,
+                with_entropy="grad" if self.entropy is not None else True,  # a bonus trains through the entropy
+                group=self.cfg.num_generations,
+                device=device,
+                mask=batch.mask[sl],
+                rollout=batch.facts(sl, self.cfg.num_generations),
+            )
 
 
 def clip_fractions(
@@ -593,7 +590,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
     sums = StepMetrics(len(micro))
     aux = RouterTotals(run.router, device)
     for sl, mask, adv in micro_batches(run, batch, micro):
-        logps, entropy_grad = run.micro_logps(batch, sl)
+        logps, entropy_grad = run.micro_logps(batch, sl, mask)
         entropy = entropy_grad.detach()
         policy_tokens, weights, high = None, None, None
         if batch.sampling_weights is not None:

@@ -94,7 +94,7 @@ def update(run: GRPORun, batch: GRPORollout, micro: list[int]) -> dict[str, torc
     sums = StepMetrics(len(micro))
     aux = RouterTotals(run.router, acc.device)
     for sl, mask, adv in micro_batches(run, batch, micro):
-        logps, entropy = run.micro_logps(batch, sl)
+        logps, entropy = run.micro_logps(batch, sl, mask)
         seq_logps = (logps.float() * mask).sum(1)
         if batch.old_logps is not None and run.reuses_rollouts:
             old = (to_device(batch.old_logps[sl], acc.device) * mask).sum(1)
