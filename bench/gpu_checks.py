@@ -4,7 +4,9 @@ The CPU tests run every function below through its CPU branch; what they cannot 
 variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
 prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
 compiled kernels on Triton (with the SwiGLU product, its down projection keeping no product, and the rotary
-embedding, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events, whether a training step really leaves the
+embedding, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events,
+activation offloading's side-stream copies (with the peak memory they free and the time they cost), whether a
+training step really leaves the
 device alone, and the hf engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against
 its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound and the kernels one
 decode step runs there.
@@ -458,6 +460,49 @@ def check_loss_watch(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_activation_offloading(setup: Setup) -> Callable[[], None]:
+    @check("activation offloading keeps a packed SFT step's loss and gradients and frees device memory")
+    def run():
+        from accelerate.utils import send_to_device
+
+        from alignpipe.modeling import enable_activation_checkpointing
+        from alignpipe.offload import ActivationOffload
+
+        batch = send_to_device(setup.packed_batch(), setup.device)
+        figures = []
+        ok = True
+        for checkpointed in (False, True):
+            model = setup.model("sdpa").train()
+            if checkpointed:
+                enable_activation_checkpointing(model)
+            _loss_and_grads(model, batch)  # warm-up: kernels' first calls, the allocator's pools
+            runs = {}
+            for offloaded in (False, True):
+                off = ActivationOffload(setup.device.type).attach(model) if offloaded else None
+                if setup.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                runs[offloaded] = (
+                    *_loss_and_grads(model, batch),
+                    torch.cuda.max_memory_allocated() if setup.cuda else 0,
+                )
+                moved = off.bytes_moved() if off else 0
+            (loss, grads, took, peak), (off_loss, off_grads, off_took, off_peak) = runs[False], runs[True]
+            loss_gap = abs(off_loss - loss) / abs(loss)
+            grad_gap = max(relative(a, b) for a, b in zip(off_grads, grads, strict=True))
+            ok = ok and loss_gap < setup.loss_tol and grad_gap < setup.grad_tol and moved > 0
+            ok = ok and (not setup.cuda or off_peak < peak)
+            extra = off_took - took
+            figures.append(
+                f"{'checkpointed' if checkpointed else 'plain'}: loss gap {loss_gap:.1e}, gradient gap {grad_gap:.1e}, "
+                f"{moved / 1e6:.0f} MB moved, peak {peak / 1e9:.2f} → {off_peak / 1e9:.2f} GB, forward+backward "
+                f"{took * 1e3:.0f} → {off_took * 1e3:.0f} ms"
+                + (f" ({2 * moved / extra / 1e9:.0f} GB/s over the extra time)" if setup.cuda and extra > 0 else "")
+            )
+        return ok, f"{setup.rows}×{setup.length} tokens, 2 layers; " + "; ".join(figures)
+
+    return run
+
+
 def _replayed_against_eager(setup: Setup, step, name: str) -> tuple[bool, str]:
     """Greedy decoding of random prompts through `step` (a replayed decode step), twice, against the eager
     static-cache loop: (every row equal both times and the step not given up, the line to print)."""
@@ -854,6 +899,7 @@ CHECKS = (
     check_sft_head,
     check_dpo_head,
     check_loss_watch,
+    check_activation_offloading,
     check_step_syncs,
     check_batch_transfer,
     check_host_copies,

@@ -16,7 +16,7 @@ from typing import cast
 
 import torch
 
-from alignpipe import fused_kernels
+from alignpipe import fused_kernels, offload
 from alignpipe.compiled import compile_layers
 from alignpipe.lean_activations import lean_activations
 from alignpipe.progress import progress
@@ -443,6 +443,9 @@ class TrainLoop:
             lean_activations(model, fused=cfg.fused_kernels)
         if cfg.disable_dropout:  # after LoRA, whose dropout goes too (as TRL's)
             disable_dropout(model)
+        self.offload = (
+            offload.offload_activations(model, self.accelerator.device) if cfg.activation_offloading else None
+        )
         trainable, total = count_parameters(model)
         if self.accelerator.is_main_process:
             tracker.log_params(
@@ -562,6 +565,8 @@ class TrainLoop:
                 elif self.step % self.repeat == 0 or not window:
                     window = next_window()
                 metrics = dict(step_fn(window))
+                if self.offload is not None:
+                    metrics["offloaded_gb"] = self.offload.bytes_moved() / 1e9
                 self._check_finite(metrics)
                 self._check_losses()  # the previous step's, landed on the host while this one was queued
                 self._watch_loss(metrics)

@@ -78,6 +78,11 @@ class TrainingArgs(Strict):
     """Checkpoints kept on disk (oldest deleted first)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    activation_offloading: bool = False
+    """Keep the tensors the decoder saves for backward in pinned host memory until the backward needs them (TRL's
+    `activation_offloading`): device memory for longer sequences, paid by copies over the host link, about
+    `offloaded_gb` (logged per step) / its bandwidth more per step. With `gradient_checkpointing` only each layer's
+    input moves, the pairing for long contexts. Needs a GPU (on the CPU it does nothing; `alignpipe/offload.py`)."""
     disable_dropout: bool = True
     """Train with every dropout probability at 0 (dropout layers, LoRA's included, attention dropout, OPT's
     layerdrop), so the policy's log-probs are deterministic and equal the reference's at the start. TRL's default
