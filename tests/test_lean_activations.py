@@ -74,7 +74,12 @@ def test_lora_layers_train_through_the_patched_modules(tiny):
 
 @pytest.mark.parametrize(
     ("options", "patched"),
-    [({}, True), ({"lean_activations": False}, False), ({"gradient_checkpointing": True}, False)],
+    [
+        ({}, True),
+        ({"lean_activations": False}, False),
+        ({"gradient_checkpointing": True}, False),
+        ({"gradient_checkpointing": True, "checkpoint_every_n_layers": 2}, True),
+    ],
 )
 def test_a_training_stage_patches_its_model_unless_told_or_checkpointing(tiny, tmp_path, options, patched):
     """On by default; the SFT run trains as the unpatched one (its losses, float32)."""
@@ -131,3 +136,54 @@ def test_the_fused_norm_equals_transformers_norm_within_a_rounding_step(dtype, m
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as a CUDA tensor would say
     patched(x)
     assert taken == [1]
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_ppo_patches_its_policy_and_value_model_as_its_reference(tiny, tmp_path, monkeypatch, lean):
+    """PPO builds its pair without `TrainLoop`'s adaptation, yet its frozen reference is patched: both trained models
+    are patched too (on a GPU a reference that rounds otherwise gives step 0 a KL that is not 0), and train as the
+    unpatched pair (float32)."""
+    from support import run_ppo
+
+    from alignpipe.trainers import ppo
+
+    patched = []
+    real = ppo.lean_activations
+    monkeypatch.setattr(
+        ppo, "lean_activations", lambda model, fused: patched.append(type(model).__name__) or real(model, fused)
+    )
+    torch.manual_seed(0)  # the value model's new score head
+    _, tracker, policy = run_ppo(tiny, tmp_path / "run", lean_activations=lean)
+    assert patched == (["LlamaForCausalLM", "LlamaForSequenceClassification"] if lean else [])
+    assert ("forward" in vars(policy.model.norm)) == lean
+    if lean:
+        torch.manual_seed(0)
+        _, plain, _ = run_ppo(tiny, tmp_path / "plain", lean_activations=False)
+        for key in ("loss/policy_avg", "loss/value_avg", "objective/kl"):
+            assert tracker.series(key) == pytest.approx(plain.series(key), rel=1e-5, abs=1e-7), key
+
+
+def test_checkpointing_every_other_layer_keeps_what_the_unchecked_layers_save(tiny):
+    """`checkpoint_every_n_layers: 2` checkpoints layers 0 and 2 of 4: the bytes kept for backward fall between no
+    checkpointing and checkpointing every layer, and the gradients are the plain model's."""
+    from alignpipe.modeling import enable_activation_checkpointing
+
+    ids = torch.randint(0, 500, (2, 48))
+    kept, grads_of = {}, {}
+    for every in (None, 1, 2):
+        model = load_causal_lm(str(tiny / "model")).train()
+        if every:
+            enable_activation_checkpointing(model, every)
+        kept[every], logits = saved_for_backward(model, ids)
+        grads_of[every] = grads(model, logits, torch.ones_like(logits))
+        flags = [layer.gradient_checkpointing for layer in model.model.layers]
+        assert flags == ([False] * 4 if every is None else [True] * 4 if every == 1 else [True, False, True, False])
+    assert kept[1] < kept[2] < kept[None]
+    assert kept[2] - kept[1] == pytest.approx((kept[None] - kept[1]) / 2, rel=0.05)  # half the layers keep theirs
+    for every in (1, 2):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads_of[every], grads_of[None], strict=True))
+
+
+def test_choosing_layers_to_checkpoint_needs_checkpointing():
+    with pytest.raises(ValueError, match="set gradient_checkpointing: true"):
+        SFTConfig(checkpoint_every_n_layers=2)

@@ -87,8 +87,9 @@ def kernels_run(model, cfg: TrainingArgs, device) -> dict[str, object]:
 
 def lean_patched(cfg: TrainingArgs) -> bool:
     """Whether a stage's models get `lean_activations`: not under `compile` (inductor chooses what to keep) nor
-    activation checkpointing (nothing is kept)."""
-    return cfg.lean_activations and not cfg.compile and not cfg.gradient_checkpointing
+    activation checkpointing of every layer (nothing is kept)."""
+    every_layer_checkpointed = cfg.gradient_checkpointing and cfg.checkpoint_every_n_layers == 1
+    return cfg.lean_activations and not cfg.compile and not every_layer_checkpointed
 
 
 def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
@@ -433,7 +434,7 @@ class TrainLoop:
         seed_everything(seed)
         self.accelerator = make_accelerator()
         if adapt_model and cfg.gradient_checkpointing:
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, cfg.checkpoint_every_n_layers)
             model.config.use_cache = False
         if adapt_model and cfg.lora:
             model = lora_model(model, cfg.lora, task_type=lora_task)

@@ -78,6 +78,11 @@ class TrainingArgs(Strict):
     """Checkpoints kept on disk (oldest deleted first)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    checkpoint_every_n_layers: int = Field(1, gt=0)
+    """With `gradient_checkpointing`, checkpoint only decoder layers 0, N, 2N, …; the others keep their activations
+    (lean ones, with `lean_activations`). About (N−1)/N of the recomputation saved for (N−1)/N of the memory
+    checkpointing frees given back: the knob between the two when memory is left over (torchtitan's selective
+    checkpointing per layer). 1 checkpoints every layer."""
     activation_offloading: bool = False
     """Keep the tensors the decoder saves for backward in pinned host memory until the backward needs them (TRL's
     `activation_offloading`): device memory for longer sequences, paid by copies over the host link, about
@@ -92,7 +97,8 @@ class TrainingArgs(Strict):
     """Llama-, Qwen- and Mistral-shaped decoders keep fewer tensors for backward: each RMSNorm only its input (not
     a float32 copy), each SwiGLU MLP gate and up (silu(gate) recomputed). The same outputs and gradients
     (`alignpipe/lean_activations.py`). At Qwen2-0.5B's shape that is about 6.7 GB less per 16k-token micro-batch.
-    Off under `compile` (inductor chooses what to keep) and `gradient_checkpointing` (nothing is kept)."""
+    Off under `compile` (inductor chooses what to keep) and `gradient_checkpointing` of every layer (nothing is
+    kept)."""
     fused_kernels: bool = True
     """On a CUDA device, run the element-wise work between the matmuls as kernels `torch.compile` fuses while the
     layers stay eager: each SwiGLU product and rotary embedding (with `lean_activations`), the LM head's softmax
@@ -110,6 +116,16 @@ class TrainingArgs(Strict):
     """Train a LoRA adapter instead of the full model; the stage then saves only the adapter."""
     seed: int | None = None
     """Seed for this stage; null uses the recipe's `seed`."""
+
+    @model_validator(mode="after")
+    def _layers_to_checkpoint(self):
+        if self.checkpoint_every_n_layers > 1 and not self.gradient_checkpointing:
+            raise ValueError(
+                f"checkpoint_every_n_layers {self.checkpoint_every_n_layers} chooses which layers activation "
+                "checkpointing recomputes, and gradient_checkpointing is off; set gradient_checkpointing: true, or "
+                "drop checkpoint_every_n_layers"
+            )
+        return self
 
 
 class RouterAuxArgs(Strict):

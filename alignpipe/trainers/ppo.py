@@ -56,6 +56,7 @@ from alignpipe import fused_kernels
 from alignpipe.device_copies import to_device
 from alignpipe.engine.factory import hf_engine
 from alignpipe.judges.reward_set import RewardSet
+from alignpipe.lean_activations import lean_activations
 from alignpipe.logprobs import completion_hidden, decoder_hidden, full_kl, shared_prompt_logprobs, token_logprobs
 from alignpipe.losses import policy_loss, value_loss
 from alignpipe.modeling import mask_positions, under_attention_kernels
@@ -65,6 +66,7 @@ from alignpipe.trainers.common import (
     TrainLoop,
     TrainResult,
     frozen_reference,
+    lean_patched,
     pad_rows,
     resolve_seed,
     save_model,
@@ -552,11 +554,14 @@ def train(
     seed_everything(seed)  # before the adapters' initialisation
     rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
     if cfg.gradient_checkpointing:
-        enable_activation_checkpointing(policy)
+        enable_activation_checkpointing(policy, cfg.checkpoint_every_n_layers)
     if cfg.lora:
         policy = lora_model(policy, cfg.lora)
     elif ref_model is None:
         raise ValueError("full-model PPO needs `ref_model` (a frozen copy of the starting policy)")
+    if lean_patched(cfg):  # as `TrainLoop` patches the other stages' models, and `frozen_reference` the reference
+        for model in (policy, value_model):
+            lean_activations(model, fused=cfg.fused_kernels)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     rollout_size = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
     # Every update takes a whole rollout batch; a split smaller than one is cycled to fill it.
