@@ -112,11 +112,15 @@ class ActivationOffload:
             self._hooks.__exit__(None, None, None)
             self._copied.clear()  # the copies live on in the autograd graph; this forward's dedup ends here
 
+    # A compiled region (a rollout's compiled decode step traces the whole model) records no gradients: nothing to
+    # offload, and no Python state for the compiler to trace.
     def _enter(self, module, args) -> None:
-        self.__enter__()
+        if not torch.compiler.is_compiling():
+            self.__enter__()
 
     def _exit(self, module, args, output) -> None:
-        self.__exit__()
+        if not torch.compiler.is_compiling():
+            self.__exit__()
 
     def keeps(self, t: torch.Tensor) -> bool:
         """Whether `t` stays where it is rather than going to the host."""
