@@ -128,6 +128,7 @@ class ActivationOffload:
             type(t) is not torch.Tensor  # parameters, tensor subclasses (DTensor, float8)
             or t.device.type != self.device_type
             or t.layout != torch.strided
+            or t.is_nested  # no strides to copy by
             or isinstance(t._base, nn.Parameter)  # a weight's transpose, saved by every linear layer
             or t.numel() * t.element_size() < self.min_bytes
             or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))  # broadcast

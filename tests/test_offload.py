@@ -5,6 +5,7 @@ run, only the streams are a GPU's own."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -42,6 +43,9 @@ def test_parameters_their_views_small_and_broadcast_tensors_stay():
     assert off.keeps(weight) and off.keeps(weight.t())
     assert off.keeps(torch.randn(8))  # 32 bytes
     assert off.keeps(torch.randn(1, 64).expand(64, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # strided nested tensors are a prototype
+        assert off.keeps(torch.nested.nested_tensor([torch.randn(300), torch.randn(400)]))
     assert not off.keeps(activation) and not off.keeps(activation.t()) and not off.keeps(activation[:, 8:])
     assert ActivationOffload(device_type="cuda").keeps(activation)  # a host tensor is already off the GPU
 
