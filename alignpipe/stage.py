@@ -70,6 +70,23 @@ def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
     return tracker
 
 
+def _system_metrics(spec: StageSpec, every: float | None, tracker):
+    """MLflow's monitor of the machine, sampling every `every` seconds into the stage's run (rank 0's); None when
+    off or not logging to MLflow."""
+    from alignpipe.tracking import MlflowTracker
+
+    if every is None or not isinstance(tracker, MlflowTracker):
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    # resume_logging: a stage that continues its killed attempt's run goes on from that run's last sample
+    monitor = SystemMetricsMonitor(
+        tracker.run_id, sampling_interval=every, resume_logging=True, tracking_uri=spec.tracking_uri
+    )
+    monitor.start()
+    return monitor
+
+
 def _die_with_launcher() -> None:
     """A rank of a multi-process stage dies when its launcher (torchrun, accelerate launch) does: a launcher killed
     by a worker's cancellation or the OOM killer must not leave ranks training on, racing the retry that resumes
@@ -129,16 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     ctx = StageContext(recipe, stage, stage_dir, spec.inputs, tracker, spec.pipeline_run_id, spec.parent_run_id)
     started = time.perf_counter()
     log.info("stage %s (%s) → %s", stage.id, stage.kind, stage_dir)
+    monitor = _system_metrics(spec, recipe.tracking.system_metrics_every, tracker)
     try:
         require_gpus(stage.id, stage.resources.gpus)
         result = runner(stage.kind)(ctx)
     except BaseException as e:
+        if monitor is not None:
+            monitor.finish()
         log.exception("stage %s failed: %s", stage.id, e)
         if isinstance(tracker, MlflowTracker):
             tracker.set_tags({"alignpipe.error": f"{type(e).__name__}: {e}"[:500]})
             tracker.end("FAILED")
         return 1
     duration = time.perf_counter() - started
+    if monitor is not None:
+        monitor.finish()  # its last samples written before the run ends
     if rank == 0:
         manifest = Manifest(
             stage_id=stage.id,

@@ -160,16 +160,18 @@ def test_under_fsdp_the_lm_head_runs_in_chunks_where_the_layout_keeps_it_gathere
 
 def test_a_log_points_metrics_over_processes_take_means_sums_and_extremes(monkeypatch):
     """Two ranks' metrics at a log point: means averaged, throughputs summed, extremes (completions/max_length,
-    sampling/…/min and /max) the ranks' extreme, as TRL gathers them; a metric one rank lacks from the other alone."""
+    sampling/…/min and /max, a device's memory/max_…) the ranks' extreme, as TRL gathers them; a metric one rank lacks from the other alone."""
     import accelerate.utils
 
     from alignpipe.trainers.common import across_processes
 
     ranks = [
         {"loss": 1.0, "tokens_per_s": 10.0, "completions/max_length": 6.0, "completions/min_length": 2.0,
-         "sampling/importance_sampling_ratio/max": 1.5, "sampling/importance_sampling_ratio/min": 0.5, "only": 3.0},
+         "sampling/importance_sampling_ratio/max": 1.5, "sampling/importance_sampling_ratio/min": 0.5, "only": 3.0,
+         "memory/max_allocated_gb": 20.0},
         {"loss": 3.0, "tokens_per_s": 30.0, "completions/max_length": 9.0, "completions/min_length": 1.0,
-         "sampling/importance_sampling_ratio/max": 1.2, "sampling/importance_sampling_ratio/min": 0.8},
+         "sampling/importance_sampling_ratio/max": 1.2, "sampling/importance_sampling_ratio/min": 0.8,
+         "memory/max_allocated_gb": 24.0},
     ]  # fmt: skip
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda _: ranks)
 
@@ -180,6 +182,7 @@ def test_a_log_points_metrics_over_processes_take_means_sums_and_extremes(monkey
     assert out == {
         "loss": 2.0, "tokens_per_s": 40.0, "completions/max_length": 9.0, "completions/min_length": 1.0,
         "sampling/importance_sampling_ratio/max": 1.5, "sampling/importance_sampling_ratio/min": 0.5, "only": 3.0,
+        "memory/max_allocated_gb": 24.0,
     }  # fmt: skip
 
 

@@ -12,7 +12,13 @@ from mlflow.tracking import MlflowClient
 from alignpipe.manifest import Manifest
 from alignpipe.recipe import load_recipe
 
-FAST = ["stages.sft.max_steps=100", "stages.sft.eval_every=null", "stages.judge.num_prompts=64"]
+# the machine sampled twice a second, so a stage of a few seconds logs some
+FAST = [
+    "stages.sft.max_steps=100",
+    "stages.sft.eval_every=null",
+    "stages.judge.num_prompts=64",
+    "tracking.system_metrics_every=0.5",
+]
 
 
 def run_flow(recipe_path: Path, overrides=(), force=()):
@@ -58,6 +64,8 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     losses = client.get_metric_history(sft_run.info.run_id, "train/loss")
     assert len(losses) >= 5 and losses[-1].value < losses[0].value
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(sft_run.data.metrics)
+    # the machine beside the curves (a GPU's utilisation too, where NVML finds one)
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(sft_run.data.metrics)
     sft_artifacts = [a.path for a in client.list_artifacts(sft_run.info.run_id)]
     assert "loss_curve.png" in sft_artifacts and "samples.json" in sft_artifacts
     judge_run = next(c for c in children if c.data.tags["alignpipe.stage_id"] == "judge")

@@ -538,3 +538,31 @@ def test_shuffle_off_keeps_the_data_s_order(tiny, data, tmp_path, monkeypatch, s
         assert flat != [r["input_ids"] for r in in_order] and first != second
     else:
         assert flat == [r["input_ids"] for r in in_order] and first == second
+
+
+def test_a_gpu_stage_logs_its_device_memory_peaks_without_resetting_them(tiny, data, tmp_path, monkeypatch):
+    """On CUDA each log point carries the allocator's peaks (allocated and reserved, GB); they are read, never reset
+    (a benchmark around the stage reads them too). Here the device is faked: the counters and the loop's device."""
+    from alignpipe.trainers import common
+
+    assert common.device_memory(torch.device("cpu")) == {}
+    reads: list[str] = []
+
+    def counter(name: str, value: float):
+        return lambda device: reads.append(name) or value
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", counter("allocated", 3e9))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", counter("reserved", 4e9))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: reads.append("reset"))
+    assert common.device_memory(torch.device("cuda")) == {
+        "memory/max_allocated_gb": 3.0,
+        "memory/max_reserved_gb": 4.0,
+    }
+    real = common.device_memory
+    monkeypatch.setattr(common, "device_memory", lambda device: real(torch.device("cuda")))
+    tok, train, _ = data
+    tracker = Tracker()
+    sft.train(SFTConfig(max_steps=4, batch_size=4, logging_every=2), load_causal_lm(str(tiny / "model")), tok,
+              train[:16], [], tracker, tmp_path)  # fmt: skip
+    assert tracker.series("train/memory/max_allocated_gb") == [3.0, 3.0]
+    assert tracker.series("train/memory/max_reserved_gb") == [4.0, 4.0] and "reset" not in reads

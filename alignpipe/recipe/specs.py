@@ -93,6 +93,11 @@ class Tracking(Strict):
     a running `mlflow server` (credentials from MLFLOW_TRACKING_USERNAME/PASSWORD, never the recipe)."""
     experiment: str | None = None
     """MLflow experiment name; null uses the recipe name."""
+    system_metrics_every: float | None = Field(10.0, gt=0)
+    """Seconds between samples of the machine a stage runs on, logged to the stage's run as `system/…` metrics by
+    MLflow's monitor: each NVIDIA GPU's utilisation, memory and power (through nvidia-ml-py), CPU, memory, disk and
+    network. A GPU idle between rollouts or waiting on the host shows there beside the training curves. Null logs
+    none."""
 
 
 class Storage(Strict):

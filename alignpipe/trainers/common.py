@@ -299,6 +299,18 @@ class Throughput:
         return out
 
 
+def device_memory(device: torch.device) -> dict[str, float]:
+    """The most device memory this process's tensors took (`memory/max_allocated_gb`) and its allocator held
+    (`memory/max_reserved_gb`, what the driver sees taken) since it started, in GB; nothing off a GPU. The
+    allocator's own counters, read on the host; never reset here (a benchmark around the stage reads them too)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "memory/max_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        "memory/max_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+    }
+
+
 def accumulate(totals: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight: float) -> None:
     """Add `weight` × each of `stats` (device tensors) into `totals`, on the device: a step's micro-batch means."""
     for k, v in stats.items():
@@ -316,10 +328,10 @@ SUMMED = frozenset({"tokens_per_s", "samples_per_s", "generation/tokens_per_s"})
 
 
 def extreme(key: str):
-    """`max` or `min` for a metric that is an extreme (…/max, …/min, completions/max_length, …/min_length): over
-    processes it is the extreme of the ranks', as TRL gathers it, not their mean; else None."""
+    """`max` or `min` for a metric that is an extreme (…/max, …/min, completions/max_length, …/min_length, a device's
+    memory/max_…): over processes it is the extreme of the ranks', as TRL gathers it, not their mean; else None."""
     last = key.rsplit("/", 1)[-1]
-    if last in ("max", "max_length"):
+    if last in ("max", "max_length") or key.startswith("memory/max_"):
         return max
     if last in ("min", "min_length"):
         return min
@@ -595,7 +607,7 @@ class TrainLoop:
                     for k in keys:
                         values = [m[k] for m in window_metrics if k in m]
                         mean[k] = float(values[-1] if k in RUNNING_TOTALS else sum(values) / len(values))
-                    mean |= meter.read()
+                    mean |= meter.read() | device_memory(acc.device)
                     mean = across_processes(acc, mean)
                     mean |= {
                         "lr": self.scheduler.get_last_lr()[0],
