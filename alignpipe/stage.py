@@ -79,6 +79,8 @@ def _system_metrics(spec: StageSpec, every: float | None, tracker):
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+    # its start and stop lines (at INFO) in every stage's log, in-process stages' too, would say nothing new
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
     # resume_logging: a stage that continues its killed attempt's run goes on from that run's last sample
     monitor = SystemMetricsMonitor(
         tracker.run_id, sampling_interval=every, resume_logging=True, tracking_uri=spec.tracking_uri
