@@ -37,10 +37,10 @@
 #      DPO's fused head included), of the decode steps (the graphed policy with its fused kernels recorded) and of the
 #      kernels a decode step runs (session 31), then DPO 8×1024 (session 30 removed ~7 syncs a pair from its fused
 #      head) and reward 8×1024 against TRL + Liger (timeout_s 480: the checks took ~90 s in session 29, before the
-#      policy's recordings compiled their fused kernels and the kernel count was added); since session 38 also
-#      activation offloading's side-stream copies (equal loss and gradients, the peak memory it frees, what it costs)
-#   d  then, at once: PPO 64×256 against TRL 1.12 for D_LIMIT seconds (default 280), 4 steps a run with the steady
-#      rate after step 2 (a TRL 1.12 PPO step decodes with `generate`, ~20 s: 7 steps a run would leave room for one
+#      policy's recordings compiled their fused kernels and the kernel count was added)
+#   d  then, at once: gpu_checks' activation offloading (session 38: its side-stream copies, equal loss and
+#      gradients, the peak memory it frees, what it costs; under a minute), then PPO 64×256 against TRL 1.12 for
+#      D_LIMIT seconds (default 280), 4 steps a run with the steady rate after step 2 (a TRL 1.12 PPO step decodes with `generate`, ~20 s: 7 steps a run would leave room for one
 #      round)
 #   e  the lease after: SFT 4×4096 against TRL + Liger (the SFT target's other shape), then GRPO 8×8×256 against
 #      TRL + Liger (the GRPO row owed since session 29: TRL's layer kernels under its generation) (timeout_s 520)
@@ -98,12 +98,13 @@ b)
   bench "${B_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
   ;;
 c)
-  timeout 130 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed,decode_kernels,activation_offloading 2>&1 |
+  timeout 130 python3 -m bench.gpu_checks --only step_syncs,graphed_decode,rollout_speed,decode_kernels 2>&1 |
     tee "$out/checks"
   bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 d)
+  timeout 60 python3 -m bench.gpu_checks --only activation_offloading 2>&1 | tee -a "$out/checks"
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 e)
