@@ -70,10 +70,9 @@ class ActivationOffload:
     """Saved-tensor hooks that keep a forward's saved tensors on the host while they wait for the backward.
 
     `attach(model)` opens them around each decoder stack's forward that records gradients (`with offload:` around
-    any other code); `bytes_moved()` reads
-    and resets how many bytes went to the host since the last read (a host-side count: no device wait). Offloads
-    tensors of devices of `device_type` only (CUDA; `cpu` copies host tensors, which exercises the same path where
-    there is no GPU, as the tests do)."""
+    any other code); `bytes_moved()` reads and resets how many bytes went to the host since the last read (a
+    host-side count: no device wait). Offloads tensors of devices of `device_type` only (CUDA; `cpu` copies host
+    tensors, which exercises the same path where there is no GPU, as the tests do)."""
 
     def __init__(self, device_type: str = "cuda", min_bytes: int = MIN_BYTES):
         self.device_type, self.min_bytes = device_type, min_bytes

@@ -81,11 +81,15 @@ def _system_metrics(spec: StageSpec, every: float | None, tracker):
 
     # its start and stop lines (at INFO) in every stage's log, in-process stages' too, would say nothing new
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-    # resume_logging: a stage that continues its killed attempt's run goes on from that run's last sample
-    monitor = SystemMetricsMonitor(
-        tracker.run_id, sampling_interval=every, resume_logging=True, tracking_uri=spec.tracking_uri
-    )
-    monitor.start()
+    try:
+        # resume_logging: a stage that continues its killed attempt's run goes on from that run's last sample
+        monitor = SystemMetricsMonitor(
+            tracker.run_id, sampling_interval=every, resume_logging=True, tracking_uri=spec.tracking_uri
+        )
+        monitor.start()
+    except Exception as e:  # watching the machine must never stop the stage
+        log.warning("no system metrics for this stage: %s: %s", type(e).__name__, e)
+        return None
     return monitor
 
 

@@ -72,3 +72,25 @@ def test_a_stage_process_leaving_early_still_runs_exit_handlers_and_flushes_its_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 3
     assert out.stdout == "buffered linehandler ran\n" and out.stderr == "to stderr"
+
+
+def test_system_metrics_that_cannot_start_leave_the_stage_running(tmp_path, monkeypatch, caplog):
+    """The machine's monitor is extra: one that fails to start says so in the log and the stage goes on without it;
+    off (null) or without an MLflow run (a rank other than 0) none is started."""
+    import mlflow.system_metrics.system_metrics_monitor as monitors
+
+    from alignpipe import stage
+    from alignpipe.tracking import MlflowTracker, Tracker, ensure_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker.start(uri, ensure_experiment(uri, "x"), "sft")
+    spec = stage.StageSpec(recipe={}, stage_id="sft", stage_dir=str(tmp_path), cache_key="k", inputs={},
+                           tracking_uri=uri, experiment_id="0")  # fmt: skip
+    assert stage._system_metrics(spec, None, tracker) is None and stage._system_metrics(spec, 10, Tracker()) is None
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("tracking server gone")
+
+    monkeypatch.setattr(monitors, "SystemMetricsMonitor", broken)
+    assert stage._system_metrics(spec, 10, tracker) is None
+    assert "no system metrics for this stage: ConnectionError: tracking server gone" in caplog.text
