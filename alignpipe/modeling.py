@@ -54,13 +54,13 @@ def enable_activation_checkpointing(model, every_n_layers: int = 1) -> None:
     """Turn activation checkpointing on: `activation_checkpointing_enable` in newer transformers (5.23 here), where
     the older `gradient_checkpointing_enable` warns that it goes away in v6. `every_n_layers` > 1 leaves all decoder
     layers but 0, N, 2N, … unchecked (set here, as 5.23 does, for the transformers 5 releases without it)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
     if every_n_layers > 1:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
         layers = (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
         for index, layer in enumerate(layers):
             layer.gradient_checkpointing = index % every_n_layers == 0

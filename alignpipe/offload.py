@@ -48,10 +48,11 @@ def decoder_bodies(model: nn.Module) -> list[nn.Module]:
     from transformers import PreTrainedModel
 
     found: list[nn.Module] = []
+    inside: set[int] = set()  # ids of the modules within one found already
     for module in model.modules():
-        own_base = isinstance(module, PreTrainedModel) and module.base_model is module
-        if own_base and not any(any(m is module for m in outer.modules()) for outer in found):
+        if id(module) not in inside and isinstance(module, PreTrainedModel) and module.base_model is module:
             found.append(module)
+            inside.update(id(m) for m in module.modules())
     return found
 
 

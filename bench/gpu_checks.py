@@ -476,17 +476,17 @@ def check_activation_offloading(setup: Setup) -> Callable[[], None]:
             if checkpointed:
                 enable_activation_checkpointing(model)
             _loss_and_grads(model, batch)  # warm-up: kernels' first calls, the allocator's pools
-            runs = {}
-            for offloaded in (False, True):
-                off = ActivationOffload(setup.device.type).attach(model) if offloaded else None
+
+            def measured(model):
                 if setup.cuda:
                     torch.cuda.reset_peak_memory_stats()
-                runs[offloaded] = (
-                    *_loss_and_grads(model, batch),
-                    torch.cuda.max_memory_allocated() if setup.cuda else 0,
-                )
-                moved = off.bytes_moved() if off else 0
-            (loss, grads, took, peak), (off_loss, off_grads, off_took, off_peak) = runs[False], runs[True]
+                return (*_loss_and_grads(model, batch), torch.cuda.max_memory_allocated() if setup.cuda else 0)
+
+            plain = measured(model)
+            off = ActivationOffload(setup.device.type).attach(model)
+            offloaded = measured(model)
+            moved = off.bytes_moved()
+            (loss, grads, took, peak), (off_loss, off_grads, off_took, off_peak) = plain, offloaded
             loss_gap = abs(off_loss - loss) / abs(loss)
             grad_gap = max(relative(a, b) for a, b in zip(off_grads, grads, strict=True))
             ok = ok and loss_gap < setup.loss_tol and grad_gap < setup.grad_tol and moved > 0
