@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,6 +94,28 @@ def _system_metrics(spec: StageSpec, every: float | None, tracker):
     return monitor
 
 
+MONITOR_STOP_S = 30.0
+"""How long the end of a stage waits for the machine monitor's thread to stop: it may be inside a call to a
+tracking server that hangs (MLflow's own retries run for minutes)."""
+
+
+def _stop_system_metrics(monitor, wait_s: float = MONITOR_STOP_S) -> None:
+    """Stop the machine monitor and write its last samples, waiting at most `wait_s`: a monitor still stopping then
+    is left behind (a daemon thread, gone with the process) with its unsent samples, so it never holds the stage's
+    end."""
+    if monitor is None:
+        return
+    stopper = threading.Thread(target=monitor.finish, name="stop-system-metrics", daemon=True)
+    stopper.start()
+    stopper.join(wait_s)
+    if stopper.is_alive():
+        log.warning(
+            "the system-metrics monitor did not stop within %g s (a tracking server that does not answer?); "
+            "its last samples are dropped",
+            wait_s,
+        )
+
+
 def _die_with_launcher() -> None:
     """A rank of a multi-process stage dies when its launcher (torchrun, accelerate launch) does: a launcher killed
     by a worker's cancellation or the OOM killer must not leave ranks training on, racing the retry that resumes
@@ -157,16 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         require_gpus(stage.id, stage.resources.gpus)
         result = runner(stage.kind)(ctx)
     except BaseException as e:
-        if monitor is not None:
-            monitor.finish()
+        _stop_system_metrics(monitor)
         log.exception("stage %s failed: %s", stage.id, e)
         if isinstance(tracker, MlflowTracker):
             tracker.set_tags({"alignpipe.error": f"{type(e).__name__}: {e}"[:500]})
             tracker.end("FAILED")
         return 1
     duration = time.perf_counter() - started
-    if monitor is not None:
-        monitor.finish()  # its last samples written before the run ends
+    _stop_system_metrics(monitor)  # its last samples written before the run ends
     if rank == 0:
         manifest = Manifest(
             stage_id=stage.id,

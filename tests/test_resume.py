@@ -94,3 +94,38 @@ def test_system_metrics_that_cannot_start_leave_the_stage_running(tmp_path, monk
     monkeypatch.setattr(monitors, "SystemMetricsMonitor", broken)
     assert stage._system_metrics(spec, 10, tracker) is None
     assert "no system metrics for this stage: ConnectionError: tracking server gone" in caplog.text
+
+
+def test_a_system_metrics_monitor_that_hangs_does_not_hold_the_stage_end(tmp_path, caplog):
+    """A monitor stuck in a call (a tracking server that stops answering, an NVML read that never returns) is left
+    behind after a bounded wait with a warning; one that stops writes its last samples into the stage's run."""
+    import threading
+    import time
+
+    from alignpipe import stage
+    from alignpipe.tracking import MlflowTracker, ensure_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker.start(uri, ensure_experiment(uri, "x"), "sft")
+    spec = stage.StageSpec(recipe={}, stage_id="sft", stage_dir=str(tmp_path), cache_key="k", inputs={},
+                           tracking_uri=uri, experiment_id="0")  # fmt: skip
+
+    monitor = stage._system_metrics(spec, 0.05, tracker)
+    time.sleep(0.5)
+    stage._stop_system_metrics(monitor, wait_s=10)
+    assert not monitor._process  # finish() ran to its end
+    logged = tracker.client.get_run(tracker.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in logged
+
+    release = threading.Event()
+    stuck = stage._system_metrics(spec, 0.05, tracker)
+    stuck.collect_metrics = lambda: release.wait()  # the thread blocks inside its next sample
+    time.sleep(0.3)
+    started = time.perf_counter()
+    stage._stop_system_metrics(stuck, wait_s=0.5)
+    assert time.perf_counter() - started < 5
+    assert "the system-metrics monitor did not stop within 0.5 s" in caplog.text
+    assert stuck._process.is_alive()
+    release.set()
+    stuck._process.join(10)
+    tracker.end("FINISHED")
