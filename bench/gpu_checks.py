@@ -503,6 +503,60 @@ def check_activation_offloading(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def qwen05b_parameter_shapes() -> list[tuple[int, ...]]:
+    """Every trained tensor's shape in Qwen2-0.5B (494M values: 24 layers, tied embedding)."""
+    d, inner, kv = 896, 4864, 128
+    layer = [(d, d), (d,), (kv, d), (kv,), (kv, d), (kv,), (d, d), (inner, d), (inner, d), (d, inner), (d,), (d,)]
+    return [(151936, d), *layer * 24, (d,)]
+
+
+def check_kahan_adamw(setup: Setup) -> Callable[[], None]:
+    @check(
+        "Kahan-compensated AdamW on bf16 weights: the compiled step equals the eager one, waits for nothing; its time"
+    )
+    def run():
+        from alignpipe.kahan_adamw import KahanAdamW
+
+        if not setup.cuda:
+            return None, "no CUDA device (tests/test_kahan_adamw.py runs the compiled step on CPU)"
+        g = torch.Generator(device=setup.device).manual_seed(0)
+        shapes = qwen05b_parameter_shapes()
+        start = [(torch.randn(s, device=setup.device, generator=g) * 0.02).bfloat16() for s in shapes]
+        grads = [torch.randn(s, device=setup.device, generator=g).bfloat16() for s in shapes]
+        values = sum(t.numel() for t in start)
+
+        def optimizer(kind: str):
+            params = [torch.nn.Parameter(t.clone()) for t in start]
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            if kind == "torch":
+                return params, torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+            return params, KahanAdamW(params, lr=1e-5, weight_decay=0.01, fused_kernels=kind == "compiled")
+
+        figures, results = [], {}
+        for kind in ("torch", "compiled", "eager"):
+            params, opt = optimizer(kind)
+            opt.step()  # first step: states made, the compiled kernel built
+            times = [timed(opt.step, cuda=True)[1] for _ in range(5)]
+            figures.append(f"{kind} {sorted(times)[2] * 1e3:.1f} ms")
+            if kind != "torch":
+                results[kind] = (params, opt)
+        (ours, ours_opt), (eager, eager_opt) = results["compiled"], results["eager"]
+        same = all(torch.equal(a, b) for a, b in zip(ours, eager))
+        comp_gap = max(
+            relative(ours_opt.state[a]["kahan_comp"], eager_opt.state[b]["kahan_comp"]) for a, b in zip(ours, eager)
+        )
+        moved = max(float((ours_opt.state[p]["kahan_comp"].abs() > 0).float().mean()) for p in ours)
+        seen, _ = behind_queued_work(setup, ours_opt.step)  # after the comparison: a step more
+        ok = same and comp_gap < 1e-2 and moved > 0 and not seen
+        return ok, (
+            f"{values / 1e6:.0f}M bf16 values (Qwen2-0.5B's tensors), median of 5 steps: {', '.join(figures)}; "
+            f"compiled equals eager: {same}, compensation gap {comp_gap:.1e}; synchronising calls: {len(seen)}"
+        )
+
+    return run
+
+
 def _replayed_against_eager(setup: Setup, step, name: str) -> tuple[bool, str]:
     """Greedy decoding of random prompts through `step` (a replayed decode step), twice, against the eager
     static-cache loop: (every row equal both times and the step not given up, the line to print)."""
@@ -900,6 +954,7 @@ CHECKS = (
     check_dpo_head,
     check_loss_watch,
     check_activation_offloading,
+    check_kahan_adamw,
     check_step_syncs,
     check_batch_transfer,
     check_host_copies,

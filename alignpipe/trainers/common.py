@@ -18,6 +18,7 @@ import torch
 
 from alignpipe import fused_kernels, offload
 from alignpipe.compiled import compile_layers
+from alignpipe.kahan_adamw import KahanAdamW, low_precision_params
 from alignpipe.lean_activations import lean_activations
 from alignpipe.progress import progress
 from alignpipe.trainers.configs import TrainingArgs
@@ -103,23 +104,36 @@ def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
 
 
 def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
-    """AdamW with no weight decay on biases and normalization weights (1-D parameters)."""
+    """AdamW with no weight decay on biases and normalization weights (1-D parameters); bf16/fp16 weights updated
+    with Kahan compensation unless `low_precision_updates: nearest`."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = decay + no_decay
+    low = low_precision_params(params)
+    adamw = KahanAdamW if low and cfg.low_precision_updates == "kahan" else torch.optim.AdamW
+    extra = {"fused_kernels": cfg.fused_kernels} if adamw is KahanAdamW else {}
+    if adamw is KahanAdamW:
+        log.info(
+            "AdamW adds its updates to %d %s parameters (%.1fM values) with Kahan compensation (+%.2f GB)",
+            len(low),
+            str(low[0].dtype).removeprefix("torch."),
+            sum(p.numel() for p in low) / 1e6,
+            sum(p.numel() * p.element_size() for p in low) / 1e9,
+        )
     # The fused kernel (CPU and CUDA, floating-point params) updates every tensor in one call; the default
     # per-tensor loop costs ~15% of a step for small models on CPU.
-    params = decay + no_decay
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     try:
-        return torch.optim.AdamW(
-            groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None, foreach=None if fused else True
-        )
+        return adamw(
+            groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None, foreach=None if fused else True,
+            **extra,
+        )  # fmt: skip
     except (RuntimeError, ValueError):  # a device/dtype the fused kernel does not take
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
+        return adamw(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, **extra)
 
 
 def build_scheduler(optimizer, cfg: TrainingArgs, total_steps: int):

@@ -1,0 +1,178 @@
+"""`low_precision_updates: kahan`: AdamW on bf16 weights keeps the updates bf16 rounding drops, equals torch's
+AdamW where rounding does not matter, and resumes from its state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_split
+
+from alignpipe import kahan_adamw
+from alignpipe.kahan_adamw import KahanAdamW
+from alignpipe.modeling import load_causal_lm
+from alignpipe.tracking import Tracker
+from alignpipe.trainers import sft
+from alignpipe.trainers.common import build_optimizer
+from alignpipe.trainers.configs import SFTConfig
+
+
+def _run(weight: torch.Tensor, dtype, optimizer, lr: float, steps: int, **kwargs):
+    """`steps` AdamW steps on one (128, 128) weight from a drifting gradient: (the parameter, its optimizer)."""
+    p = torch.nn.Parameter(weight.to(dtype, copy=True))
+    opt = optimizer([p], lr=lr, weight_decay=0.0, fused=True, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    drift = torch.randn(weight.shape, generator=gen)
+    for _ in range(steps):
+        p.grad = (drift + 0.1 * torch.randn(weight.shape, generator=gen)).to(dtype)
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_small_updates_accumulate_in_bf16_as_in_float32(lr):
+    """At RL learning rates torch's AdamW on bf16 weights drops most of the float32 trajectory; with Kahan
+    compensation weight + buffer follows it to ~2%, and the weights themselves to within a rounding step each."""
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    steps = 400
+    ref, _ = _run(w, torch.float32, torch.optim.AdamW, lr, steps)
+    rounded, _ = _run(w, torch.bfloat16, torch.optim.AdamW, lr, steps)
+    ours, opt = _run(w, torch.bfloat16, KahanAdamW, lr, steps)
+    start = w.bfloat16().float()
+    moved = ref.detach() - w
+    carried = ours.detach().float() + opt.state[ours]["kahan_comp"].float() - start
+
+    def gap(x):
+        return ((x - moved).norm() / moved.norm()).item()
+
+    assert gap(rounded.detach().float() - start) > (0.9 if lr == 1e-6 else 0.5)
+    assert gap(carried) < 0.03
+    assert gap(ours.detach().float() - start) < 0.2  # what the buffer holds is under one rounding step a weight
+
+
+def test_one_step_equals_torch_adamw_in_bf16_and_float32_parameters_are_torch_s():
+    """From a zero buffer, a step rounds to torch's fused AdamW's bf16 result (within one rounding step); the moments
+    equal torch's bit for bit over several steps, and float32 parameters in the same optimizer take torch's steps
+    exactly."""
+    gen = torch.Generator().manual_seed(0)
+    low = torch.randn(64, 96, generator=gen)
+    full = torch.randn(96, generator=gen)
+    grads = [torch.randn(64, 96, generator=gen), torch.randn(96, generator=gen)]
+
+    def run(optimizer, steps):
+        params = [torch.nn.Parameter(low.bfloat16()), torch.nn.Parameter(full.clone())]
+        groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+        opt = optimizer(groups, lr=1e-2, betas=(0.9, 0.95), fused=True)
+        for _ in range(steps):
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+        return params, opt
+
+    (ours_low, ours_full), ours = run(KahanAdamW, 3)
+    (ref_low, ref_full), ref = run(torch.optim.AdamW, 3)
+    assert torch.equal(ours_full, ref_full)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(ours.state[ours_low][name], ref.state[ref_low][name])
+    assert "kahan_comp" in ours.state[ours_low] and "kahan_comp" not in ours.state[ours_full]
+    (ours_low, _), _ = run(KahanAdamW, 1)
+    (ref_low, _), _ = run(torch.optim.AdamW, 1)
+    ulp = torch.finfo(torch.bfloat16).eps * ref_low.detach().float().abs()
+    assert ((ours_low.detach().float() - ref_low.detach().float()).abs() <= ulp).all()
+
+
+def test_slices_strided_parameters_and_a_resumed_state_give_the_same_steps(monkeypatch):
+    """The step slices large parameters (here 1,000 values a slice) with the same result as whole, updates a
+    non-contiguous parameter in place, and continues from a saved state_dict as if never stopped."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(50, 70, generator=gen), torch.randn(70, 50, generator=gen).t()]
+    grads = [torch.randn(50, 70, generator=gen) for _ in range(6)]
+
+    def fresh():
+        params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
+        params[1] = torch.nn.Parameter(weights[1].t().bfloat16().t())  # strided, as the transpose of a weight
+        return params, KahanAdamW(params, lr=1e-3, weight_decay=0.01)
+
+    def steps(params, opt, which):
+        for i in which:
+            for p in params:
+                p.grad = grads[i].bfloat16()
+            opt.step()
+
+    whole_params, whole = fresh()
+    steps(whole_params, whole, range(6))
+    monkeypatch.setattr(kahan_adamw, "CHUNK", 1000)
+    sliced_params, sliced = fresh()
+    assert not sliced_params[1].is_contiguous()
+    steps(sliced_params, sliced, range(3))
+    saved = sliced.state_dict()
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in sliced_params]
+    resumed = KahanAdamW(resumed_params, lr=1e-3, weight_decay=0.01)
+    resumed.load_state_dict(saved)
+    steps(resumed_params, resumed, range(3, 6))
+    for a, b in zip(whole_params, resumed_params):
+        assert torch.equal(a, b)
+    assert torch.equal(whole.state[whole_params[0]]["kahan_comp"], resumed.state[resumed_params[0]]["kahan_comp"])
+
+
+def test_the_stage_picks_it_for_bf16_weights_only(tiny):
+    """bf16 weights get `KahanAdamW` unless `low_precision_updates: nearest`; a float32 model keeps torch's AdamW."""
+    bf16 = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
+    assert type(build_optimizer(bf16, SFTConfig())) is KahanAdamW
+    assert type(build_optimizer(bf16, SFTConfig(low_precision_updates="nearest"))) is torch.optim.AdamW
+    assert type(build_optimizer(load_causal_lm(str(tiny / "model")), SFTConfig())) is torch.optim.AdamW
+
+
+def test_bf16_sft_at_a_small_learning_rate_learns_with_it_and_barely_without(tiny, tmp_path):
+    """SFT of the bf16 tiny model at 3e-5: the loss falls further with Kahan-compensated updates than with rounded
+    ones, which leave most of the decoder's weights where they started."""
+    tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=96, max_length=48)
+    falls, unchanged = {}, {}
+    for mode in ("kahan", "nearest"):
+        model = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
+        start = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+        tracker = Tracker()
+        cfg = SFTConfig(learning_rate=3e-5, max_steps=12, batch_size=8, logging_every=3, lr_scheduler="constant",
+                        low_precision_updates=mode)  # fmt: skip
+        sft.train(cfg, model, tok, train, [], tracker, tmp_path / mode)
+        losses = tracker.series("train/loss")
+        falls[mode] = losses[0] - losses[-1]
+        unchanged[mode] = (model.model.layers[0].mlp.up_proj.weight == start).float().mean().item()
+    assert falls["kahan"] > 1.5 * falls["nearest"] and falls["kahan"] > 0, falls
+    assert unchanged["nearest"] > 0.5 > unchanged["kahan"], unchanged
+
+
+def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_keeps_the_rounding(monkeypatch):
+    """With `fused_kernels` on (the gate opened on CPU) each slice's update is one compiled graph for every
+    parameter size and every step's learning rate, and it rounds each new weight to bf16 before taking the
+    compensation from it (inductor would otherwise read the float32 sum): the weights equal the eager step's."""
+    from alignpipe import fused_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(40, 30), (70,), (16, 9)]
+    weights = [torch.randn(shape, generator=gen) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(4)]
+
+    def run(compiled: bool):
+        monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+        params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
+        opt = KahanAdamW(params, lr=1e-3, weight_decay=0.01, fused_kernels=compiled)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.bfloat16()
+            opt.step()
+            scheduler.step()
+        return params, opt
+
+    torch._dynamo.reset()
+    kahan_adamw._compiled_update.cache_clear()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    compiled, opt = run(True)
+    assert stats["unique_graphs"] - before == 1
+    eager, ref = run(False)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+        comp_gap = (opt.state[a]["kahan_comp"].float() - ref.state[b]["kahan_comp"].float()).abs().max()
+        assert comp_gap <= 1e-3 * a.detach().float().abs().max() * torch.finfo(torch.bfloat16).eps
+        assert opt.state[a]["kahan_comp"].abs().max() > 0
