@@ -128,7 +128,8 @@ def _compiled_update():
     """`KahanAdamW._update` as one kernel a slice, compiled once a process: dynamic sizes, and the learning rate's
     terms as inputs, not constants (no graph per step). `emulate_precision_casts` keeps the rounding of the new
     weight to bf16 that the compensation is computed from: by default inductor reads the float32 sum instead, and the
-    buffer comes out wrong (seen with torch 2.13 on CPU: gaps of ~1e-3 where the eager buffer held ~1e-4)."""
+    buffer comes out wrong (seen with torch 2.13 on CPU: off by up to 3e-3 on unit-scale weights, about half a bf16
+    step)."""
     return torch.compile(KahanAdamW._update, dynamic=True, options={"emulate_precision_casts": True})
 
 
