@@ -20,12 +20,15 @@ kernel. Float32 parameters (LoRA adapters, which peft keeps in float32) take tor
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
 from alignpipe import fused_kernels
 from alignpipe.compiled import chunk_bounds
+
+log = logging.getLogger(__name__)
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -100,11 +103,21 @@ class KahanAdamW(torch.optim.AdamW):
             step_size = lr / (1 - beta1**step)
             root_correction = math.sqrt(1 - beta2**step)
             assert p.grad is not None  # `step` hands over only parameters with a gradient
-            update = _compiled_update() if fused_kernels.wanted(self.fused_kernels, p.device) else self._update
             tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["kahan_comp"])]
-            for weight, grad, exp_avg, exp_avg_sq, comp in _slices(tensors):
-                update(weight, grad, exp_avg, exp_avg_sq, comp, beta1, beta2, step_size, root_correction,
-                       lr * decay, eps)  # fmt: skip
+            for piece in _slices(tensors):
+                self._update_slice(piece, (beta1, beta2, step_size, root_correction, lr * decay, eps))
+
+    def _update_slice(self, piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...]) -> None:
+        """`_update` on one slice: compiled where the stage's fused kernels run, eagerly elsewhere and from the first
+        slice the compiler fails on (said once; compilation fails before the kernel writes anything)."""
+        if fused_kernels.wanted(self.fused_kernels, piece[0].device):
+            try:
+                _compiled_update()(*piece, *scalars)
+                return
+            except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
+                log.warning("low_precision_updates: the compiled step failed (%s); the eager step runs instead", err)
+                self.fused_kernels = False
+        self._update(*piece, *scalars)
 
     @staticmethod
     def _update(weight, grad, exp_avg, exp_avg_sq, comp, beta1, beta2, step_size, root_correction, lr_decay, eps):

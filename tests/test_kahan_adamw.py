@@ -176,3 +176,30 @@ def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_k
         comp_gap = (opt.state[a]["kahan_comp"].float() - ref.state[b]["kahan_comp"].float()).abs().max()
         assert comp_gap <= 1e-3 * a.detach().float().abs().max() * torch.finfo(torch.bfloat16).eps
         assert opt.state[a]["kahan_comp"].abs().max() > 0
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_step_once(monkeypatch, caplog):
+    """Where the compiled step cannot be built the optimizer says so once and takes the eager step, with its
+    result, for that slice and every later one."""
+    from alignpipe import fused_kernels
+
+    calls = []
+
+    def broken(*args):
+        calls.append(len(args))
+        raise torch._inductor.exc.InductorError(RuntimeError("no triton"), None)
+
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    monkeypatch.setattr(kahan_adamw, "_compiled_update", lambda: broken)
+    gen = torch.Generator().manual_seed(0)
+    weight, grads = torch.randn(30, 20, generator=gen), [torch.randn(30, 20, generator=gen) for _ in range(3)]
+    runs = []
+    for compiled in (True, False):
+        p = torch.nn.Parameter(weight.bfloat16())
+        opt = KahanAdamW([p], lr=1e-3, fused_kernels=compiled)
+        for g in grads:
+            p.grad = g.bfloat16()
+            opt.step()
+        runs.append(p)
+    assert torch.equal(runs[0], runs[1])
+    assert len(calls) == 1 and caplog.text.count("the compiled step failed") == 1
