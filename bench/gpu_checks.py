@@ -510,15 +510,15 @@ def qwen05b_parameter_shapes() -> list[tuple[int, ...]]:
     return [(151936, d), *layer * 24, (d,)]
 
 
-def check_kahan_adamw(setup: Setup) -> Callable[[], None]:
+def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
     @check(
-        "Kahan-compensated AdamW on bf16 weights: the compiled step equals the eager one, waits for nothing; its time"
+        "AdamW for bf16 weights (Kahan, stochastic): the compiled step equals the eager one, waits for nothing; its time"
     )
     def run():
-        from alignpipe.kahan_adamw import KahanAdamW
+        from alignpipe.low_precision_adamw import LowPrecisionAdamW
 
         if not setup.cuda:
-            return None, "no CUDA device (tests/test_kahan_adamw.py runs the compiled step on CPU)"
+            return None, "no CUDA device (tests/test_low_precision_adamw.py runs the compiled steps on CPU)"
         g = torch.Generator(device=setup.device).manual_seed(0)
         shapes = qwen05b_parameter_shapes()
         start = [(torch.randn(s, device=setup.device, generator=g) * 0.02).bfloat16() for s in shapes]
@@ -531,17 +531,22 @@ def check_kahan_adamw(setup: Setup) -> Callable[[], None]:
                 p.grad = grad
             if kind == "torch":
                 return params, torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
-            return params, KahanAdamW(params, lr=1e-5, weight_decay=0.01, fused_kernels=kind == "compiled")
+            updates = "stochastic" if kind == "stochastic" else "kahan"
+            compiled = kind != "eager kahan"
+            return params, LowPrecisionAdamW(
+                params, lr=1e-5, weight_decay=0.01, updates=updates, fused_kernels=compiled
+            )
 
         figures, results = [], {}
-        for kind in ("torch", "compiled", "eager"):
+        for kind in ("torch", "kahan", "eager kahan", "stochastic"):
             params, opt = optimizer(kind)
             opt.step()  # first step: states made, the compiled kernel built
             times = [timed(opt.step, cuda=True)[1] for _ in range(5)]
             figures.append(f"{kind} {sorted(times)[2] * 1e3:.1f} ms")
-            if kind != "torch":
+            if kind in ("kahan", "eager kahan"):
                 results[kind] = (params, opt)
-        (ours, ours_opt), (eager, eager_opt) = results["compiled"], results["eager"]
+            del params, opt
+        (ours, ours_opt), (eager, eager_opt) = results["kahan"], results["eager kahan"]
         same = all(torch.equal(a, b) for a, b in zip(ours, eager))
         comp_gap = max(
             relative(ours_opt.state[a]["kahan_comp"], eager_opt.state[b]["kahan_comp"]) for a, b in zip(ours, eager)
@@ -551,7 +556,7 @@ def check_kahan_adamw(setup: Setup) -> Callable[[], None]:
         ok = same and comp_gap < 1e-2 and moved > 0 and not seen
         return ok, (
             f"{values / 1e6:.0f}M bf16 values (Qwen2-0.5B's tensors), median of 5 steps: {', '.join(figures)}; "
-            f"compiled equals eager: {same}, compensation gap {comp_gap:.1e}; synchronising calls: {len(seen)}"
+            f"compiled Kahan equals eager: {same}, compensation gap {comp_gap:.1e}; synchronising calls: {len(seen)}"
         )
 
     return run
@@ -954,7 +959,7 @@ CHECKS = (
     check_dpo_head,
     check_loss_watch,
     check_activation_offloading,
-    check_kahan_adamw,
+    check_low_precision_adamw,
     check_step_syncs,
     check_batch_transfer,
     check_host_copies,

@@ -104,7 +104,7 @@ c)
   bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 d)
-  timeout 90 python3 -m bench.gpu_checks --only activation_offloading,kahan_adamw 2>&1 | tee -a "$out/checks"
+  timeout 120 python3 -m bench.gpu_checks --only activation_offloading,low_precision_adamw 2>&1 | tee -a "$out/checks"
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 e)

@@ -248,8 +248,8 @@ def test_grpo_with_several_steps_per_generation_and_a_sampling_correction_runs_o
     assert len(ratios) == 4 and all(abs(r - 1) < 1e-3 for r in ratios), ratios
 
 
-def test_kahan_adamw_under_fsdp_takes_the_unsharded_steps_and_saves_its_compensation():
-    """Two FSDP2 ranks, a bf16 model: `KahanAdamW` on the sharded parameters (DTensors) takes exactly the unsharded
+def test_low_precision_adamw_under_fsdp_takes_the_unsharded_steps_and_saves_its_compensation():
+    """Two FSDP2 ranks, a bf16 model: `LowPrecisionAdamW` (kahan) on the sharded parameters (DTensors) takes exactly the unsharded
     model's steps, keeps its states sharded, and its compensation comes out of torch's distributed state dict."""
     import json
     import os
@@ -257,7 +257,7 @@ def test_kahan_adamw_under_fsdp_takes_the_unsharded_steps_and_saves_its_compensa
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("kahan_fsdp_check.py")
+    script = Path(__file__).with_name("low_precision_fsdp_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     out = subprocess.run(
         [*cmd, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}

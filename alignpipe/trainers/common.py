@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -18,8 +19,8 @@ import torch
 
 from alignpipe import fused_kernels, offload
 from alignpipe.compiled import compile_layers
-from alignpipe.kahan_adamw import KahanAdamW, low_precision_params
 from alignpipe.lean_activations import lean_activations
+from alignpipe.low_precision_adamw import LowPrecisionAdamW, low_precision_params
 from alignpipe.progress import progress
 from alignpipe.trainers.configs import TrainingArgs
 from alignpipe.trainers.loss_watch import LossWatch
@@ -105,7 +106,7 @@ def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
 
 def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     """AdamW with no weight decay on biases and normalization weights (1-D parameters); bf16/fp16 weights updated
-    with Kahan compensation unless `low_precision_updates: nearest`."""
+    as `low_precision_updates` says (`low_precision_adamw.py`)."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
@@ -114,26 +115,31 @@ def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     params = decay + no_decay
     low = low_precision_params(params)
-    adamw = KahanAdamW if low and cfg.low_precision_updates == "kahan" else torch.optim.AdamW
-    extra = {"fused_kernels": cfg.fused_kernels} if adamw is KahanAdamW else {}
-    if adamw is KahanAdamW:
+    adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW
+    if low and cfg.low_precision_updates != "nearest":
+        adamw = functools.partial(LowPrecisionAdamW, updates=cfg.low_precision_updates, fused_kernels=cfg.fused_kernels)
+        buffered = [p for p in low if cfg.low_precision_updates == "kahan" or p.dtype != torch.bfloat16]
         log.info(
-            "AdamW adds its updates to %d %s parameters (%.1fM values) with Kahan compensation (+%.2f GB)",
+            "AdamW steps %d %s parameters (%.1fM values) with low_precision_updates: %s (+%.2f GB of compensation)",
             len(low),
-            str(low[0].dtype).removeprefix("torch."),
+            "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in low})),
             sum(p.numel() for p in low) / 1e6,
-            sum(p.numel() * p.element_size() for p in low) / 1e9,
+            cfg.low_precision_updates,
+            sum(p.numel() * p.element_size() for p in buffered) / 1e9,
         )
     # The fused kernel (CPU and CUDA, floating-point params) updates every tensor in one call; the default
     # per-tensor loop costs ~15% of a step for small models on CPU.
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     try:
         return adamw(
-            groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=fused or None, foreach=None if fused else True,
-            **extra,
-        )  # fmt: skip
+            groups,
+            lr=cfg.learning_rate,
+            betas=cfg.adam_betas,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
     except (RuntimeError, ValueError):  # a device/dtype the fused kernel does not take
-        return adamw(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, **extra)
+        return adamw(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
 
 
 def build_scheduler(optimizer, cfg: TrainingArgs, total_steps: int):

@@ -64,13 +64,14 @@ class TrainingArgs(Strict):
     """AdamW decoupled weight decay (not applied to biases and norms)."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW β1, β2."""
-    low_precision_updates: Literal["kahan", "nearest"] = "kahan"
+    low_precision_updates: Literal["kahan", "stochastic", "nearest"] = "kahan"
     """How AdamW adds its update to weights trained in bf16 or fp16 (`model.dtype`). kahan: with Kahan
     compensation, what each rounding drops carried into the next update, so small updates accumulate as in float32
-    (+2 bytes a trained parameter, a few element-wise passes per step; `alignpipe/kahan_adamw.py`). nearest: each
-    update rounded to the nearest bf16 value, as torch's AdamW (and TRL on a bf16-loaded model) does: an update
-    under ~1/512 of a weight is lost, which at 1e-6 learning rates (DPO, GRPO, PPO) leaves most weights where they
-    started. Float32 weights (and LoRA adapters) are unaffected."""
+    (+2 bytes a trained parameter). stochastic: each new bf16 weight rounded up or down at random, unbiased, no
+    memory (fp16 weights take kahan). nearest: each update rounded to the nearest value, as torch's AdamW (and TRL
+    on a bf16-loaded model) does: an update under ~1/512 of a weight is lost, which at 1e-6 learning rates (DPO,
+    GRPO, PPO) leaves most weights where they started. Float32 weights (and LoRA adapters) are unaffected
+    (`alignpipe/low_precision_adamw.py`)."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
     max_length: int = Field(512, gt=0)

@@ -1,4 +1,4 @@
-"""Run by a test under `torch.distributed.run` with two ranks: `KahanAdamW` on a bf16 model sharded by FSDP2 (its
+"""Run by a test under `torch.distributed.run` with two ranks: `LowPrecisionAdamW` on a bf16 model sharded by FSDP2 (its
 parameters, gradients and states DTensors) takes the steps it takes on the unsharded model, and its state,
 compensation included, comes out of torch's distributed `get_optimizer_state_dict`. Prints one JSON line on rank 0,
 then exits without teardown (a gloo group's teardown can wait forever on its threads)."""
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from alignpipe.kahan_adamw import KahanAdamW
+from alignpipe.low_precision_adamw import LowPrecisionAdamW
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -21,7 +21,7 @@ sharded = copy.deepcopy(plain)
 for layer in (sharded[0], sharded[2]):
     fully_shard(layer)
 fully_shard(sharded)
-optimizers = [KahanAdamW(m.parameters(), lr=1e-4, weight_decay=0.01) for m in (plain, sharded)]
+optimizers = [LowPrecisionAdamW(m.parameters(), lr=1e-4, weight_decay=0.01) for m in (plain, sharded)]
 x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).bfloat16()  # the same batch on both ranks
 for _ in range(5):
     for model, opt in zip((plain, sharded), optimizers):

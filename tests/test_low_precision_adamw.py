@@ -1,5 +1,5 @@
-"""`low_precision_updates: kahan`: AdamW on bf16 weights keeps the updates bf16 rounding drops, equals torch's
-AdamW where rounding does not matter, and resumes from its state."""
+"""`low_precision_updates`: AdamW on bf16 weights keeps the updates bf16 rounding drops (Kahan compensation, or
+unbiased stochastic rounding), equals torch's AdamW where rounding does not matter, and resumes from its state."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from support import tiny_split
 
-from alignpipe import kahan_adamw
-from alignpipe.kahan_adamw import KahanAdamW
+from alignpipe import low_precision_adamw
+from alignpipe.low_precision_adamw import LowPrecisionAdamW
 from alignpipe.modeling import load_causal_lm
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import sft
@@ -30,13 +30,16 @@ def _run(weight: torch.Tensor, dtype, optimizer, lr: float, steps: int, **kwargs
 
 @pytest.mark.parametrize("lr", [1e-6, 1e-5])
 def test_small_updates_accumulate_in_bf16_as_in_float32(lr):
-    """At RL learning rates torch's AdamW on bf16 weights drops most of the float32 trajectory; with Kahan
-    compensation weight + buffer follows it to ~2%, and the weights themselves to within a rounding step each."""
+    """At RL learning rates torch's AdamW on bf16 weights drops most of the float32 trajectory. With Kahan
+    compensation weight + buffer follows it to ~2%, and the weights themselves to within a rounding step each;
+    stochastic rounding follows it in expectation, each weight within a rounding step or so of it."""
     w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) * 0.02
     steps = 400
     ref, _ = _run(w, torch.float32, torch.optim.AdamW, lr, steps)
     rounded, _ = _run(w, torch.bfloat16, torch.optim.AdamW, lr, steps)
-    ours, opt = _run(w, torch.bfloat16, KahanAdamW, lr, steps)
+    ours, opt = _run(w, torch.bfloat16, LowPrecisionAdamW, lr, steps)
+    torch.manual_seed(0)
+    stochastic, _ = _run(w, torch.bfloat16, LowPrecisionAdamW, lr, steps, updates="stochastic")
     start = w.bfloat16().float()
     moved = ref.detach() - w
     carried = ours.detach().float() + opt.state[ours]["kahan_comp"].float() - start
@@ -44,9 +47,31 @@ def test_small_updates_accumulate_in_bf16_as_in_float32(lr):
     def gap(x):
         return ((x - moved).norm() / moved.norm()).item()
 
+    def along(x):  # how far x went in float32's direction, as a share of float32's distance
+        return ((x * moved.sign()).mean() / moved.abs().mean()).item()
+
     assert gap(rounded.detach().float() - start) > (0.9 if lr == 1e-6 else 0.5)
+    assert along(rounded.detach().float() - start) < 0.2
     assert gap(carried) < 0.03
     assert gap(ours.detach().float() - start) < 0.2  # what the buffer holds is under one rounding step a weight
+    stochastic_moved = stochastic.detach().float() - start
+    assert 0.97 < along(stochastic_moved) < 1.03 and gap(stochastic_moved) < (0.6 if lr == 1e-6 else 0.2)
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    """Each value rounds to one of the two bf16 values around it, on average to itself, for either sign."""
+    torch.manual_seed(0)
+    x = torch.tensor([1.0 + 2**-9, -(1.0 + 2**-9), 0.02 + 1e-5, 3.0 + 0.75 * 2**-6, 0.5])
+    rounded = low_precision_adamw.round_stochastically(x.repeat(100_000, 1)).float()
+    nearest = x.bfloat16()
+    for i in range(len(x)):
+        seen = set(rounded[:, i].unique().tolist())
+        toward_x = torch.tensor(float("-inf") if nearest[i].float() > x[i] else float("inf"), dtype=torch.bfloat16)
+        neighbours = {nearest[i].item(), torch.nextafter(nearest[i], toward_x).item()}
+        assert seen <= neighbours, (i, seen, neighbours)
+    spacing = torch.finfo(torch.bfloat16).eps * x.abs()
+    assert ((rounded.mean(0) - x).abs() < 0.01 * spacing).all()
+    assert torch.equal(rounded[:, 4], torch.full((100_000,), 0.5))  # exact values stay
 
 
 def test_one_step_equals_torch_adamw_in_bf16_and_float32_parameters_are_torch_s():
@@ -68,13 +93,13 @@ def test_one_step_equals_torch_adamw_in_bf16_and_float32_parameters_are_torch_s(
             opt.step()
         return params, opt
 
-    (ours_low, ours_full), ours = run(KahanAdamW, 3)
+    (ours_low, ours_full), ours = run(LowPrecisionAdamW, 3)
     (ref_low, ref_full), ref = run(torch.optim.AdamW, 3)
     assert torch.equal(ours_full, ref_full)
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(ours.state[ours_low][name], ref.state[ref_low][name])
     assert "kahan_comp" in ours.state[ours_low] and "kahan_comp" not in ours.state[ours_full]
-    (ours_low, _), _ = run(KahanAdamW, 1)
+    (ours_low, _), _ = run(LowPrecisionAdamW, 1)
     (ref_low, _), _ = run(torch.optim.AdamW, 1)
     ulp = torch.finfo(torch.bfloat16).eps * ref_low.detach().float().abs()
     assert ((ours_low.detach().float() - ref_low.detach().float()).abs() <= ulp).all()
@@ -90,7 +115,7 @@ def test_slices_strided_parameters_and_a_resumed_state_give_the_same_steps(monke
     def fresh():
         params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
         params[1] = torch.nn.Parameter(weights[1].t().bfloat16().t())  # strided, as the transpose of a weight
-        return params, KahanAdamW(params, lr=1e-3, weight_decay=0.01)
+        return params, LowPrecisionAdamW(params, lr=1e-3, weight_decay=0.01)
 
     def steps(params, opt, which):
         for i in which:
@@ -100,13 +125,13 @@ def test_slices_strided_parameters_and_a_resumed_state_give_the_same_steps(monke
 
     whole_params, whole = fresh()
     steps(whole_params, whole, range(6))
-    monkeypatch.setattr(kahan_adamw, "CHUNK", 1000)
+    monkeypatch.setattr(low_precision_adamw, "CHUNK", 1000)
     sliced_params, sliced = fresh()
     assert not sliced_params[1].is_contiguous()
     steps(sliced_params, sliced, range(3))
     saved = sliced.state_dict()
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in sliced_params]
-    resumed = KahanAdamW(resumed_params, lr=1e-3, weight_decay=0.01)
+    resumed = LowPrecisionAdamW(resumed_params, lr=1e-3, weight_decay=0.01)
     resumed.load_state_dict(saved)
     steps(resumed_params, resumed, range(3, 6))
     for a, b in zip(whole_params, resumed_params):
@@ -114,20 +139,28 @@ def test_slices_strided_parameters_and_a_resumed_state_give_the_same_steps(monke
     assert torch.equal(whole.state[whole_params[0]]["kahan_comp"], resumed.state[resumed_params[0]]["kahan_comp"])
 
 
-def test_the_stage_picks_it_for_bf16_weights_only(tiny):
-    """bf16 weights get `KahanAdamW` unless `low_precision_updates: nearest`; a float32 model keeps torch's AdamW."""
+def test_the_stage_picks_it_for_bf16_weights_only_and_fp16_ones_keep_a_buffer(tiny):
+    """bf16 weights get `LowPrecisionAdamW` unless `low_precision_updates: nearest`; a float32 model keeps torch's
+    AdamW. Under `stochastic`, fp16 weights (whose rounding this does not implement) take Kahan's buffer."""
     bf16 = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
-    assert type(build_optimizer(bf16, SFTConfig())) is KahanAdamW
+    assert type(build_optimizer(bf16, SFTConfig())) is LowPrecisionAdamW
+    assert build_optimizer(bf16, SFTConfig(low_precision_updates="stochastic")).updates == "stochastic"
     assert type(build_optimizer(bf16, SFTConfig(low_precision_updates="nearest"))) is torch.optim.AdamW
     assert type(build_optimizer(load_causal_lm(str(tiny / "model")), SFTConfig())) is torch.optim.AdamW
+    half = torch.nn.Parameter(torch.randn(64, 64).half())
+    opt = LowPrecisionAdamW([half], lr=1e-3, updates="stochastic")
+    half.grad = torch.randn(64, 64).half()
+    opt.step()
+    assert "kahan_comp" in opt.state[half]
 
 
 def test_bf16_sft_at_a_small_learning_rate_learns_with_it_and_barely_without(tiny, tmp_path):
-    """SFT of the bf16 tiny model at 3e-5: the loss falls further with Kahan-compensated updates than with rounded
-    ones, which leave most of the decoder's weights where they started."""
+    """SFT of the bf16 tiny model at 3e-5: the loss falls further with Kahan-compensated or stochastically rounded
+    updates than with rounded ones, which leave most of the decoder's weights where they started."""
     tok, train, _ = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=96, max_length=48)
     falls, unchanged = {}, {}
-    for mode in ("kahan", "nearest"):
+    torch.manual_seed(0)
+    for mode in ("kahan", "stochastic", "nearest"):
         model = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
         start = model.model.layers[0].mlp.up_proj.weight.detach().clone()
         tracker = Tracker()
@@ -137,14 +170,17 @@ def test_bf16_sft_at_a_small_learning_rate_learns_with_it_and_barely_without(tin
         losses = tracker.series("train/loss")
         falls[mode] = losses[0] - losses[-1]
         unchanged[mode] = (model.model.layers[0].mlp.up_proj.weight == start).float().mean().item()
-    assert falls["kahan"] > 1.5 * falls["nearest"] and falls["kahan"] > 0, falls
-    assert unchanged["nearest"] > 0.5 > unchanged["kahan"], unchanged
+    assert min(falls["kahan"], falls["stochastic"]) > 1.5 * falls["nearest"] and falls["kahan"] > 0, falls
+    assert unchanged["nearest"] > 0.5 > max(unchanged["kahan"], unchanged["stochastic"]), unchanged
 
 
-def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_keeps_the_rounding(monkeypatch):
+@pytest.mark.parametrize("updates", ["kahan", "stochastic"])
+def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_keeps_the_rounding(monkeypatch, updates):
     """With `fused_kernels` on (the gate opened on CPU) each slice's update is one compiled graph for every
-    parameter size and every step's learning rate, and it rounds each new weight to bf16 before taking the
-    compensation from it (inductor would otherwise read the float32 sum): the weights equal the eager step's."""
+    parameter size and every step's learning rate. Under `kahan` it rounds each new weight to bf16 before taking
+    the compensation from it (inductor would otherwise read the float32 sum): the weights equal the eager step's.
+    Stochastic rounding draws other random numbers compiled, so each weight is within a rounding step a step of
+    the eager run's."""
     from alignpipe import fused_kernels
 
     gen = torch.Generator().manual_seed(0)
@@ -155,7 +191,7 @@ def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_k
     def run(compiled: bool):
         monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
         params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
-        opt = KahanAdamW(params, lr=1e-3, weight_decay=0.01, fused_kernels=compiled)
+        opt = LowPrecisionAdamW(params, lr=1e-3, weight_decay=0.01, updates=updates, fused_kernels=compiled)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
         for step_grads in grads:
             for p, g in zip(params, step_grads):
@@ -165,13 +201,18 @@ def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_k
         return params, opt
 
     torch._dynamo.reset()
-    kahan_adamw._compiled_update.cache_clear()
+    low_precision_adamw._compiled.cache_clear()
     stats = torch._dynamo.utils.counters["stats"]
     before = stats["unique_graphs"]
     compiled, opt = run(True)
     assert stats["unique_graphs"] - before == 1
     eager, ref = run(False)
     for a, b in zip(compiled, eager):
+        if updates == "stochastic":
+            assert "kahan_comp" not in opt.state[a]
+            steps = len(grads) * torch.finfo(torch.bfloat16).eps * b.detach().float().abs()
+            assert ((a.detach().float() - b.detach().float()).abs() <= steps).all()
+            continue
         assert torch.equal(a, b)
         comp_gap = (opt.state[a]["kahan_comp"].float() - ref.state[b]["kahan_comp"].float()).abs().max()
         assert comp_gap <= 1e-3 * a.detach().float().abs().max() * torch.finfo(torch.bfloat16).eps
@@ -190,13 +231,13 @@ def test_a_compiler_failure_falls_back_to_the_eager_step_once(monkeypatch, caplo
         raise torch._inductor.exc.InductorError(RuntimeError("no triton"), None)
 
     monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
-    monkeypatch.setattr(kahan_adamw, "_compiled_update", lambda: broken)
+    monkeypatch.setattr(low_precision_adamw, "_compiled", lambda stochastic: broken)
     gen = torch.Generator().manual_seed(0)
     weight, grads = torch.randn(30, 20, generator=gen), [torch.randn(30, 20, generator=gen) for _ in range(3)]
     runs = []
     for compiled in (True, False):
         p = torch.nn.Parameter(weight.bfloat16())
-        opt = KahanAdamW([p], lr=1e-3, fused_kernels=compiled)
+        opt = LowPrecisionAdamW([p], lr=1e-3, fused_kernels=compiled)
         for g in grads:
             p.grad = g.bfloat16()
             opt.step()
