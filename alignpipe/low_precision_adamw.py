@@ -14,7 +14,9 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
   significant bits. +2 bytes a trained parameter (1 GB for Qwen2-0.5B).
 - `stochastic` (bf16 weights): each new weight rounds up or down at random, with the probabilities that make its
   expected value the float32 one (torchao's `bf16_stochastic_round`). No buffer, so no memory; the weights follow
-  the float32 trajectory in expectation, with noise of about one rounding step. fp16 weights take `kahan`.
+  the float32 trajectory in expectation, with noise of about one rounding step. The random bits are a hash of the
+  step, the parameter and the position, not a generator's draws: DDP's replicas, whose generators drift apart,
+  must round alike. fp16 weights take `kahan`.
 
 On CUDA each slice of 16M values is one compiled kernel beside torch's fused one (~18 bytes of traffic a value
 against its ~14); the eager form, on CPU, makes ~25 passes. The moments stay in the weights' dtype, as torch's
@@ -99,7 +101,8 @@ class LowPrecisionAdamW(torch.optim.AdamW):
     def _low_precision_step(self, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-        for p in params:
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        for position, p in enumerate(params):
             stochastic = self.updates == "stochastic" and p.dtype == torch.bfloat16
             state = self.state[p]
             names = ("exp_avg", "exp_avg_sq") + (() if stochastic else ("kahan_comp",))
@@ -115,20 +118,25 @@ class LowPrecisionAdamW(torch.optim.AdamW):
             scalars = (beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), lr * decay, eps)
             assert p.grad is not None  # `step` hands over only parameters with a gradient
             tensors = [_local(t) for t in (p, p.grad, *(state[name] for name in names))]
-            for piece in _slices(tensors):
-                self._update_slice(stochastic, piece, scalars)
+            for index, piece in enumerate(_slices(tensors)):
+                # the rounding's random bits: a hash of where and when, the same on every process of a DDP stage,
+                # whose replicas must round alike (the global generator's state differs between ranks)
+                salt = _mix(int(step), group_index, position, index) if stochastic else None
+                self._update_slice(piece, scalars, salt)
 
-    def _update_slice(self, stochastic: bool, piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...]) -> None:
-        """One slice's update: compiled where the stage's fused kernels run, eagerly elsewhere and from the first
-        slice the compiler fails on (said once; compilation fails before the kernel writes anything)."""
+    def _update_slice(self, piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...], salt: int | None) -> None:
+        """One slice's update, rounded stochastically where it has a `salt`: compiled where the stage's fused kernels
+        run, eagerly elsewhere and from the first slice the compiler fails on (said once; compilation fails before
+        the kernel writes anything)."""
+        args = (*piece, *scalars) if salt is None else (*piece, *scalars, salt)
         if fused_kernels.wanted(self.fused_kernels, piece[0].device):
             try:
-                _compiled(stochastic)(*piece, *scalars)
+                _compiled(salt is not None)(*args)
                 return
             except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
                 log.warning("low_precision_updates: the compiled step failed (%s); the eager step runs instead", err)
                 self.fused_kernels = False
-        (stochastic_update if stochastic else kahan_update)(*piece, *scalars)
+        (kahan_update if salt is None else stochastic_update)(*args)
 
 
 def _adamw_step(weight, grad, exp_avg, exp_avg_sq, beta1, beta2, step_size, root_correction, lr_decay, eps):
@@ -154,17 +162,42 @@ def kahan_update(weight, grad, exp_avg, exp_avg_sq, comp, *scalars) -> None:
 
 
 def stochastic_update(weight, grad, exp_avg, exp_avg_sq, *scalars) -> None:
-    """weight (bf16) ← weight + step, rounded up or down at random in proportion to its distance from each."""
-    w, update = _adamw_step(weight, grad, exp_avg, exp_avg_sq, *scalars)
-    weight.copy_(round_stochastically(w.add_(update)))
+    """weight (bf16) ← weight + step, rounded up or down at random in proportion to its distance from each (the last
+    scalar: the salt of the random bits)."""
+    w, update = _adamw_step(weight, grad, exp_avg, exp_avg_sq, *scalars[:-1])
+    weight.copy_(round_stochastically(w.add_(update), scalars[-1]))
 
 
-def round_stochastically(x: torch.Tensor) -> torch.Tensor:
+def round_stochastically(x: torch.Tensor, salt: int) -> torch.Tensor:
     """float32 → bf16, rounding away from zero with probability (the 16 bits bf16 drops) / 2^16: a float's bits are
-    sign and magnitude, so adding uniform noise below the kept bits and truncating is unbiased for either sign."""
+    sign and magnitude, so adding uniform noise below the kept bits and truncating is unbiased for either sign. The
+    noise is a hash of each value's position and `salt` (so the same on every process), not a generator's draw."""
     bits = x.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
+    position = torch.arange(bits.numel(), device=x.device, dtype=torch.int64).view(bits.shape)
+    noise = (_lowbias32(position ^ salt) >> 16).to(torch.int32)
     return (bits + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _lowbias32(h):
+    """Wellons' lowbias32 integer hash of each value's low 32 bits (tensors of int64, or an int): every output bit
+    depends on every input bit."""
+    h = h & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _mix(*parts: int) -> int:
+    """One 32-bit salt from a few small integers (step, group, parameter, slice)."""
+    h = 0
+    for part in parts:
+        h = _lowbias32(h ^ (part & _MASK32) ^ 0x9E3779B9)
+    return h
 
 
 @functools.cache
