@@ -118,14 +118,18 @@ def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     adamw: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW
     if low and cfg.low_precision_updates != "nearest":
         adamw = functools.partial(LowPrecisionAdamW, updates=cfg.low_precision_updates, fused_kernels=cfg.fused_kernels)
-        buffered = [p for p in low if cfg.low_precision_updates == "kahan" or p.dtype != torch.bfloat16]
+        buffered = sum(
+            p.numel() * p.element_size()
+            for p in low
+            if cfg.low_precision_updates == "kahan" or p.dtype != torch.bfloat16
+        )
         log.info(
-            "AdamW steps %d %s parameters (%.1fM values) with low_precision_updates: %s (+%.2f GB of compensation)",
+            "AdamW steps %d %s parameters (%.1fM values) with low_precision_updates: %s (+%s of compensation)",
             len(low),
             "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in low})),
             sum(p.numel() for p in low) / 1e6,
             cfg.low_precision_updates,
-            sum(p.numel() * p.element_size() for p in buffered) / 1e9,
+            f"{buffered / 1e9:.2f} GB" if buffered >= 1e9 else f"{buffered / 1e6:.1f} MB",
         )
     # The fused kernel (CPU and CUDA, floating-point params) updates every tensor in one call; the default
     # per-tensor loop costs ~15% of a step for small models on CPU.
