@@ -81,29 +81,26 @@ class LowPrecisionAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("LowPrecisionAdamW.step takes no closure")
-        held: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+        held: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # each group's (parameter, gradient) pairs
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.dtype in LOW_PRECISION:
-                    held.append((group, p, p.grad))
-                    p.grad = None  # torch's step skips parameters without a gradient
+            held.append([(p, p.grad) for p in group["params"] if p.grad is not None and p.dtype in LOW_PRECISION])
+            for p, _ in held[-1]:
+                p.grad = None  # torch's step skips parameters without a gradient
         try:
             super().step()
         finally:
-            for _, p, grad in held:
+            for p, grad in (pair for pairs in held for pair in pairs):
                 p.grad = grad
-        for group in self.param_groups:
-            params = [p for g, p, _ in held if g is group]
-            if params:
-                self._low_precision_step(group, params)
+        for group_index, (group, pairs) in enumerate(zip(self.param_groups, held)):
+            if pairs:
+                self._low_precision_step(group_index, group, [p for p, _ in pairs])
         return None
 
-    def _low_precision_step(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _low_precision_step(self, group_index: int, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         for position, p in enumerate(params):
-            stochastic = self.updates == "stochastic" and p.dtype == torch.bfloat16
+            stochastic = rounds_stochastically(self.updates, p.dtype)
             state = self.state[p]
             names = ("exp_avg", "exp_avg_sq") + (() if stochastic else ("kahan_comp",))
             if not state:
@@ -209,6 +206,12 @@ def _compiled(stochastic: bool):
     step)."""
     fn = stochastic_update if stochastic else kahan_update
     return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+
+def rounds_stochastically(updates: str, dtype: torch.dtype) -> bool:
+    """Whether `low_precision_updates: updates` rounds weights of `dtype` stochastically (bf16 only; fp16 weights
+    keep Kahan's buffer)."""
+    return updates == "stochastic" and dtype == torch.bfloat16
 
 
 def low_precision_params(params) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 from alignpipe import fused_kernels, offload
 from alignpipe.compiled import compile_layers
 from alignpipe.lean_activations import lean_activations
-from alignpipe.low_precision_adamw import LowPrecisionAdamW, low_precision_params
+from alignpipe.low_precision_adamw import LowPrecisionAdamW, low_precision_params, rounds_stochastically
 from alignpipe.progress import progress
 from alignpipe.trainers.configs import TrainingArgs
 from alignpipe.trainers.loss_watch import LossWatch
@@ -119,9 +119,7 @@ def build_optimizer(model, cfg: TrainingArgs) -> torch.optim.Optimizer:
     if low and cfg.low_precision_updates != "nearest":
         adamw = functools.partial(LowPrecisionAdamW, updates=cfg.low_precision_updates, fused_kernels=cfg.fused_kernels)
         buffered = sum(
-            p.numel() * p.element_size()
-            for p in low
-            if cfg.low_precision_updates == "kahan" or p.dtype != torch.bfloat16
+            p.numel() * p.element_size() for p in low if not rounds_stochastically(cfg.low_precision_updates, p.dtype)
         )
         log.info(
             "AdamW steps %d %s parameters (%.1fM values) with low_precision_updates: %s (+%s of compensation)",
