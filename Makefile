@@ -7,6 +7,9 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 ASSETS ?= assets/tiny
 PYTEST_ARGS ?=
+# `make test` runs on pytest-xdist workers, one per core of CI's two: most of the suite's time is single-threaded
+# (Python imports in each stage process, servers starting), so one worker leaves a core idle. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 # No telemetry from Prefect's server or MLflow: these machines reach no outside service.
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
@@ -44,7 +47,7 @@ lint: $(BIN)/.installed-test
 	$(BIN)/mypy alignpipe tasks flows
 
 test: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-slow: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
