@@ -69,7 +69,9 @@ def test_a_tensor_saved_twice_is_copied_once_unless_changed_in_between():
     with torch.no_grad():
         h_new = x * 2 + 1
     want = -torch.sin(h_new) * 2 + 2 * (a.sum(1) + b.sum(1))
-    assert torch.allclose(got, want, atol=1e-5)
+    # float32 sums of 64 terms of ~25 in all, reduced in another order than the matmul's backward (which depends on
+    # torch's thread count): 1e-4 is float32's noise there; gradients taken at the old h would be off by ~1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def forward_backward(model, ids):
