@@ -39,11 +39,3 @@ def prefect_harness():
 @pytest.fixture
 def demo_text(tiny, tmp_path) -> str:
     return demo_recipe(tiny, tmp_path / "runs")
-
-
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the tests that start two ranks run one after another
-    on one worker, so two of them never share the cores or race for a rendezvous port."""
-    for item in items:
-        if item.module is not None and item.module.__name__ == "test_multiprocess":
-            item.add_marker(pytest.mark.xdist_group("ranks"))
