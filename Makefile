@@ -47,7 +47,7 @@ lint: $(BIN)/.installed-test
 	$(BIN)/mypy alignpipe tasks flows
 
 test: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-slow: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

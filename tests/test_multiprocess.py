@@ -12,10 +12,6 @@ from alignpipe.pipeline_run import start_pipeline_run
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import parse_recipe
 
-# Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) these tests run one after another on one worker, so two
-# of them never share the cores or race for a rendezvous port.
-pytestmark = pytest.mark.xdist_group("ranks")
-
 
 def run_stage(tiny, tmp_path, text_fn, stage: str, processes: int, overrides: list[str]):
     """Run `stage` with `processes` ranks after its ancestors. The runs of a test share one workdir, so the ancestors
