@@ -123,10 +123,11 @@ class LowPrecisionAdamW(torch.optim.AdamW):
 
     def _update_slice(self, piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...], salt: int | None) -> None:
         """One slice's update, rounded stochastically where it has a `salt`: compiled where the stage's fused kernels
-        run, eagerly elsewhere and from the first slice the compiler fails on (said once; compilation fails before
-        the kernel writes anything)."""
+        run, for bf16 weights, eagerly elsewhere and from the first slice the compiler fails on (said once;
+        compilation fails before the kernel writes anything). fp16 weights take the eager step: their rounding is a
+        cast, which a compiled kernel may skip (`round_to_bf16`)."""
         args = (*piece, *scalars) if salt is None else (*piece, *scalars, salt)
-        if fused_kernels.wanted(self.fused_kernels, piece[0].device):
+        if piece[0].dtype == torch.bfloat16 and fused_kernels.wanted(self.fused_kernels, piece[0].device):
             try:
                 _compiled(salt is not None)(*args)
                 return
@@ -146,16 +147,31 @@ def _adamw_step(weight, grad, exp_avg, exp_avg_sq, beta1, beta2, step_size, root
     exp_avg_sq.copy_(v)
     denom = v.sqrt_().div_(root_correction).add_(eps)
     w = weight.float()
-    # the decay as a product, not `alpha=` or a branch, which would make a compiled step specialise on its value
-    return w, m.div_(denom).mul_(-step_size).sub_(w * lr_decay)
+    # the decay as a product, not `alpha=` or a branch, which would make a compiled step specialise on its value;
+    # `neg_()` after the product, not `mul_(-step_size)`: torch 2.11's dynamo guards on a negated float input's value,
+    # which recompiled the step for every learning rate (the same bits: negation is exact)
+    return w, m.div_(denom).mul_(step_size).neg_().sub_(w * lr_decay)
 
 
 def kahan_update(weight, grad, exp_avg, exp_avg_sq, comp, *scalars) -> None:
     """weight ← round(weight + step + comp), comp ← what that rounding dropped."""
     w, update = _adamw_step(weight, grad, exp_avg, exp_avg_sq, *scalars)
     update.add_(comp.float())
-    weight.copy_(w + update)
-    comp.copy_(update.sub_(weight.float().sub_(w)))
+    new = round_to_bf16(w + update) if weight.dtype == torch.bfloat16 else (w + update).to(weight.dtype).float()
+    weight.copy_(new)
+    comp.copy_(update.sub_(new.sub_(w)))
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 → the nearest bf16 value (ties to even), as float32: `x.to(torch.bfloat16)`'s value, worked out on the
+    bits. Kahan's compensation is taken from the rounded value, and a compiled kernel may read the float32 sum in
+    place of a cast or of the bf16 weight it just wrote: inductor does by default, and torch 2.11's also under
+    `emulate_precision_casts` (the buffer then holds ~nothing: off by up to 3e-3 on unit-scale weights, about half a
+    rounding step, and the weights drift from the eager step's). Integer arithmetic cannot be skipped. NaN stays
+    NaN."""
+    bits = x.view(torch.int32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))).bitwise_and_(-(1 << 16)).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)
 
 
 def stochastic_update(weight, grad, exp_avg, exp_avg_sq, *scalars) -> None:
@@ -199,13 +215,11 @@ def _mix(*parts: int) -> int:
 
 @functools.cache
 def _compiled(stochastic: bool):
-    """The slice update as one kernel, compiled once a process: dynamic sizes, and the learning rate's terms as
-    inputs, not constants (no graph per step). `emulate_precision_casts` keeps the rounding of the new weight to
-    bf16 that Kahan's compensation is computed from: by default inductor reads the float32 sum instead, and the
-    buffer comes out wrong (seen with torch 2.13 on CPU: off by up to 3e-3 on unit-scale weights, about half a bf16
-    step)."""
-    fn = stochastic_update if stochastic else kahan_update
-    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+    """The slice update of bf16 weights as one kernel, compiled once a process: dynamic sizes, and the learning
+    rate's terms as inputs, not constants (no graph per step). Every rounding whose result the step reads again is
+    done on the bits (`round_to_bf16`, `round_stochastically`), so the compiled step equals the eager one whatever
+    inductor does with casts."""
+    return torch.compile(stochastic_update if stochastic else kahan_update, dynamic=True)
 
 
 def rounds_stochastically(updates: str, dtype: torch.dtype) -> bool:

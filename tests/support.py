@@ -4,6 +4,7 @@ built from the tiny assets."""
 from __future__ import annotations
 
 import contextvars
+import tempfile
 from pathlib import Path
 
 # A short GRPO/RLOO run on the tiny model: 2 updates of 8 completions (2 prompts × 4), a KL term and 2 iterations
@@ -180,3 +181,56 @@ def shrunk_overrides(recipe) -> list[str]:
         if s.kind == "push":
             out.append(f"{key}.target=local")
     return out
+
+
+# The micro-batch TRL's GRPO and RLOO `_compute_loss` parity tests hand both sides: 4 completions of 5 tokens after
+# 3-token prompts, ending at different lengths (one after its first token, one filling the window).
+PARITY_COMPLETION_MASK = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]
+
+
+def trl_group_trainer(trl_trainer, trl_config, tiny: Path, **config):
+    """TRL's GRPOTrainer or RLOOTrainer (`trl_trainer`, with its config class `trl_config`) on the tiny model, on CPU
+    in float32, 4 generations a prompt, completions of `len(PARITY_COMPLETION_MASK[0])` tokens and a zero reward:
+    what a loss-parity test calls `_compute_loss` on, its model the one both sides score with."""
+    from datasets import Dataset
+
+    from alignpipe.modeling import load_causal_lm, load_tokenizer
+
+    args = trl_config(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_completion_length=len(PARITY_COMPLETION_MASK[0]),
+        **config,
+    )
+    trainer = trl_trainer(
+        model=load_causal_lm(str(tiny / "model")),
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        processing_class=load_tokenizer(str(tiny / "model")),
+        train_dataset=Dataset.from_list([{"prompt": "a"}] * 8),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def parity_micro_batch(generator):
+    """The token part of that micro-batch (random ids, the completion mask, one advantage a row), drawn from
+    `generator` in a fixed order; each test adds the log-probs its loss reads, drawn after these."""
+    import torch
+
+    mask = torch.tensor(PARITY_COMPLETION_MASK)
+    rows, length = mask.shape
+    return {
+        "prompt_ids": torch.randint(2, 500, (rows, 3), generator=generator),
+        "prompt_mask": torch.ones(rows, 3, dtype=torch.long),
+        "completion_ids": torch.randint(2, 500, (rows, length), generator=generator),
+        "completion_mask": mask,
+        "advantages": torch.randn(rows, generator=generator),
+        "num_items_in_batch": mask.sum().float(),
+    }

@@ -72,6 +72,24 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert torch.equal(rounded[:, 4], torch.full((100_000,), 0.5))  # exact values stay
 
 
+def test_rounding_on_the_bits_equals_the_cast_to_bf16_everywhere():
+    """`round_to_bf16` (what Kahan's step rounds with, so that no compiler can skip the rounding) is the cast's value
+    for every kind of float32: ties to even both ways, subnormals, the largest finite values (rounding to ±inf),
+    zeros of both signs, infinities and NaN."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-44, 38, 200_000, dtype=torch.float64).float()
+    random = torch.randn(200_000, generator=gen) * scales
+    one = torch.tensor(1.0).view(torch.int32)
+    ties = (one + torch.tensor([0x8000, 0x18000, 0x7FFF, 0x8001], dtype=torch.int32)).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 3.3895314e38, -3.3895314e38, 3.4e38, 1e-40, -1e-40, float("inf"), float("-inf")])
+    x = torch.cat([random, -random, ties, -ties, special])
+    assert torch.equal(low_precision_adamw.round_to_bf16(x), x.bfloat16().float())
+    assert torch.equal(low_precision_adamw.round_to_bf16(x).view(torch.int32)[-9:-7], torch.tensor([0, -(1 << 31)]))
+    # NaNs whose payload is in the low bits only, positive and negative (0xFF800001), and a quiet one
+    nans = torch.tensor([0x7F800001, 0xFF800001 - (1 << 32), 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert low_precision_adamw.round_to_bf16(nans).isnan().all()
+
+
 def test_stochastic_steps_are_the_same_on_every_process_whatever_its_generator_state():
     """The rounding's random bits hash the step, the parameter and the position, so DDP's replicas, whose global
     generators differ (dropout, sampling), round alike and stay equal; other steps draw other bits."""
@@ -190,9 +208,11 @@ def test_bf16_sft_at_a_small_learning_rate_learns_with_it_and_barely_without(tin
 @pytest.mark.parametrize("updates", ["kahan", "stochastic"])
 def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_keeps_the_rounding(monkeypatch, updates):
     """With `fused_kernels` on (the gate opened on CPU) each slice's update is one compiled graph for every
-    parameter size and every step's learning rate. Under `kahan` it rounds each new weight to bf16 before taking
-    the compensation from it (inductor would otherwise read the float32 sum): the weights equal the eager step's.
-    Stochastic rounding hashes the same bits compiled as eagerly: the weights equal the eager step's too."""
+    parameter size and every step's learning rate (torch 2.11 recompiled it for each learning rate until the step
+    stopped negating a float input). Under `kahan` it rounds each new weight to bf16 on its bits before taking the
+    compensation from it (inductor would read the float32 sum in place of a cast; torch 2.11's even under
+    `emulate_precision_casts`): the weights equal the eager step's. Stochastic rounding hashes the same bits
+    compiled as eagerly: the weights equal the eager step's too."""
     from alignpipe import fused_kernels
 
     gen = torch.Generator().manual_seed(0)
@@ -254,3 +274,34 @@ def test_a_compiler_failure_falls_back_to_the_eager_step_once(monkeypatch, caplo
         runs.append(p)
     assert torch.equal(runs[0], runs[1])
     assert len(calls) == 1 and caplog.text.count("the compiled step failed") == 1
+
+
+def test_fp16_weights_take_the_eager_step_where_bf16_ones_are_compiled(monkeypatch):
+    """fp16 rounding is a cast, which a compiled kernel may skip (`round_to_bf16`), so fp16 weights are stepped
+    eagerly under `fused_kernels` too, with the eager step's result; bf16 ones in the same optimizer are compiled."""
+    from alignpipe import fused_kernels
+
+    compiled_dtypes = []
+
+    def recording(stochastic):
+        def step(*args):
+            compiled_dtypes.append(args[0].dtype)
+            low_precision_adamw.kahan_update(*args)
+
+        return step
+
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    monkeypatch.setattr(low_precision_adamw, "_compiled", recording)
+    gen = torch.Generator().manual_seed(0)
+    weight, grads = torch.randn(30, 20, generator=gen), [torch.randn(30, 20, generator=gen) for _ in range(3)]
+    runs = []
+    for compiled in (True, False):
+        params = [torch.nn.Parameter(weight.half()), torch.nn.Parameter(weight.bfloat16())]
+        opt = LowPrecisionAdamW(params, lr=1e-3, fused_kernels=compiled)
+        for g in grads:
+            for p in params:
+                p.grad = g.to(p.dtype)
+            opt.step()
+        runs.append(params)
+    assert compiled_dtypes == [torch.bfloat16] * 3
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

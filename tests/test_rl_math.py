@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
+from support import parity_micro_batch, trl_group_trainer
 
 from alignpipe import losses
 from alignpipe.launch import free_port
@@ -311,49 +310,25 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
     trl_extra = {k: v for k, v in extra.items() if k != "sampling_correction"}
     if correction:
         trl_extra["vllm_importance_sampling_mode"] = correction
-    from datasets import Dataset
-
-    from alignpipe.modeling import load_causal_lm, load_tokenizer
-
-    tok, model = load_tokenizer(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
-    C = 5
-    args = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
+    trainer = trl_group_trainer(
+        trl.GRPOTrainer,
+        trl.GRPOConfig,
+        tiny,
         loss_type=loss_type,
         beta=0.04,
         epsilon=0.2,
         epsilon_high=eps_high,
-        max_completion_length=C,
         use_bias_correction_kl=kl_correction,
         importance_sampling_level=level,
         **trl_extra,
     )
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-        args=args,
-        processing_class=tok,
-        train_dataset=Dataset.from_list([{"prompt": "a"}] * 8),
-    )
+    model = trainer.model
     g = torch.Generator().manual_seed(0)
-    B, P = 4, 3
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
-    inputs = {
-        "prompt_ids": torch.randint(2, 500, (B, P), generator=g),
-        "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": torch.randint(2, 500, (B, C), generator=g),
-        "completion_mask": mask,
-        "advantages": torch.randn(B, generator=g),
-        "old_per_token_logps": torch.randn(B, C, generator=g) * 0.1 - 5,
-        "ref_per_token_logps": torch.randn(B, C, generator=g) - 3,
-        "num_items_in_batch": mask.sum().float(),
-    }
+    inputs = parity_micro_batch(g)
+    mask = inputs["completion_mask"]
+    B, C = mask.shape
+    inputs["old_per_token_logps"] = torch.randn(B, C, generator=g) * 0.1 - 5
+    inputs["ref_per_token_logps"] = torch.randn(B, C, generator=g) - 3
     if "delta" in extra:  # an older policy far enough behind that ratios reach 2 to 3, past the cap
         inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 2.0
     weights = None
@@ -364,8 +339,6 @@ def test_grpo_loss_and_metrics_equal_trl_compute_loss(tiny, loss_type, kl_correc
         )
         inputs |= {"importance_sampling_ratio": weights, "sampling_per_token_logps": sampled}
         trainer.use_vllm = True
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     with torch.no_grad():

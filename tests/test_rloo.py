@@ -4,16 +4,15 @@ its validation."""
 from __future__ import annotations
 
 import math
-import tempfile
 
 import pytest
 import torch
-from support import tiny_split
+from support import parity_micro_batch, tiny_split, trl_group_trainer
 
 from alignpipe.judges.reward_set import LoadedReward, RewardSet
 from alignpipe.judges.rewards import exact_match
 from alignpipe.losses import rloo_loss
-from alignpipe.modeling import load_causal_lm, load_tokenizer
+from alignpipe.modeling import load_causal_lm
 from alignpipe.recipe import RecipeError, parse_recipe
 from alignpipe.rl_math import kl_penalized_rewards, leave_one_out_advantages
 from alignpipe.tracking import Tracker
@@ -67,44 +66,12 @@ def test_kl_penalty_enters_the_reward_as_trl():
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
 def test_rloo_loss_equals_trl_compute_loss(tiny, epsilon_high):
     trl = pytest.importorskip("trl")
-    from datasets import Dataset
-
-    tok, model = load_tokenizer(str(tiny / "model")), load_causal_lm(str(tiny / "model"))
-    C = 5
-    args = trl.RLOOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        beta=0.0,
-        epsilon=0.2,
-        epsilon_high=epsilon_high,
-        max_completion_length=C,
-    )
-    trainer = trl.RLOOTrainer(
-        model=model,
-        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
-        args=args,
-        processing_class=tok,
-        train_dataset=Dataset.from_list([{"prompt": "a"}] * 8),
-    )
+    trainer = trl_group_trainer(trl.RLOOTrainer, trl.RLOOConfig, tiny, beta=0.0, epsilon=0.2, epsilon_high=epsilon_high)
+    model = trainer.model
     g = torch.Generator().manual_seed(0)
-    B, P = 4, 3
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
-    inputs = {
-        "prompt_ids": torch.randint(2, 500, (B, P), generator=g),
-        "prompt_mask": torch.ones(B, P, dtype=torch.long),
-        "completion_ids": torch.randint(2, 500, (B, C), generator=g),
-        "completion_mask": mask,
-        "advantages": torch.randn(B, generator=g),
-        "old_logps": torch.randn(B, generator=g) * 0.3 - 20,
-        "num_items_in_batch": mask.sum().float(),
-    }
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
+    inputs = parity_micro_batch(g)
+    mask = inputs["completion_mask"]
+    inputs["old_logps"] = torch.randn(len(mask), generator=g) * 0.3 - 20
     trl_loss = float(trainer._compute_loss(trainer.model, dict(inputs)).detach())
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     with torch.no_grad():
