@@ -18,8 +18,8 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
   step, the parameter and the position, not a generator's draws: DDP's replicas, whose generators drift apart,
   must round alike. fp16 weights take `kahan`.
 
-On CUDA each slice of 16M values is one compiled kernel beside torch's fused one (~18 bytes of traffic a value
-against its ~14); the eager form, on CPU, makes ~25 passes. The moments stay in the weights' dtype, as torch's
+On CUDA each slice of 16M bf16 values is one compiled kernel beside torch's fused one (~18 bytes of traffic a value
+against its ~14); the eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the weights' dtype, as torch's
 AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters (LoRA adapters, which peft
 keeps in float32) take torch's fused AdamW unchanged.
 """
