@@ -18,8 +18,10 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
   step, the parameter and the position, not a generator's draws: DDP's replicas, whose generators drift apart,
   must round alike. fp16 weights take `kahan`.
 
-On CUDA each slice of 16M bf16 values is one compiled kernel beside torch's fused one (~18 bytes of traffic a value
-against its ~14); the eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the weights' dtype, as torch's
+On CUDA the update of bf16 weights is compiled: one kernel a slice of at most 16M values (~18 bytes of traffic a
+value against torch's fused kernel's ~14), up to `MAX_PIECES` slices a call. A call costs ~0.1-0.3 ms of host time
+whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an H200 against torch's fused
+3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the weights' dtype, as torch's
 AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters (LoRA adapters, which peft
 keeps in float32) take torch's fused AdamW unchanged.
 """
@@ -31,6 +33,7 @@ import logging
 import math
 
 import torch
+from torch.fx.experimental import _config as shape_config
 
 from alignpipe import fused_kernels
 from alignpipe.compiled import chunk_bounds
@@ -43,6 +46,12 @@ CHUNK = 1 << 24
 """Values per slice of the element-wise passes: the float32 temporaries of a step stay under ~0.5 GB however large
 a parameter (an embedding) is."""
 
+MAX_PIECES = 8
+"""Slices a compiled call updates (fewer where that many would pass `CHUNK` values). A call's host time is nearly all
+dynamo's and AOT's wrappers, so 8 slices a call cost ~1/8 of one call each; the graphs compiled are one per length,
+and the lengths are powers of two (8, 4, 2, 1): at most four graphs of each kind (Kahan, stochastic) a process, and
+a graph of 8 slices compiles in seconds on a GPU (~25 s in inductor's C++ on CPU, which runs it only in tests)."""
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this process (FSDP2); other tensors as they are. Every pass here is element-wise, and a
@@ -50,25 +59,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _slices(tensors: list[torch.Tensor]):
-    """Flat slices of at most `CHUNK` values over each of `tensors`, which share one shape: for each slice, the
-    tuple of their views (the tensors whole where one the step writes is not contiguous, so has no flat view)."""
-    tensors = [t.detach() for t in tensors]
-    if not all(t.is_contiguous() for t in tensors[:1] + tensors[2:]):
-        yield tuple(tensors)
-        return
-    # Each slice a view of a 1-D tensor that is itself no view (`detach` drops the link to the parameter): a compiled
-    # step guards on its inputs' bases, so a matrix's rows and a vector would otherwise be graphs of their own.
-    flat = [t.reshape(-1).detach() for t in tensors]
-    for start, stop in chunk_bounds(flat[0].numel(), CHUNK):  # no one-value slice, which would compile again
-        yield tuple(f[start:stop] for f in flat)
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a 1-D tensor that is itself no view (`detach` drops the link to a parameter or gradient): a compiled
+    step guards on its inputs' bases, so a matrix's rows and a vector would otherwise be graphs of their own."""
+    return t.detach().reshape(-1).detach()
 
 
 class LowPrecisionAdamW(torch.optim.AdamW):
     """torch's AdamW for float32 parameters; for bf16/fp16 ones, the same update computed in float32 and added with
     Kahan compensation (state `kahan_comp`, beside torch's `exp_avg` and `exp_avg_sq`) or, for bf16 under
-    `updates="stochastic"`, rounded stochastically. With `fused_kernels` (a stage's setting) each slice's update is
-    one compiled kernel on a CUDA device, as torch's fused AdamW is one."""
+    `updates="stochastic"`, rounded stochastically. With `fused_kernels` (a stage's setting) the update is compiled
+    on a CUDA device: one kernel a slice, `MAX_PIECES` slices a call."""
 
     def __init__(self, params, *args, updates: str = "kahan", fused_kernels: bool = False, **kwargs):
         if updates not in ("kahan", "stochastic"):
@@ -76,65 +77,171 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         super().__init__(params, *args, **kwargs)
         self.updates = updates
         self.fused_kernels = fused_kernels
+        # each parameter's slices of its weight and states, kept from step to step (making them anew was most of a
+        # step's host time): what they were taken of (`_identity`), their bounds and the slices (None where a tensor
+        # has no flat view)
+        self._views: dict[torch.Tensor, tuple] = {}
+
+    def load_state_dict(self, state_dict) -> None:
+        self._views.clear()  # the slices of the states replaced, which would stay alive otherwise
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("LowPrecisionAdamW.step takes no closure")
-        held: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # each group's (parameter, gradient) pairs
+        low: list[list[torch.Tensor]] = []  # each group's bf16/fp16 parameters with a gradient
+        rest = False  # whether any float32 one has a gradient: torch's step, which skips those without
         for group in self.param_groups:
-            held.append([(p, p.grad) for p in group["params"] if p.grad is not None and p.dtype in LOW_PRECISION])
-            for p, _ in held[-1]:
-                p.grad = None  # torch's step skips parameters without a gradient
-        try:
-            super().step()
-        finally:
-            for p, grad in (pair for pairs in held for pair in pairs):
-                p.grad = grad
-        for group_index, (group, pairs) in enumerate(zip(self.param_groups, held)):
-            if pairs:
-                self._low_precision_step(group_index, group, [p for p, _ in pairs])
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            low.append([p for p in with_grad if p.dtype in LOW_PRECISION])
+            rest = rest or len(low[-1]) < len(with_grad)
+        if rest:
+            held = [(p, p.grad) for params in low for p in params]
+            for p, _ in held:
+                p.grad = None
+            try:
+                super().step()
+            finally:
+                for p, grad in held:
+                    p.grad = grad
+        for group_index, (group, params) in enumerate(zip(self.param_groups, low)):
+            if params:
+                self._low_precision_step(group_index, group, params)
         return None
 
     def _low_precision_step(self, group_index: int, group: dict, params: list[torch.Tensor]) -> None:
-        beta1, beta2 = (float(b) for b in group["betas"])
-        lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-        for position, p in enumerate(params):
-            stochastic = rounds_stochastically(self.updates, p.dtype)
-            state = self.state[p]
-            names = ("exp_avg", "exp_avg_sq") + (() if stochastic else ("kahan_comp",))
+        compiles = self.fused_kernels and fused_kernels.wanted(True, params[0].device)
+        pending: dict[tuple[bool, int], list] = {}  # (stochastic, step) → [(slice, salt)] for the compiled calls
+        states = [self.state[p] for p in params]
+        for state in states:
             if not state:
                 state["step"] = torch.tensor(0.0)
             elif state["step"].device.type != "cpu":  # torch's load_state_dict moves it for fused steps
                 state["step"] = state["step"].cpu()
+        torch._foreach_add_([state["step"] for state in states], 1)  # host tensors, one call: no device read
+        for position, (p, state) in enumerate(zip(params, states)):
+            stochastic = rounds_stochastically(self.updates, p.dtype)
+            names = ("exp_avg", "exp_avg_sq") + (() if stochastic else ("kahan_comp",))
             for name in names:  # all at the first step; the buffer too where a run resumes under `kahan`
                 if name not in state:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            step = float(state["step"])  # a host tensor: no device read
-            scalars = (beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), lr * decay, eps)
-            assert p.grad is not None  # `step` hands over only parameters with a gradient
-            tensors = [_local(t) for t in (p, p.grad, *(state[name] for name in names))]
-            for index, piece in enumerate(_slices(tensors)):
+            step = int(state["step"])
+            for index, piece in enumerate(self._slices(p, state, names)):
                 # the rounding's random bits: a hash of where and when, the same on every process of a DDP stage,
                 # whose replicas must round alike (the global generator's state differs between ranks)
-                salt = _mix(int(step), group_index, position, index) if stochastic else None
-                self._update_slice(piece, scalars, salt)
+                salt = _mix(step, group_index, position, index) if stochastic else None
+                # fp16 weights take the eager step: their rounding is a cast, which a compiled kernel may skip
+                if compiles and p.dtype == torch.bfloat16:
+                    pending.setdefault((stochastic, step), []).append((piece, salt))
+                else:
+                    _update(piece, _scalars(group, step), salt)
+        for (stochastic, step), batch in pending.items():  # one step count for nearly all: one entry
+            for bucket in _buckets(batch):
+                self._update_compiled(bucket, _scalars(group, step), stochastic)
 
-    def _update_slice(self, piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...], salt: int | None) -> None:
-        """One slice's update, rounded stochastically where it has a `salt`: compiled where the stage's fused kernels
-        run, for bf16 weights, eagerly elsewhere and from the first slice the compiler fails on (said once;
-        compilation fails before the kernel writes anything). fp16 weights take the eager step: their rounding is a
-        cast, which a compiled kernel may skip (`round_to_bf16`)."""
-        args = (*piece, *scalars) if salt is None else (*piece, *scalars, salt)
-        if piece[0].dtype == torch.bfloat16 and fused_kernels.wanted(self.fused_kernels, piece[0].device):
+    def _slices(self, p: torch.Tensor, state: dict, names: tuple[str, ...]) -> list[tuple[torch.Tensor, ...]]:
+        """(weight, gradient, *states) of `p` in flat slices of at most `CHUNK` values (no one-value slice, which
+        would compile again), or whole where the weight or a state is not contiguous, so has no flat view. The
+        weight's and states' slices are kept while they are the same tensors (`_same`)."""
+        kept = [_local(t) for t in (p, *(state[name] for name in names))]
+        assert p.grad is not None  # `step` hands over only parameters with a gradient
+        grad = _local(p.grad)
+        cached = self._views.get(p)
+        if cached is None or not _same(cached[0], kept):
+            if all(t.is_contiguous() for t in kept):
+                flat = [_flat(t) for t in kept]
+                bounds = chunk_bounds(flat[0].numel(), CHUNK)
+                cached = (_identity(kept), bounds, [tuple(f[start:stop] for f in flat) for start, stop in bounds])
+            else:
+                cached = (_identity(kept), None, None)
+            self._views[p] = cached
+        _, bounds, slices = cached
+        if bounds is None:
+            return [(kept[0].detach(), grad.detach(), *(t.detach() for t in kept[1:]))]
+        g = _flat(grad)
+        return [(w, g[start:stop], *rest) for (start, stop), (w, *rest) in zip(bounds, slices)]
+
+    def _update_compiled(self, bucket: list, scalars: tuple[float, ...], stochastic: bool) -> None:
+        """One compiled call over `bucket`'s slices, eagerly from the first bucket the compiler fails on (said once;
+        compilation fails before the kernels write anything)."""
+        pieces, salts = [piece for piece, _ in bucket], [salt for _, salt in bucket]
+        if self.fused_kernels:
             try:
-                _compiled(salt is not None)(*args)
+                # one symbol a slice's length (no duck sizing): slices of equal length in one call and of unequal
+                # ones in the next would otherwise be two graphs
+                with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+                    _compiled(stochastic)(pieces, scalars, salts if stochastic else None)
                 return
             except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as err:
                 log.warning("low_precision_updates: the compiled step failed (%s); the eager step runs instead", err)
                 self.fused_kernels = False
-        (kahan_update if salt is None else stochastic_update)(*args)
+        for piece, salt in bucket:
+            _update(piece, scalars, salt)
+
+
+def _identity(kept: list[torch.Tensor]) -> tuple:
+    """What says that a parameter's weight and states are still the tensors whose slices were kept: the weight's
+    storage pointer, shape and dtype (a parameter is one object whatever `.data` it is given; no other storage can
+    take a pointer the kept slices hold alive), and the states themselves (compared as objects: `is`)."""
+    weight = kept[0]
+    return (weight.data_ptr(), weight.shape, weight.dtype), kept[1:]
+
+
+def _same(identity: tuple, kept: list[torch.Tensor]) -> bool:
+    """Whether `kept` are the tensors `identity` was taken of (`_identity`)."""
+    (pointer, shape, dtype), states = identity
+    weight = kept[0]
+    return (
+        weight.data_ptr() == pointer
+        and weight.shape == shape
+        and weight.dtype == dtype
+        and len(states) == len(kept) - 1
+        and all(a is b for a, b in zip(states, kept[1:]))
+    )
+
+
+def _scalars(group: dict, step: int) -> tuple[float, ...]:
+    """A group's step terms after `step` steps: β₁, β₂, the step size lr / (1 − β₁ᵗ), √(1 − β₂ᵗ), lr × decay, ε."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, eps, decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    return beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), lr * decay, eps
+
+
+def _update(piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...], salt: int | None) -> None:
+    """One slice's eager update, rounded stochastically where it has a `salt`."""
+    if salt is None:
+        kahan_update(*piece, *scalars)
+    else:
+        stochastic_update(*piece, *scalars, salt)
+
+
+def _buckets(batch: list) -> list[list]:
+    """`batch` (slices with their salts) in calls of `MAX_PIECES` or a smaller power of two, each of at most `CHUNK`
+    values where its slices allow; a whole tensor (no flat view: a strided parameter) alone, since its shape is a
+    graph's."""
+    buckets: list[list] = []
+    run: list = []
+    values = 0
+
+    def close():
+        while run:  # the lengths 8, 4, 2, 1 only: one graph each
+            size = 1 << (len(run).bit_length() - 1)
+            buckets.append(run[:size])
+            del run[:size]
+
+    for item in batch:
+        piece = item[0]
+        if piece[0].dim() != 1:
+            buckets.append([item])
+            continue
+        if run and (len(run) == MAX_PIECES or values + piece[0].numel() > CHUNK):
+            close()
+            values = 0
+        run.append(item)
+        values += piece[0].numel()
+    close()
+    return buckets
 
 
 def _adamw_step(weight, grad, exp_avg, exp_avg_sq, beta1, beta2, step_size, root_correction, lr_decay, eps):
@@ -213,13 +320,29 @@ def _mix(*parts: int) -> int:
     return h
 
 
+def _kahan_many(pieces: list, scalars: tuple[float, ...], salts: None) -> None:
+    """`kahan_update` of each of `pieces` (a slice of a weight, its gradient and states)."""
+    for piece in pieces:
+        kahan_update(*piece, *scalars)
+
+
+def _stochastic_many(pieces: list, scalars: tuple[float, ...], salts: list[int]) -> None:
+    """`stochastic_update` of each of `pieces`, with its salt."""
+    for piece, salt in zip(pieces, salts):
+        stochastic_update(*piece, *scalars, salt)
+
+
 @functools.cache
 def _compiled(stochastic: bool):
-    """The slice update of bf16 weights as one kernel, compiled once a process: dynamic sizes, and the learning
-    rate's terms as inputs, not constants (no graph per step). Every rounding whose result the step reads again is
-    done on the bits (`round_to_bf16`, `round_stochastically`), so the compiled step equals the eager one whatever
-    inductor does with casts."""
-    return torch.compile(stochastic_update if stochastic else kahan_update, dynamic=True)
+    """`_kahan_many` or `_stochastic_many` compiled, a graph a process for each number of slices (two functions, not
+    one with a flag: dynamo's limit of 8 graphs is a function's): dynamic sizes, and the learning rate's terms as
+    inputs, not constants (no graph per step). Every rounding whose result the step reads again is done on the bits
+    (`round_to_bf16`, `round_stochastically`), so the compiled step equals the eager one whatever inductor does with
+    casts; `emulate_precision_casts` also keeps Triton from contracting a product and a sum into one fused
+    multiply-add, which rounds once where the eager step rounds twice (on an H200 the compiled step's weights
+    differed from the eager step's by a rounding step here and there without it, session 42)."""
+    many = _stochastic_many if stochastic else _kahan_many
+    return torch.compile(many, dynamic=True, options={"emulate_precision_casts": True})
 
 
 def rounds_stochastically(updates: str, dtype: torch.dtype) -> bool:

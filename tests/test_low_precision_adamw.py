@@ -3,6 +3,8 @@ unbiased stochastic rounding), equals torch's AdamW where rounding does not matt
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from support import tiny_split
@@ -206,17 +208,21 @@ def test_bf16_sft_at_a_small_learning_rate_learns_with_it_and_barely_without(tin
 
 
 @pytest.mark.parametrize("updates", ["kahan", "stochastic"])
-def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_keeps_the_rounding(monkeypatch, updates):
-    """With `fused_kernels` on (the gate opened on CPU) each slice's update is one compiled graph for every
-    parameter size and every step's learning rate (torch 2.11 recompiled it for each learning rate until the step
-    stopped negating a float input). Under `kahan` it rounds each new weight to bf16 on its bits before taking the
-    compensation from it (inductor would read the float32 sum in place of a cast; torch 2.11's even under
-    `emulate_precision_casts`): the weights equal the eager step's. Stochastic rounding hashes the same bits
-    compiled as eagerly: the weights equal the eager step's too."""
+def test_the_compiled_update_is_one_graph_a_call_length_for_every_size_and_learning_rate_and_keeps_the_rounding(
+    monkeypatch, updates
+):
+    """With `fused_kernels` on (the gate opened on CPU) the slices are updated `MAX_PIECES` to a call (4 here: two
+    calls of 4, one of 1), one graph for each call length whatever the slices' sizes (four of one size in the first
+    call, of four sizes in the second: no duck sizing) and every step's learning rate (torch 2.11 recompiled for
+    each learning rate until the step stopped negating a float input). Under `kahan` it rounds each new weight to
+    bf16 on its bits before taking the compensation from it (inductor would read the float32 sum in place of a cast;
+    torch 2.11's even under `emulate_precision_casts`): the weights equal the eager step's. Stochastic rounding
+    hashes the same bits compiled as eagerly: the weights equal the eager step's too."""
     from alignpipe import fused_kernels
 
+    monkeypatch.setattr(low_precision_adamw, "MAX_PIECES", 4)
     gen = torch.Generator().manual_seed(0)
-    shapes = [(40, 30), (70,), (16, 9)]
+    shapes = [(16, 9)] * 4 + [(40, 30), (70,), (33,), (5, 11), (12, 12)]
     weights = [torch.randn(shape, generator=gen) for shape in shapes]
     grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(4)]
 
@@ -232,12 +238,13 @@ def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_k
             scheduler.step()
         return params, opt
 
+    assert [len(b) for b in low_precision_adamw._buckets([((w.reshape(-1),), None) for w in weights])] == [4, 4, 1]
     torch._dynamo.reset()
     low_precision_adamw._compiled.cache_clear()
     stats = torch._dynamo.utils.counters["stats"]
     before = stats["unique_graphs"]
     compiled, opt = run(True)
-    assert stats["unique_graphs"] - before == 1
+    assert stats["unique_graphs"] - before == 2
     eager, ref = run(False)
     for a, b in zip(compiled, eager):
         assert torch.equal(a, b)
@@ -249,6 +256,56 @@ def test_the_compiled_update_is_one_graph_for_every_size_and_learning_rate_and_k
         assert opt.state[a]["kahan_comp"].abs().max() > 0
 
 
+def test_calls_hold_powers_of_two_up_to_max_pieces_and_chunk_values_and_strided_tensors_alone(monkeypatch):
+    """A run of slices is cut at `MAX_PIECES` slices or `CHUNK` values, and each run into powers of two (the only
+    call lengths, so the only graphs); a tensor with no flat view (2-D here) is a call of its own."""
+    monkeypatch.setattr(low_precision_adamw, "CHUNK", 100)
+
+    def piece(n, dim=1):
+        return ((torch.zeros(n) if dim == 1 else torch.zeros(n, 1)),), None
+
+    strided = piece(7, dim=2)
+    batch = [piece(10)] * 11 + [piece(60), piece(50), strided] + [piece(5)] * 6
+    buckets = low_precision_adamw._buckets(batch)
+    assert [len(b) for b in buckets] == [8, 4, 1, 4, 2, 1]  # the last run, 7 slices, as 4 + 2 + 1
+    assert [sum(item[0][0].numel() for item in b) for b in buckets] == [80, 90, 7, 65, 10, 5]
+    assert buckets[2] == [strided]
+    assert low_precision_adamw._buckets([]) == []
+
+
+def test_kept_slices_follow_a_new_weight_and_a_loaded_state(monkeypatch):
+    """The slices of a weight and its states are kept between steps; a parameter given a new `.data` and an
+    optimizer given a saved state are stepped in their new tensors, as a fresh optimizer steps them."""
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.randn(30, 20, generator=gen), torch.randn(30, 20, generator=gen)
+    grads = [torch.randn(30, 20, generator=gen) for _ in range(4)]
+
+    def steps(p, opt, which):
+        for i in which:
+            p.grad = grads[i].bfloat16()
+            opt.step()
+
+    p = torch.nn.Parameter(first.bfloat16())
+    opt = LowPrecisionAdamW([p], lr=1e-2)
+    steps(p, opt, range(2))
+    p.data = second.bfloat16()  # as a reload of the weights does
+    saved = {k: v.clone() for k, v in opt.state[p].items()}
+    steps(p, opt, range(2, 4))
+    q = torch.nn.Parameter(second.bfloat16())
+    ref = LowPrecisionAdamW([q], lr=1e-2)
+    ref.state[q].update({k: v.clone() for k, v in saved.items()})
+    steps(q, ref, range(2, 4))
+    assert torch.equal(p, q) and not torch.equal(p, second.bfloat16())
+    loaded = copy.deepcopy(ref.state_dict())  # torch's load keeps the tensors it is given
+    steps(p, opt, range(4))
+    opt.load_state_dict(loaded)
+    p.data = q.detach().clone()
+    steps(p, opt, range(2))
+    steps(q, ref, range(2))
+    assert torch.equal(p, q)
+    assert torch.equal(opt.state[p]["kahan_comp"], ref.state[q]["kahan_comp"])
+
+
 def test_a_compiler_failure_falls_back_to_the_eager_step_once(monkeypatch, caplog):
     """Where the compiled step cannot be built the optimizer says so once and takes the eager step, with its
     result, for that slice and every later one."""
@@ -256,8 +313,8 @@ def test_a_compiler_failure_falls_back_to_the_eager_step_once(monkeypatch, caplo
 
     calls = []
 
-    def broken(*args):
-        calls.append(len(args))
+    def broken(pieces, scalars, salts):
+        calls.append(len(pieces))
         raise torch._inductor.exc.InductorError(RuntimeError("no triton"), None)
 
     monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
@@ -284,9 +341,9 @@ def test_fp16_weights_take_the_eager_step_where_bf16_ones_are_compiled(monkeypat
     compiled_dtypes = []
 
     def recording(stochastic):
-        def step(*args):
-            compiled_dtypes.append(args[0].dtype)
-            low_precision_adamw.kahan_update(*args)
+        def step(pieces, scalars, salts):
+            compiled_dtypes.extend(piece[0].dtype for piece in pieces)
+            low_precision_adamw._kahan_many(pieces, scalars, salts)
 
         return step
 
