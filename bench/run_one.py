@@ -282,6 +282,17 @@ def _steady_median(tracker, *names: str) -> float | None:
     return None
 
 
+def liger_args(task: str) -> dict:
+    """TRL's arguments for its trainer of `task` with Liger's kernels, as a user gets them to run: all of them, but
+    for a reward model no fused linear cross-entropy. Liger patches the forward of any Qwen2 model it is given with
+    the causal LM's (`lce_forward`), which a sequence classifier has no `lm_head` for: `use_liger_kernel=True` alone
+    fails at the reward model's first step (session 42's lease). Its norm, SwiGLU and rotary kernels still apply."""
+    args: dict = {"use_liger_kernel": True}
+    if task == "reward":
+        args["liger_kernel_config"] = {"fused_linear_cross_entropy": False, "cross_entropy": False}
+    return args
+
+
 def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock, liger: bool = False) -> dict:
     """TRL's trainer for the case, as a user would configure it for the same step (`liger`: with
     `use_liger_kernel=True`, TRL's fused kernels and losses)."""
@@ -309,7 +320,7 @@ def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepCloc
         lr_scheduler_type="linear",
         max_length=shape.max_len,
         disable_tqdm=True,
-        **({"use_liger_kernel": True} if liger else {}),
+        **(liger_args(task) if liger else {}),
     )
     ds = Dataset.from_list(data)
     t0 = time.perf_counter()  # construction (tokenization) + train + save, as `ours` is timed

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -624,3 +625,19 @@ def test_the_activation_count_separates_layers_tokens_and_the_heads_gradient(cap
     for r in rows.values():
         want = (3 * r["layer_per_token"] + r["outside_per_token"]) * 1000 + r["fixed"]
         assert r["projected_gb"] == pytest.approx(want / 1e9, rel=1e-3)
+
+
+def test_trl_with_liger_runs_a_reward_model_without_the_fused_lm_head():
+    """The `trl+liger` contender's arguments, as TRL's configs take them: every Liger kernel for the causal LMs, and
+    for a reward model (a sequence classifier, which has no LM head for Liger's fused cross-entropy forward to
+    call) the layer kernels only."""
+    import trl
+
+    from bench.run_one import liger_args
+
+    reward = trl.RewardConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", **liger_args("reward"))
+    assert reward.use_liger_kernel
+    assert reward.liger_kernel_config == {"fused_linear_cross_entropy": False, "cross_entropy": False}
+    for task, config in (("dpo", trl.DPOConfig), ("sft", trl.SFTConfig)):
+        args = config(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", **liger_args(task))
+        assert args.use_liger_kernel and not args.liger_kernel_config
