@@ -44,10 +44,18 @@
 #      round)
 #   e  the lease after: SFT 4×4096 against TRL + Liger (the SFT target's other shape), then GRPO 8×8×256 against
 #      TRL + Liger (the GRPO row owed since session 29: TRL's layer kernels under its generation) (timeout_s 520)
+# Session 42's lease ran c and d. What it found sets the next lease's two calls, f then g, back to back:
+#   f  gpu_checks' AdamW and offloading lines (session 42 mended both: the compiled AdamW step in calls of 8 slices
+#      with Triton's FMA contraction off, the offloaded step warmed up before it is timed), then DPO 8×1024 and
+#      reward 8×1024 against TRL + Liger (the reward contender now runs: Liger's layer kernels, no fused LM head)
+#      (timeout_s 480)
+#   g  at once: profiles of a DPO 8×1024 step, ours then TRL + Liger's (ours ran at 21–22 pairs/s in session 42
+#      against 41 in session 29: where the time went), then SFT 4×4096 against TRL + Liger for G_LIMIT seconds
+#      (default 200), the lease's remaining seconds less a margin
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to e)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, or e, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to g)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -106,6 +114,18 @@ c)
 d)
   timeout 120 python3 -m bench.gpu_checks --only activation_offloading,low_precision_adamw 2>&1 | tee -a "$out/checks"
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
+  ;;
+f)
+  timeout 100 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
+  bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  ;;
+g)
+  for side in ours trl+liger; do
+    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
+      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
+  done
+  bench "${G_LIMIT:-200}" --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
