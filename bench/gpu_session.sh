@@ -74,6 +74,13 @@ bench() { # bench SECONDS ARGS...: one invocation under its own limit, the repor
   cp docs/benchmarks.md "$out/"
 }
 
+dpo_profiles() { # where a DPO 8×1024 step's time goes, ours then TRL + Liger's (100 s each)
+  for side in ours trl+liger; do
+    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
+      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
+  done
+}
+
 case $stage in
 1)
   timeout 170 python3 -m bench.gpu_checks 2>&1 | tee "$out/checks"
@@ -121,10 +128,7 @@ f)
   bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 g)
-  for side in ours trl+liger; do
-    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
-      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
-  done
+  dpo_profiles
   bench "${G_LIMIT:-200}" --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
@@ -132,10 +136,7 @@ e)
   bench 280 --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
   ;;
 5)
-  for side in ours trl+liger; do
-    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
-      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
-  done
+  dpo_profiles
   bench 200 --cases sft/8x2048 --attention varlen --compile --contenders trl+liger --steps 25
   ;;
 esac

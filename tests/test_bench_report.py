@@ -574,11 +574,22 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     assert sorted(stages) == ["1", "2", "3", "4", "5", "a", "b", "c", "d", "e", "f", "g"]
     limit = r'(?:bench|timeout) "?(?:\$\{\w+:-)?(\d+)'  # a number, or a variable's default (B_LIMIT)
     known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
-    for stage, body in stages.items():
-        limits = [int(n) for n in re.findall(limit, body)]
+
+    def limits_of(body: str) -> list[int]:
+        found = [int(n) for n in re.findall(limit, body)]
         for items, loop in re.findall(r"for \w+ in ([^;]+); do\n(.*?)\n\s*done", body, flags=re.S):
             # a step inside a loop runs once per item
-            limits += [int(n) * (len(items.split()) - 1) for n in re.findall(limit, loop)]
+            found += [int(n) * (len(items.split()) - 1) for n in re.findall(limit, loop)]
+        return found
+
+    functions = {
+        name: limits_of(body) for name, body in re.findall(r"^(\w+)\(\) \{[^\n]*\n(.*?)\n\}", text, re.S | re.M)
+    }
+    assert sum(functions["dpo_profiles"]) == 200  # two profiles of 100 s
+    for stage, body in stages.items():
+        limits = limits_of(body)
+        for called in re.findall(r"^\s*(\w+)$", body, flags=re.M):  # a function of the script, called bare
+            limits += functions.get(called, [])
         assert limits and sum(limits) <= 570, (stage, limits)
         for line in re.findall(r'^\s*bench "?(?:\$\{\w+:-)?\d+\}?"? (.*)$', body, flags=re.M):
             args = shlex.split(line)
