@@ -47,8 +47,10 @@
 # Session 42's lease ran c and d. What it found sets the next lease's two calls, f then g, back to back:
 #   f  gpu_checks' AdamW and offloading lines (session 42 mended both: the compiled AdamW step in calls of 8 slices
 #      with Triton's FMA contraction off, the offloaded step warmed up before it is timed), then DPO 8×1024 and
-#      reward 8×1024 against TRL + Liger (the reward contender now runs: Liger's layer kernels, no fused LM head)
-#      (timeout_s 480)
+#      reward 8×1024 against TRL + Liger (the reward contender now runs: Liger's layer kernels, no fused LM head).
+#      DPO gets 210 s, room for a third round: a side's first run can pay its JIT kernels' compilation inside the
+#      steady window (session 42: TRL + Liger's first DPO run 13.9 pairs/s, its second 26.3), and only a median of
+#      three leaves that run out (timeout_s 480)
 #   g  at once: profiles of a DPO 8×1024 step, ours then TRL + Liger's (ours ran at 21–22 pairs/s in session 42
 #      against 41 in session 29: where the time went), then SFT 4×4096 against TRL + Liger for G_LIMIT seconds
 #      (default 200), the lease's remaining seconds less a margin
@@ -123,9 +125,9 @@ d)
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 f)
-  timeout 100 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
-  bench 170 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
-  bench 170 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  timeout 80 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
+  bench 210 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 150 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 g)
   dpo_profiles
