@@ -21,9 +21,9 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
 On CUDA the update of bf16 weights is compiled: one kernel a slice of at most 16M values (~18 bytes of traffic a
 value against torch's fused kernel's ~14), up to `MAX_PIECES` slices a call. A call costs ~0.1-0.3 ms of host time
 whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an H200 against torch's fused
-3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the weights' dtype, as torch's
-AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters (LoRA adapters, which peft
-keeps in float32) take torch's fused AdamW unchanged.
+3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the
+weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters
+(LoRA adapters, which peft keeps in float32) take torch's fused AdamW unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ a parameter (an embedding) is."""
 MAX_PIECES = 8
 """Slices a compiled call updates (fewer where that many would pass `CHUNK` values). A call's host time is nearly all
 dynamo's and AOT's wrappers, so 8 slices a call cost ~1/8 of one call each; the graphs compiled are one per length,
-and the lengths are powers of two (8, 4, 2, 1): at most four graphs of each kind (Kahan, stochastic) a process, and
-a graph of 8 slices compiles in seconds on a GPU (~25 s in inductor's C++ on CPU, which runs it only in tests)."""
+and the lengths are powers of two (8, 4, 2, 1): at most four graphs of each kind (Kahan, stochastic) a process. A
+graph of 8 slices takes ~25 s in inductor's C++ on CPU, which runs it only in tests; on a GPU its compile time is
+not yet measured (each run of the bench reports its graphs and their seconds)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
