@@ -13,7 +13,8 @@ It runs exactly what `python -m bench` times for that case (same model, data and
 - `summary.json`: the case's figures, the profiled total and the share of it spent in matrix multiplies; on a GPU
   also the device time by kind of kernel (matmul, attention, Triton, norm, element-wise, copy, optimizer), from
   the kernels themselves, so that ours and TRL + Liger's (whose Triton kernels run outside aten's operators) add up
-  alike.
+  alike, and how busy the device is in a steady step (`device_busy`: well under 100% says the step waits on its
+  host).
 
 It prints the top operators (kernels, on a GPU) and the matrix-multiply share: the figure that says whether a case is bound by
 its FLOPs (a high share: only fewer FLOPs help) or by everything around them (a low share: overhead to remove).
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.cases import cases, is_gpu_model
+from bench.cases import cases, find_case, is_gpu_model
 from bench.run_one import IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +114,16 @@ def summarize(events, device: bool) -> dict:
     }
 
 
+def device_busy(kernel_ms: float, steps: int, per_step: int, steady_samples_per_s: float | None) -> float | None:
+    """The share of a steady step's wall time that the device spends in kernels: the run's kernel time a step (the
+    warm-up steps' included, so a little high) over the wall time a step at the steady rate. Well under 1 says the
+    step waits on its host (Python, launches, a sync), which no faster kernel helps; near 1, on its kernels. None
+    without a steady rate (CPU runs log once)."""
+    if not steady_samples_per_s or steps <= 0:
+        return None
+    return (kernel_ms / steps) / (1e3 * per_step / steady_samples_per_s)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("impl", choices=list(IMPLS))
@@ -157,12 +168,19 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "ops.txt").write_text(events.table(sort_by=sort, row_limit=60))
     prof.export_chrome_trace(str(out / "trace.json"))
     summary = {**figures, "profile": summarize(events, device)}
+    if device:
+        per_step = find_case(args.model, key).shape.per_step
+        summary["profile"]["device_busy"] = device_busy(
+            summary["profile"]["total_ms"], args.steps, per_step, figures.get("steady_samples_per_s")
+        )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     p = summary["profile"]
     print(
         f"{args.impl} {key} {args.model}: {figures['samples_per_s']:.1f} samples/s under the profiler; "
         f"{p['total_ms']:.0f} ms of {p['clock']} self time, {100 * p['gemm_share']:.0f}% in matrix multiplies"
     )
+    if p.get("device_busy") is not None:
+        print(f"  device busy {100 * p['device_busy']:.0f}% of a steady step's wall time (well under 100%: host-bound)")
     for kind, row in p["kinds"].items():
         print(f"  {kind:<14} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%")
     for row in p["top"]:

@@ -652,3 +652,12 @@ def test_trl_with_liger_runs_a_reward_model_without_the_fused_lm_head():
     for task, config in (("dpo", trl.DPOConfig), ("sft", trl.SFTConfig)):
         args = config(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", **liger_args(task))
         assert args.use_liger_kernel and not args.liger_kernel_config
+
+
+def test_device_busy_is_kernel_time_a_step_over_a_steady_steps_wall_time():
+    """`bench.profile`'s host-bound figure: 10 steps with 1.5 s of kernels, 8 samples a step at 40 samples/s (0.2 s a
+    step): the device is busy 75% of a step. No steady rate (a CPU run), no figure."""
+    from bench.profile import device_busy
+
+    assert abs(device_busy(1500.0, 10, 8, 40.0) - 0.75) < 1e-12
+    assert device_busy(1500.0, 10, 8, None) is None and device_busy(1500.0, 0, 8, 40.0) is None
