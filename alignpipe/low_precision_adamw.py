@@ -114,6 +114,7 @@ class LowPrecisionAdamW(torch.optim.AdamW):
     def _low_precision_step(self, group_index: int, group: dict, params: list[torch.Tensor]) -> None:
         compiles = self.fused_kernels and fused_kernels.wanted(True, params[0].device)
         pending: dict[tuple[bool, int], list] = {}  # (stochastic, step) → [(slice, salt)] for the compiled calls
+        scalars = functools.cache(functools.partial(_scalars, group))  # one step count for nearly all parameters
         states = [self.state[p] for p in params]
         for state in states:
             if not state:
@@ -136,10 +137,10 @@ class LowPrecisionAdamW(torch.optim.AdamW):
                 if compiles and p.dtype == torch.bfloat16:
                     pending.setdefault((stochastic, step), []).append((piece, salt))
                 else:
-                    _update(piece, _scalars(group, step), salt)
+                    _update(piece, scalars(step), salt)
         for (stochastic, step), batch in pending.items():  # one step count for nearly all: one entry
             for bucket in _buckets(batch):
-                self._update_compiled(bucket, _scalars(group, step), stochastic)
+                self._update_compiled(bucket, scalars(step), stochastic)
 
     def _slices(self, p: torch.Tensor, state: dict, names: tuple[str, ...]) -> list[tuple[torch.Tensor, ...]]:
         """(weight, gradient, *states) of `p` in flat slices of at most `CHUNK` values (no one-value slice, which
