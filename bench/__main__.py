@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                             f", {g} graphs compiled in {r['compile_s']:.1f} s"
                             if (g := r.get("compiled_graphs"))
                             else ""
-                        ),
+                        )
+                        + step_detail(r),
                         flush=True,
                     )
                 # written after every round of every case: a call cut short (a device call's time limit) keeps the
@@ -454,6 +455,19 @@ def main(argv: list[str] | None = None) -> None:
                 rows = merge_rows(old, table(results, phys, peaks, gpu, runs_label))
                 write_section(Path(args.out), section, report(rows, suite, gpu, warmup, peaks, args.merge))
     print("\n".join(rows))
+
+
+def step_detail(r: dict) -> str:
+    """A run's step times (ms, each step from the one before it), the steady steps in which `torch.compile` built a
+    graph, and the warnings it logged: a slow steady rate made of a few long steps (compiles, a JIT cache filled)
+    reads differently from one made of uniformly slow steps (a step that waits on its host), and a fallback taken on
+    the GPU alone (`run_one.Warnings`) says itself."""
+    out = f"; step ms {' '.join(map(str, ms))}" if (ms := r.get("step_ms")) else ""
+    if steps := r.get("steady_compile_steps"):
+        out += f"; compiled in steady steps {', '.join(map(str, steps))}"
+    if warned := r.get("warnings"):
+        out += "; warned: " + " | ".join(warned)
+    return out
 
 
 def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | None, merged: bool) -> list[str]:

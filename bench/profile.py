@@ -13,8 +13,9 @@ It runs exactly what `python -m bench` times for that case (same model, data and
 - `summary.json`: the case's figures, the profiled total and the share of it spent in matrix multiplies; on a GPU
   also the device time by kind of kernel (matmul, attention, Triton, norm, element-wise, copy, optimizer), from
   the kernels themselves, so that ours and TRL + Liger's (whose Triton kernels run outside aten's operators) add up
-  alike, and how busy the device is in a steady step (`device_busy`: well under 100% says the step waits on its
-  host).
+  alike, how busy the device is in a steady step (`device_busy`: well under 100% says the step waits on its
+  host), and the host time of each optimizer step (`optimizer_host_ms`). It also prints the run's step times and
+  the warnings it logged (`bench.__main__.step_detail`).
 
 It prints the top operators (kernels, on a GPU) and the matrix-multiply share: the figure that says whether a case is bound by
 its FLOPs (a high share: only fewer FLOPs help) or by everything around them (a low share: overhead to remove).
@@ -114,6 +115,18 @@ def summarize(events, device: bool) -> dict:
     }
 
 
+def optimizer_host_ms(events) -> dict[str, float]:
+    """Host time a call of each optimizer's step (`Optimizer.step#<class>.step`, which torch's profiler records
+    around every optimizer's step) in ms, children included: on a GPU what the host spends launching the update,
+    which costs the step its wall time only where the step waits on its host. The profiler's own cost per operator
+    inflates it a little."""
+    return {
+        e.key.split("#", 1)[1]: e.cpu_time_total / e.count / 1e3
+        for e in events
+        if e.key.startswith("Optimizer.step#") and e.count
+    }
+
+
 def device_busy(kernel_ms: float, steps: int, per_step: int, steady_samples_per_s: float | None) -> float | None:
     """The share of a steady step's wall time that the device spends in kernels: the run's kernel time a step (the
     warm-up steps' included, so a little high) over the wall time a step at the steady rate. Well under 1 says the
@@ -149,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.__main__ import step_detail
     from bench.run_one import case
 
     device = torch.cuda.is_available()
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     sort = "self_device_time_total" if device else "self_cpu_time_total"
     (out / "ops.txt").write_text(events.table(sort_by=sort, row_limit=60))
     prof.export_chrome_trace(str(out / "trace.json"))
-    summary = {**figures, "profile": summarize(events, device)}
+    summary = {**figures, "profile": summarize(events, device) | {"optimizer_host_ms": optimizer_host_ms(events)}}
     if device:
         per_step = find_case(args.model, key).shape.per_step
         summary["profile"]["device_busy"] = device_busy(
@@ -181,6 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if p.get("device_busy") is not None:
         print(f"  device busy {100 * p['device_busy']:.0f}% of a steady step's wall time (well under 100%: host-bound)")
+    for name, ms in p["optimizer_host_ms"].items():
+        print(f"  {name}: {ms:.1f} ms of host time a step")
+    if detail := step_detail(figures):
+        print(f"  {detail.lstrip('; ')}")
     for kind, row in p["kinds"].items():
         print(f"  {kind:<14} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%")
     for row in p["top"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import statistics
@@ -36,17 +37,29 @@ WARMUP_STEPS = int(os.environ.get(SKIP_STEPS_ENV, "5"))
 
 class StepClock:
     """Wall time at the end of each optimizer step: the steady-state rate leaves out data preparation, the
-    warm-up steps and saving, which dominate a short end-to-end timing on a fast GPU."""
+    warm-up steps and saving, which dominate a short end-to-end timing on a fast GPU. Each tick also notes how many
+    graphs `torch.compile` has built so far, so a run can say whether compiling fell inside its steady window (a
+    JIT compile there is seconds, and looks like a slow step)."""
 
     def __init__(self):
         self.times: list[float] = []
+        self.graphs: list[int] = []
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
+        self.graphs.append(compilations()[0])
 
     def steady(self, per_step: int) -> float | None:
         n = len(self.times) - 1 - WARMUP_STEPS
         return per_step * n / (self.times[-1] - self.times[WARMUP_STEPS]) if n > 0 else None
+
+    def step_ms(self) -> list[int]:
+        """Each optimizer step's wall time in ms, from the first step's end (the first step holds the set-up)."""
+        return [round(1000 * (b - a)) for a, b in zip(self.times, self.times[1:])]
+
+    def steady_graphs(self) -> list[int]:
+        """The steps of the steady window (tick k ends step k + 1) in which `torch.compile` built a graph."""
+        return [k + 1 for k in range(WARMUP_STEPS + 1, len(self.graphs)) if self.graphs[k] > self.graphs[k - 1]]
 
 
 # Set by `python -m bench --attention KERNEL`: the attention implementation every side's model runs.
@@ -455,6 +468,36 @@ def peak_mb(gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class Warnings(logging.Handler):
+    """The distinct warnings our library and torch log during a run (`with Warnings() as w: ...; w.messages`). A
+    fallback taken on a GPU alone (the varlen kernel's check failing over to documents one by one, a compiled step
+    given up for the eager one, CUDA graphs given up, dynamo's recompile limit) is said once in the run's log, which
+    the bench does not print; a slow run should say why beside its rate."""
+
+    # torch's logging setup stops its compilers' records at their own loggers (no propagation to "torch"), so
+    # those are listened to directly; a record heard twice is kept once
+    LOGGERS = ("alignpipe", "torch", "torch._dynamo", "torch._inductor")
+    KEEP = 8
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = f"{record.name}: {record.getMessage()}"[:400]
+        if text not in self.messages and len(self.messages) < self.KEEP:
+            self.messages.append(text)
+
+    def __enter__(self) -> Warnings:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
 def compilations() -> tuple[int, float]:
     """What `torch.compile` has built in this process so far: (graphs, seconds dynamo and inductor took over them).
     Ours compiles its fused kernels on a GPU; a run's share of it is the part of its fixed cost that compiling is."""
@@ -487,7 +530,7 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock()
     graphs, compile_s = compilations()
-    with around():
+    with around(), Warnings() as warned:
         if impl == "ours":
             out = ours(c, model, tok, data, steps, kind, clock)
         else:
@@ -501,9 +544,12 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
         **out,
         "samples_per_s": steps * per_step / out["seconds"],
         "steady_samples_per_s": clock.steady(per_step) if c.shape.log_every else None,
+        "step_ms": clock.step_ms(),
+        "steady_compile_steps": clock.steady_graphs(),
         "peak_mb": peak_mb(gpu),
         "compiled_graphs": graphs_after - graphs,
         "compile_s": compile_s_after - compile_s,
+        "warnings": warned.messages,
     }
 
 

@@ -141,6 +141,66 @@ def test_steady_rate_leaves_out_the_warm_up_steps():
     assert StepClock().steady(8) is None
 
 
+def test_the_clock_gives_each_step_s_time_and_the_steady_steps_that_compiled(monkeypatch):
+    """Each tick notes the graphs `torch.compile` has built: a compile inside the steady window is named by its step
+    (tick k ends step k + 1), one during the warm-up steps is not."""
+    import bench.run_one as run_one
+
+    built = iter([1, 2, 2, 2, 2, 2, 2, 3, 3, 3])  # step 2 (warm-up) and step 8 (steady) compiled
+    monkeypatch.setattr(run_one, "compilations", lambda: (next(built), 0.0))
+    times = iter([0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 3.5, 3.6, 3.7])
+    monkeypatch.setattr(run_one.time, "perf_counter", lambda: next(times))
+    clock = StepClock()
+    for _ in range(10):
+        clock.tick()
+    assert clock.step_ms() == [500, 100, 100, 100, 100, 100, 2500, 100, 100]
+    assert WARMUP_STEPS == 5 and clock.steady_graphs() == [8]
+
+
+def test_a_run_line_says_its_step_times_steady_compiles_and_warnings():
+    from bench.__main__ import step_detail
+
+    run = {"step_ms": [900, 190, 2500], "steady_compile_steps": [8], "warnings": ["alignpipe.x: fell back", "torch: y"]}
+    assert step_detail(run) == (
+        "; step ms 900 190 2500; compiled in steady steps 8; warned: alignpipe.x: fell back | torch: y"
+    )
+    assert step_detail({"step_ms": []}) == step_detail({}) == ""
+
+
+def test_a_run_keeps_the_distinct_warnings_its_library_and_torch_log():
+    """`run_one.Warnings` collects what alignpipe's and torch's loggers warn of during a run (a GPU-only fallback is
+    said once there), each once, and nothing below a warning or from other libraries; it lets go afterwards."""
+    import logging
+
+    from bench.run_one import Warnings
+
+    with Warnings() as warned:
+        for _ in range(3):
+            logging.getLogger("alignpipe.attention").warning("varlen %s", "fell back")
+        logging.getLogger("torch._dynamo").warning("cache_size_limit reached")
+        logging.getLogger("alignpipe.stage").info("a step")
+        logging.getLogger("transformers").warning("not ours")
+    logging.getLogger("alignpipe").warning("after the run")
+    assert warned.messages == ["alignpipe.attention: varlen fell back", "torch._dynamo: cache_size_limit reached"]
+    with Warnings() as many:
+        for i in range(Warnings.KEEP + 3):
+            logging.getLogger("alignpipe").warning("warning %d", i)
+    assert len(many.messages) == Warnings.KEEP
+
+
+def test_the_optimizer_s_host_time_is_its_step_s_cpu_time_a_call():
+    from types import SimpleNamespace
+
+    from bench.profile import optimizer_host_ms
+
+    events = [
+        SimpleNamespace(key="Optimizer.step#LowPrecisionAdamW.step", cpu_time_total=30_000.0, count=3),
+        SimpleNamespace(key="Optimizer.zero_grad#LowPrecisionAdamW.zero_grad", cpu_time_total=900.0, count=3),
+        SimpleNamespace(key="aten::mm", cpu_time_total=5_000.0, count=10),
+    ]
+    assert optimizer_host_ms(events) == {"LowPrecisionAdamW.step": 10.0}
+
+
 def test_critical_path_follows_the_longest_chain_not_the_sum():
     # tiny-dpo: the SFT and reward-model branches run side by side
     seconds = {
@@ -201,6 +261,8 @@ def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny,
     assert abs(sum(r["share"] for r in prof["top"]) - sum(r["ms"] for r in prof["top"]) / prof["total_ms"]) < 1e-6
     assert "traceEvents" in json.loads((out / "trace.json").read_text())
     assert "Self CPU" in (out / "ops.txt").read_text() and "matrix multiplies" in run.stdout
+    # the tiny model's float32 weights take torch's AdamW, which the profiler records around its step
+    assert prof["optimizer_host_ms"]["AdamW.step"] > 0 and "AdamW.step: " in run.stdout
 
 
 def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
