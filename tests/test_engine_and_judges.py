@@ -230,6 +230,17 @@ def test_inverse_cdf_sampling_follows_the_distribution_and_never_draws_filtered_
     assert torch.equal(draws, again)  # seeded
 
 
+def test_a_uniform_on_the_total_draws_the_last_possible_token_not_a_filtered_one(monkeypatch):
+    """The uniform is kept strictly below the cumulative total (`torch.minimum` with the float below it), so even a
+    draw at the very top lands on the last token with a probability above 0, never on the filtered ones after it,
+    without a pass over the vocabulary to check."""
+    from alignpipe.engine import hf
+
+    probs = torch.tensor([[0.25, 0.0, 0.75, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(hf.torch, "rand", lambda *shape, **kw: torch.ones(*shape))  # the worst rounding: u = total
+    assert hf.sample(probs).tolist() == [2, 1]
+
+
 def test_vllm_colocate_weight_sync_keeps_the_lora_adapter_in_training(tiny):
     """`update_weights` hands vLLM the merged weights (equal to `merge_and_unload()` of a copy) and leaves the live
     policy a peft model with every LoRA parameter still trainable (merging the live policy stripped them: 56 → 0)."""
@@ -671,6 +682,40 @@ def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
                 p.div_(1.01)
 
 
+def test_a_recorded_step_reads_the_decode_loop_s_own_tensors_with_no_copy_a_token(trained, monkeypatch):
+    """`decode_static` hands every step the same token, mask, position and cache-position tensors, advanced in place,
+    and a recording keeps the tensors it was recorded with: no replay copies its inputs (on a GPU, four kernels a
+    token fewer). A caller handing other tensors still gets their values copied in."""
+    from support import replayed_on_cpu
+
+    from alignpipe.engine import decode_steps
+    from alignpipe.engine.decode_steps import GraphedDecodeStep
+
+    copies = []
+    original = decode_steps.Recording.__call__
+
+    def spied(self, *values):
+        copies.append(sum(v is not b for v, b in zip(values, self.inputs, strict=True)))
+        return original(self, *values)
+
+    monkeypatch.setattr(decode_steps.Recording, "__call__", spied)
+    model, tok = trained
+    engine = HFEngine(model, tok, 8)
+    engine.step = GraphedDecodeStep(capture=replayed_on_cpu)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    got = engine.generate(["The film", "A"], 2, sampling, seed=1)
+    assert [g.completion_ids for g in got] == [
+        g.completion_ids for g in HFEngine(model, tok, 8).generate(["The film", "A"], 2, sampling, seed=1)
+    ]
+    assert len(copies) >= 5 and set(copies) == {0}, copies
+    token, mask, pos, cache_position = (torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 1),
+                                        torch.zeros(1, dtype=torch.long))  # fmt: skip
+    recording = decode_steps.Recording.__new__(decode_steps.Recording)
+    recording.inputs, recording.replay, recording.out = [token, mask, pos, cache_position], lambda: None, token
+    recording(torch.ones(2, 1, dtype=torch.long), mask, pos + 3, cache_position)
+    assert token.tolist() == [[1], [1]] and pos.tolist() == [[3.0], [3.0]] and copies[-1] == 2
+
+
 def test_each_cuda_graph_recording_gets_a_memory_pool_of_its_own(trained, monkeypatch):
     """By default (`cuda_graph_capture`) every rollout's recording asks for a new memory pool: on an H200 with torch
     2.11, a second recording into the pool id of a dropped graph that still held blocks failed an allocator assert
@@ -907,20 +952,34 @@ def test_on_a_gpu_the_decode_loop_asks_every_4_steps_reads_late_and_returns_the_
 def test_row_ends_read_late_stop_at_the_check_after_the_one_that_saw_every_row_end(monkeypatch):
     """One row ends at step 3, the others at step 5; asked every 4 steps, the ask after step 7 is the first to see
     them all ended. Read late, the ask after step 11 reads that answer and stops; read at once, the ask after step 7
-    stops. The width is 6 either way."""
+    stops. The width, worked out from the tokens (`ended_width`), is 6 either way."""
     from alignpipe.engine import hf
 
     monkeypatch.setattr(hf, "check_every", lambda device: 4)
-    stops = {}
+    stops, eos, pad = {}, torch.tensor([2]), 0
     for late in (False, True):
         monkeypatch.setattr(hf, "late_reads", lambda device, late=late: late)
         ends = hf.RowEnds(rows=3, steps=32, device=torch.device("cpu"))
+        new = torch.full((3, 32), pad)
         for t in range(32):
-            ends.record(torch.tensor({3: [2, 9, 9], 5: [9, 2, 2]}.get(t, [9, 9, 9])), t, torch.tensor([2]))  # EOS is 2
+            token = torch.tensor({3: [2, 9, 9], 5: [9, 2, 2]}.get(t, [9, 9, 9]))
+            new[:, t] = token.masked_fill(ends.done, pad)  # as `Sampled.add` records it: pad after a row's end
+            ends.record(new[:, t], eos)
             if ends.finished(t):
-                stops[late] = (t, ends.width())
+                stops[late] = (t, hf.ended_width(new, eos))
                 break
     assert stops == {False: (7, 6), True: (11, 6)}
+
+
+def test_the_ended_width_is_the_last_row_s_first_stop_token_whatever_comes_after():
+    """`ended_width` reads each row's end from its tokens: its first stop token, also where the padding after it is
+    itself a stop token (EOS as pad); a row with none keeps every column."""
+    from alignpipe.engine.hf import ended_width
+
+    eos = torch.tensor([2, 7])
+    new = torch.tensor([[5, 2, 2, 2, 2, 2], [5, 5, 5, 7, 2, 2], [5, 5, 5, 5, 5, 5]])
+    assert ended_width(new[:2], eos) == 4 and ended_width(new, eos) == 6 and ended_width(new, None) == 6
+    assert ended_width(new[:1], eos) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -241,13 +241,15 @@ class StepFusions:
 
 
 class Recording:
-    """One recorded decode step: the input buffers it reads (each replay first copies the step's inputs into them)
-    and the output it writes. The weights and the static cache are read where they lie; with `fused`, the patched
-    policy's step is recorded with its `StepFusions` (kept here, as long as the graph)."""
+    """One recorded decode step: the input tensors it reads and the output it writes. Its inputs are the tensors of
+    the call that recorded it, kept (not copied): `hf.decode_static` hands every step the same tensors, advanced in
+    place, so a replay reads them where they lie, with no copy a token. A later call that hands other tensors has
+    their values copied into those first. The weights and the static cache are read where they lie; with `fused`,
+    the patched policy's step is recorded with its `StepFusions` (kept here, as long as the graph)."""
 
     def __init__(self, args: tuple, capture: Capture, fused: bool = False):
         model, token, mask, pos, cache, cache_position = args
-        self.inputs = [x.clone() for x in (token, mask, pos, cache_position)]
+        self.inputs = [token, mask, pos, cache_position]
         restore = _counters_restorer(cache)
         token_in, mask_in, pos_in, cache_position_in = self.inputs
         self.fusions = StepFusions(model, token.device) if fused else None
@@ -266,7 +268,8 @@ class Recording:
 
     def __call__(self, token, mask, pos, cache_position) -> torch.Tensor:
         for buffer, value in zip(self.inputs, (token, mask, pos, cache_position), strict=True):
-            buffer.copy_(value)
+            if value is not buffer:
+                buffer.copy_(value)
         self.replay()
         return self.out
 

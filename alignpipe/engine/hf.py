@@ -193,7 +193,7 @@ def decode(
         if out.ends.finished(t):
             return out.result()
         logits = model(
-            input_ids=token[:, None],
+            input_ids=token,
             attention_mask=full_mask[..., : width + t + 1],
             position_ids=pos,
             past_key_values=cache,
@@ -206,7 +206,10 @@ def decode(
 class Sampled:
     """What a decode loop has sampled so far: each row's new tokens (`pad` after its end), with `logprobs` their
     sampling log-probs (`next_token`), and which rows have ended (`RowEnds`, at a token of `stops`). `add` chooses
-    and records a step's tokens; `result` cuts the columns after the last row's end."""
+    and records a step's tokens into `token` (rows, 1), the same tensor every step, which a replayed decode step
+    therefore reads where it lies (no copy into its own input); `result` cuts the columns after the last row's end.
+    Each token costs a fixed handful of kernels beside the decode step itself: on a GPU, where a replayed step of a
+    small policy is shorter than the host's work around it, these are what sets the pace."""
 
     def __init__(
         self,
@@ -224,25 +227,39 @@ class Sampled:
         )  # fmt: skip
         self.new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
         self.logps = torch.zeros(self.new.shape, device=device) if logprobs else None
+        self.token = torch.full((rows, 1), pad, dtype=torch.long, device=device)
+        self._pad = torch.tensor(pad, dtype=torch.long, device=device)
         self.ends = RowEnds(rows, sampling.max_new_tokens, device)
 
     def add(self, logits: torch.Tensor, t: int) -> torch.Tensor:
-        """Step `t`'s token of each row, chosen from its next-token `logits` and recorded."""
+        """Step `t`'s token of each row, chosen from its next-token `logits` and recorded: `token`, (rows, 1)."""
         seen = self.seen
         token, logp = next_token(seen(logits) if seen else logits, self.sampling, self.generator, self.logprobs)
-        token = token.masked_fill(self.ends.done, self.pad)
+        torch.where(self.ends.done[:, None], self._pad, token[:, None], out=self.token)  # ended rows: pad
         if seen:
-            seen.add(token)
-        self.new[:, t] = token
+            seen.add(self.token[:, 0])
+        self.new[:, t] = self.token[:, 0]
         if self.logps is not None and logp is not None:
             self.logps[:, t] = logp
-        self.ends.record(token, t, self.stops)
-        return token
+        self.ends.record(self.token[:, 0], self.stops)
+        return self.token
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new tokens, log-probs or None), up to the step the last row ended at (all columns if none ended)."""
-        width = self.ends.width()
+        width = ended_width(self.new, self.stops)
         return self.new[:, :width], (self.logps[:, :width] if self.logps is not None else None)
+
+
+def ended_width(new: torch.Tensor, stops: torch.Tensor | None) -> int:
+    """The columns of `new` (rows, steps) up to the first stop token of the row that ends last, all of them where a
+    row has none (one read of the device). Worked out once, at the end, from the tokens: a row's tokens after its
+    end are `pad`, so its first stop token is its end, whether or not `pad` is a stop token, and a loop that looked
+    late (or decoded past the end) cuts the same columns as one that looked at every step."""
+    if stops is None:
+        return new.size(1)
+    hits = torch.isin(new, stops)
+    first = torch.where(hits.any(1), hits.to(torch.uint8).argmax(1), new.size(1) - 1)
+    return int(first.max()) + 1
 
 
 # How often a decode loop on a GPU asks "have all rows ended?". Each answer is read one check late (`RowEnds`), so
@@ -263,22 +280,18 @@ def late_reads(device: torch.device) -> bool:
 
 
 class RowEnds:
-    """Which rows of a decode loop have sampled EOS, and at which step, kept on the device. `finished(t)` asks
-    only every `check_every` steps (or at the last step), on a GPU reading the answer of the check before
-    (`HostRead`); `width()` is the columns up to the step the last row ended at, so the result does not depend on
-    when the loop looked."""
+    """Which rows of a decode loop have sampled a stop token, kept on the device (the step a row ended at is read
+    from the tokens afterwards: `ended_width`). `finished(t)` asks only every `check_every` steps (or at the last
+    step), on a GPU reading the answer of the check before (`HostRead`)."""
 
     def __init__(self, rows: int, steps: int, device: torch.device):
         self.steps, self.every, self.late = steps, check_every(device), late_reads(device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.ended = torch.full((rows,), steps - 1, dtype=torch.long, device=device)
         self.asked: HostRead | None = None
 
-    def record(self, token: torch.Tensor, t: int, stops: torch.Tensor | None) -> None:
+    def record(self, token: torch.Tensor, stops: torch.Tensor | None) -> None:
         if stops is not None:
-            now = torch.isin(token, stops)
-            self.ended = torch.where(now & ~self.done, t, self.ended)
-            self.done |= now
+            self.done |= torch.isin(token, stops)
 
     def finished(self, t: int) -> bool:
         if t + 1 == self.steps:
@@ -290,9 +303,6 @@ class RowEnds:
             return bool(ask.get())
         answer, self.asked = self.asked, ask
         return answer is not None and bool(answer.get())
-
-    def width(self) -> int:
-        return int(self.ended.max()) + 1
 
 
 def decode_static(
@@ -350,6 +360,7 @@ def decode_static(
     keys = step_mask.view(rows, length)  # which cache entries the next step attends to
     seen = SeenTokens.of(*seen_of, logits.shape[-1], sampling)
     out = Sampled(rows, sampling, pad, ids.device, generator, logprobs, stops, seen)
+    # every step is handed the same tensors, advanced in place: a replayed step reads them where they lie
     pos = position[:, -1:] + 1
     cache_position = torch.full((1,), width, dtype=torch.long, device=ids.device)
     for t in range(steps):
@@ -357,9 +368,9 @@ def decode_static(
         if out.ends.finished(t):
             return out.result()
         keys[:, width + t] = attend
-        logits = (step or decode_step)(model, token[:, None], step_mask, pos, cache, cache_position)
-        pos = pos + 1
-        cache_position = cache_position + 1
+        logits = (step or decode_step)(model, token, step_mask, pos, cache, cache_position)
+        pos += 1
+        cache_position += 1
     return out.result()
 
 
@@ -463,21 +474,29 @@ def next_token(
     if sampling.greedy:
         token = logits.argmax(-1)
         return token, (logits.float().log_softmax(-1).gather(-1, token[:, None]).squeeze(-1) if logprob else None)
-    probs = filter_logits(logits, sampling).softmax(-1)
+    filters = sampling.temperature != 1.0 or sampling.top_k or sampling.top_p < 1.0 or sampling.min_p
+    # unfiltered (GRPO's usual setting): the softmax reads the logits in their dtype and computes in float32, one
+    # kernel where a cast and a softmax would be two passes over (rows × V)
+    probs = (filter_logits(logits, sampling) if filters else logits).softmax(-1, dtype=torch.float32)
     token = sample(probs, generator)
     # float32 probabilities: a drawn token's is far above the smallest normal, so its log loses nothing that matters
     return token, (probs.gather(-1, token[:, None]).squeeze(-1).log() if logprob else None)
 
 
+_ZERO = torch.zeros(())  # a CPU scalar: a kernel's operand, no kernel of its own
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row from `probs` (rows, V) by inverting the CDF: one uniform per row where
     `torch.multinomial` draws an exponential per vocabulary entry (7% of a small model's decode step on CPU).
-    Zero-probability tokens are never drawn."""
-    cdf = probs.float().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
-    token = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
-    # A uniform rounded up onto the total (p ≈ 1e-7) could land past the last nonzero entry.
-    return torch.where(probs.gather(-1, token) > 0, token, probs.argmax(-1, keepdim=True)).squeeze(-1)
+    Zero-probability tokens are never drawn: the draw is the first entry whose cumulative sum exceeds a uniform
+    strictly below the total, and a sum that rises has a probability above 0 there."""
+    cdf = probs.cumsum(-1, dtype=torch.float32)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
+    # a uniform just under 1 times the total can round up onto it (p ≈ 1e-7), past the last nonzero entry
+    u = torch.minimum(u, total.nextafter(_ZERO))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
