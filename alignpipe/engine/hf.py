@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -483,7 +484,10 @@ def next_token(
     return token, (probs.gather(-1, token[:, None]).squeeze(-1).log() if logprob else None)
 
 
-_ZERO = torch.zeros(())  # a CPU scalar: a kernel's operand, no kernel of its own
+@functools.cache
+def _zero(device: torch.device) -> torch.Tensor:
+    """A 0-dim zero on `device`, made once: an operand that costs no kernel a token."""
+    return torch.zeros((), device=device)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -495,7 +499,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     total = cdf[:, -1:]
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
     # a uniform just under 1 times the total can round up onto it (p ≈ 1e-7), past the last nonzero entry
-    u = torch.minimum(u, total.nextafter(_ZERO))
+    u = torch.minimum(u, total.nextafter(_zero(total.device)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
