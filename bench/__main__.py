@@ -37,7 +37,15 @@ from bench.cases import (
     tokens_per_sample,
     train_flops_per_token,
 )
-from bench.run_one import ATTENTION_ENV, COMPILE_ENV, EAGER_KERNELS_ENV, IMPLS, SKIP_STEPS_ENV, UNFUSED_ENV
+from bench.run_one import (
+    ATTENTION_ENV,
+    COMPILE_ENV,
+    EAGER_KERNELS_ENV,
+    IMPLS,
+    NEAREST_ENV,
+    SKIP_STEPS_ENV,
+    UNFUSED_ENV,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +102,7 @@ def measure_variant(impl: str, key: str, model: str, args: argparse.Namespace, a
         args.unfused,
         args.eager_kernels,
         args.skip_steps,
+        args.nearest_updates,
     )
 
 
@@ -108,11 +117,12 @@ def measure(
     unfused: bool = False,
     eager_kernels: bool = False,
     skip_steps: int | None = None,
+    nearest_updates: bool = False,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
     `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`,
-    `fused_kernels: false` when `eager_kernels`; its steady rate after `skip_steps` steps, default 5): its JSON
-    figures."""
+    `fused_kernels: false` when `eager_kernels`, `low_precision_updates: nearest` when `nearest_updates`; its steady
+    rate after `skip_steps` steps, default 5): its JSON figures."""
     env = dict(os.environ)
     if skip_steps is not None:
         env[SKIP_STEPS_ENV] = str(skip_steps)
@@ -124,6 +134,8 @@ def measure(
         env[UNFUSED_ENV] = "1"
     if eager_kernels and impl == "ours":
         env[EAGER_KERNELS_ENV] = "1"
+    if nearest_updates and impl == "ours":
+        env[NEAREST_ENV] = "1"
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
@@ -359,6 +371,13 @@ def main(argv: list[str] | None = None) -> None:
         "what the compiled element-wise kernels buy on a GPU; its rows name the model `qwen0.5b+eager-kernels`",
     )
     parser.add_argument(
+        "--nearest-updates",
+        action="store_true",
+        help="our side with `low_precision_updates: nearest` (torch's AdamW rounding each bf16 update, as TRL's side "
+        "does) instead of the Kahan-compensated default: what the default costs a step; its rows name the model "
+        "`qwen0.5b+nearest`",
+    )
+    parser.add_argument(
         "--skip-steps",
         type=int,
         default=None,
@@ -418,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         label = model + (f"/{args.attention}" if args.attention else "") + ("+compile" if args.compile else "")
         label += "+unfused" if args.unfused else ""
         label += "+eager-kernels" if args.eager_kernels else ""
+        label += "+nearest" if args.nearest_updates else ""
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))

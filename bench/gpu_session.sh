@@ -51,7 +51,8 @@
 #      DPO gets 210 s, room for a third round: a side's first run can pay its JIT kernels' compilation inside the
 #      steady window (session 42: TRL + Liger's first DPO run 13.9 pairs/s, its second 26.3), and only a median of
 #      three leaves that run out (timeout_s 480)
-#   g  at once: profiles of a DPO 8×1024 step, ours then TRL + Liger's (ours ran at 21–22 pairs/s in session 42
+#   g  at once: profiles of a DPO 8×1024 step, ours, ours with `low_precision_updates: nearest` (torch's AdamW, as
+#      TRL runs: what the Kahan default costs; session 43) and TRL + Liger's (ours ran at 21–22 pairs/s in session 42
 #      against 41 in session 29: where the time went), then SFT 4×4096 against TRL + Liger for G_LIMIT seconds
 #      (default 200), the lease's remaining seconds less a margin
 set -uo pipefail
@@ -76,10 +77,12 @@ bench() { # bench SECONDS ARGS...: one invocation under its own limit, the repor
   cp docs/benchmarks.md "$out/"
 }
 
-dpo_profiles() { # where a DPO 8×1024 step's time goes, ours then TRL + Liger's (100 s each)
-  for side in ours trl+liger; do
-    ALIGNPIPE_BENCH_ATTENTION=varlen timeout 100 python3 -m bench.profile "$side" dpo/8x1024 qwen0.5b --steps 10 \
-      --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
+dpo_profiles() { # where a DPO 8×1024 step's time goes: ours, ours on torch's AdamW rounding, TRL + Liger's (80 s each)
+  for side in ours ours+nearest trl+liger; do
+    nearest=0
+    [ "$side" = ours+nearest ] && nearest=1 # `low_precision_updates: nearest`: what the Kahan default costs a step
+    ALIGNPIPE_BENCH_NEAREST=$nearest ALIGNPIPE_BENCH_ATTENTION=varlen timeout 80 python3 -m bench.profile \
+      "${side%+nearest}" dpo/8x1024 qwen0.5b --steps 8 --out "$out/profile-dpo-$side" 2>&1 | tail -40 | tee -a "$out/log"
   done
 }
 

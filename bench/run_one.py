@@ -73,6 +73,9 @@ UNFUSED_ENV = "ALIGNPIPE_BENCH_UNFUSED"
 # Set by `python -m bench --eager-kernels`: our side with `fused_kernels: false`, to measure what the compiled SwiGLU
 # and LM-head loss kernels buy on a GPU.
 EAGER_KERNELS_ENV = "ALIGNPIPE_BENCH_EAGER_KERNELS"
+# Set by `python -m bench --nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW, each bf16
+# update rounded to the nearest value, as TRL's side runs), to measure what the Kahan-compensated default costs a step.
+NEAREST_ENV = "ALIGNPIPE_BENCH_NEAREST"
 
 
 def model_for(kind: str, assets: str, task: str):
@@ -191,6 +194,8 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
     )
     if os.environ.get(EAGER_KERNELS_ENV) == "1":
         common["fused_kernels"] = False
+    if os.environ.get(NEAREST_ENV) == "1":
+        common["low_precision_updates"] = "nearest"
     compiled = os.environ.get(COMPILE_ENV) == "1"
     offline = {"compile": True} if compiled else {}
     online = {"rollout": RolloutSpec(compile=True)} if compiled else {}

@@ -463,6 +463,43 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
         bench_main.main(["--cases", "sft/8x2048", *common])  # a users' shape, not in the CPU's latency suite
 
 
+def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(tiny, tmp_path, monkeypatch):
+    """`--nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW rounding, as TRL's side
+    runs), to measure what the Kahan-compensated default costs a step; the switch reaches our run only, and its rows
+    name the model `+nearest`."""
+    import bench.__main__ as bench_main
+    from alignpipe.trainers import sft
+    from bench.run_one import NEAREST_ENV, case
+
+    envs = {}
+
+    def run(cmd, env, **_):
+        envs[cmd[3]] = env
+        return subprocess.CompletedProcess(cmd, 0, '{"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1}', "")
+
+    monkeypatch.setattr(bench_main.subprocess, "run", run)
+    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    out = tmp_path / "report.md"
+    bench_main.main(
+        ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", "--nearest-updates"]
+    )
+    assert envs["ours"][NEAREST_ENV] == "1" and NEAREST_ENV not in envs["trl"]
+    assert "| sft | tiny+nearest |" in out.read_text()
+
+    seen = []
+
+    def train(cfg, *args, **kwargs):
+        seen.append(cfg.low_precision_updates)
+        raise InterruptedError("the config is all this test needs")
+
+    monkeypatch.setattr(sft, "train", train)
+    for nearest in (False, True):
+        monkeypatch.setenv(NEAREST_ENV, "1" if nearest else "0")
+        with pytest.raises(InterruptedError):
+            case("ours", "sft/8x64", "tiny", 1, str(tiny))
+    assert seen == ["kahan", "nearest"]
+
+
 def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeypatch):
     """`--attention flex_attention` (on a GPU): every side's model runs that kernel (`bench.run_one` reads the
     environment `measure` gives it); `--compile`: our side compiled. Their rows name it beside the model, apart from
@@ -647,7 +684,7 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     functions = {
         name: limits_of(body) for name, body in re.findall(r"^(\w+)\(\) \{[^\n]*\n(.*?)\n\}", text, re.S | re.M)
     }
-    assert sum(functions["dpo_profiles"]) == 200  # two profiles of 100 s
+    assert sum(functions["dpo_profiles"]) == 240  # three profiles of 80 s
     for stage, body in stages.items():
         limits = limits_of(body)
         for called in re.findall(r"^\s*(\w+)$", body, flags=re.M):  # a function of the script, called bare
