@@ -55,10 +55,14 @@
 #      TRL runs: what the Kahan default costs; session 43) and TRL + Liger's (ours ran at 21–22 pairs/s in session 42
 #      against 41 in session 29: where the time went), then SFT 4×4096 against TRL + Liger for G_LIMIT seconds
 #      (default 200), the lease's remaining seconds less a margin
+#   h  where g's profiles show ours' DPO step waiting on its host (device busy well under 100%): DPO and reward
+#      8×1024 with `compile: true` (`--compile`: each decoder layer one compiled graph, far fewer launches a step;
+#      session 43 found no recompile in 14 compiled DPO steps of the case's own lengths on CPU) against TRL + Liger
+#      (timeout_s 480)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to g)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to h)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e or h, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -135,6 +139,10 @@ f)
 g)
   dpo_profiles
   bench "${G_LIMIT:-200}" --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  ;;
+h)
+  bench 240 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 200 --cases reward/8x1024 --attention varlen --compile --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
