@@ -98,26 +98,36 @@ def test_compiled_head_chunks_give_the_eager_logprobs_and_gradients(tiny, monkey
 
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_a_compiled_dpo_run_trains_as_the_eager_one(tiny, tmp_path, attention):
-    """DPO with `compile: true` (layers and, with `fused_loss: false`, the head's chunks compiled): the same losses
-    and gradient norms as eager. On varlen the batches run padding-free, one row of documents whose length and
-    count change every batch, compiled once (no recompile)."""
+    """DPO with `compile: true` (layers and, with `fused_loss: false`, the head's chunks compiled; the reference's
+    layers compiled too, `frozen_reference`): the same losses and gradient norms as eager. On varlen the batches run
+    padding-free, one row of documents whose length and count change every batch: every graph is compiled in the
+    first step (the reference's no-grad pass is one of its own), none after it."""
     import copy
 
+    from alignpipe.compiled import decoder_layers
     from alignpipe.trainers import dpo
     from alignpipe.trainers.configs import DPOConfig
+
+    class Graphs(Tracker):  # the graphs compiled so far, at each step's log
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            super().log_metrics(metrics, step)
 
     tok, train, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=80, max_length=64)
     series = {}
     for compiled in (False, True):
         model = load_causal_lm(str(tiny / "model"), attention=attention)
-        tracker = Tracker()
+        ref = copy.deepcopy(model)
+        tracker, graphs = Graphs(), []
         cfg = DPOConfig(
             learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, compile=compiled, fused_loss=False
         )
         torch._dynamo.reset()
-        with torch._dynamo.config.patch(error_on_recompile=attention == "varlen"):
-            dpo.train(cfg, model, tok, train, [], tracker, tmp_path / str(compiled), ref_model=copy.deepcopy(model))
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        dpo.train(cfg, model, tok, train, [], tracker, tmp_path / str(compiled), ref_model=ref)
         series[compiled] = tracker.series("train/loss"), tracker.series("train/grad_norm")
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in decoder_layers(ref))
+        assert len(set(graphs)) == 1 and (graphs[0] > before) == compiled, graphs  # nothing compiled after step 1
     (eager_loss, eager_norm), (loss, norm) = series[False], series[True]
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 

@@ -95,11 +95,16 @@ def lean_patched(cfg: TrainingArgs) -> bool:
 
 
 def frozen_reference(ref_model, cfg: TrainingArgs, device: torch.device):
-    """A frozen reference model on `device`, its norms and MLPs patched as the policy's are (`lean_activations`,
-    with `fused_kernels`): on a GPU the fused kernels round differently from transformers' modules, and a reference
-    that rounds as the policy does gives the step-0 log-ratios of identical weights exactly 0, as on CPU."""
+    """A frozen reference model on `device`, its layers made as the policy's are: patched (`lean_activations`, with
+    `fused_kernels`), or under `compile` compiled (`compile_layers`). On a GPU the fused kernels round differently
+    from transformers' modules, and a reference that rounds as the policy does gives the step-0 log-ratios of
+    identical weights exactly 0, as on CPU; a compiled policy's reference left as transformers' eager modules would
+    also spend on its own pass the launches (a step's host time) and unfused kernels that compiling saves the
+    policy. Its compiled layers run without gradients: one graph more, compiled at the first step."""
     ref_model = ref_model.to(device).eval().requires_grad_(False)
-    if lean_patched(cfg):
+    if cfg.compile:
+        compile_layers(ref_model)
+    elif lean_patched(cfg):
         lean_activations(ref_model, fused=cfg.fused_kernels)
     return ref_model
 
