@@ -463,13 +463,10 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
         bench_main.main(["--cases", "sft/8x2048", *common])  # a users' shape, not in the CPU's latency suite
 
 
-def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(tiny, tmp_path, monkeypatch):
-    """`--nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW rounding, as TRL's side
-    runs), to measure what the Kahan-compensated default costs a step; the switch reaches our run only, and its rows
-    name the model `+nearest`."""
+def recorded_runs(monkeypatch) -> dict:
+    """`python -m bench`'s run processes replaced by a stand-in that keeps each implementation's environment (the
+    returned dict, by implementation) and reports one tiny figure; no physics."""
     import bench.__main__ as bench_main
-    from alignpipe.trainers import sft
-    from bench.run_one import NEAREST_ENV, case
 
     envs = {}
 
@@ -479,6 +476,18 @@ def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(ti
 
     monkeypatch.setattr(bench_main.subprocess, "run", run)
     monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    return envs
+
+
+def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(tiny, tmp_path, monkeypatch):
+    """`--nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW rounding, as TRL's side
+    runs), to measure what the Kahan-compensated default costs a step; the switch reaches our run only, and its rows
+    name the model `+nearest`."""
+    import bench.__main__ as bench_main
+    from alignpipe.trainers import sft
+    from bench.run_one import NEAREST_ENV, case
+
+    envs = recorded_runs(monkeypatch)
     out = tmp_path / "report.md"
     bench_main.main(
         ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", "--nearest-updates"]
@@ -559,14 +568,7 @@ def test_fewer_warm_up_steps_reach_the_runs_and_their_rows_say_so(tiny, tmp_path
     import bench.__main__ as bench_main
     from bench.run_one import SKIP_STEPS_ENV
 
-    envs = {}
-
-    def run(cmd, env, **_):
-        envs[cmd[3]] = env
-        return subprocess.CompletedProcess(cmd, 0, '{"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1}', "")
-
-    monkeypatch.setattr(bench_main.subprocess, "run", run)
-    monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
+    envs = recorded_runs(monkeypatch)
     out = tmp_path / "report.md"
     args = ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--warmup", "0", "--trainers", "sft"]
     bench_main.main([*args, "--skip-steps", "2", "--steps", "4"])
