@@ -47,7 +47,7 @@ class StepClock:
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
-        self.graphs.append(compilations()[0])
+        self.graphs.append(graphs_built())
 
     def steady(self, per_step: int) -> float | None:
         n = len(self.times) - 1 - WARMUP_STEPS
@@ -503,6 +503,13 @@ class Warnings(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
+def graphs_built() -> int:
+    """How many graphs `torch.compile` has built in this process so far (a counter read: cheap at every step)."""
+    from torch._dynamo import utils
+
+    return utils.counters["stats"]["unique_graphs"]
+
+
 def compilations() -> tuple[int, float]:
     """What `torch.compile` has built in this process so far: (graphs, seconds dynamo and inductor took over them).
     Ours compiles its fused kernels on a GPU; a run's share of it is the part of its fixed cost that compiling is."""
@@ -511,7 +518,7 @@ def compilations() -> tuple[int, float]:
     timed = getattr(utils, "compilation_time_metrics", {})
     # dynamo's timer of a whole compilation (named `_compile.compile_inner` in torch 2.13; older names end alike)
     seconds = [t for name, ts in timed.items() if name.endswith("compile_inner") for t in ts]
-    return utils.counters["stats"]["unique_graphs"], float(sum(seconds))
+    return graphs_built(), float(sum(seconds))
 
 
 IMPLS = ("ours", "trl", "trl+liger")

@@ -229,6 +229,7 @@ class Sampled:
         self.new = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
         self.logps = torch.zeros(self.new.shape, device=device) if logprobs else None
         self.token = torch.full((rows, 1), pad, dtype=torch.long, device=device)
+        self._tokens = self.token[:, 0]  # the same memory as a (rows,) view, taken once rather than a token
         self._pad = torch.tensor(pad, dtype=torch.long, device=device)
         self.ends = RowEnds(rows, sampling.max_new_tokens, device)
 
@@ -238,11 +239,11 @@ class Sampled:
         token, logp = next_token(seen(logits) if seen else logits, self.sampling, self.generator, self.logprobs)
         torch.where(self.ends.done[:, None], self._pad, token[:, None], out=self.token)  # ended rows: pad
         if seen:
-            seen.add(self.token[:, 0])
-        self.new[:, t] = self.token[:, 0]
+            seen.add(self._tokens)
+        self.new[:, t] = self._tokens
         if self.logps is not None and logp is not None:
             self.logps[:, t] = logp
-        self.ends.record(self.token[:, 0], self.stops)
+        self.ends.record(self._tokens, self.stops)
         return self.token
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
