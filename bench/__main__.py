@@ -479,12 +479,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def step_detail(r: dict) -> str:
     """A run's step times (ms, each step from the one before it), the steady steps in which `torch.compile` built a
-    graph, and the warnings it logged: a slow steady rate made of a few long steps (compiles, a JIT cache filled)
-    reads differently from one made of uniformly slow steps (a step that waits on its host), and a fallback taken on
-    the GPU alone (`run_one.Warnings`) says itself."""
+    graph, the synchronising CUDA calls of its steady steps (`run_one.SteadySyncs`, on a GPU) and the warnings it
+    logged: a slow steady rate made of a few long steps (compiles, a JIT cache filled) reads differently from one
+    made of uniformly slow steps (a step that waits on its host, or whose host waits on the device), and a fallback
+    taken on the GPU alone (`run_one.Warnings`) says itself."""
     out = f"; step ms {' '.join(map(str, ms))}" if (ms := r.get("step_ms")) else ""
     if steps := r.get("steady_compile_steps"):
         out += f"; compiled in steady steps {', '.join(map(str, steps))}"
+    if (syncs := r.get("steady_syncs")) is not None and (per_step := syncs["per_step"]):
+        out += f"; synchronising calls in {len(per_step)} steady steps: {sum(per_step)}"
+        if sum(per_step):
+            out += f" (a step: {' '.join(map(str, per_step))}; from {', '.join(syncs['sites'])})"
     if warned := r.get("warnings"):
         out += "; warned: " + " | ".join(warned)
     return out

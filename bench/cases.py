@@ -37,7 +37,7 @@ class Shape:
     prompt_tokens: int = 0  # synthetic rows joined to about this many prompt tokens (0: one row's prompt)
     completion_tokens: int = 0  # offline rows: about this many completion tokens (SFT: the median; 0: `join` rows)
     join: int = 1  # latency suite: synthetic completions joined into one row
-    log_every: int = 0  # 0: one log at the end (CPU); 1: a log per step for the steady-state clock (GPU)
+    log_every: int = 0  # steps between logs; 0: one log at the end (CPU). On a GPU: `_logging_every`
 
     @property
     def per_step(self) -> int:
@@ -60,6 +60,17 @@ class Case:
         return f"{self.trainer}/{self.shape.key}"
 
 
+USERS_LOGGING_EVERY = 10
+"""Steps between logs of the offline trainers on a GPU: ours' `logging_every` default and TRL's `logging_steps`. A log
+reads the logged values back, so the device drains there; what happens between logs is what a user's run gets."""
+
+
+def _logging_every(gpu: bool, trainer: str) -> int:
+    """A GPU case's steps between logs: every step for an online trainer (its log times a step, `bench.run_one`),
+    `USERS_LOGGING_EVERY` for an offline one (timed by its optimizer steps); on a CPU one log at the end."""
+    return 0 if not gpu else 1 if trainer in ONLINE else USERS_LOGGING_EVERY
+
+
 def _latency(gpu: bool) -> dict[str, Shape]:
     if gpu:
         s = Shape("8×512", batch=8, max_len=512, generations=8, completion=64, join=24, log_every=1)
@@ -68,7 +79,8 @@ def _latency(gpu: bool) -> dict[str, Shape]:
     grpo = Shape(f"2×{s.generations}×{s.completion}", **{**_fields(s), "batch": 2 * s.generations})
     ppo = Shape(f"{s.batch}×{s.completion}", **_fields(s))
     online = Shape(f"{s.batch}×2×{s.completion}", **_fields(s))
-    return {t: s for t in ("sft", "reward", "dpo", "kto")} | {
+    offline = Shape(s.label, **{**_fields(s), "log_every": _logging_every(gpu, "sft")})
+    return {t: offline for t in ("sft", "reward", "dpo", "kto")} | {
         "grpo": grpo,
         "rloo": grpo,
         "ppo": ppo,
@@ -77,9 +89,11 @@ def _latency(gpu: bool) -> dict[str, Shape]:
 
 
 def _user(gpu: bool) -> dict[str, list[Shape]]:
-    log = 1 if gpu else 0
+    log = _logging_every(gpu, "sft")
     pair = Shape("8×1024", batch=8, max_len=1024, prompt_tokens=256, completion_tokens=720, log_every=log)
-    rl = dict(batch=16, accumulation=4, max_len=384, completion=256, prompt_tokens=96, log_every=log)
+    rl = dict(
+        batch=16, accumulation=4, max_len=384, completion=256, prompt_tokens=96, log_every=_logging_every(gpu, "grpo")
+    )
     packed = dict(packed=True, prompt_tokens=128, completion_tokens=384, log_every=log)
     return {
         "sft": [

@@ -818,13 +818,13 @@ def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
     return seconds / calls * 1e3
 
 
-def innermost_caller() -> str:
-    """ "file:line" of the innermost frame of the calling stack outside torch and the warnings machinery: whose call
-    a warning raised inside torch (a synchronising operator) came from."""
+def innermost_caller(skip: tuple[str, ...] = ()) -> str:
+    """ "file:line" of the innermost frame of the calling stack outside torch, the warnings machinery and the files
+    `skip` names (a recorder's own): whose call a warning raised inside torch (a synchronising operator) came from."""
     frames = [
         f
         for f in traceback.extract_stack()[:-1]
-        if "/torch/" not in f.filename and f.filename not in (warnings.__file__, __file__)
+        if "/torch/" not in f.filename and f.filename not in (warnings.__file__, __file__, *skip)
     ]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 

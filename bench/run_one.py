@@ -19,8 +19,10 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 
-from bench.cases import QWEN_05B, Case, find_case, is_gpu_model, rows
+from bench.cases import ONLINE, QWEN_05B, Case, find_case, is_gpu_model, rows
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -36,18 +38,52 @@ WARMUP_STEPS = int(os.environ.get(SKIP_STEPS_ENV, "5"))
 
 
 class StepClock:
-    """Wall time at the end of each optimizer step: the steady-state rate leaves out data preparation, the
-    warm-up steps and saving, which dominate a short end-to-end timing on a fast GPU. Each tick also notes how many
-    graphs `torch.compile` has built so far, so a run can say whether compiling fell inside its steady window (a
-    JIT compile there is seconds, and looks like a slow step)."""
+    """The end of each optimizer step: the steady-state rate leaves out data preparation, the warm-up steps and
+    saving, which dominate a short end-to-end timing on a fast GPU. Each tick also notes how many graphs
+    `torch.compile` has built so far, so a run can say whether compiling fell inside its steady window (a JIT compile
+    there is seconds, and looks like a slow step).
 
-    def __init__(self):
+    On a GPU (`event`: `torch.cuda.Event`) each tick also records an event in the device's queue, and `finish` reads
+    the steps' times from those: the device's own timeline, read once after the run. A host clock at a step's end
+    times the host's issuing, which runs ahead of the device unless something waits for it, and making it wait at
+    every step (a log per step, as this clock needed until session 44) costs the overlap of one step's host work
+    with the last one's kernels that a run logging every 10 steps, as users do, keeps. With `steps`, the
+    synchronising CUDA calls of the steady window are counted too (`SteadySyncs`)."""
+
+    def __init__(self, steps: int | None = None, event=None):
         self.times: list[float] = []
         self.graphs: list[int] = []
+        self.steps = steps
+        self._event = event
+        self._events: list = []
+        self.syncs = SteadySyncs() if event is not None and steps else None
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
         self.graphs.append(graphs_built())
+        if self._event is not None:
+            event = self._event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+        if self.syncs is not None:
+            n = len(self.times)  # the steady window runs from the end of step WARMUP_STEPS + 1 to the last
+            if n == WARMUP_STEPS + 1:
+                self.syncs.start()
+            elif n > WARMUP_STEPS + 1:
+                self.syncs.mark()
+            if n == self.steps:
+                self.syncs.stop()
+
+    def finish(self) -> None:
+        """After the run: the steps' times from the device's events (one wait, for the last), and no more counting
+        of synchronising calls (a run that ended early)."""
+        if self.syncs is not None:
+            self.syncs.stop()
+        if self._events:
+            first = self._events[0]
+            self._events[-1].synchronize()
+            self.times = [self.times[0] + first.elapsed_time(e) / 1e3 for e in self._events]
+            self._events = []
 
     def steady(self, per_step: int) -> float | None:
         n = len(self.times) - 1 - WARMUP_STEPS
@@ -60,6 +96,91 @@ class StepClock:
     def steady_graphs(self) -> list[int]:
         """The steps of the steady window (tick k ends step k + 1) in which `torch.compile` built a graph."""
         return [k + 1 for k in range(WARMUP_STEPS + 1, len(self.graphs)) if self.graphs[k] > self.graphs[k - 1]]
+
+
+class SteadySyncs:
+    """The synchronising CUDA calls of a run's steady window, step by step, with where each was called from
+    (`torch.cuda.set_sync_debug_mode("warn")`, recorded as `bench.gpu_checks.sync_recorder` does). A call that waits
+    for the device inside a step stops the host from issuing the next kernels until the queue has drained, so the
+    step's host work no longer overlaps its kernels: a step near host + device time rather than the larger of them.
+    Log steps read the logged values back (one wait each, by design), so a run logging every 10 steps shows a few
+    there; any other step's calls are the ones to remove. Both sides are counted alike. The recording is installed as
+    `warnings.showwarning` for the window, so other warnings raised in it are not shown."""
+
+    SITES = 6
+    TRACED = 40
+    """Calls whose caller is looked up (a walk of the stack, ~0.1-0.5 ms in a deep trainer); later ones are only
+    counted (the warning alone, some µs), so a side that waits often is not slowed much by being watched."""
+
+    def __init__(self):
+        self.seen: list[str] = []  # each call's innermost caller outside torch ("" past the first `TRACED`)
+        self.marks: list[int] = []  # len(seen) at the end of each steady step
+        self._catch: warnings.catch_warnings | None = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        from bench.gpu_checks import innermost_caller
+
+        # torch's own words for a synchronising call (`set_sync_debug_mode` also warns that it is a prototype)
+        if "called a synchronizing CUDA operation" in str(message):
+            self.seen.append(innermost_caller(skip=(__file__,)) if len(self.seen) < self.TRACED else "")
+
+    def start(self) -> None:
+        import torch
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def mark(self) -> None:
+        self.marks.append(len(self.seen))
+
+    def stop(self) -> None:
+        if self._catch is None:
+            return
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+        self._catch = None
+
+    def summary(self) -> dict:
+        """{"per_step": the calls in each steady step, "sites": the callers of the first `TRACED` by count, at most
+        `SITES`}."""
+        per_step = [b - a for a, b in zip([0, *self.marks], self.marks)]
+        counted = Counter(caller.removeprefix(ROOT_PREFIX) for caller in self.seen if caller)
+        return {"per_step": per_step, "sites": [f"{site} ×{n}" for site, n in counted.most_common(self.SITES)]}
+
+
+ROOT_PREFIX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@contextlib.contextmanager
+def optimizer_ticks(clock: StepClock):
+    """`clock.tick()` at the end of every optimizer step taken within (torch's global step hooks), once per step
+    where a step calls its parent class's (`LowPrecisionAdamW` hands float32 parameters to torch's AdamW): our
+    offline trainers' steps, whatever they log."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    depth = 0
+
+    def entered(*_) -> None:
+        nonlocal depth
+        depth += 1
+
+    def left(*_) -> None:
+        nonlocal depth
+        depth -= 1
+        if depth == 0:
+            clock.tick()
+
+    handles = [register_optimizer_step_pre_hook(entered), register_optimizer_step_post_hook(left)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # Set by `python -m bench --attention KERNEL`: the attention implementation every side's model runs.
@@ -161,28 +282,18 @@ def reward_model_dir(assets: str, kind: str) -> str:
 
 
 def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) -> dict:
-    from alignpipe.judges.reward_set import LoadedReward, RewardSet
-    from alignpipe.judges.rewards import sentiment_lexicon
     from alignpipe.tracking import Tracker
-    from alignpipe.trainers import dpo, grpo, kto, online_dpo, reward, rloo, sft
-    from alignpipe.trainers.configs import (
-        DPOConfig,
-        GRPOConfig,
-        KTOConfig,
-        OnlineDPOConfig,
-        RewardConfig,
-        RLOOConfig,
-        RolloutSpec,
-        SFTConfig,
-    )
+    from alignpipe.trainers.configs import RolloutSpec
+
+    task, shape = case.trainer, case.shape
+    by_logs = task in ONLINE  # an online step is several optimizer steps (PPO's epochs): timed by its log
 
     class ClockedTracker(Tracker):
         def log_metrics(self, metrics: dict, step: int) -> None:
-            if not self.history or self.history[-1][0] != step:
+            if by_logs and (not self.history or self.history[-1][0] != step):
                 clock.tick()
             super().log_metrics(metrics, step)
 
-    task, shape = case.trainer, case.shape
     common = dict(
         learning_rate=LR,
         max_steps=steps,
@@ -200,6 +311,31 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
     offline = {"compile": True} if compiled else {}
     online = {"rollout": RolloutSpec(compile=True)} if compiled else {}
     tracker, out = ClockedTracker(), tempfile.mkdtemp()
+    with contextlib.nullcontext() if by_logs else optimizer_ticks(clock):
+        seconds = _train_ours(task, shape, common, offline, online, model, tok, data, steps, kind, tracker, out)
+    return {
+        "seconds": seconds,
+        "loss": tracker.last("loss/policy_avg" if task == "ppo" else "train/loss"),
+        "mean_completion_length": _mean_length(tracker, "completions/mean_length", "train/completions/mean_length"),
+        "generation_tokens_per_s": _steady_median(tracker, "generation/tokens_per_s", "train/generation/tokens_per_s"),
+    }
+
+
+def _train_ours(task, shape, common, offline, online, model, tok, data, steps, kind, tracker, out) -> float:
+    """Run our trainer of `task` as `ours` configured it; the seconds it took."""
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.judges.rewards import sentiment_lexicon
+    from alignpipe.trainers import dpo, grpo, kto, online_dpo, reward, rloo, sft
+    from alignpipe.trainers.configs import (
+        DPOConfig,
+        GRPOConfig,
+        KTOConfig,
+        OnlineDPOConfig,
+        RewardConfig,
+        RLOOConfig,
+        SFTConfig,
+    )
+
     t0 = time.perf_counter()
     if task == "sft":
         sft.train(SFTConfig(**common, **offline, packing=shape.packed), model, tok, data, [], tracker, out)
@@ -275,13 +411,7 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
             out,
             ref_model=copy.deepcopy(model),
         )
-    seconds = time.perf_counter() - t0
-    return {
-        "seconds": seconds,
-        "loss": tracker.last("loss/policy_avg" if task == "ppo" else "train/loss"),
-        "mean_completion_length": _mean_length(tracker, "completions/mean_length", "train/completions/mean_length"),
-        "generation_tokens_per_s": _steady_median(tracker, "generation/tokens_per_s", "train/generation/tokens_per_s"),
-    }
+    return time.perf_counter() - t0
 
 
 def _mean_length(tracker, *names: str) -> float | None:
@@ -540,13 +670,16 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
     data = rows(assets, c, steps, tok)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    clock = StepClock()
+    clock = StepClock(steps, event=torch.cuda.Event if gpu else None)
     graphs, compile_s = compilations()
     with around(), Warnings() as warned:
-        if impl == "ours":
-            out = ours(c, model, tok, data, steps, kind, clock)
-        else:
-            out = trl_run(c, model, tok, data, steps, kind, clock, liger=impl == "trl+liger")
+        try:
+            if impl == "ours":
+                out = ours(c, model, tok, data, steps, kind, clock)
+            else:
+                out = trl_run(c, model, tok, data, steps, kind, clock, liger=impl == "trl+liger")
+        finally:
+            clock.finish()
     per_step = c.shape.per_step
     graphs_after, compile_s_after = compilations()
     return {
@@ -562,6 +695,7 @@ def case(impl: str, key: str, kind: str, steps: int, assets: str, around=context
         "compiled_graphs": graphs_after - graphs,
         "compile_s": compile_s_after - compile_s,
         "warnings": warned.messages,
+        **({"steady_syncs": clock.syncs.summary()} if clock.syncs is not None else {}),
     }
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from bench.__main__ import Physics, write_section
 from bench.cases import cases, decode_bound, find_case, rows, tokens_per_sample, train_flops_per_token
 from bench.orchestration import critical_path
-from bench.run_one import WARMUP_STEPS, StepClock
+from bench.run_one import WARMUP_STEPS, SteadySyncs, StepClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +158,7 @@ def test_the_clock_gives_each_step_s_time_and_the_steady_steps_that_compiled(mon
     assert WARMUP_STEPS == 5 and clock.steady_graphs() == [8]
 
 
-def test_a_run_line_says_its_step_times_steady_compiles_and_warnings():
+def test_a_run_line_says_its_step_times_steady_compiles_syncs_and_warnings():
     from bench.__main__ import step_detail
 
     run = {"step_ms": [900, 190, 2500], "steady_compile_steps": [8], "warnings": ["alignpipe.x: fell back", "torch: y"]}
@@ -165,6 +166,125 @@ def test_a_run_line_says_its_step_times_steady_compiles_and_warnings():
         "; step ms 900 190 2500; compiled in steady steps 8; warned: alignpipe.x: fell back | torch: y"
     )
     assert step_detail({"step_ms": []}) == step_detail({}) == ""
+    synced = {"steady_syncs": {"per_step": [0, 0, 0], "sites": []}}
+    assert step_detail(synced) == "; synchronising calls in 3 steady steps: 0"
+    synced = {"steady_syncs": {"per_step": [2, 0, 1], "sites": ["trl/trainer/dpo_trainer.py:900 ×3"]}}
+    assert step_detail(synced) == (
+        "; synchronising calls in 3 steady steps: 3 (a step: 2 0 1; from trl/trainer/dpo_trainer.py:900 ×3)"
+    )
+
+
+class _DeviceEvent:
+    """`torch.cuda.Event` as the clock uses it, on a device clock the test sets (`now`, seconds)."""
+
+    now = 0.0
+    waited: typing.ClassVar[list] = []
+
+    def __init__(self, enable_timing: bool):
+        assert enable_timing
+
+    def record(self) -> None:
+        self.at = _DeviceEvent.now
+
+    def elapsed_time(self, later) -> float:
+        return 1000 * (later.at - self.at)
+
+    def synchronize(self) -> None:
+        _DeviceEvent.waited.append(self)
+
+
+def test_on_a_gpu_the_clock_times_steps_on_the_device_s_own_timeline(monkeypatch):
+    """The host issues a step in 10 ms and runs ahead; the device takes 200 ms a step (500 ms the first). The clock
+    reads the device's events after the run, with one wait, so the steps' times and the steady rate are the device's,
+    not the host's issuing."""
+    import bench.run_one as run_one
+
+    host = iter(0.01 * k for k in range(100))
+    monkeypatch.setattr(run_one.time, "perf_counter", lambda: next(host))
+    clock = StepClock(event=_DeviceEvent)
+    _DeviceEvent.waited = []
+    for k in range(WARMUP_STEPS + 4):
+        _DeviceEvent.now = 0.5 + 0.2 * k
+        clock.tick()
+    assert clock.step_ms() == [10] * (WARMUP_STEPS + 3), "the host's times until the run is read back"
+    clock.finish()
+    assert clock.step_ms() == [200] * (WARMUP_STEPS + 3)
+    assert clock.steady(per_step=8) == pytest.approx(40.0)
+    assert len(_DeviceEvent.waited) == 1 and clock.syncs is None  # no step count: nothing to count syncs over
+
+
+def _wait_for_the_device() -> None:
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # torch's words, as the debug mode warns
+
+
+def test_a_gpu_run_counts_the_synchronising_calls_of_its_steady_steps_and_where_they_came_from(monkeypatch):
+    """Calls before the steady window (warm-up steps) and after the last step (saving) are not counted; each steady
+    step's are, with the line outside torch that made them; the debug mode and the warning filters are put back."""
+    import contextlib
+    import warnings
+
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    steps = WARMUP_STEPS + 4
+    clock = StepClock(steps, event=_DeviceEvent)
+    shown = warnings.showwarning
+    line = _wait_for_the_device.__code__.co_firstlineno + 3
+    for k in range(steps):
+        if k in (0, WARMUP_STEPS + 1, WARMUP_STEPS + 3):  # a warm-up step; steady steps 1 and 3 (of 3)
+            with warnings.catch_warnings(record=True) if k == 0 else contextlib.nullcontext():
+                _wait_for_the_device()
+                _wait_for_the_device()
+        clock.tick()
+    with warnings.catch_warnings(record=True):
+        _wait_for_the_device()  # after the last step: not counted
+    clock.finish()
+    assert modes == ["warn", "default"] and warnings.showwarning is shown
+    assert clock.syncs.summary() == {"per_step": [2, 0, 2], "sites": [f"tests/test_bench_report.py:{line} ×4"]}
+    monkeypatch.setattr(SteadySyncs, "TRACED", 1)  # past the first call, counted without a caller
+    syncs = SteadySyncs()
+    syncs.start()
+    for _ in range(3):
+        _wait_for_the_device()
+    syncs.mark()
+    syncs.stop()
+    assert syncs.summary() == {"per_step": [3], "sites": [f"tests/test_bench_report.py:{line} ×1"]}
+
+
+def test_our_offline_runs_tick_at_each_optimizer_step_whatever_they_log(tiny):
+    """Ours' SFT and DPO are timed by their optimizer steps (one log at the end on a CPU), once a step even where the
+    step calls its parent class's (`LowPrecisionAdamW` hands float32 parameters to torch's AdamW, whose step torch
+    wraps with the same global hooks once any AdamW exists)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from alignpipe.low_precision_adamw import LowPrecisionAdamW
+    from bench.run_one import case, optimizer_ticks
+
+    for key in ("sft/8x64", "dpo/8x64"):
+        run = case("ours", key, "tiny", 7, str(tiny))
+        assert len(run["step_ms"]) == 6, (key, run["step_ms"])
+        assert "steady_syncs" not in run  # a CPU run
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # torch wraps AdamW.step with the hooks
+    low, full = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(4))
+    optimizer = LowPrecisionAdamW([low, full], lr=1e-3)
+    calls = []
+    counted = register_optimizer_step_post_hook(lambda *_: calls.append(1))
+    clock = StepClock()
+    try:
+        with optimizer_ticks(clock):
+            for _ in range(3):
+                low.grad, full.grad = torch.ones_like(low), torch.ones_like(full)
+                optimizer.step()
+    finally:
+        counted.remove()
+    assert len(calls) == 6 and len(clock.times) == 3
+    optimizer.step()
+    assert len(clock.times) == 3, "the hooks are gone after the run"
 
 
 def test_a_run_keeps_the_distinct_warnings_its_library_and_torch_log():
@@ -347,7 +467,9 @@ def test_the_user_suite_runs_the_shapes_people_train_with():
     grpo, ppo = user["grpo/8x8x256"], user["ppo/64x256"]
     assert grpo.per_step == 64 and grpo.generations == 8 and grpo.completion == 256
     assert ppo.per_step == 64 and ppo.completion == 256
-    assert all(s.log_every == 1 for s in user.values()), "a log per step: the steady-state clock"
+    # an online step is timed by its log; an offline one by its optimizer step, logging as users do
+    assert [s.log_every for s in user.values()] == [10, 10, 10, 10, 1, 1]
+    assert find_case("qwen0.5b", "dpo/8x512").shape.log_every == 10
     assert find_case("tiny", "sft/8x64").shape.max_len == 64  # the CPU latency shape
     assert find_case("qwen0.5b", "grpo/2x8x64").shape.per_step == 16
     with pytest.raises(SystemExit, match="unknown case"):
