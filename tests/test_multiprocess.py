@@ -51,50 +51,78 @@ def dpo(tiny, workdir):
     return text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
 
 
+BOTH = ("ddp", "fsdp")
+
+
 @pytest.mark.parametrize(
-    "text_fn,stage,per_process",
+    "text_fn,stage,per_process,strategies",
     [
-        (demo, "sft", ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"]),
-        (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"]),
-        # TR-DPO: every rank mixes the same (under FSDP: gathered) policy into its reference copy
+        (
+            demo,
+            "sft",
+            ["stages.sft.max_steps=30", "stages.sft.logging_every=5", "stages.sft.eval_every=null"],
+            BOTH,
+        ),
+        (dpo, "dpo", ["stages.sft.max_steps=10", "stages.dpo.max_steps=12", "stages.dpo.logging_every=3"], BOTH),
+        # TR-DPO: every rank mixes the same (under FSDP: gathered) policy into its reference copy. FSDP alone: under
+        # DDP each rank's copy is the whole policy, the mixing a single process's
         (
             dpo,
             "dpo",
             ["stages.sft.max_steps=10", "stages.dpo.max_steps=9", "stages.dpo.logging_every=3"]
             + ["stages.dpo.sync_ref_model=true", "stages.dpo.ref_model_sync_steps=3"],
+            ("fsdp",),
         ),
-        # the reference pass shared out over the ranks (each scores every other pair) and gathered back in order
+        # the reference pass shared out over the ranks (each scores every other pair) and gathered back in order.
+        # FSDP alone: the sharing is the same code under DDP, and a sharded forward also needs every rank in every
+        # forward, which an uneven share would hang
         (
             dpo,
             "dpo",
             ["stages.sft.max_steps=10", "stages.dpo.max_steps=6", "stages.dpo.logging_every=3"]
             + ["stages.dpo.precompute_ref_logps=true", "stages.dpo.precompute_ref_batch_size=3"],
+            ("fsdp",),
         ),
     ],
     ids=["sft", "dpo", "dpo-synced-reference", "dpo-precomputed-reference"],
 )
-def test_two_processes_match_one_process_with_ddp_and_fsdp(tiny, tmp_path, text_fn, stage, per_process):
+def test_two_processes_match_one_process_with_ddp_and_fsdp(
+    tiny, tmp_path_factory, text_fn, stage, per_process, strategies
+):
     """The same global batch (16 rows: one process × 16, or two × 8) gives the same logged loss curve, whether the
     two processes hold full copies (DDP) or shards (FSDP2), and the FSDP model saves as a normal transformers
-    folder with the same weights."""
+    folder with the same weights. The DPO cases share one workdir on a test worker, so its SFT ancestor (the same
+    config in each) is trained once there."""
     from transformers import AutoModelForCausalLM
 
-    one, _, single = run_stage(tiny, tmp_path, text_fn, stage, 1, per_process + [f"stages.{stage}.batch_size=16"])
+    workdir = _shared_workdir(tmp_path_factory, text_fn.__name__)
+    one, _, single = run_stage(tiny, workdir, text_fn, stage, 1, per_process + [f"stages.{stage}.batch_size=16"])
     alone = AutoModelForCausalLM.from_pretrained(one.outputs["model"])
     two = per_process + [f"stages.{stage}.batch_size=8", f"stages.{stage}.resources.processes=2"]
     curves = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy in strategies:
         manifest, runs, curves[strategy] = run_stage(
-            tiny, tmp_path, text_fn, stage, 2, two + [f"stages.{stage}.resources.strategy={strategy}"]
+            tiny, workdir, text_fn, stage, 2, two + [f"stages.{stage}.resources.strategy={strategy}"]
         )
         assert len(runs) == 1, "only rank 0 opened an MLflow run"
         assert manifest.metrics["steps"] == one.metrics["steps"]
         print(stage, strategy, [f"{a:.6f}/{b:.6f}" for a, b in zip(single, curves[strategy])])
         assert len(single) == len(curves[strategy])
         assert max(abs(a - b) for a, b in zip(single, curves[strategy])) <= 1e-4, (strategy, single, curves[strategy])
+    assert strategies[-1] == "fsdp"
     sharded = AutoModelForCausalLM.from_pretrained(manifest.outputs["model"])
     for (name, a), b in zip(alone.state_dict().items(), sharded.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-4), name
+
+
+_WORKDIRS: dict[str, object] = {}
+
+
+def _shared_workdir(tmp_path_factory, name: str):
+    """One folder per recipe on this test worker, for the runs whose ancestors are the same."""
+    if name not in _WORKDIRS:
+        _WORKDIRS[name] = tmp_path_factory.mktemp(f"shared-{name}")
+    return _WORKDIRS[name]
 
 
 def test_fsdp_stage_killed_mid_run_resumes_from_its_sharded_checkpoint(tiny, tmp_path):
