@@ -89,21 +89,61 @@ def trl_with_ppo() -> Path:
     return TRL_PPO_DIR
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A switch of our side alone: `--NAME` asks for it, `env` carries it to `bench.run_one` (set to 1 for our run,
+    never for a contender's), and its rows name the model with `suffix` (`qwen0.5b+compile`), so that a merged table
+    keeps them apart from the default's."""
+
+    name: str
+    env: str
+    suffix: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+VARIANTS = (
+    Variant(
+        "compile",
+        COMPILE_ENV,
+        "+compile",
+        "our side with `compile: true` (sft, reward, dpo, kto) or `rollout: {compile: true}` (grpo, rloo, online_dpo, "
+        "ppo)",
+    ),
+    Variant(
+        "unfused",
+        UNFUSED_ENV,
+        "+unfused",
+        "our DPO with `fused_loss: false` (the chunked, recomputed LM head): what the fused head buys",
+    ),
+    Variant(
+        "eager-kernels",
+        EAGER_KERNELS_ENV,
+        "+eager-kernels",
+        "our side with `fused_kernels: false` (the SwiGLU product and the LM head's loss as eager kernels): what the "
+        "compiled element-wise kernels buy on a GPU",
+    ),
+    Variant(
+        "nearest-updates",
+        NEAREST_ENV,
+        "+nearest",
+        "our side with `low_precision_updates: nearest` (torch's AdamW rounding each bf16 update, as TRL's side does) "
+        "instead of the Kahan-compensated default: what the default costs a step",
+    ),
+)
+
+
+def chosen_variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names of the `VARIANTS` the command line asks for, in their order."""
+    return tuple(v.name for v in VARIANTS if getattr(args, v.dest))
+
+
 def measure_variant(impl: str, key: str, model: str, args: argparse.Namespace, assets: Path) -> dict:
-    """`measure` with the variant the command line asks for (attention kernel, compile, unfused, eager kernels)."""
-    return measure(
-        impl,
-        key,
-        model,
-        args.steps,
-        assets,
-        args.attention,
-        args.compile,
-        args.unfused,
-        args.eager_kernels,
-        args.skip_steps,
-        args.nearest_updates,
-    )
+    """`measure` with what the command line asks for (attention kernel, our side's `VARIANTS`, warm-up steps)."""
+    return measure(impl, key, model, args.steps, assets, args.attention, chosen_variants(args), args.skip_steps)
 
 
 def measure(
@@ -113,29 +153,20 @@ def measure(
     steps: int,
     assets: Path,
     attention: str | None = None,
-    compile: bool = False,
-    unfused: bool = False,
-    eager_kernels: bool = False,
+    variants: tuple[str, ...] = (),
     skip_steps: int | None = None,
-    nearest_updates: bool = False,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
-    `compile: true` / `rollout: {compile: true}` when `compile`, our DPO with `fused_loss: false` when `unfused`,
-    `fused_kernels: false` when `eager_kernels`, `low_precision_updates: nearest` when `nearest_updates`; its steady
-    rate after `skip_steps` steps, default 5): its JSON figures."""
+    the named `VARIANTS`; its steady rate after `skip_steps` steps, default 5): its JSON figures."""
     env = dict(os.environ)
     if skip_steps is not None:
         env[SKIP_STEPS_ENV] = str(skip_steps)
     if attention:
         env[ATTENTION_ENV] = attention
-    if compile and impl == "ours":
-        env[COMPILE_ENV] = "1"
-    if unfused and impl == "ours":
-        env[UNFUSED_ENV] = "1"
-    if eager_kernels and impl == "ours":
-        env[EAGER_KERNELS_ENV] = "1"
-    if nearest_updates and impl == "ours":
-        env[NEAREST_ENV] = "1"
+    if unknown := set(variants) - {v.name for v in VARIANTS}:
+        raise ValueError(f"unknown variants {sorted(unknown)}")
+    if impl == "ours":
+        env.update({v.env: "1" for v in VARIANTS if v.name in variants})
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
@@ -352,31 +383,12 @@ def main(argv: list[str] | None = None) -> None:
         help="run every side's model with this attention kernel instead of SDPA (its rows name the model "
         "`qwen0.5b/flex_attention`)",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="our side with `compile: true` (sft, reward, dpo, kto) or `rollout: {compile: true}` (grpo, rloo, "
-        "online_dpo, ppo); its rows name the model `qwen0.5b+compile`",
-    )
-    parser.add_argument(
-        "--unfused",
-        action="store_true",
-        help="our DPO with `fused_loss: false` (the chunked, recomputed LM head): what the fused head buys; its rows "
-        "name the model `qwen0.5b+unfused`",
-    )
-    parser.add_argument(
-        "--eager-kernels",
-        action="store_true",
-        help="our side with `fused_kernels: false` (the SwiGLU product and the LM head's loss as eager kernels): "
-        "what the compiled element-wise kernels buy on a GPU; its rows name the model `qwen0.5b+eager-kernels`",
-    )
-    parser.add_argument(
-        "--nearest-updates",
-        action="store_true",
-        help="our side with `low_precision_updates: nearest` (torch's AdamW rounding each bf16 update, as TRL's side "
-        "does) instead of the Kahan-compensated default: what the default costs a step; its rows name the model "
-        "`qwen0.5b+nearest`",
-    )
+    for variant in VARIANTS:
+        parser.add_argument(
+            f"--{variant.name}",
+            action="store_true",
+            help=f"{variant.help}; its rows name the model `qwen0.5b{variant.suffix}`",
+        )
     parser.add_argument(
         "--skip-steps",
         type=int,
@@ -434,10 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         f" (steady after {args.skip_steps})" if args.skip_steps is not None else ""
     )
     for model in models:
-        label = model + (f"/{args.attention}" if args.attention else "") + ("+compile" if args.compile else "")
-        label += "+unfused" if args.unfused else ""
-        label += "+eager-kernels" if args.eager_kernels else ""
-        label += "+nearest" if args.nearest_updates else ""
+        label = model + (f"/{args.attention}" if args.attention else "")
+        label += "".join(v.suffix for v in VARIANTS if v.name in chosen_variants(args))
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))

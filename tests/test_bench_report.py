@@ -38,7 +38,7 @@ def test_warm_up_runs_are_measured_but_left_out_of_the_medians(tiny, tmp_path, m
 
     calls = []
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False, *_):
+    def fake(impl, key, model, steps, assets, *_):
         calls.append(impl)
         first = len(calls) <= 2  # the warm-up pair: slow, as a cold machine's first processes
         return {"samples_per_s": 1.0 if first else 10.0, "peak_mb": 100.0, "loss": 0.5, "steady_samples_per_s": None}
@@ -568,7 +568,7 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tiny, tmp_path, monkeypatch
     `--cases` picks cases by key."""
     import bench.__main__ as bench_main
 
-    def fake(impl, key, model, steps, assets, attention=None, compile=False, unfused=False, eager_kernels=False, *_):
+    def fake(impl, key, model, steps, assets, *_):
         if key.startswith("dpo/"):
             raise RuntimeError("cut short")
         return {"samples_per_s": 5.0, "peak_mb": 1.0, "loss": 0.1}
@@ -645,7 +645,7 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
     monkeypatch.setattr(
         bench_main,
         "measure",
-        lambda *a: seen.append((a[0], a[5], a[6])) or {"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1},
+        lambda *a: seen.append((a[0], a[5], "compile" in a[6])) or {"samples_per_s": 1.0, "peak_mb": 1.0, "loss": 0.1},
     )
     monkeypatch.setattr(bench_main, "physics", lambda *a: Physics(None, None, None))
     out = tmp_path / "report.md"
@@ -678,10 +678,12 @@ def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeyp
 
     monkeypatch.setattr(bench_main.subprocess, "run", run)
     for impl in ("ours", "trl"):
-        real_measure(impl, "sft/8x64", "tiny", 2, tiny, "flex_attention", True, True)
+        real_measure(impl, "sft/8x64", "tiny", 2, tiny, "flex_attention", ("compile", "unfused"))
     assert envs["ours"][COMPILE_ENV] == "1" and COMPILE_ENV not in envs["trl"], "compile is our side's switch only"
     assert envs["ours"][UNFUSED_ENV] == "1" and UNFUSED_ENV not in envs["trl"], "so is the unfused DPO head"
     assert envs["ours"][ATTENTION_ENV] == envs["trl"][ATTENTION_ENV] == "flex_attention"
+    with pytest.raises(ValueError, match="unknown variants"):
+        real_measure("ours", "sft/8x64", "tiny", 2, tiny, None, ("compiled",))
 
 
 def test_fewer_warm_up_steps_reach_the_runs_and_their_rows_say_so(tiny, tmp_path, monkeypatch):
