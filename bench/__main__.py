@@ -28,6 +28,7 @@ from bench.cases import (
     ONLINE,
     SUITES,
     TRAINERS,
+    USERS_LOGGING_EVERY,
     Case,
     attention_span,
     cases,
@@ -541,8 +542,10 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
         + "; checkpointing off; identical data, model and hyperparameters on every side. "
         + (
             "Ratio: ours / contender at steady state (from the end of step 5, or of the step the `runs × steps` "
-            "column names, to the last step: data preparation, warm-up and saving left out); end-to-end ratio: "
-            "data preparation + training + saving. tokens/s = "
+            "column names, to the last step: data preparation, warm-up and saving left out), the steps' ends "
+            "timed by CUDA events on the device's own timeline; SFT, reward, DPO and KTO log every "
+            f"{USERS_LOGGING_EVERY} steps on every side, as users do, the online trainers every step; end-to-end "
+            "ratio: data preparation + training + saving. tokens/s = "
             "samples/s × real tokens per sample of the identical data (a packed block: as our best-fit packer fills "
             "it, which TRL's `bfd` matches). MFU: tokens/s × model FLOPs per token (6·N + 12·L·d·s, s the span a "
             "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "

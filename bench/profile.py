@@ -14,8 +14,8 @@ It runs exactly what `python -m bench` times for that case (same model, data and
   also the device time by kind of kernel (matmul, attention, Triton, norm, element-wise, copy, optimizer), from
   the kernels themselves, so that ours and TRL + Liger's (whose Triton kernels run outside aten's operators) add up
   alike, how busy the device is in a steady step (`device_busy`: well under 100% says the step waits on its
-  host), and the host time of each optimizer step (`optimizer_host_ms`). It also prints the run's step times and
-  the warnings it logged (`bench.__main__.step_detail`).
+  host), and the host time of each optimizer step (`optimizer_host_ms`). It also prints the run's step times,
+  the synchronising calls of its steady steps (on a GPU) and the warnings it logged (`bench.__main__.step_detail`).
 
 It prints the top operators (kernels, on a GPU) and the matrix-multiply share: the figure that says whether a case is bound by
 its FLOPs (a high share: only fewer FLOPs help) or by everything around them (a low share: overhead to remove).
