@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.cases import (
     GPU_TRAINERS,
+    LOG_EVERY_ENV,
     ONLINE,
     SUITES,
     TRAINERS,
@@ -144,7 +145,9 @@ def chosen_variants(args: argparse.Namespace) -> tuple[str, ...]:
 
 def measure_variant(impl: str, key: str, model: str, args: argparse.Namespace, assets: Path) -> dict:
     """`measure` with what the command line asks for (attention kernel, our side's `VARIANTS`, warm-up steps)."""
-    return measure(impl, key, model, args.steps, assets, args.attention, chosen_variants(args), args.skip_steps)
+    return measure(
+        impl, key, model, args.steps, assets, args.attention, chosen_variants(args), args.skip_steps, args.log_every
+    )
 
 
 def measure(
@@ -156,12 +159,16 @@ def measure(
     attention: str | None = None,
     variants: tuple[str, ...] = (),
     skip_steps: int | None = None,
+    log_every: int | None = None,
 ) -> dict:
     """One run of `bench.run_one` in a fresh process (its model on the `attention` kernel when given; our side with
-    the named `VARIANTS`; its steady rate after `skip_steps` steps, default 5): its JSON figures."""
+    the named `VARIANTS`; its steady rate after `skip_steps` steps, default 5; an offline trainer logging every
+    `log_every` steps on a GPU, default `USERS_LOGGING_EVERY`): its JSON figures."""
     env = dict(os.environ)
     if skip_steps is not None:
         env[SKIP_STEPS_ENV] = str(skip_steps)
+    if log_every is not None:
+        env[LOG_EVERY_ENV] = str(log_every)
     if attention:
         env[ATTENTION_ENV] = attention
     if unknown := set(variants) - {v.name for v in VARIANTS}:
@@ -391,6 +398,14 @@ def main(argv: list[str] | None = None) -> None:
             help=f"{variant.help}; its rows name the model `qwen0.5b{variant.suffix}`",
         )
     parser.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        help=f"steps between logs of SFT, reward, DPO and KTO on a GPU, every side alike (default "
+        f"{USERS_LOGGING_EVERY}, as users run them); 1 makes each step wait for the device at its log, as every GPU "
+        "row before session 44 did; its rows name the model `qwen0.5b+log-every-1`",
+    )
+    parser.add_argument(
         "--skip-steps",
         type=int,
         default=None,
@@ -449,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         label = model + (f"/{args.attention}" if args.attention else "")
         label += "".join(v.suffix for v in VARIANTS if v.name in chosen_variants(args))
+        label += f"+log-every-{args.log_every}" if args.log_every is not None else ""
         chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
         if wanted and (missing := set(wanted) - {c.key for c in chosen}):
             known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,18 @@ USERS_LOGGING_EVERY = 10
 reads the logged values back, so the device drains there; what happens between logs is what a user's run gets."""
 
 
+LOG_EVERY_ENV = "ALIGNPIPE_BENCH_LOG_EVERY"
+"""Set by `python -m bench --log-every N`: the offline trainers' steps between logs on a GPU, every side alike (1: as
+every GPU row before session 44 ran, each step then waiting for the device)."""
+
+
 def _logging_every(gpu: bool, trainer: str) -> int:
     """A GPU case's steps between logs: every step for an online trainer (its log times a step, `bench.run_one`),
-    `USERS_LOGGING_EVERY` for an offline one (timed by its optimizer steps); on a CPU one log at the end."""
-    return 0 if not gpu else 1 if trainer in ONLINE else USERS_LOGGING_EVERY
+    `USERS_LOGGING_EVERY` (or `LOG_EVERY_ENV`'s) for an offline one (timed by its optimizer steps); on a CPU one log
+    at the end."""
+    if not gpu:
+        return 0
+    return 1 if trainer in ONLINE else int(os.environ.get(LOG_EVERY_ENV) or USERS_LOGGING_EVERY)
 
 
 def _latency(gpu: bool) -> dict[str, Shape]:

@@ -59,10 +59,13 @@
 #      8×1024 with `compile: true` (`--compile`: each decoder layer one compiled graph, far fewer launches a step;
 #      session 43 found no recompile in 14 compiled DPO steps of the case's own lengths on CPU) against TRL + Liger
 #      (timeout_s 480)
+#   i  the clock's own effect (session 44): DPO 8×1024 against TRL + Liger with a log every step (`--log-every 1`),
+#      as every GPU row before session 44 ran, each step then waiting for the device at its log; read beside f's rows
+#      (a log every 10 steps, as users run) from the same lease (timeout_s 300)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to h)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e or h, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to i)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e, h or i, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -143,6 +146,9 @@ g)
 h)
   bench 240 --cases dpo/8x1024 --attention varlen --compile --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench 200 --cases reward/8x1024 --attention varlen --compile --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  ;;
+i)
+  bench 270 --cases dpo/8x1024 --attention varlen --log-every 1 --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"

@@ -631,6 +631,28 @@ def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(ti
     assert seen == ["kahan", "nearest"]
 
 
+def test_log_every_reaches_every_side_and_the_offline_gpu_shapes_and_names_its_rows(tiny, tmp_path, monkeypatch):
+    """`--log-every 1`: the offline trainers' logging on a GPU, for every side (the A/B of session 44's clock against
+    the log per step every earlier GPU row ran with); online trainers keep their log per step, CPU shapes their one
+    log; the rows name it."""
+    import bench.__main__ as bench_main
+    from bench.cases import LOG_EVERY_ENV
+
+    envs = recorded_runs(monkeypatch)
+    out = tmp_path / "report.md"
+    bench_main.main(
+        ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "dpo", "--log-every", "1"]
+    )
+    assert envs["ours"][LOG_EVERY_ENV] == envs["trl"][LOG_EVERY_ENV] == "1"
+    assert "| dpo | tiny+log-every-1 |" in out.read_text()
+    monkeypatch.setenv(LOG_EVERY_ENV, "1")
+    assert find_case("qwen0.5b", "dpo/8x1024").shape.log_every == 1
+    assert find_case("qwen0.5b", "ppo/64x256").shape.log_every == 1
+    assert find_case("tiny", "dpo/8x64").shape.log_every == 0
+    monkeypatch.delenv(LOG_EVERY_ENV)
+    assert find_case("qwen0.5b", "dpo/8x1024").shape.log_every == 10
+
+
 def test_an_attention_kernel_and_compile_name_their_rows(tiny, tmp_path, monkeypatch):
     """`--attention flex_attention` (on a GPU): every side's model runs that kernel (`bench.run_one` reads the
     environment `measure` gives it); `--compile`: our side compiled. Their rows name it beside the model, apart from
@@ -796,7 +818,7 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     script = Path(__file__).parents[1] / "bench" / "gpu_session.sh"
     text = script.read_text()
     stages = dict(re.findall(r"^(\w)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
-    assert sorted(stages) == ["1", "2", "3", "4", "5", "a", "b", "c", "d", "e", "f", "g", "h"]
+    assert sorted(stages) == ["1", "2", "3", "4", "5", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
     limit = r'(?:bench|timeout) "?(?:\$\{\w+:-)?(\d+)'  # a number, or a variable's default (B_LIMIT)
     known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
 
