@@ -71,13 +71,13 @@ LOG_EVERY_ENV = "ALIGNPIPE_BENCH_LOG_EVERY"
 every GPU row before session 44 ran, each step then waiting for the device)."""
 
 
-def _logging_every(gpu: bool, trainer: str) -> int:
+def _logging_every(gpu: bool, online: bool) -> int:
     """A GPU case's steps between logs: every step for an online trainer (its log times a step, `bench.run_one`),
     `USERS_LOGGING_EVERY` (or `LOG_EVERY_ENV`'s) for an offline one (timed by its optimizer steps); on a CPU one log
     at the end."""
     if not gpu:
         return 0
-    return 1 if trainer in ONLINE else int(os.environ.get(LOG_EVERY_ENV) or USERS_LOGGING_EVERY)
+    return 1 if online else int(os.environ.get(LOG_EVERY_ENV) or USERS_LOGGING_EVERY)
 
 
 def _latency(gpu: bool) -> dict[str, Shape]:
@@ -88,7 +88,7 @@ def _latency(gpu: bool) -> dict[str, Shape]:
     grpo = Shape(f"2×{s.generations}×{s.completion}", **{**_fields(s), "batch": 2 * s.generations})
     ppo = Shape(f"{s.batch}×{s.completion}", **_fields(s))
     online = Shape(f"{s.batch}×2×{s.completion}", **_fields(s))
-    offline = Shape(s.label, **{**_fields(s), "log_every": _logging_every(gpu, "sft")})
+    offline = Shape(s.label, **{**_fields(s), "log_every": _logging_every(gpu, online=False)})
     return {t: offline for t in ("sft", "reward", "dpo", "kto")} | {
         "grpo": grpo,
         "rloo": grpo,
@@ -98,10 +98,15 @@ def _latency(gpu: bool) -> dict[str, Shape]:
 
 
 def _user(gpu: bool) -> dict[str, list[Shape]]:
-    log = _logging_every(gpu, "sft")
+    log = _logging_every(gpu, online=False)
     pair = Shape("8×1024", batch=8, max_len=1024, prompt_tokens=256, completion_tokens=720, log_every=log)
     rl = dict(
-        batch=16, accumulation=4, max_len=384, completion=256, prompt_tokens=96, log_every=_logging_every(gpu, "grpo")
+        batch=16,
+        accumulation=4,
+        max_len=384,
+        completion=256,
+        prompt_tokens=96,
+        log_every=_logging_every(gpu, online=True),
     )
     packed = dict(packed=True, prompt_tokens=128, completion_tokens=384, log_every=log)
     return {

@@ -818,37 +818,39 @@ def _sampling_ms(setup: Setup, rows: int, vocab: int, sampling) -> float:
     return seconds / calls * 1e3
 
 
-def innermost_caller(skip: tuple[str, ...] = ()) -> str:
-    """ "file:line" of the innermost frame of the calling stack outside torch, the warnings machinery and the files
-    `skip` names (a recorder's own): whose call a warning raised inside torch (a synchronising operator) came from."""
+def innermost_caller() -> str:
+    """ "file:line" of the innermost frame of the calling stack outside torch and the warnings machinery: whose call
+    a warning raised inside torch (a synchronising operator) came from."""
     frames = [
         f
         for f in traceback.extract_stack()[:-1]
-        if "/torch/" not in f.filename and f.filename not in (warnings.__file__, __file__, *skip)
+        if "/torch/" not in f.filename and f.filename not in (warnings.__file__, __file__)
     ]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def sync_recorder(seen: list[tuple[str, str]]) -> Callable[..., None]:
+def sync_recorder(seen: list[tuple[str, str]], traced: int | None = None) -> Callable[..., None]:
     """A `warnings.showwarning` that appends (the warning's own line, `innermost_caller()`) of each synchronising
-    warning to `seen`."""
+    warning to `seen`; past the first `traced` calls the caller is "" (a walk of the stack costs ~0.1-0.5 ms in a
+    deep trainer, where the warning alone costs some µs)."""
 
     def record(message, category, filename, lineno, file=None, line=None):
         # torch's own words for a synchronising call; `set_sync_debug_mode` itself warns that the mode is a
         # prototype "not yet detecting all synchronizing operations" (session 15's and 29's false finding)
         if "called a synchronizing CUDA operation" in str(message):
-            seen.append((f"{filename.rsplit('/', 1)[-1]}:{lineno}", innermost_caller()))
+            caller = innermost_caller() if traced is None or len(seen) < traced else ""
+            seen.append((f"{filename.rsplit('/', 1)[-1]}:{lineno}", caller))
 
     return record
 
 
 @contextlib.contextmanager
-def recorded_syncs(seen: list[tuple[str, str]]):
+def recorded_syncs(seen: list[tuple[str, str]], traced: int | None = None):
     """Within: every synchronising CUDA call warns (`torch.cuda.set_sync_debug_mode("warn")`) and is appended to
-    `seen` (`sync_recorder`) instead of printed."""
+    `seen` (`sync_recorder`, callers of the first `traced`) instead of printed."""
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = sync_recorder(seen)
+        warnings.showwarning = sync_recorder(seen, traced)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield

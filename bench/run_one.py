@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 
 from bench.cases import ONLINE, QWEN_05B, Case, find_case, is_gpu_model, rows
@@ -104,52 +103,36 @@ class SteadySyncs:
     for the device inside a step stops the host from issuing the next kernels until the queue has drained, so the
     step's host work no longer overlaps its kernels: a step near host + device time rather than the larger of them.
     Log steps read the logged values back (one wait each, by design), so a run logging every 10 steps shows a few
-    there; any other step's calls are the ones to remove. Both sides are counted alike. The recording is installed as
-    `warnings.showwarning` for the window, so other warnings raised in it are not shown."""
+    there; any other step's calls are the ones to remove. Both sides are counted alike. The recording is
+    `gpu_checks.recorded_syncs`, open for the window: other warnings raised in it are not shown."""
 
     SITES = 6
-    TRACED = 40
-    """Calls whose caller is looked up (a walk of the stack, ~0.1-0.5 ms in a deep trainer); later ones are only
-    counted (the warning alone, some µs), so a side that waits often is not slowed much by being watched."""
+    TRACED = 40  # calls whose caller is looked up (`gpu_checks.sync_recorder`); later ones are only counted
 
     def __init__(self):
-        self.seen: list[str] = []  # each call's innermost caller outside torch ("" past the first `TRACED`)
+        self.seen: list[tuple[str, str]] = []  # (the warning's line, the innermost caller outside torch or "")
         self.marks: list[int] = []  # len(seen) at the end of each steady step
-        self._catch: warnings.catch_warnings | None = None
-
-    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
-        from bench.gpu_checks import innermost_caller
-
-        # torch's own words for a synchronising call (`set_sync_debug_mode` also warns that it is a prototype)
-        if "called a synchronizing CUDA operation" in str(message):
-            self.seen.append(innermost_caller(skip=(__file__,)) if len(self.seen) < self.TRACED else "")
+        self._recording: contextlib.ExitStack | None = None
 
     def start(self) -> None:
-        import torch
+        from bench.gpu_checks import recorded_syncs
 
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = self._record
-        torch.cuda.set_sync_debug_mode("warn")
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(recorded_syncs(self.seen, self.TRACED))
 
     def mark(self) -> None:
         self.marks.append(len(self.seen))
 
     def stop(self) -> None:
-        if self._catch is None:
-            return
-        import torch
-
-        torch.cuda.set_sync_debug_mode("default")
-        self._catch.__exit__(None, None, None)
-        self._catch = None
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
 
     def summary(self) -> dict:
         """{"per_step": the calls in each steady step, "sites": the callers of the first `TRACED` by count, at most
         `SITES`}."""
         per_step = [b - a for a, b in zip([0, *self.marks], self.marks)]
-        counted = Counter(caller.removeprefix(ROOT_PREFIX) for caller in self.seen if caller)
+        counted = Counter(caller.removeprefix(ROOT_PREFIX) for _, caller in self.seen if caller)
         return {"per_step": per_step, "sites": [f"{site} ×{n}" for site, n in counted.most_common(self.SITES)]}
 
 
