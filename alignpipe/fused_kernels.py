@@ -40,6 +40,7 @@ from contextvars import ContextVar
 
 import torch
 
+from alignpipe import triton_kernels
 from alignpipe.compiled import compiled_function
 
 log = logging.getLogger(__name__)
@@ -129,16 +130,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t.flatten(0, -2) if t.dim() > 2 else t).detach()
 
 
+ELEMENTWISE = "triton"
+"""Which kernels run the SwiGLU and rotary work where the gate is open: `triton`, the hand-written ones
+(`triton_kernels`, where `triton_kernels.usable`; elsewhere the compiled ones), or `compiled`, inductor's from the
+eager expressions. `python -m bench --compiled-kernels` sets `compiled` to measure what the hand-written ones buy."""
+
+
+def by_hand(*tensors: torch.Tensor) -> bool:
+    """Whether the SwiGLU or rotary kernel for `tensors` runs as `triton_kernels`' hand-written kernel."""
+    return ELEMENTWISE == "triton" and triton_kernels.takes(*tensors) and triton_kernels.usable(tensors[0].device)
+
+
 def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up in gate's shape, from one compiled kernel on rows."""
+    """silu(gate) · up in gate's shape, from one kernel on rows."""
+    if by_hand(gate, up):
+        return triton_kernels.silu_mul(_rows(gate), _rows(up)).view(gate.shape)
     return compiled_function(_silu_mul_forward)(_rows(gate), _rows(up)).view(gate.shape)
 
 
 def _product_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, product: bool = False):
-    """(d gate, d up) in gate's and up's shapes from one compiled kernel on rows; with `product`, also the product
+    """(d gate, d up) in gate's and up's shapes from one kernel on rows; with `product`, also the product
     written again, as rows."""
-    fn = _silu_mul_backward_and_product if product else _silu_mul_backward
-    d_gate, d_up, *again = compiled_function(fn)(_rows(grad), _rows(gate), _rows(up))
+    if by_hand(grad, gate, up):
+        d_gate, d_up, *again = triton_kernels.silu_mul_grads(_rows(grad), _rows(gate), _rows(up), product)
+    else:
+        fn = _silu_mul_backward_and_product if product else _silu_mul_backward
+        d_gate, d_up, *again = compiled_function(fn)(_rows(grad), _rows(gate), _rows(up))
     return (d_gate.view(gate.shape), d_up.view(up.shape), *again)
 
 
@@ -265,11 +282,15 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
+        if by_hand(q, k, cos, sin):
+            return triton_kernels.rotary(q, k, cos, sin)
         return _rotary_call(compiled_function(_rotary_forward), q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
+        if by_hand(grad_q, grad_k, cos, sin):
+            return (*triton_kernels.rotary(grad_q, grad_k, cos, sin, backward=True), None, None)
         return (*_rotary_call(compiled_function(_rotary_backward), grad_q, grad_k, cos, sin), None, None)
 
 

@@ -39,3 +39,32 @@ def prefect_harness():
 @pytest.fixture
 def demo_text(tiny, tmp_path) -> str:
     return demo_recipe(tiny, tmp_path / "runs")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernels built for Triton's interpreter, with its casts down to bfloat16 rounding to nearest as a GPU's
+    `fptrunc` does (the interpreter's own truncates, and its rounding mode drops the carry into the exponent)."""
+    pytest.importorskip("triton", reason="the test extra installs Triton (Linux x86-64)")
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from alignpipe import triton_kernels
+
+    plain = interpreter.InterpreterBuilder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):
+        if dst_type.scalar != tl.bfloat16:
+            return plain(self, src, dst_type)  # float16: numpy's cast rounds to nearest
+        rounded = torch.from_numpy(np.asarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_trunc", fp_trunc)
+    triton_kernels._kernels.cache_clear()
+    triton_kernels.usable.cache_clear()
+    yield
+    triton_kernels._kernels.cache_clear()
+    triton_kernels.usable.cache_clear()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from support import SHORT_GROUPS, tiny_split
 
-from alignpipe import fused_kernels, linear_ce, linear_sequence_loss, logprobs
+from alignpipe import fused_kernels, linear_ce, linear_sequence_loss, logprobs, triton_kernels
 from alignpipe.fused_kernels import loss_kernels, silu_mul, wanted
 from alignpipe.modeling import load_causal_lm
 from alignpipe.tracking import Tracker
@@ -252,6 +252,25 @@ def sft_series(tiny, out, fused: bool):
     return tracker.series("train/loss"), tracker.series("train/grad_norm")
 
 
+@pytest.fixture(params=["compiled", "triton"])
+def kernels(request, gate_open, monkeypatch):
+    """The gate opened on CPU with the SwiGLU and rotary work on inductor's compiled kernels or on the hand-written
+    Triton ones (under Triton's interpreter), with a count of the hand-written ones' launches."""
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", request.param)
+    launches = {"silu_mul": 0, "silu_mul_grads": 0, "rotary": 0}
+    if request.param == "triton":
+        request.getfixturevalue("interpreted")
+        for name in launches:
+            kernel = getattr(triton_kernels, name)
+
+            def counted(*a, kernel=kernel, name=name, **kw):
+                launches[name] += 1
+                return kernel(*a, **kw)
+
+            monkeypatch.setattr(triton_kernels, name, counted)
+    return request.param, launches
+
+
 def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_path, gate_open):
     """The MLPs' products and the head's softmax and gradient through the compiled kernels: the same losses and
     gradient norms as the eager kernels (float32), and the eager run takes none of them."""
@@ -264,13 +283,14 @@ def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_pat
     assert loss == pytest.approx(eager_loss, rel=1e-5) and norm == pytest.approx(eager_norm, rel=1e-4)
 
 
-def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypatch, gate_open):
+def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypatch, gate_open, kernels):
     """DPO's fused head with its group kernels compiled, the MLPs' products and the rotary embeddings fused (the GPU
-    default): loss and every gradient equal eager."""
+    default; inductor's kernels or the hand-written Triton ones): loss and every gradient equal eager. Two pairs:
+    Triton's interpreter runs a kernel's programs one by one."""
     from alignpipe.lean_activations import lean_activations
 
     tok, rows, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=16, max_length=64)
-    batch = dpo.collate(dpo.tokenize(rows[:4], tok, 64), tok.pad_token_id, 64)
+    batch = dpo.collate(dpo.tokenize(rows[:2], tok, 64), tok.pad_token_id, 64)
     models = {fused: load_causal_lm(str(tiny / "model")) for fused in (False, True)}
     for fused, model in models.items():
         lean_activations(model, fused=fused)
@@ -278,7 +298,7 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
 
     def run(fused):
         model = models[fused]
-        zeros = torch.zeros(4)
+        zeros = torch.zeros(2)
         loss, _ = dpo.batch_loss(model, batch, lambda _b: (zeros, zeros), DPOConfig(fused_kernels=fused))
         loss.backward()
         return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -291,6 +311,12 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
     assert fused[0] == pytest.approx(eager[0], rel=1e-6)
     for name, grad in eager[1].items():
         assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name
+    which, launches = kernels
+    if which == "triton":  # forward (the product, rotary) and backward (the gradients, rotary's) of each layer
+        assert launches["silu_mul"] >= layers and launches["silu_mul_grads"] == layers
+        assert launches["rotary"] == 2 * layers
+    else:
+        assert launches == {"silu_mul": 0, "silu_mul_grads": 0, "rotary": 0}
 
 
 def test_a_frozen_reference_rounds_as_the_policy_does(tiny, gate_open):

@@ -1,0 +1,137 @@
+"""The Triton kernels `triton_kernels` launches (its docstring says what each computes and why by hand).
+
+A module of its own because Triton resolves a kernel's calls to other kernels among its module's globals, and because
+whether they run interpreted (`TRITON_INTERPRET=1`) is fixed when they are decorated: `triton_kernels` imports (and
+re-imports) this module when it first launches one. Importing it needs Triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def silu_mul_forward(gate, up, out, cols, gate_stride, up_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = col < cols
+    g = tl.load(gate + row * gate_stride + col, mask=keep, other=0.0).to(tl.float32)
+    u = tl.load(up + row * up_stride + col, mask=keep, other=0.0).to(tl.float32)
+    sig = 1 / (1 + tl.exp(-g))  # tl.sigmoid's expression (a jitted helper, which the interpreter may not run)
+    y = g * sig * u
+    tl.store(out + row * cols + col, y.to(out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def silu_mul_backward(
+    grad,
+    gate,
+    up,
+    d_gate,
+    d_up,
+    product,
+    cols,
+    grad_stride,
+    gate_stride,
+    up_stride,
+    WITH_PRODUCT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = col < cols
+    dy = tl.load(grad + row * grad_stride + col, mask=keep, other=0.0).to(tl.float32)
+    g = tl.load(gate + row * gate_stride + col, mask=keep, other=0.0).to(tl.float32)
+    u = tl.load(up + row * up_stride + col, mask=keep, other=0.0).to(tl.float32)
+    sig = 1 / (1 + tl.exp(-g))
+    out = row * cols + col
+    tl.store(d_gate + out, (dy * u * sig * (1 + g * (1 - sig))).to(d_gate.dtype.element_ty), mask=keep)
+    tl.store(d_up + out, (dy * g * sig).to(d_up.dtype.element_ty), mask=keep)
+    if WITH_PRODUCT:
+        tl.store(product + out, (g * sig * u).to(product.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def rotate_heads(
+    x,
+    out,
+    c1,
+    c2,
+    s1,
+    s2,
+    batch,
+    token,
+    tokens,
+    heads,
+    x_batch,
+    x_head,
+    x_token,
+    x_dim,
+    HALF: tl.constexpr,
+    HEADS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """One token's heads of `x` (B, heads, T, D, any strides) rotated into `out` ((B, T, heads, D), contiguous)
+    with that token's cos and sin halves (float32, (1, HALF_BLOCK) each); the gradient's rotation with BACKWARD."""
+    head = tl.arange(0, HEADS)[:, None]
+    dim = tl.arange(0, HALF_BLOCK)[None, :]
+    keep = (head < heads) & (dim < HALF)
+    first = x + batch * x_batch + token * x_token + head * x_head + dim * x_dim
+    a = tl.load(first, mask=keep, other=0.0).to(tl.float32)
+    b = tl.load(first + HALF * x_dim, mask=keep, other=0.0).to(tl.float32)
+    if BACKWARD:  # d x = grad · cos + rotate_halfᵀ(grad · sin), rotate_halfᵀ(z) = (z₂, −z₁)
+        lo = a * c1 + b * s2
+        hi = b * c2 - a * s1
+    else:  # x · cos + rotate_half(x) · sin, rotate_half(x) = (−x₂, x₁)
+        lo = a * c1 - b * s1
+        hi = b * c2 + a * s2
+    written = out + ((batch * tokens + token) * heads + head) * (2 * HALF) + dim
+    tl.store(written, lo.to(out.dtype.element_ty), mask=keep)
+    tl.store(written + HALF, hi.to(out.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["tokens", "q_batch", "k_batch", "c_batch"])
+def rotary(
+    q,
+    k,
+    q_out,
+    k_out,
+    cos,
+    sin,
+    tokens,
+    q_heads,
+    k_heads,
+    q_batch,
+    q_head,
+    q_token,
+    q_dim,
+    k_batch,
+    k_head,
+    k_token,
+    k_dim,
+    c_batch,
+    c_token,
+    c_dim,
+    HALF: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    batch = pid // tokens
+    token = pid % tokens
+    dim = tl.arange(0, HALF_BLOCK)[None, :]
+    row = batch * c_batch + token * c_token + dim * c_dim
+    keep = dim < HALF
+    c1 = tl.load(cos + row, mask=keep, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + row + HALF * c_dim, mask=keep, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + row, mask=keep, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + row + HALF * c_dim, mask=keep, other=0.0).to(tl.float32)
+    rotate_heads(
+        q, q_out, c1, c2, s1, s2, batch, token, tokens, q_heads, q_batch, q_head, q_token, q_dim,
+        HALF, Q_HEADS, HALF_BLOCK, BACKWARD,
+    )  # fmt: skip
+    rotate_heads(
+        k, k_out, c1, c2, s1, s2, batch, token, tokens, k_heads, k_batch, k_head, k_token, k_dim,
+        HALF, K_HEADS, HALF_BLOCK, BACKWARD,
+    )  # fmt: skip

@@ -1,0 +1,140 @@
+"""The element-wise kernels of `fused_kernels` written in Triton by hand: the SwiGLU product and its gradients, the
+rotary embedding of queries and keys and its gradient.
+
+Why by hand, where inductor writes the same kernels from the eager expressions (`fused_kernels`' compiled path): a
+compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and inductor's Python `call`
+before its launch. A DPO step on a 24-layer model makes ~144 such calls (each layer's rotary and SwiGLU, forward for
+the policy and the reference, backward for the policy), at ~0.2–0.4 ms of host time each on this project's CPUs
+(docs/benchmarks.md, sessions 43 and 44), where a step's device time is ~190 ms: a step whose host cannot stay
+ahead of its GPU pays them all. A Triton kernel's call is its launch: its arguments bound and its compiled variant
+looked up (tens of µs). The kernels compute in float32 and round once, as the compiled path does.
+
+Each kernel is compiled by Triton at its first launch in a process (once per dtype and layout, not per size: the
+sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable` tries the forward
+kernel once per device and process; where it fails (no Triton, a Triton that cannot build for the card), it says
+so once and `fused_kernels` falls back to its compiled kernels.
+
+On a CPU, these run only under Triton's interpreter (`TRITON_INTERPRET=1`, set before the first call), which is how
+the tests check them against the eager expressions."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What the kernels take (they compute in float32); other dtypes go to `fused_kernels`' compiled kernels."""
+
+SWIGLU_BLOCK = 1024
+"""Columns of one (row, column block) program of the SwiGLU kernels: 4 warps of 8 values per thread."""
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (on the host, from numpy): `TRITON_INTERPRET=1`."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernels():
+    """`triton_jit`, its kernels decorated now: under the interpreter if `TRITON_INTERPRET=1` now (tests clear this
+    cache to switch)."""
+    from alignpipe import triton_jit
+
+    return importlib.reload(triton_jit)
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: dtypes in `DTYPES`, on a CUDA device (or any, interpreted)."""
+    return all(t.dtype in DTYPES for t in tensors) and (interpreted() or tensors[0].device.type == "cuda")
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D `t` whose columns are adjacent (rows may be strided: a merged projection's slices)."""
+    return t if t.stride(1) == 1 or t.size(1) == 1 else t.contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of (rows, cols) tensors, computed in float32, rounded once to up's dtype; (rows, cols),
+    contiguous."""
+    gate, up = _row_major(gate), _row_major(up)
+    rows, cols = gate.shape
+    out = torch.empty((rows, cols), dtype=up.dtype, device=up.device)
+    if out.numel():
+        grid = (rows, _cdiv(cols, SWIGLU_BLOCK))
+        _kernels().silu_mul_forward[grid](
+            gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=SWIGLU_BLOCK, num_warps=4
+        )
+    return out
+
+
+def silu_mul_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, product: bool = False):
+    """(d gate, d up) of silu(gate) · up for (rows, cols) tensors, in float32, each rounded once to its input's
+    dtype; with `product`, also the product again (up's dtype). Contiguous (rows, cols) each."""
+    grad, gate, up = _row_major(grad), _row_major(gate), _row_major(up)
+    rows, cols = gate.shape
+    d_gate = torch.empty((rows, cols), dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty((rows, cols), dtype=up.dtype, device=up.device)
+    again = torch.empty((rows, cols) if product else (0,), dtype=up.dtype, device=up.device)
+    if d_gate.numel():
+        grid = (rows, _cdiv(cols, SWIGLU_BLOCK))
+        _kernels().silu_mul_backward[grid](
+            grad, gate, up, d_gate, d_up, again if product else d_up, cols,
+            grad.stride(0), gate.stride(0), up.stride(0), WITH_PRODUCT=product, BLOCK=SWIGLU_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return (d_gate, d_up, again) if product else (d_gate, d_up)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` for (B, heads, T, D) queries and keys (any strides) and
+    (B or 1, T, D) cos and sin, in float32, rounded once to q's and k's dtypes; with `backward`, the gradients
+    (d q, d k) of that map given the outputs' gradients as q and k. The results are (B, heads, T, D) views of
+    (B, T, heads, D) tensors, the layout a projection hands attention."""
+    batch, q_heads, tokens, dim = q.shape
+    k_heads = k.size(1)
+    if cos.size(0) == 1 and batch > 1:
+        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty((batch, tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((batch, tokens, k_heads, dim), dtype=k.dtype, device=k.device)
+    if q_out.numel() and k_out.numel():
+        half = dim // 2
+        _kernels().rotary[(batch * tokens,)](
+            q, k, q_out, k_out, cos, sin, tokens, q_heads, k_heads, *q.stride(), *k.stride(), *cos.stride(),
+            HALF=half, Q_HEADS=_power_of_two(q_heads), K_HEADS=_power_of_two(k_heads),
+            HALF_BLOCK=_power_of_two(half), BACKWARD=backward, num_warps=4 if q_heads * half >= 1024 else 2,
+        )  # fmt: skip
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def usable(device: torch.device) -> bool:
+    """Whether the kernels build and run on `device` and agree with the eager expression (tried once per device and
+    process: the SwiGLU forward on a few bf16 rows); a failure is said once, and `fused_kernels` runs its compiled
+    kernels instead. False off CUDA unless interpreted."""
+    if torch.device(device).type != "cuda" and not interpreted():
+        return False
+    try:
+        gate = torch.linspace(-4, 4, 2 * 40, device=device).view(2, 40).to(torch.bfloat16)
+        up = torch.full_like(gate, 1.5)
+        want = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)
+        return bool(torch.allclose(silu_mul(gate, up).float(), want.float(), rtol=1e-2))
+    except Exception as err:  # whatever Triton raises (import, compiler, driver): the compiled kernels are safe
+        log.warning("triton_kernels: Triton cannot run its kernels on %s (%s); the compiled kernels run", device, err)
+        return False

@@ -1,0 +1,143 @@
+"""`triton_kernels`: the hand-written SwiGLU and rotary kernels, run here by Triton's interpreter on the CPU (the
+`interpreted` fixture), against the eager expressions that the compiled kernels are built from (`fused_kernels`'
+`_silu_mul_*` and `_rotary_*`) and transformers' rotary embedding. Whole training steps through them:
+tests/test_fused_kernels.py (`kernels="triton"`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from alignpipe import fused_kernels, triton_kernels
+
+ULP = 2**-7  # a bfloat16 value's spacing, relative to it (8 significant bits): at most one rounding step apart
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: equal but for the order of float32 operations; bfloat16: at most one rounding step apart, and
+    nearly always equal (both compute in float32 and round once)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    else:
+        assert torch.allclose(got.float(), want.float(), rtol=ULP, atol=1e-6), (got.float() - want.float()).abs().max()
+        assert (got == want).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_swiglu_kernels_compute_the_eager_expressions(interpreted, dtype):
+    """Forward, backward, and backward writing the product again, on rows wider than one block (two column blocks,
+    the second partial) where gate and up are the two halves of one merged projection's output (strided rows)."""
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 5, triton_kernels.SWIGLU_BLOCK + 76
+    merged = torch.randn(rows, 2 * cols, generator=g).to(dtype) * 3
+    gate, up = merged[:, :cols], merged[:, cols:]
+    grad = torch.randn(rows, cols, generator=g).to(dtype)
+    assert gate.stride(0) == 2 * cols
+
+    got = triton_kernels.silu_mul(gate, up)
+    close(got, fused_kernels._silu_mul_forward(gate, up))
+    assert got.is_contiguous()
+    for got, want in zip(
+        triton_kernels.silu_mul_grads(grad, gate, up), fused_kernels._silu_mul_backward(grad, gate, up), strict=True
+    ):
+        close(got, want)
+    for got, want in zip(
+        triton_kernels.silu_mul_grads(grad, gate, up, product=True),
+        fused_kernels._silu_mul_backward_and_product(grad, gate, up),
+        strict=True,
+    ):
+        close(got, want)
+
+
+def qkv_layouts(dtype, seed=1):
+    """(name, q, k, cos, sin) as attention modules hand them over: projections' (B, T, heads, D) transposed; one
+    merged projection's slices (a recorded decode step's); contiguous (B, heads, T, D); a decode step (T = 1); a
+    packed row whose cos and sin have batch 1 for B > 1 rows."""
+    g = torch.Generator().manual_seed(seed)
+    H, KV, D = 4, 2, 16
+
+    def angles(b, t):
+        a = torch.randn(b, t, D // 2, generator=g) * 3
+        a = torch.cat((a, a), -1)
+        return a.cos().to(dtype), a.sin().to(dtype)
+
+    def tokens_first(b, t, heads):
+        return torch.randn(b, t, heads, D, generator=g).to(dtype).transpose(1, 2)
+
+    layouts = [("projections", tokens_first(2, 7, H), tokens_first(2, 7, KV), *angles(2, 7))]
+    merged = torch.randn(3, 5, (H + 2 * KV) * D, generator=g).to(dtype)
+    q, k, _ = merged.split((H * D, KV * D, KV * D), -1)
+    layouts.append(("merged", q.view(3, 5, H, D).transpose(1, 2), k.view(3, 5, KV, D).transpose(1, 2), *angles(3, 5)))
+    layouts.append(
+        (
+            "contiguous",
+            torch.randn(2, H, 6, D, generator=g).to(dtype),
+            torch.randn(2, KV, 6, D).to(dtype),
+            *angles(2, 6),
+        )
+    )
+    layouts.append(("decode", tokens_first(4, 1, H), tokens_first(4, 1, KV), *angles(4, 1)))
+    layouts.append(("broadcast", tokens_first(3, 6, H), tokens_first(3, 6, KV), *angles(1, 6)))
+    return layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_kernel_computes_the_eager_expression_in_every_layout(interpreted, dtype):
+    for name, q, k, cos, sin in qkv_layouts(dtype):
+        wide = cos.expand(q.size(0), -1, -1), sin.expand(q.size(0), -1, -1)
+        for backward, eager in ((False, fused_kernels._rotary_forward), (True, fused_kernels._rotary_backward)):
+            got = triton_kernels.rotary(q, k, cos, sin, backward=backward)
+            for out, want in zip(got, eager(q, k, *wide), strict=True):
+                close(out, want)
+                # laid out as a projection's output: token-major (B, T, heads, D)
+                assert out.transpose(1, 2).is_contiguous(), name
+
+
+def test_the_rotary_kernel_and_its_gradient_are_transformers_rotary_embedding(interpreted):
+    """Through `fused_kernels.rotary` (the autograd function the patched attention calls) with the gate routed to
+    the hand-written kernel: transformers' values and gradients, float32."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    original = getattr(apply_rotary_pos_emb, "alignpipe_original", apply_rotary_pos_emb)
+    g = torch.Generator().manual_seed(4)
+    for name, q, k, cos, sin in qkv_layouts(torch.float32):
+        assert fused_kernels.by_hand(q, k, cos, sin), name
+        grads = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+        results = []
+        for fn in (fused_kernels.rotary, original):
+            leaves = q.detach().requires_grad_(), k.detach().requires_grad_()
+            out = fn(*leaves, cos, sin)
+            results.append((*out, *torch.autograd.grad(out, leaves, grads)))
+        for got, want in zip(*results, strict=True):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), name
+
+
+def test_the_compiled_kernels_run_where_asked_or_where_triton_fails(interpreted, monkeypatch, caplog):
+    x = torch.randn(3, 8)
+    assert fused_kernels.by_hand(x, x)
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "compiled")
+    assert not fused_kernels.by_hand(x, x), "`compiled` (the bench's --compiled-kernels) is honoured"
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "triton")
+    assert not fused_kernels.by_hand(x.double(), x.double()), "float64 is computed as float64: the compiled kernels"
+
+    def broken(*_):
+        raise RuntimeError("no compiler for this card")
+
+    triton_kernels.usable.cache_clear()
+    monkeypatch.setattr(triton_kernels, "silu_mul", broken)
+    with caplog.at_level(logging.WARNING, logger="alignpipe.triton_kernels"):
+        assert not fused_kernels.by_hand(x, x) and not fused_kernels.by_hand(x, x)
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.triton_kernels"]
+    assert len(said) == 1 and "no compiler for this card" in said[0] and "compiled kernels run" in said[0]
+
+
+def test_off_cuda_the_kernels_are_not_taken_unless_interpreted(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton_kernels.usable.cache_clear()
+    x = torch.randn(2, 4)
+    assert not triton_kernels.takes(x) and not triton_kernels.usable(torch.device("cpu"))
+    assert not fused_kernels.by_hand(x, x)
+    triton_kernels.usable.cache_clear()
