@@ -19,9 +19,13 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
 - the rotary embedding of each attention module's queries and keys (`rotary`): eagerly ~10 kernels forward
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.
 
-These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy); here
-inductor writes them from the same expressions the CPU path runs. Each compiles with symbolic sizes, on token
-rows (`_rows`), a few seconds in the first step: once per process and direction. The passes without gradients
+These are the kernels Liger writes by hand in Triton (its SwiGLU, RoPE and fused linear cross-entropy). The SwiGLU
+and rotary ones are written by hand here too (`triton_kernels`, the default where Triton runs them: `ELEMENTWISE`):
+a DPO step calls them ~144 times on a 24-layer model, and a hand-written kernel's call is its launch, where a compiled
+function's call also runs dynamo's guards and AOT autograd's and inductor's wrappers (~0.2–0.4 ms of host time
+each on this project's CPUs). Otherwise inductor writes them from the same expressions the CPU path runs; each then
+compiles with symbolic sizes, on token rows (`_rows`), a few seconds in the first step: once per process and
+direction. The LM head's loss kernels are always inductor's (`compiled_function`). The passes without gradients
 that take them (a frozen reference's log-probs, a recorded rollout's prefill) run under `no_grad` rather than
 inference mode to share those graphs (`without_grad`); a recorded decode step's merged projections hand it strided
 rows, one graph more. `compile: true` goes further (whole layers, norms and rotary included) at
@@ -51,8 +55,10 @@ def available(device: torch.device) -> bool:
     """Whether `torch.compile` can build and run a kernel on `device` (tried once per device and process).
 
     The kernel it tries is the SwiGLU product's forward as a bf16 training step calls it (two distinct row-major
-    token-row tensors, gradients off, as inside an autograd function), so on such a step the graph compiled here
-    is the one the first MLP runs: the probe costs no compilation of its own."""
+    token-row tensors, gradients off, as inside an autograd function), so where the MLPs take the compiled kernels
+    (`ELEMENTWISE`), the graph compiled here is the one the first MLP runs: the probe costs no compilation of its
+    own. Where they take the hand-written ones, it costs one (~0.5 s on a GPU from a warm cache) before the first
+    step: the LM head's loss kernels need the compiler either way."""
     try:
         dtype = torch.bfloat16 if torch.device(device).type != "cuda" or torch.cuda.is_bf16_supported() else None
         with torch.no_grad():

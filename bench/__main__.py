@@ -42,6 +42,7 @@ from bench.cases import (
 from bench.run_one import (
     ATTENTION_ENV,
     COMPILE_ENV,
+    COMPILED_KERNELS_ENV,
     EAGER_KERNELS_ENV,
     IMPLS,
     NEAREST_ENV,
@@ -127,6 +128,13 @@ VARIANTS = (
         "+eager-kernels",
         "our side with `fused_kernels: false` (the SwiGLU product and the LM head's loss as eager kernels): what the "
         "compiled element-wise kernels buy on a GPU",
+    ),
+    Variant(
+        "compiled-kernels",
+        COMPILED_KERNELS_ENV,
+        "+compiled-kernels",
+        "our side's SwiGLU and rotary work on inductor's compiled kernels instead of the hand-written Triton ones "
+        "(`fused_kernels.ELEMENTWISE`): what the hand-written kernels buy",
     ),
     Variant(
         "nearest-updates",

@@ -279,10 +279,46 @@ def check_fused_norm(setup: Setup) -> Callable[[], None]:
     return run
 
 
+@contextlib.contextmanager
+def elementwise(which: str):
+    """Within: `fused_kernels` runs its SwiGLU and rotary work on `which` kernels (`triton`, hand-written, where
+    usable; `compiled`, inductor's)."""
+    from alignpipe import fused_kernels
+
+    before = fused_kernels.ELEMENTWISE
+    fused_kernels.ELEMENTWISE = which
+    try:
+        yield
+    finally:
+        fused_kernels.ELEMENTWISE = before
+
+
+def host_us(fn: Callable, cuda: bool, calls: int = 50) -> float:
+    """Microseconds of host time a call of `fn` takes to issue (its kernels queued, not waited for), over `calls`
+    calls after a warm one: what a step whose host cannot stay ahead of its GPU pays per call."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    return took / calls * 1e6
+
+
+def _kernel_sides(setup: Setup) -> tuple[str, ...]:
+    """The fused kernels to compare with eager: the hand-written ones where Triton runs them, and inductor's."""
+    from alignpipe import triton_kernels
+
+    return ("triton", "compiled") if triton_kernels.usable(setup.device) else ("compiled",)
+
+
 def check_fused_silu(setup: Setup) -> Callable[[], None]:
     @check(
-        "fused_kernels' SwiGLU product and down projection (compiled, one kernel each way; `silu_mul_down` keeping no "
-        "product) equal the eager ones within bf16 rounding"
+        "fused_kernels' SwiGLU product and down projection (hand-written Triton and compiled kernels, one each way; "
+        "`silu_mul_down` keeping no product) equal the eager ones within bf16 rounding; host time a call"
     )
     def run():
         from alignpipe import fused_kernels
@@ -295,38 +331,46 @@ def check_fused_silu(setup: Setup) -> Callable[[], None]:
         gate, up = (torch.randn(tokens, inner, device=setup.device).to(setup.dtype).requires_grad_() for _ in range(2))
         weight = (torch.randn(hidden, inner, device=setup.device) / inner**0.5).to(setup.dtype).requires_grad_()
         g = torch.randn(tokens, hidden, device=setup.device).to(setup.dtype)
-        variants = {
-            "eager": lambda: torch.nn.functional.linear(_LeanSiluMul.apply(gate, up), weight),
-            "fused": lambda: torch.nn.functional.linear(fused_kernels.silu_mul(gate, up), weight),
-            "fused, product recomputed": lambda: fused_kernels.silu_mul_down(gate, up, weight),
-        }
-        out, took, kept = {}, {}, {}
-        for name, fn in variants.items():
+        small = gate[:16].detach(), up[:16].detach()
+        variants = {"eager": ("compiled", lambda: torch.nn.functional.linear(_LeanSiluMul.apply(gate, up), weight))}
+        for side in _kernel_sides(setup):
+            variants[side] = (side, lambda: torch.nn.functional.linear(fused_kernels.silu_mul(gate, up), weight))
+            variants[f"{side}, product recomputed"] = (side, lambda: fused_kernels.silu_mul_down(gate, up, weight))
+        out, took, kept, host = {}, {}, {}, {}
+        for name, (side, fn) in variants.items():
 
             def forward_backward(fn=fn):
                 y = fn()
                 return y, torch.autograd.grad(y, (gate, up, weight), g)
 
-            for _ in range(3):  # the last timed: the first compiles
-                (y, grads), took[name] = timed(forward_backward, setup.cuda)
-            out[name] = (y.detach(), *grads)
-            kept[name] = kept_bytes(fn, (gate, up, weight))
+            with elementwise(side):
+                for _ in range(3):  # the last timed: the first compiles
+                    (y, grads), took[name] = timed(forward_backward, setup.cuda)
+                out[name] = (y.detach(), *grads)
+                kept[name] = kept_bytes(fn, (gate, up, weight))
+                if name in _kernel_sides(setup):  # a 16-token product forward: the call's host cost alone
+                    host[name] = host_us(lambda: fused_kernels.silu_mul(*small), setup.cuda)
         gaps = [
             max(relative(a, b) for a, b in zip(out[name], out["eager"], strict=True)) for name in list(variants)[1:]
         ]
-        ok = max(gaps) < (1e-2 if setup.cuda else 1e-5) and kept["fused, product recomputed"] == 0 < kept["fused"]
+        recomputed = [name for name in variants if name.endswith("recomputed")]
+        ok = max(gaps) < (1e-2 if setup.cuda else 1e-5) and all(kept[n] == 0 < kept["eager"] for n in recomputed)
         times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
         held = ", ".join(f"{name} {b / 1e6:.1f} MB" for name, b in kept.items())
+        calls = ", ".join(f"{name} {us:.0f} µs" for name, us in host.items())
         return ok, (
             f"{tokens} × {inner} → {hidden}: value and gradient gaps {max(gaps):.1e}; forward+backward {times}; "
-            f"kept for backward beyond the inputs: {held}"
+            f"kept for backward beyond the inputs: {held}; host time a product call: {calls}"
         )
 
     return run
 
 
 def check_fused_rotary(setup: Setup) -> Callable[[], None]:
-    @check("fused_kernels' rotary embedding (compiled, one kernel each way) equals transformers' within bf16 rounding")
+    @check(
+        "fused_kernels' rotary embedding (hand-written Triton and compiled kernels, one each way) equals "
+        "transformers' within bf16 rounding; host time a call"
+    )
     def run():
         from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
@@ -341,20 +385,32 @@ def check_fused_rotary(setup: Setup) -> Callable[[], None]:
         angles = torch.arange(tokens, device=setup.device)[:, None] * 1e-3 * torch.arange(d, device=setup.device)
         cos, sin = angles.cos()[None].to(setup.dtype), angles.sin()[None].to(setup.dtype)
         grads = (torch.randn_like(q), torch.randn_like(k))
-        out, took = {}, {}
-        for name, fn in (("transformers", original), ("fused", fused_kernels.rotary)):
+        small = (q[:, :, :16].detach(), k[:, :, :16].detach(), cos[:, :16], sin[:, :16])
+        sides = [("transformers", "compiled", original)]
+        sides += [(side, side, fused_kernels.rotary) for side in _kernel_sides(setup)]
+        out, took, host = {}, {}, {}
+        for name, side, fn in sides:
 
             def forward_backward(fn=fn):
                 y = fn(q, k, cos, sin)
                 return y, torch.autograd.grad(y, (q, k), grads)
 
-            for _ in range(3):  # the last timed: the first compiles
-                (y, g), took[name] = timed(forward_backward, setup.cuda)
-            out[name] = (*y, *g)
-        gap = max(relative(a, b) for a, b in zip(out["fused"], out["transformers"], strict=True))
+            with elementwise(side):
+                for _ in range(3):  # the last timed: the first compiles
+                    (y, g), took[name] = timed(forward_backward, setup.cuda)
+                out[name] = (*(t.detach() for t in y), *g)
+                if fn is not original:  # a 16-token forward: the call's host cost alone
+                    host[name] = host_us(lambda: fused_kernels.rotary(*small), setup.cuda)
+        gap = max(
+            relative(a, b) for name, _, _ in sides[1:] for a, b in zip(out[name], out["transformers"], strict=True)
+        )
         times = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in took.items())
+        calls = ", ".join(f"{name} {us:.0f} µs" for name, us in host.items())
         ok = gap < (1e-2 if setup.cuda else 1e-5)
-        return ok, f"{tokens} tokens × {heads} + 2 heads: value and gradient gaps {gap:.1e}; forward+backward {times}"
+        return ok, (
+            f"{tokens} tokens × {heads} + 2 heads: value and gradient gaps {gap:.1e}; forward+backward {times}; "
+            f"host time a forward call: {calls}"
+        )
 
     return run
 

@@ -177,6 +177,9 @@ UNFUSED_ENV = "ALIGNPIPE_BENCH_UNFUSED"
 # Set by `python -m bench --eager-kernels`: our side with `fused_kernels: false`, to measure what the compiled SwiGLU
 # and LM-head loss kernels buy on a GPU.
 EAGER_KERNELS_ENV = "ALIGNPIPE_BENCH_EAGER_KERNELS"
+# Set by `python -m bench --compiled-kernels`: our side's SwiGLU and rotary work on inductor's compiled kernels
+# (`fused_kernels.ELEMENTWISE = "compiled"`) instead of the hand-written Triton ones, to measure what those buy.
+COMPILED_KERNELS_ENV = "ALIGNPIPE_BENCH_COMPILED_KERNELS"
 # Set by `python -m bench --nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW, each bf16
 # update rounded to the nearest value, as TRL's side runs), to measure what the Kahan-compensated default costs a step.
 NEAREST_ENV = "ALIGNPIPE_BENCH_NEAREST"
@@ -290,6 +293,10 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
         common["fused_kernels"] = False
     if os.environ.get(NEAREST_ENV) == "1":
         common["low_precision_updates"] = "nearest"
+    if os.environ.get(COMPILED_KERNELS_ENV) == "1":
+        from alignpipe import fused_kernels
+
+        fused_kernels.ELEMENTWISE = "compiled"
     compiled = os.environ.get(COMPILE_ENV) == "1"
     offline = {"compile": True} if compiled else {}
     online = {"rollout": RolloutSpec(compile=True)} if compiled else {}

@@ -631,6 +631,39 @@ def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(ti
     assert seen == ["kahan", "nearest"]
 
 
+def test_compiled_kernels_run_our_side_s_elementwise_work_on_inductor_s_kernels_and_name_their_rows(
+    tiny, tmp_path, monkeypatch
+):
+    """`--compiled-kernels`: our side's SwiGLU and rotary work on inductor's compiled kernels instead of the
+    hand-written Triton ones, to measure what those buy; the switch reaches our run only, and its rows say so."""
+    import bench.__main__ as bench_main
+    from alignpipe import fused_kernels
+    from alignpipe.trainers import sft
+    from bench.run_one import COMPILED_KERNELS_ENV, case
+
+    envs = recorded_runs(monkeypatch)
+    out = tmp_path / "report.md"
+    bench_main.main(
+        ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", "--compiled-kernels"]
+    )
+    assert envs["ours"][COMPILED_KERNELS_ENV] == "1" and COMPILED_KERNELS_ENV not in envs["trl"]
+    assert "| sft | tiny+compiled-kernels |" in out.read_text()
+
+    seen = []
+
+    def train(cfg, *args, **kwargs):
+        seen.append(fused_kernels.ELEMENTWISE)
+        raise InterruptedError("the kernels' choice is all this test needs")
+
+    monkeypatch.setattr(sft, "train", train)
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "triton")
+    for compiled in (False, True):
+        monkeypatch.setenv(COMPILED_KERNELS_ENV, "1" if compiled else "0")
+        with pytest.raises(InterruptedError):
+            case("ours", "sft/8x64", "tiny", 1, str(tiny))
+    assert seen == ["triton", "compiled"]
+
+
 def test_log_every_reaches_every_side_and_the_offline_gpu_shapes_and_names_its_rows(tiny, tmp_path, monkeypatch):
     """`--log-every 1`: the offline trainers' logging on a GPU, for every side (the A/B of session 44's clock against
     the log per step every earlier GPU row ran with); online trainers keep their log per step, CPU shapes their one

@@ -134,6 +134,24 @@ def test_the_compiled_kernels_run_where_asked_or_where_triton_fails(interpreted,
     assert len(said) == 1 and "no compiler for this card" in said[0] and "compiled kernels run" in said[0]
 
 
+def test_kernels_that_compute_otherwise_than_the_eager_expressions_are_not_taken(interpreted, monkeypatch, caplog):
+    """The probe tries each kernel each way, not the SwiGLU forward alone: a rotary backward that a card's compiler
+    got wrong is found before a step runs, named, and the compiled kernels run instead."""
+    assert triton_kernels.disagreement(torch.device("cpu")) is None
+    rotary = triton_kernels.rotary
+
+    def wrong_backward(q, k, cos, sin, backward=False):
+        return rotary(q, k, cos, -sin if backward else sin, backward=backward)
+
+    monkeypatch.setattr(triton_kernels, "rotary", wrong_backward)
+    triton_kernels.usable.cache_clear()
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.WARNING, logger="alignpipe.triton_kernels"):
+        assert not fused_kernels.by_hand(x, x)
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.triton_kernels"]
+    assert len(said) == 1 and "the rotary backward on cpu differs from the eager expression" in said[0], said
+
+
 def test_off_cuda_the_kernels_are_not_taken_unless_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     triton_kernels.usable.cache_clear()
