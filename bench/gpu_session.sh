@@ -62,10 +62,15 @@
 #   i  the clock's own effect (session 44): DPO 8×1024 against TRL + Liger with a log every step (`--log-every 1`),
 #      as every GPU row before session 44 ran, each step then waiting for the device at its log; read beside f's rows
 #      (a log every 10 steps, as users run) from the same lease (timeout_s 300)
+# Session 45 made the SwiGLU and rotary kernels hand-written Triton (`alignpipe/triton_kernels.py`, the default on a
+# GPU; checked only in Triton's interpreter so far). f's checks now start with their lines (each kernel against
+# eager and inductor's, the host time of a call on each), and:
+#   j  what the hand-written kernels buy: DPO 8×1024 with `--compiled-kernels` (the SwiGLU and rotary work on
+#      inductor's kernels, as before session 45) against TRL + Liger, to read beside f's rows (timeout_s 300)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to i)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e, h or i, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to j)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g, or e, h, i or j, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -135,7 +140,8 @@ d)
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 f)
-  timeout 80 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
+  timeout 110 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,low_precision_adamw,activation_offloading 2>&1 |
+    tee "$out/checks"
   bench 210 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench 150 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
@@ -149,6 +155,9 @@ h)
   ;;
 i)
   bench 270 --cases dpo/8x1024 --attention varlen --log-every 1 --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  ;;
+j)
+  bench 270 --cases dpo/8x1024 --attention varlen --compiled-kernels --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
