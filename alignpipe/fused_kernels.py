@@ -137,9 +137,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 ELEMENTWISE = "triton"
-"""Which kernels run the SwiGLU and rotary work where the gate is open: `triton`, the hand-written ones
-(`triton_kernels`, where `triton_kernels.usable`; elsewhere the compiled ones), or `compiled`, inductor's from the
-eager expressions. `python -m bench --compiled-kernels` sets `compiled` to measure what the hand-written ones buy."""
+"""Which kernels run the SwiGLU and rotary work and the bf16 AdamW step (Kahan's, `low_precision_adamw`) where the
+gate is open: `triton`, the hand-written ones (`triton_kernels`, where `triton_kernels.usable` and `adamw_usable`;
+elsewhere the compiled ones), or `compiled`, inductor's from the eager expressions. `python -m bench
+--compiled-kernels` sets `compiled` to measure what the hand-written ones buy."""
 
 
 def by_hand(*tensors: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ import math
 import torch
 from torch.fx.experimental import _config as shape_config
 
-from alignpipe import fused_kernels
+from alignpipe import fused_kernels, triton_kernels
 from alignpipe.compiled import chunk_bounds
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         # step's host time): what they were taken of (`_identity`), their bounds and the slices (None where a tensor
         # has no flat view)
         self._views: dict[torch.Tensor, tuple] = {}
+        self._blocks = triton_kernels.AdamWBlocks()  # the hand-written step's table of blocks
 
     def load_state_dict(self, state_dict) -> None:
         self._views.clear()  # the slices of the states replaced, which would stay alive otherwise
@@ -139,6 +140,11 @@ class LowPrecisionAdamW(torch.optim.AdamW):
                 else:
                     _update(piece, scalars(step), salt)
         for (stochastic, step), batch in pending.items():  # one step count for nearly all: one entry
+            if not stochastic and self.fused_kernels and fused_kernels.ELEMENTWISE == "triton":
+                by_hand = [piece for piece, _ in batch if triton_kernels.kahan_adamw_takes([piece])]
+                if by_hand and triton_kernels.adamw_usable(by_hand[0][0].device):
+                    triton_kernels.kahan_adamw(by_hand, scalars(step), self._blocks)
+                    batch = [item for item in batch if not triton_kernels.kahan_adamw_takes([item[0]])]
             for bucket in _buckets(batch):
                 self._update_compiled(bucket, scalars(step), stochastic)
 

@@ -135,3 +135,52 @@ def rotary(
         k, k_out, c1, c2, s1, s2, batch, token, tokens, k_heads, k_batch, k_head, k_token, k_dim,
         HALF, K_HEADS, HALF_BLOCK, BACKWARD,
     )  # fmt: skip
+
+
+@triton.jit
+def kahan_adamw(
+    pointers,
+    numels,
+    block_piece,
+    block_start,
+    weight1,
+    beta2,
+    weight2,
+    step_size,
+    root_correction,
+    lr_decay,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """One block of one slice: AdamW's moments and step in float32 (torch's arithmetic, operation for operation),
+    the weight rounded to bf16 with Kahan's compensation. `pointers` holds each slice's (weight, gradient, exp_avg,
+    exp_avg_sq, compensation) addresses, all bf16; `block_piece` and `block_start` say which slice and where in it each
+    program's block lies."""
+    piece = tl.load(block_piece + tl.program_id(0))
+    start = tl.load(block_start + tl.program_id(0))
+    offs = start + tl.arange(0, BLOCK)
+    keep = offs < tl.load(numels + piece)
+    row = pointers + piece * 5
+    weight = tl.load(row).to(tl.pointer_type(tl.bfloat16)) + offs
+    grad = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16)) + offs
+    exp_avg = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16)) + offs
+    exp_avg_sq = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16)) + offs
+    comp = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16)) + offs
+    g = tl.load(grad, mask=keep, other=0.0).to(tl.float32)
+    m = tl.load(exp_avg, mask=keep, other=0.0).to(tl.float32)
+    # torch's lerp(m, g, weight1), either branch of its formula, with the multiply-add fused as its vectorised CPU
+    # kernel and nvcc's build of its CUDA kernel fuse it
+    if weight1 < 0.5:  # noqa: SIM108 - a runtime condition: Triton takes a ternary on constants only
+        m = tl.fma(weight1, g - m, m)
+    else:
+        m = tl.fma(-(g - m), 1 - weight1, g)
+    v = tl.load(exp_avg_sq, mask=keep, other=0.0).to(tl.float32) * beta2 + weight2 * g * g
+    tl.store(exp_avg, m.to(tl.bfloat16), mask=keep)
+    tl.store(exp_avg_sq, v.to(tl.bfloat16), mask=keep)
+    denom = tl.div_rn(tl.sqrt_rn(v), root_correction) + eps
+    w = tl.load(weight, mask=keep, other=0.0).to(tl.float32)
+    update = -(tl.div_rn(m, denom) * step_size) - w * lr_decay
+    update = update + tl.load(comp, mask=keep, other=0.0).to(tl.float32)
+    new = (w + update).to(tl.bfloat16)
+    tl.store(weight, new, mask=keep)
+    tl.store(comp, (update - (new.to(tl.float32) - w)).to(tl.bfloat16), mask=keep)

@@ -115,6 +115,58 @@ def rotary(
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
+ADAMW_BLOCK = 4096
+"""Values a program of the AdamW kernel updates: 8 warps of 16 values per thread."""
+
+
+def kahan_adamw_takes(pieces: list[tuple[torch.Tensor, ...]]) -> bool:
+    """Whether `kahan_adamw` takes these slices: each (weight, gradient, exp_avg, exp_avg_sq, compensation) flat,
+    contiguous and bf16, on a CUDA device (or any, interpreted)."""
+    return all(
+        len(piece) == 5 and all(t.dim() == 1 and t.is_contiguous() and t.dtype == torch.bfloat16 for t in piece)
+        for piece in pieces
+    ) and (interpreted() or pieces[0][0].device.type == "cuda")
+
+
+class AdamWBlocks:
+    """Which slice and where in it each program of `kahan_adamw`'s launch updates, for one list of slice sizes, on
+    the device: made once while the sizes stay (a model's parameters keep theirs from step to step)."""
+
+    def __init__(self) -> None:
+        self.sizes: tuple[int, ...] = ()
+        self.tables: tuple[torch.Tensor, ...] = ()
+
+    def of(self, sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(numels, each block's slice, each block's start), made anew where `sizes` changed."""
+        if sizes != self.sizes or self.tables[0].device != device:
+            counts = [_cdiv(n, ADAMW_BLOCK) for n in sizes]
+            piece = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(counts))
+            first = torch.tensor([0, *counts[:-1]]).cumsum(0).repeat_interleave(torch.tensor(counts))
+            start = ((torch.arange(len(piece)) - first) * ADAMW_BLOCK).to(torch.int32)
+            numels = torch.tensor(sizes, dtype=torch.int32)
+            self.sizes, self.tables = sizes, tuple(t.to(device) for t in (numels, piece, start))
+        return self.tables
+
+
+def kahan_adamw(pieces: list[tuple[torch.Tensor, ...]], scalars: tuple[float, ...], blocks: AdamWBlocks) -> None:
+    """`low_precision_adamw.kahan_update` of every slice in `pieces` (`kahan_adamw_takes`) in one launch: a
+    compiled call a few slices took ~0.1–0.3 ms of host time each (37 calls a step for Qwen2-0.5B), this is one
+    launch and a table of addresses copied without a wait. `scalars`: `low_precision_adamw._scalars`' terms.
+    Triton's contraction of a product and a sum into one fused multiply-add is off, and the divisions and the root
+    are rounded as IEEE's, so each value is computed as torch's eager kernels compute it (CUDA's eager division by a
+    scalar multiplies by its reciprocal: at most a rounding step apart there)."""
+    from alignpipe.device_copies import to_device
+
+    device = pieces[0][0].device
+    numels, piece, start = blocks.of(tuple(p[0].numel() for p in pieces), device)
+    pointers = to_device(torch.tensor([[t.data_ptr() for t in p] for p in pieces], dtype=torch.int64), device)
+    beta1, beta2, step_size, root_correction, lr_decay, eps = scalars
+    _kernels().kahan_adamw[(len(piece),)](
+        pointers, numels, piece, start, 1 - beta1, beta2, 1 - beta2, step_size, root_correction, lr_decay, eps,
+        BLOCK=ADAMW_BLOCK, num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -125,21 +177,58 @@ def _power_of_two(n: int) -> int:
 
 @functools.cache
 def usable(device: torch.device) -> bool:
-    """Whether the kernels build and run on `device` and compute what the eager expressions do (tried once per device
-    and process, each kernel each way on a few bf16 rows, `disagreement`); a failure is said once, and
-    `fused_kernels` runs its compiled kernels instead. False off CUDA unless interpreted."""
+    """Whether the SwiGLU and rotary kernels build and run on `device` and compute what the eager expressions do
+    (tried once per device and process, each kernel each way on a few bf16 rows, `disagreement`); a failure is said
+    once, and `fused_kernels` runs its compiled kernels instead. False off CUDA unless interpreted."""
+    return _tried(device, disagreement, "the compiled kernels run")
+
+
+@functools.cache
+def adamw_usable(device: torch.device) -> bool:
+    """`usable` for `kahan_adamw` (`adamw_disagreement`); where it fails, the compiled AdamW step runs."""
+    return _tried(device, adamw_disagreement, "the compiled AdamW step runs")
+
+
+def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
     if torch.device(device).type != "cuda" and not interpreted():
         return False
     try:
-        wrong = disagreement(device)
-    except Exception as err:  # whatever Triton raises (import, compiler, driver): the compiled kernels are safe
-        log.warning("triton_kernels: Triton cannot run its kernels on %s (%s); the compiled kernels run", device, err)
+        wrong = disagreement_on(device)
+    except Exception as err:  # whatever Triton raises (import, compiler, driver): the fallback is safe
+        log.warning("triton_kernels: Triton cannot run its kernels on %s (%s); %s", device, err, fallback)
         return False
     if wrong is not None:
-        log.warning(
-            "triton_kernels: %s on %s differs from the eager expression; the compiled kernels run", wrong, device
-        )
+        log.warning("triton_kernels: %s on %s differs from the eager expression; %s", wrong, device, fallback)
     return wrong is None
+
+
+def adamw_disagreement(device: torch.device) -> str | None:
+    """ "the Kahan AdamW step" where `kahan_adamw` on two small bf16 slices updates the moments otherwise than
+    `low_precision_adamw.kahan_update` (beyond a rounding step), or the weights plus their compensation beyond 1e-6
+    (the eager CUDA kernel divides by a scalar through its reciprocal); None where they agree."""
+    from alignpipe.low_precision_adamw import _scalars, kahan_update
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def slices() -> list[tuple[torch.Tensor, ...]]:
+        g.manual_seed(0)
+        made = []
+        for n in (ADAMW_BLOCK + 100, 17):
+            w, grad, m, v, c = (torch.randn(n, generator=g, device=device) * s for s in (0.02, 1e-3, 1e-4, 1e-7, 1e-5))
+            made.append(tuple(t.to(torch.bfloat16) for t in (w, grad, m, v.abs(), c)))
+        return made
+
+    scalars = _scalars({"betas": (0.9, 0.999), "lr": 1e-5, "eps": 1e-8, "weight_decay": 0.01}, 3)
+    got, want = slices(), slices()
+    kahan_adamw(got, scalars, AdamWBlocks())
+    for piece in want:
+        kahan_update(*piece, *scalars)
+    for (w, _, m, v, c), (w0, _, m0, v0, c0) in zip(got, want, strict=True):
+        moments = all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-12) for a, b in ((m, m0), (v, v0)))
+        tracked = torch.allclose(w.float() + c.float(), w0.float() + c0.float(), rtol=0, atol=1e-6)
+        if not (moments and tracked):
+            return "the Kahan AdamW step"
+    return None
 
 
 def disagreement(device: torch.device) -> str | None:

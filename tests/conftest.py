@@ -43,8 +43,9 @@ def demo_text(tiny, tmp_path) -> str:
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """The kernels built for Triton's interpreter, with its casts down to bfloat16 rounding to nearest as a GPU's
-    `fptrunc` does (the interpreter's own truncates, and its rounding mode drops the carry into the exponent)."""
+    """The kernels built for Triton's interpreter, computing as a GPU does where the interpreter does not: casts down
+    to bfloat16 round to nearest as `fptrunc` does (the interpreter's own truncates, and its rounding mode drops the
+    carry into the exponent), and `tl.fma` rounds once (the interpreter's multiplies, then adds)."""
     pytest.importorskip("triton", reason="the test extra installs Triton (Linux x86-64)")
     import numpy as np
     import torch
@@ -61,10 +62,16 @@ def interpreted(monkeypatch):
         rounded = torch.from_numpy(np.asarray(src.data, dtype=np.float32)).to(torch.bfloat16)
         return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
 
+    def fma(self, x, y, z):  # float32 operands: their product is exact in float64, the sum rounded (twice, rarely off)
+        exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+        return interpreter.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_trunc", fp_trunc)
-    triton_kernels._kernels.cache_clear()
-    triton_kernels.usable.cache_clear()
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fma)
+    caches = (triton_kernels._kernels, triton_kernels.usable, triton_kernels.adamw_usable)
+    for cache in caches:
+        cache.cache_clear()
     yield
-    triton_kernels._kernels.cache_clear()
-    triton_kernels.usable.cache_clear()
+    for cache in caches:
+        cache.cache_clear()

@@ -159,3 +159,79 @@ def test_off_cuda_the_kernels_are_not_taken_unless_interpreted(monkeypatch):
     assert not triton_kernels.takes(x) and not triton_kernels.usable(torch.device("cpu"))
     assert not fused_kernels.by_hand(x, x)
     triton_kernels.usable.cache_clear()
+
+
+def test_the_kahan_adamw_step_is_one_launch_a_step_and_equals_the_eager_step(interpreted, monkeypatch):
+    """bf16 weights under `kahan` with the gate open: every contiguous parameter's slices (here of at most 1,000
+    values, several a parameter) in one launch a step, whatever the learning rate's schedule; a strided parameter
+    goes to the compiled step (recorded here, run eagerly). Weights and moments equal the eager step's bit for bit,
+    and so does the compensation but for a few values a rounding step apart (Triton's interpreter computing as a GPU
+    does: the `interpreted` fixture)."""
+    from alignpipe import low_precision_adamw
+    from alignpipe.low_precision_adamw import LowPrecisionAdamW
+
+    monkeypatch.setattr(low_precision_adamw, "CHUNK", 1000)
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(50, 70), (16, 9), (70,), (33, 40)]
+    weights = [torch.randn(shape, generator=gen) * 0.02 for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) * 1e-3 for shape in shapes] for _ in range(4)]
+    launches, compiled_calls = [], []
+    assert triton_kernels.adamw_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launch = triton_kernels.kahan_adamw
+    monkeypatch.setattr(
+        triton_kernels, "kahan_adamw", lambda pieces, *a: (launches.append(len(pieces)), launch(pieces, *a))
+    )
+
+    def recorded(self, bucket, scalars, stochastic):
+        compiled_calls.append(len(bucket))
+        for piece, salt in bucket:
+            low_precision_adamw._update(piece, scalars, salt)
+
+    monkeypatch.setattr(LowPrecisionAdamW, "_update_compiled", recorded)
+
+    def run(fused: bool):
+        params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
+        params[3] = torch.nn.Parameter(weights[3].bfloat16().t().contiguous().t())  # strided: a weight's transpose
+        opt = LowPrecisionAdamW(params, lr=1e-3, weight_decay=0.01, fused_kernels=fused)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.bfloat16()
+            opt.step()
+            scheduler.step()
+        return params, opt
+
+    by_hand, opt = run(True)
+    assert not by_hand[3].is_contiguous()
+    # 4 + 1 + 1 slices of the contiguous parameters in each step's launch, the strided one alone
+    assert launches == [6] * 4 and compiled_calls == [1] * 4
+    eager, ref = run(False)
+    assert launches == [6] * 4 and compiled_calls == [1] * 4, "the eager step takes neither"
+    for a, b in zip(by_hand, eager, strict=True):
+        assert torch.equal(a, b)
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[a][name], ref.state[b][name]), name
+        # the compensation: equal but where torch's CPU kernel ran the last few values of a slice without its vector
+        # code, whose lerp is not a fused multiply-add (the float32 moment then differs in its last bit)
+        comp, want = opt.state[a]["kahan_comp"].float(), ref.state[b]["kahan_comp"].float()
+        assert (comp != want).float().mean() <= 0.01 and (comp - want).abs().max() <= ULP * want.abs().max()
+        assert want.abs().max() > 0
+
+
+def test_a_card_whose_adamw_kernel_disagrees_runs_the_compiled_step(interpreted, monkeypatch, caplog):
+    assert triton_kernels.adamw_disagreement(torch.device("cpu")) is None
+    launch = triton_kernels.kahan_adamw
+
+    def off_by_a_step(pieces, scalars, blocks):
+        launch(pieces, (*scalars[:2], scalars[2] * 2, *scalars[3:]), blocks)
+
+    monkeypatch.setattr(triton_kernels, "kahan_adamw", off_by_a_step)
+    triton_kernels.adamw_usable.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="alignpipe.triton_kernels"):
+        assert not triton_kernels.adamw_usable(torch.device("cpu"))
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.triton_kernels"]
+    assert said == [
+        "triton_kernels: the Kahan AdamW step on cpu differs from the eager expression; the compiled AdamW step runs"
+    ]
+    triton_kernels.adamw_usable.cache_clear()
