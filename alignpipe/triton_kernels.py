@@ -1,18 +1,19 @@
-"""The element-wise kernels of `fused_kernels` written in Triton by hand: the SwiGLU product and its gradients, the
-rotary embedding of queries and keys and its gradient.
+"""Kernels of `fused_kernels` and `low_precision_adamw` written in Triton by hand: the SwiGLU product and its
+gradients, the rotary embedding of queries and keys and its gradient, and the Kahan AdamW step of bf16 weights.
 
-Why by hand, where inductor writes the same kernels from the eager expressions (`fused_kernels`' compiled path): a
-compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and inductor's Python `call`
-before its launch. A DPO step on a 24-layer model makes ~144 such calls (each layer's rotary and SwiGLU, forward for
-the policy and the reference, backward for the policy), at ~0.2–0.4 ms of host time each on this project's CPUs
-(docs/benchmarks.md, sessions 43 and 44), where a step's device time is ~190 ms: a step whose host cannot stay
-ahead of its GPU pays them all. A Triton kernel's call is its launch: its arguments bound and its compiled variant
-looked up (tens of µs). The kernels compute in float32 and round once, as the compiled path does.
+Why by hand, where inductor writes the same kernels from the eager expressions (the compiled path, which stays as
+the fallback): a compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and
+inductor's Python `call` before its launch. A DPO step on a 24-layer model makes ~144 such calls for the element-wise
+kernels (each layer's rotary and SwiGLU, forward for the policy and the reference, backward for the policy) and 37
+for the AdamW step (calls of 8 slices), at ~0.2–0.4 ms of host time each on this project's CPUs (docs/benchmarks.md,
+sessions 43 and 44), where a step's device time is ~190 ms: a step whose host cannot stay ahead of its GPU pays them
+all. A Triton kernel's call is its launch: its arguments bound and its compiled variant looked up (tens of µs). The
+kernels compute in float32 and round once, as the compiled ones do.
 
 Each kernel is compiled by Triton at its first launch in a process (once per dtype and layout, not per size: the
-sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable` tries the forward
-kernel once per device and process; where it fails (no Triton, a Triton that cannot build for the card), it says
-so once and `fused_kernels` falls back to its compiled kernels.
+sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable` and `adamw_usable` try
+each kernel once per device and process against the eager expressions; where one fails to build or computes
+otherwise, they say so once and the compiled kernels run.
 
 On a CPU, these run only under Triton's interpreter (`TRITON_INTERPRET=1`, set before the first call), which is how
 the tests check them against the eager expressions."""
@@ -99,6 +100,8 @@ def rotary(
     (B, T, heads, D) tensors, the layout a projection hands attention."""
     batch, q_heads, tokens, dim = q.shape
     k_heads = k.size(1)
+    if dim % 2:
+        raise ValueError(f"rotary: the head dimension must be even, not {dim}")
     if cos.size(0) == 1 and batch > 1:
         cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
     if cos.stride() != sin.stride():

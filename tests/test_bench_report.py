@@ -601,67 +601,52 @@ def recorded_runs(monkeypatch) -> dict:
     return envs
 
 
-def test_nearest_updates_run_our_side_on_torch_s_rounding_and_name_their_rows(tiny, tmp_path, monkeypatch):
-    """`--nearest-updates`: our side with `low_precision_updates: nearest` (torch's AdamW rounding, as TRL's side
-    runs), to measure what the Kahan-compensated default costs a step; the switch reaches our run only, and its rows
-    name the model `+nearest`."""
-    import bench.__main__ as bench_main
-    from alignpipe.trainers import sft
-    from bench.run_one import NEAREST_ENV, case
+def _elementwise_kernels(cfg) -> str:
+    from alignpipe import fused_kernels
 
-    envs = recorded_runs(monkeypatch)
-    out = tmp_path / "report.md"
-    bench_main.main(
-        ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", "--nearest-updates"]
-    )
-    assert envs["ours"][NEAREST_ENV] == "1" and NEAREST_ENV not in envs["trl"]
-    assert "| sft | tiny+nearest |" in out.read_text()
-
-    seen = []
-
-    def train(cfg, *args, **kwargs):
-        seen.append(cfg.low_precision_updates)
-        raise InterruptedError("the config is all this test needs")
-
-    monkeypatch.setattr(sft, "train", train)
-    for nearest in (False, True):
-        monkeypatch.setenv(NEAREST_ENV, "1" if nearest else "0")
-        with pytest.raises(InterruptedError):
-            case("ours", "sft/8x64", "tiny", 1, str(tiny))
-    assert seen == ["kahan", "nearest"]
+    return fused_kernels.ELEMENTWISE
 
 
-def test_compiled_kernels_run_our_side_s_elementwise_work_on_inductor_s_kernels_and_name_their_rows(
-    tiny, tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    "flag, env, suffix, seen_by_a_stage, values",
+    [
+        # torch's AdamW rounding, as TRL's side runs: what the Kahan-compensated default costs a step
+        ("--nearest-updates", "ALIGNPIPE_BENCH_NEAREST", "+nearest", lambda cfg: cfg.low_precision_updates,
+         ["kahan", "nearest"]),
+        # inductor's kernels for the SwiGLU, rotary and AdamW work: what the hand-written Triton ones buy
+        ("--compiled-kernels", "ALIGNPIPE_BENCH_COMPILED_KERNELS", "+compiled-kernels", _elementwise_kernels,
+         ["triton", "compiled"]),
+    ],
+)  # fmt: skip
+def test_a_switch_of_our_side_reaches_our_run_only_and_names_its_rows(
+    tiny, tmp_path, monkeypatch, flag, env, suffix, seen_by_a_stage, values
 ):
-    """`--compiled-kernels`: our side's SwiGLU and rotary work on inductor's compiled kernels instead of the
-    hand-written Triton ones, to measure what those buy; the switch reaches our run only, and its rows say so."""
+    """`--nearest-updates`, `--compiled-kernels`: the switch reaches our run only (its environment variable), its
+    rows name the model with its suffix, and our stage runs with it on and without it off."""
     import bench.__main__ as bench_main
     from alignpipe import fused_kernels
     from alignpipe.trainers import sft
-    from bench.run_one import COMPILED_KERNELS_ENV, case
+    from bench.run_one import case
 
     envs = recorded_runs(monkeypatch)
     out = tmp_path / "report.md"
-    bench_main.main(
-        ["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", "--compiled-kernels"]
-    )
-    assert envs["ours"][COMPILED_KERNELS_ENV] == "1" and COMPILED_KERNELS_ENV not in envs["trl"]
-    assert "| sft | tiny+compiled-kernels |" in out.read_text()
+    bench_main.main(["--assets", str(tiny), "--out", str(out), "--repeats", "1", "--trainers", "sft", flag])
+    assert envs["ours"][env] == "1" and env not in envs["trl"]
+    assert f"| sft | tiny{suffix} |" in out.read_text()
 
     seen = []
 
     def train(cfg, *args, **kwargs):
-        seen.append(fused_kernels.ELEMENTWISE)
-        raise InterruptedError("the kernels' choice is all this test needs")
+        seen.append(seen_by_a_stage(cfg))
+        raise InterruptedError("the setting is all this test needs")
 
     monkeypatch.setattr(sft, "train", train)
-    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "triton")
-    for compiled in (False, True):
-        monkeypatch.setenv(COMPILED_KERNELS_ENV, "1" if compiled else "0")
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "triton")  # `case` sets it for the process it runs in
+    for on in (False, True):
+        monkeypatch.setenv(env, "1" if on else "0")
         with pytest.raises(InterruptedError):
             case("ours", "sft/8x64", "tiny", 1, str(tiny))
-    assert seen == ["triton", "compiled"]
+    assert seen == values
 
 
 def test_log_every_reaches_every_side_and_the_offline_gpu_shapes_and_names_its_rows(tiny, tmp_path, monkeypatch):

@@ -260,6 +260,7 @@ def kernels(request, gate_open, monkeypatch):
     launches = {"silu_mul": 0, "silu_mul_grads": 0, "rotary": 0}
     if request.param == "triton":
         request.getfixturevalue("interpreted")
+        assert triton_kernels.usable(torch.device("cpu"))  # its probe launches each kernel before the count starts
         for name in launches:
             kernel = getattr(triton_kernels, name)
 
@@ -313,7 +314,7 @@ def test_a_dpo_batch_with_the_fused_kernels_equals_the_eager_one(tiny, monkeypat
         assert torch.allclose(fused[1][name], grad, rtol=1e-4, atol=1e-6), name
     which, launches = kernels
     if which == "triton":  # forward (the product, rotary) and backward (the gradients, rotary's) of each layer
-        assert launches["silu_mul"] >= layers and launches["silu_mul_grads"] == layers
+        assert launches["silu_mul"] == layers == launches["silu_mul_grads"]
         assert launches["rotary"] == 2 * layers
     else:
         assert launches == {"silu_mul": 0, "silu_mul_grads": 0, "rotary": 0}
