@@ -18,10 +18,12 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
   step, the parameter and the position, not a generator's draws: DDP's replicas, whose generators drift apart,
   must round alike. fp16 weights take `kahan`.
 
-On CUDA the update of bf16 weights is compiled: one kernel a slice of at most 16M values (~18 bytes of traffic a
-value against torch's fused kernel's ~14), up to `MAX_PIECES` slices a call. A call costs ~0.1-0.3 ms of host time
-whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an H200 against torch's fused
-3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the
+On CUDA the `kahan` update of contiguous bf16 weights is one hand-written Triton launch a step for all of them
+(`triton_kernels.kahan_adamw`, since session 45; ~18 bytes of traffic a value against torch's fused kernel's ~14).
+Elsewhere there (`stochastic`, a strided parameter, Triton failing its probe, `fused_kernels.ELEMENTWISE =
+"compiled"`) it is compiled: one kernel a slice of at most 16M values, up to `MAX_PIECES` slices a call. A call
+costs ~0.1-0.3 ms of host time whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an
+H200 against torch's fused 3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the
 weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters
 (LoRA adapters, which peft keeps in float32) take torch's fused AdamW unchanged.
 """
@@ -69,8 +71,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class LowPrecisionAdamW(torch.optim.AdamW):
     """torch's AdamW for float32 parameters; for bf16/fp16 ones, the same update computed in float32 and added with
     Kahan compensation (state `kahan_comp`, beside torch's `exp_avg` and `exp_avg_sq`) or, for bf16 under
-    `updates="stochastic"`, rounded stochastically. With `fused_kernels` (a stage's setting) the update is compiled
-    on a CUDA device: one kernel a slice, `MAX_PIECES` slices a call."""
+    `updates="stochastic"`, rounded stochastically. With `fused_kernels` (a stage's setting) on a CUDA device, the
+    `kahan` update is one hand-written launch a step (`_update_by_hand`) and the rest is compiled: one kernel a
+    slice, `MAX_PIECES` slices a call."""
 
     def __init__(self, params, *args, updates: str = "kahan", fused_kernels: bool = False, **kwargs):
         if updates not in ("kahan", "stochastic"):
@@ -140,13 +143,23 @@ class LowPrecisionAdamW(torch.optim.AdamW):
                 else:
                     _update(piece, scalars(step), salt)
         for (stochastic, step), batch in pending.items():  # one step count for nearly all: one entry
-            if not stochastic and self.fused_kernels and fused_kernels.ELEMENTWISE == "triton":
-                by_hand = [piece for piece, _ in batch if triton_kernels.kahan_adamw_takes([piece])]
-                if by_hand and triton_kernels.adamw_usable(by_hand[0][0].device):
-                    triton_kernels.kahan_adamw(by_hand, scalars(step), self._blocks)
-                    batch = [item for item in batch if not triton_kernels.kahan_adamw_takes([item[0]])]
+            if not stochastic:
+                batch = self._update_by_hand(batch, scalars(step))
             for bucket in _buckets(batch):
                 self._update_compiled(bucket, scalars(step), stochastic)
+
+    def _update_by_hand(self, batch: list, scalars: tuple[float, ...]) -> list:
+        """Kahan's update of `batch`'s flat bf16 slices in one launch of the hand-written kernel, where
+        `fused_kernels.ELEMENTWISE` asks for it and Triton runs it (`triton_kernels.adamw_usable`); the items left
+        for the compiled step (a strided parameter's whole tensors; all of them otherwise)."""
+        if not self.fused_kernels or fused_kernels.ELEMENTWISE != "triton":
+            return batch
+        taken = [triton_kernels.kahan_adamw_takes([piece]) for piece, _ in batch]
+        pieces = [piece for (piece, _), take in zip(batch, taken, strict=True) if take]
+        if not pieces or not triton_kernels.adamw_usable(pieces[0][0].device):
+            return batch
+        triton_kernels.kahan_adamw(pieces, scalars, self._blocks)
+        return [item for item, take in zip(batch, taken, strict=True) if not take]
 
     def _slices(self, p: torch.Tensor, state: dict, names: tuple[str, ...]) -> list[tuple[torch.Tensor, ...]]:
         """(weight, gradient, *states) of `p` in flat slices of at most `CHUNK` values (no one-value slice, which

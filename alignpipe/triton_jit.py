@@ -15,7 +15,8 @@ def silu_mul_forward(gate, up, out, cols, gate_stride, up_stride, BLOCK: tl.cons
     keep = col < cols
     g = tl.load(gate + row * gate_stride + col, mask=keep, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_stride + col, mask=keep, other=0.0).to(tl.float32)
-    sig = 1 / (1 + tl.exp(-g))  # tl.sigmoid's expression (a jitted helper, which the interpreter may not run)
+    # tl.sigmoid's expression: the interpreter cannot run that jitted helper where Triton was imported before it
+    sig = 1 / (1 + tl.exp(-g))
     y = g * sig * u
     tl.store(out + row * cols + col, y.to(out.dtype.element_ty), mask=keep)
 

@@ -63,8 +63,10 @@
 #      as every GPU row before session 44 ran, each step then waiting for the device at its log; read beside f's rows
 #      (a log every 10 steps, as users run) from the same lease (timeout_s 300)
 # Session 45 made the SwiGLU and rotary kernels hand-written Triton (`alignpipe/triton_kernels.py`, the default on a
-# GPU; checked only in Triton's interpreter so far). f's checks now start with their lines (each kernel against
-# eager and inductor's, the host time of a call on each), and:
+# GPU; checked only in Triton's interpreter so far), and the Kahan AdamW step one Triton launch. f's checks now start
+# with the SwiGLU and rotary lines (each kernel against eager and inductor's, the host time of a call on each), and
+# the AdamW line times the hand-written and compiled steps: 140 s for the checks, reward 140 s, f's timeout_s 520.
+# Then:
 #   j  what the hand-written kernels buy: DPO 8×1024 with `--compiled-kernels` (the SwiGLU and rotary work on
 #      inductor's kernels, as before session 45) against TRL + Liger, to read beside f's rows (timeout_s 300)
 set -uo pipefail
@@ -140,10 +142,10 @@ d)
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 f)
-  timeout 110 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,low_precision_adamw,activation_offloading 2>&1 |
+  timeout 140 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,low_precision_adamw,activation_offloading 2>&1 |
     tee "$out/checks"
   bench 210 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
-  bench 150 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench 140 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 g)
   dpo_profiles
