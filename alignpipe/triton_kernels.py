@@ -24,6 +24,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 
 import torch
 
@@ -48,6 +49,18 @@ def _kernels():
     from alignpipe import triton_jit
 
     return importlib.reload(triton_jit)
+
+
+def variants_compiled() -> int:
+    """How many compiled variants of the kernels this process holds (Triton compiles one at the first launch of each
+    dtype, layout and specialisation): a count that grows between a run's steady steps says that a launch compiled
+    in the middle of training (a size specialised after all). 0 before the first launch, under the interpreter, and
+    where Triton keeps its cache otherwise than in `device_caches` (its 3.x layout)."""
+    jit = sys.modules.get("alignpipe.triton_jit")
+    if jit is None:
+        return 0
+    kernels = (jit.silu_mul_forward, jit.silu_mul_backward, jit.rotary, jit.kahan_adamw)
+    return sum(len(caches[0]) for fn in kernels for caches in getattr(fn, "device_caches", {}).values())
 
 
 def takes(*tensors: torch.Tensor) -> bool:

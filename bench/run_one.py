@@ -624,10 +624,13 @@ class Warnings(logging.Handler):
 
 
 def graphs_built() -> int:
-    """How many graphs `torch.compile` has built in this process so far (a counter read: cheap at every step)."""
+    """How many graphs `torch.compile` has built in this process so far, and kernel variants Triton compiled for our
+    hand-written kernels (`triton_kernels.variants_compiled`): counters read, cheap at every step."""
     from torch._dynamo import utils
 
-    return utils.counters["stats"]["unique_graphs"]
+    from alignpipe import triton_kernels
+
+    return utils.counters["stats"]["unique_graphs"] + triton_kernels.variants_compiled()
 
 
 def compilations() -> tuple[int, float]:

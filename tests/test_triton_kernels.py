@@ -235,3 +235,27 @@ def test_a_card_whose_adamw_kernel_disagrees_runs_the_compiled_step(interpreted,
         "triton_kernels: the Kahan AdamW step on cpu differs from the eager expression; the compiled AdamW step runs"
     ]
     triton_kernels.adamw_usable.cache_clear()
+
+
+def test_a_run_counts_the_kernel_variants_triton_compiled_beside_torch_compile_s_graphs(monkeypatch):
+    """`bench.run_one` names the steady steps in which something compiled: Triton's variants of our kernels count
+    too (read from each kernel's per-device cache, as Triton 3.x keeps it), so a launch that compiles in the middle
+    of training reads as a compile, not as a slow step."""
+    import sys
+    from types import SimpleNamespace
+
+    from bench import run_one
+
+    def kernel(*variants_per_device):
+        return SimpleNamespace(
+            device_caches={d: ({v: None for v in range(n)}, None) for d, n in enumerate(variants_per_device)}
+        )
+
+    names = ("silu_mul_forward", "silu_mul_backward", "rotary", "kahan_adamw")
+    jit = SimpleNamespace(**{name: kernel(*counts) for name, counts in zip(names, [(2,), (1, 1), (), (1,)])})
+    monkeypatch.delitem(sys.modules, "alignpipe.triton_jit", raising=False)
+    assert triton_kernels.variants_compiled() == 0, "no kernel launched yet"
+    before = run_one.graphs_built()
+    monkeypatch.setitem(sys.modules, "alignpipe.triton_jit", jit)
+    assert triton_kernels.variants_compiled() == 5
+    assert run_one.graphs_built() == before + 5
