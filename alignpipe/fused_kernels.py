@@ -137,15 +137,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 ELEMENTWISE = "triton"
-"""Which kernels run the SwiGLU and rotary work and the bf16 AdamW step (Kahan's, `low_precision_adamw`) where the
-gate is open: `triton`, the hand-written ones (`triton_kernels`, where `triton_kernels.usable` and `adamw_usable`;
-elsewhere the compiled ones), or `compiled`, inductor's from the eager expressions. `python -m bench
+"""Which kernels run the SwiGLU and rotary work, the bf16 AdamW step (Kahan's, `low_precision_adamw`) and the LM
+head's scores and gradients in the scoring passes and DPO's and KTO's fused head (`logprobs`,
+`linear_sequence_loss`) where the gate is open: `triton`, the hand-written ones (`triton_kernels`, where its probes
+pass; elsewhere the compiled ones), or `compiled`, inductor's from the eager expressions. `python -m bench
 --compiled-kernels` sets `compiled` to measure what the hand-written ones buy."""
 
 
-def by_hand(*tensors: torch.Tensor) -> bool:
-    """Whether the SwiGLU or rotary kernel for `tensors` runs as `triton_kernels`' hand-written kernel."""
-    return ELEMENTWISE == "triton" and triton_kernels.takes(*tensors) and triton_kernels.usable(tensors[0].device)
+def by_hand(*tensors: torch.Tensor, head: bool = False) -> bool:
+    """Whether the SwiGLU or rotary kernel (with `head`, the LM head's scores and gradients) for `tensors` runs as
+    `triton_kernels`' hand-written kernel."""
+    if ELEMENTWISE != "triton" or not triton_kernels.takes(*tensors):
+        return False
+    usable = triton_kernels.head_usable if head else triton_kernels.usable
+    return usable(tensors[0].device)
 
 
 def _product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from alignpipe import fused_kernels, triton_kernels
 from alignpipe.compiled import compiled_function
 from alignpipe.device_copies import to_device
 
@@ -83,7 +84,10 @@ class _LinearSequenceLoss(torch.autograd.Function):
             h = torch.cat([hidden[s:e] for s, e in spans])
             y = torch.cat([labels[s:e] for s, e in spans])
             logits = F.linear(h, weight, bias)
-            if compiled:
+            by_hand = compiled and fused_kernels.by_hand(logits, head=True)
+            if by_hand:
+                lse, token_lp = triton_kernels.token_scores(logits, y)
+            elif compiled:
                 lse, token_lp = compiled_function(_scores_fusable)(logits, y, precise)
             else:
                 lsm = torch.log_softmax(logits, -1, dtype=precise)
@@ -98,7 +102,9 @@ class _LinearSequenceLoss(torch.autograd.Function):
             if not (want_h or want_w or want_b):
                 continue
             coef = g[local]
-            if compiled:
+            if by_hand:
+                grad = triton_kernels.token_grads(logits, lse, y, coef)
+            elif compiled:
                 grad = compiled_function(_grad_fusable)(logits, lse, y, coef, precise)
             else:  # −g · softmax, written in the logits' dtype; the labels' g · (1 − p) from their precise log-probs
                 grad = torch.mul(lsm.exp_(), -coef[:, None], out=torch.empty_like(logits))
@@ -150,7 +156,9 @@ def linear_sequence_loss(
     tokens one row after another, `row_tokens[r]` of row r (host ints); `groups` (host lists of rows) partition
     the rows into those a group's loss couples, and each group's loss may depend on its own rows' sums only. The
     gradients of the loss are computed here, group by group, and only scaled in backward (none under `no_grad`);
-    S carries none. `compiled` (a stage's `compile: true`): each group's log-sum-exp and gradient run as two
-    compiled kernels over its logits (`_scores_fusable`, `_grad_fusable`) instead of a float copy and ~6 passes."""
+    S carries none. `compiled` (a stage's `compile: true`, or `fused_kernels` on a GPU): each group's log-sum-exp
+    and gradient run as two kernels over its logits instead of a float copy and ~6 passes: hand-written where Triton
+    runs them (`triton_kernels.token_scores`, `token_grads`), otherwise compiled (`_scores_fusable`,
+    `_grad_fusable`)."""
     grads = torch.is_grad_enabled()
     return _LinearSequenceLoss.apply(hidden, weight, bias, labels, row_tokens, groups, loss_of, grads, compiled)

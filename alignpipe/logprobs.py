@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from alignpipe import fused_kernels, triton_kernels
 from alignpipe.attention import documents_mask
 from alignpipe.compiled import chunk_bounds, compiled_function
 from alignpipe.linear_ce import linear_nll_sum
@@ -37,6 +38,14 @@ def _chunk_logprobs(
     if second is None:
         return token, token.new_zeros(())
     return token, _second_statistic(logp, second)
+
+
+def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: None):
+    """`_chunk_logprobs` without a second statistic, the log-softmax and gather as `triton_kernels.token_scores` after
+    the head's matmul: a pass that needs no gradient."""
+    logits = F.linear(hidden.to(head_weight.dtype), head_weight, head_bias)
+    _, token = triton_kernels.token_scores(logits.flatten(0, -2), labels.clamp(min=0).flatten(), temperature)
+    return token.view(labels.shape), token.new_zeros(())
 
 
 def _second_statistic(logp: torch.Tensor, second: str) -> torch.Tensor:
@@ -468,6 +477,8 @@ def _head_logprobs(
     chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if not torch.is_grad_enabled():  # dynamo guards requires_grad: the policy's head and a frozen one, one graph
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
+        if compiled and not with_entropy and fused_kernels.by_hand(hidden, weight, head=True):
+            chunk_logprobs = _chunk_logprobs_by_hand
     if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, _second(with_entropy))
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp

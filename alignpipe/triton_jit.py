@@ -15,8 +15,7 @@ def silu_mul_forward(gate, up, out, cols, gate_stride, up_stride, BLOCK: tl.cons
     keep = col < cols
     g = tl.load(gate + row * gate_stride + col, mask=keep, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_stride + col, mask=keep, other=0.0).to(tl.float32)
-    # tl.sigmoid's expression: the interpreter cannot run that jitted helper where Triton was imported before it
-    sig = 1 / (1 + tl.exp(-g))
+    sig = tl.sigmoid(g)
     y = g * sig * u
     tl.store(out + row * cols + col, y.to(out.dtype.element_ty), mask=keep)
 
@@ -42,7 +41,7 @@ def silu_mul_backward(
     dy = tl.load(grad + row * grad_stride + col, mask=keep, other=0.0).to(tl.float32)
     g = tl.load(gate + row * gate_stride + col, mask=keep, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_stride + col, mask=keep, other=0.0).to(tl.float32)
-    sig = 1 / (1 + tl.exp(-g))
+    sig = tl.sigmoid(g)
     out = row * cols + col
     tl.store(d_gate + out, (dy * u * sig * (1 + g * (1 - sig))).to(d_gate.dtype.element_ty), mask=keep)
     tl.store(d_up + out, (dy * g * sig).to(d_up.dtype.element_ty), mask=keep)
@@ -185,3 +184,40 @@ def kahan_adamw(
     new = (w + update).to(tl.bfloat16)
     tl.store(weight, new, mask=keep)
     tl.store(comp, (update - (new.to(tl.float32) - w)).to(tl.bfloat16), mask=keep)
+
+
+@triton.jit
+def token_scores(logits, labels, lse_out, token_out, stride, temperature, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    """One position's log-sum-exp of its logits / temperature (float32, read once in blocks, the running maximum
+    rescaling the running sum) and its label's log-prob. The vocabulary is a constant (one compile a model): the
+    loop's bound then needs no runtime value, which Triton's interpreter cannot take with NumPy 2."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    cols = tl.arange(0, BLOCK)
+    x = tl.div_rn(tl.load(base + cols, mask=cols < VOCAB, other=-float("inf")).to(tl.float32), temperature)
+    high = tl.max(x, 0)
+    total = tl.sum(tl.exp(x - high), 0)
+    for start in range(BLOCK, VOCAB, BLOCK):
+        at = start + cols
+        x = tl.div_rn(tl.load(base + at, mask=at < VOCAB, other=-float("inf")).to(tl.float32), temperature)
+        new_high = tl.maximum(high, tl.max(x, 0))
+        total = total * tl.exp(high - new_high) + tl.sum(tl.exp(x - new_high), 0)
+        high = new_high
+    lse = high + tl.log(total)
+    label = tl.load(labels + row)
+    picked = tl.div_rn(tl.load(base + label).to(tl.float32), temperature)
+    tl.store(lse_out + row, lse)
+    tl.store(token_out + row, picked - lse)
+
+
+@triton.jit
+def token_grads(logits, lse, labels, coef, grad, vocab, stride, BLOCK: tl.constexpr):
+    """coef · (one-hot(label) − softmax) of one block of one position's logits, written in the gradient's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < vocab
+    x = tl.load(logits + row * stride + cols, mask=keep, other=0.0).to(tl.float32)
+    p = tl.exp(x - tl.load(lse + row))
+    hit = (cols == tl.load(labels + row)).to(tl.float32)
+    g = tl.load(coef + row) * (hit - p)
+    tl.store(grad + row * vocab + cols, g.to(grad.dtype.element_ty), mask=keep)

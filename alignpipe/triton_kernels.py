@@ -1,5 +1,6 @@
-"""Kernels of `fused_kernels` and `low_precision_adamw` written in Triton by hand: the SwiGLU product and its
-gradients, the rotary embedding of queries and keys and its gradient, and the Kahan AdamW step of bf16 weights.
+"""Kernels of `fused_kernels`, `low_precision_adamw` and the LM head's losses written in Triton by hand: the SwiGLU
+product and its gradients, the rotary embedding of queries and keys and its gradient, the Kahan AdamW step of bf16
+weights, and the head's per-position log-sum-exp, label log-prob and softmax gradient.
 
 Why by hand, where inductor writes the same kernels from the eager expressions (the compiled path, which stays as
 the fallback): a compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and
@@ -11,9 +12,9 @@ all. A Triton kernel's call is its launch: its arguments bound and its compiled 
 kernels compute in float32 and round once, as the compiled ones do.
 
 Each kernel is compiled by Triton at its first launch in a process (once per dtype and layout, not per size: the
-sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable` and `adamw_usable` try
-each kernel once per device and process against the eager expressions; where one fails to build or computes
-otherwise, they say so once and the compiled kernels run.
+sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable`, `adamw_usable` and
+`head_usable` try each kernel once per device and process against the eager expressions; where one fails to build
+or computes otherwise, they say so once and the compiled kernels run.
 
 On a CPU, these run only under Triton's interpreter (`TRITON_INTERPRET=1`, set before the first call), which is how
 the tests check them against the eager expressions."""
@@ -59,8 +60,8 @@ def variants_compiled() -> int:
     jit = sys.modules.get("alignpipe.triton_jit")
     if jit is None:
         return 0
-    kernels = (jit.silu_mul_forward, jit.silu_mul_backward, jit.rotary, jit.kahan_adamw)
-    return sum(len(caches[0]) for fn in kernels for caches in getattr(fn, "device_caches", {}).values())
+    kernels = [fn for fn in vars(jit).values() if hasattr(fn, "device_caches")]
+    return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -129,6 +130,41 @@ def rotary(
             HALF_BLOCK=_power_of_two(half), BACKWARD=backward, num_warps=4 if q_heads * half >= 1024 else 2,
         )  # fmt: skip
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+VOCAB_BLOCK = 2048
+"""Logits a program of the head's kernels reads at a time (the scores' loop, the gradients' blocks)."""
+
+
+def token_scores(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, the label's log-prob) per position of (positions, vocabulary) `logits` divided by `temperature`,
+    in float32, the logits read once: `linear_sequence_loss._scores_fusable` and `logprobs._chunk_logprobs`
+    (without a second statistic). `labels`: (positions,) in the vocabulary."""
+    logits = _row_major(logits)
+    rows, vocab = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    token = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _kernels().token_scores[(rows,)](
+            logits, labels, lse, token, logits.stride(0), float(temperature), VOCAB=vocab, BLOCK=VOCAB_BLOCK,
+            num_warps=8,
+        )  # fmt: skip
+    return lse, token
+
+
+def token_grads(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """coef · (one-hot(label) − softmax(logits)) per position, computed in float32 from `token_scores`' `lse`, written
+    in the logits' dtype as a contiguous (positions, vocabulary) tensor: `linear_sequence_loss._grad_fusable`."""
+    logits = _row_major(logits)
+    rows, vocab = logits.shape
+    grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+    if grad.numel():
+        _kernels().token_grads[(rows, _cdiv(vocab, VOCAB_BLOCK))](
+            logits, lse, labels, coef, grad, vocab, logits.stride(0), BLOCK=VOCAB_BLOCK, num_warps=8
+        )
+    return grad
 
 
 ADAMW_BLOCK = 4096
@@ -205,6 +241,13 @@ def adamw_usable(device: torch.device) -> bool:
     return _tried(device, adamw_disagreement, "the compiled AdamW step runs")
 
 
+@functools.cache
+def head_usable(device: torch.device) -> bool:
+    """`usable` for the LM head's `token_scores` and `token_grads` (`head_disagreement`); where they fail, the compiled
+    head kernels run."""
+    return _tried(device, head_disagreement, "the compiled head kernels run")
+
+
 def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
     if torch.device(device).type != "cuda" and not interpreted():
         return False
@@ -216,6 +259,33 @@ def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
     if wrong is not None:
         log.warning("triton_kernels: %s on %s differs from the eager expression; %s", wrong, device, fallback)
     return wrong is None
+
+
+def head_disagreement(device: torch.device) -> str | None:
+    """ "the head's scores" or "the head's gradients" where `token_scores` (at temperatures 1 and 0.7) or `token_grads`
+    on a few bf16 positions over two vocabulary blocks and a part compute otherwise than the compiled kernels' eager
+    expressions (`linear_sequence_loss`, `logprobs`); None where they agree."""
+    from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
+
+    g = torch.Generator(device=device).manual_seed(0)
+    vocab = 2 * VOCAB_BLOCK + 100
+    logits = (torch.randn(3, vocab, generator=g, device=device) * 4).to(torch.bfloat16)
+    labels = torch.tensor([0, vocab - 1, 7], device=device)
+    coef = torch.tensor([0.5, -1.0, 2.0], device=device)
+    lse, token = token_scores(logits, labels)
+    want_lse, want_token = _scores_fusable(logits, labels, torch.float32)
+    scaled = (logits.float() / 0.7).log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    if not all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in ((lse, want_lse), (token, want_token), (token_scores(logits, labels, 0.7)[1], scaled))
+    ):
+        return "the head's scores"
+    grad = token_grads(logits, lse, labels, coef).float()
+    if not torch.allclose(
+        grad, _grad_fusable(logits, want_lse, labels, coef, torch.float32).float(), rtol=2**-7, atol=1e-6
+    ):
+        return "the head's gradients"
+    return None
 
 
 def adamw_disagreement(device: torch.device) -> str | None:

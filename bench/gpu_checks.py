@@ -433,20 +433,27 @@ def _full_logits_token_lp(hidden, weight, labels) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _against(setup: Setup, want: torch.Tensor, inputs: tuple, fused: Callable[[bool], torch.Tensor]):
+def _against(setup: Setup, want: torch.Tensor, inputs: tuple, fused: Callable[[bool], torch.Tensor], by_hand=False):
     """(passed, detail) of a fused head's loss and gradients, eager (`fused(False)`) and compiled, against `want`
-    (autograd through float32 logits) with respect to `inputs`."""
+    (autograd through float32 logits) with respect to `inputs`; with `by_hand`, also through the hand-written
+    Triton kernels (`fused_kernels.ELEMENTWISE`), where Triton runs them."""
+    from alignpipe import triton_kernels
+
     want_grads = torch.autograd.grad(want, inputs)
+    sides = [("eager", False, "compiled"), ("compiled", True, "compiled")]
+    if by_hand and triton_kernels.head_usable(setup.device):
+        sides.append(("hand-written", True, "triton"))
     gaps = []
-    for compiled in (False, True):
-        for _ in range(2):  # the second timed: the first compiles
-            got, took = timed(lambda compiled=compiled: fused(compiled), setup.cuda)
+    for _, compiled, kernels in sides:
+        with elementwise(kernels):
+            for _ in range(2):  # the second timed: the first compiles
+                got, took = timed(lambda compiled=compiled: fused(compiled), setup.cuda)
         grads = torch.autograd.grad(got, inputs)  # formed in the forward: the time above is the whole head's
         loss_gap = abs(float(got.detach()) - float(want.detach())) / abs(float(want.detach()))
         gaps.append((loss_gap, max(map(relative, grads, want_grads)), took))
     ok = all(loss < setup.loss_tol / 10 and grad < setup.grad_tol for loss, grad, _ in gaps)
     return ok, ", ".join(
-        f"{k}: loss {a:.1e}, gradients {b:.1e}, {t * 1e3:.1f} ms" for k, (a, b, t) in zip(("eager", "compiled"), gaps)
+        f"{name}: loss {a:.1e}, gradients {b:.1e}, {t * 1e3:.1f} ms" for (name, _, _), (a, b, t) in zip(sides, gaps)
     )
 
 
@@ -466,7 +473,7 @@ def check_sft_head(setup: Setup) -> Callable[[], None]:
 
 
 def check_dpo_head(setup: Setup) -> Callable[[], None]:
-    @check("DPO's fused head (eager and compiled) equals autograd through float32 logits")
+    @check("DPO's fused head (eager, compiled and hand-written) equals autograd through float32 logits")
     def run():
         from alignpipe.linear_sequence_loss import linear_sequence_loss
         from alignpipe.losses import dpo_loss
@@ -491,6 +498,7 @@ def check_dpo_head(setup: Setup) -> Callable[[], None]:
             want,
             (hidden, weight),
             lambda compiled: linear_sequence_loss(hidden, weight, None, labels, rows, groups, pair_loss, compiled)[0],
+            by_hand=True,
         )
         return ok, f"{B} pairs, {N} answer tokens in {setup.dtype}: {text}"
 

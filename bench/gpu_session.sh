@@ -62,13 +62,15 @@
 #   i  the clock's own effect (session 44): DPO 8×1024 against TRL + Liger with a log every step (`--log-every 1`),
 #      as every GPU row before session 44 ran, each step then waiting for the device at its log; read beside f's rows
 #      (a log every 10 steps, as users run) from the same lease (timeout_s 300)
-# Session 45 made the SwiGLU and rotary kernels hand-written Triton (`alignpipe/triton_kernels.py`, the default on a
-# GPU; checked only in Triton's interpreter so far), and the Kahan AdamW step one Triton launch. f's checks now start
-# with the SwiGLU and rotary lines (each kernel against eager and inductor's, the host time of a call on each), and
-# the AdamW line times the hand-written and compiled steps: 140 s for the checks, reward 140 s, f's timeout_s 520.
+# Session 45 made the SwiGLU and rotary kernels, the LM head's scores and gradients (DPO's fused head, the scoring
+# passes) and the Kahan AdamW step (one launch) hand-written Triton (`alignpipe/triton_kernels.py`, the default on a
+# GPU; checked only in Triton's interpreter so far). f's checks now start
+# with the SwiGLU and rotary lines (each kernel against eager and inductor's, the host time of a call on each), the
+# DPO head's (eager, compiled and hand-written against float32 autograd), and the AdamW line times the hand-written
+# and compiled steps: 140 s for the checks, reward 140 s, f's timeout_s 520.
 # Then:
-#   j  what the hand-written kernels buy: DPO 8×1024 with `--compiled-kernels` (the SwiGLU and rotary work on
-#      inductor's kernels, as before session 45) against TRL + Liger, to read beside f's rows (timeout_s 300)
+#   j  what the hand-written kernels buy: DPO 8×1024 with `--compiled-kernels` (all of that work on inductor's
+#      kernels, as before session 45) against TRL + Liger, to read beside f's rows (timeout_s 300)
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to j)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j) ;; *)
@@ -142,8 +144,8 @@ d)
   bench "${D_LIMIT:-280}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 f)
-  timeout 140 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,low_precision_adamw,activation_offloading 2>&1 |
-    tee "$out/checks"
+  timeout 140 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,dpo_head,low_precision_adamw,activation_offloading \
+    2>&1 | tee "$out/checks"
   bench 210 --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench 140 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;

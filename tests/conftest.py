@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+
+# Triton's own jitted helpers (`tl.sigmoid`, `tl.max`, `tl.sum`, which the hand-written kernels call) run in its
+# interpreter only if Triton was first imported under it: imported here so, before torch's compiler imports it, and the
+# switch cleared again (the `interpreted` fixture sets it for the tests that interpret the kernels). On a GPU, Triton
+# compiles them as usual.
+if importlib.util.find_spec("triton") is not None:
+    _before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("triton.language")
+    finally:
+        if _before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _before
+
 from support import demo_recipe
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -69,7 +86,7 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_trunc", fp_trunc)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fma)
-    caches = (triton_kernels._kernels, triton_kernels.usable, triton_kernels.adamw_usable)
+    caches = (triton_kernels._kernels, triton_kernels.usable, triton_kernels.adamw_usable, triton_kernels.head_usable)
     for cache in caches:
         cache.cache_clear()
     yield

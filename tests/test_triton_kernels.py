@@ -259,3 +259,74 @@ def test_a_run_counts_the_kernel_variants_triton_compiled_beside_torch_compile_s
     monkeypatch.setitem(sys.modules, "alignpipe.triton_jit", jit)
     assert triton_kernels.variants_compiled() == 5
     assert run_one.graphs_built() == before + 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_kernels_compute_the_compiled_kernels_eager_expressions(interpreted, dtype):
+    """`token_scores` over a vocabulary of two blocks and a part (its running maximum and sum), on strided rows, at
+    temperatures 1 and 0.7, and `token_grads`: the eager expressions `linear_sequence_loss` and `logprobs` compile."""
+    from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 2 * triton_kernels.VOCAB_BLOCK + 77
+    logits = (torch.randn(4, vocab + 9, generator=g) * 5).to(dtype)[:, :vocab]
+    labels = torch.tensor([0, vocab - 1, 3, triton_kernels.VOCAB_BLOCK])
+    coef = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    lse, token = triton_kernels.token_scores(logits, labels)
+    want_lse, want_token = _scores_fusable(logits, labels, torch.float32)
+    assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5) and torch.allclose(token, want_token, atol=1e-5)
+    scaled = (logits.float() / 0.7).log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    assert torch.allclose(triton_kernels.token_scores(logits, labels, 0.7)[1], scaled, atol=1e-5)
+    grad = triton_kernels.token_grads(logits, lse, labels, coef)
+    close(grad, _grad_fusable(logits, lse, labels, coef, torch.float32))
+    assert triton_kernels.head_disagreement(torch.device("cpu")) is None
+
+
+def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_is_open(interpreted, monkeypatch):
+    """A pass without gradients (a frozen reference's log-probs, an old policy's) scores its chunks with
+    `token_scores` after the head's matmul, equal to the eager log-softmax; with gradients, and where an entropy is
+    asked for, the compiled chunk runs as before (recorded here). DPO's fused head (`linear_sequence_loss`) takes
+    `token_scores` and `token_grads` and gives the eager head's loss and gradients."""
+    from alignpipe import linear_sequence_loss, logprobs
+
+    assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launched = {"token_scores": 0, "token_grads": 0}
+    for name in launched:
+        kernel = getattr(triton_kernels, name)
+
+        def counted(*a, kernel=kernel, name=name):
+            launched[name] += 1
+            return kernel(*a)
+
+        monkeypatch.setattr(triton_kernels, name, counted)
+    compiled_chunks = []
+    monkeypatch.setattr(logprobs, "compiled_function", lambda fn: compiled_chunks.append(fn) or fn)
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(2, 9, 16, generator=g)
+    weight = torch.randn(triton_kernels.VOCAB_BLOCK + 50, 16, generator=g) / 4
+    labels = torch.randint(0, weight.size(0), (2, 9), generator=g)
+    with torch.no_grad():
+        want = logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, False, compiled=False)
+        got = logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, False, compiled=True)
+        assert torch.allclose(got, want, atol=1e-5) and launched["token_scores"] >= 1
+        before = launched["token_scores"]
+        logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, True, compiled=True)
+    assert launched["token_scores"] == before, "an entropy asked for: the compiled chunk"
+
+    rows = [5, 4, 6, 3]
+    h = torch.randn(sum(rows), 16, generator=g, requires_grad=True)
+    w = weight.clone().requires_grad_()
+    y = torch.randint(0, weight.size(0), (sum(rows),), generator=g)
+
+    def loss_of(sums, group_rows):
+        return (sums * torch.tensor([1.0, -2.0, 0.5, 3.0])[group_rows]).sum()
+
+    results = []
+    for compiled in (False, True):
+        total, _ = linear_sequence_loss.linear_sequence_loss(
+            h, w, None, y, rows, [[0, 1], [2, 3]], loss_of, compiled=compiled
+        )
+        results.append((total.detach(), *torch.autograd.grad(total, (h, w))))
+    assert launched["token_scores"] == before + 2 and launched["token_grads"] == 2
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
