@@ -23,9 +23,9 @@ On CUDA the `kahan` update of contiguous bf16 weights is one hand-written Triton
 Elsewhere there (`stochastic`, a strided parameter, Triton failing its probe, `fused_kernels.ELEMENTWISE =
 "compiled"`) it is compiled: one kernel a slice of at most 16M values, up to `MAX_PIECES` slices a call. A call
 costs ~0.1-0.3 ms of host time whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an
-H200 against torch's fused 3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25 passes. The moments stay in the
-weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its fused kernel. Float32 parameters
-(LoRA adapters, which peft keeps in float32) take torch's fused AdamW unchanged.
+H200 against torch's fused 3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25
+passes. The moments stay in the weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its
+fused kernel. Float32 parameters (LoRA adapters, which peft keeps in float32) take torch's fused AdamW unchanged.
 """
 
 from __future__ import annotations
