@@ -234,3 +234,18 @@ def parity_micro_batch(generator):
         "advantages": torch.randn(rows, generator=generator),
         "num_items_in_batch": mask.sum().float(),
     }
+
+
+def counted_calls(monkeypatch, module, *names: str) -> dict[str, int]:
+    """`module`'s functions `names` wrapped to count their calls (the hand-written kernels' launches): the counts,
+    updated as they are called."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(module, name)
+
+        def counted(*args, fn=fn, name=name, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import SHORT_GROUPS, tiny_split
+from support import SHORT_GROUPS, counted_calls, tiny_split
 
 from alignpipe import fused_kernels, linear_ce, linear_sequence_loss, logprobs, triton_kernels
 from alignpipe.fused_kernels import loss_kernels, silu_mul, wanted
@@ -257,20 +257,13 @@ def kernels(request, gate_open, monkeypatch):
     """The gate opened on CPU with the SwiGLU and rotary work on inductor's compiled kernels or on the hand-written
     Triton ones (under Triton's interpreter), with a count of the hand-written ones' launches."""
     monkeypatch.setattr(fused_kernels, "ELEMENTWISE", request.param)
-    launches = {"silu_mul": 0, "silu_mul_grads": 0, "rotary": 0, "token_scores": 0, "token_grads": 0}
-    if request.param == "triton":
-        request.getfixturevalue("interpreted")
-        # their probes launch each kernel before the count starts
-        assert triton_kernels.usable(torch.device("cpu")) and triton_kernels.head_usable(torch.device("cpu"))
-        for name in launches:
-            kernel = getattr(triton_kernels, name)
-
-            def counted(*a, kernel=kernel, name=name, **kw):
-                launches[name] += 1
-                return kernel(*a, **kw)
-
-            monkeypatch.setattr(triton_kernels, name, counted)
-    return request.param, launches
+    names = ("silu_mul", "silu_mul_grads", "rotary", "token_scores", "token_grads")
+    if request.param != "triton":
+        return request.param, dict.fromkeys(names, 0)
+    request.getfixturevalue("interpreted")
+    # their probes launch each kernel before the count starts
+    assert triton_kernels.usable(torch.device("cpu")) and triton_kernels.head_usable(torch.device("cpu"))
+    return request.param, counted_calls(monkeypatch, triton_kernels, *names)
 
 
 def test_an_sft_run_with_the_fused_kernels_trains_as_the_eager_one(tiny, tmp_path, gate_open):

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from support import counted_calls
 
 from alignpipe import fused_kernels, triton_kernels
 
@@ -290,15 +291,7 @@ def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_
     from alignpipe import linear_sequence_loss, logprobs
 
     assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
-    launched = {"token_scores": 0, "token_grads": 0}
-    for name in launched:
-        kernel = getattr(triton_kernels, name)
-
-        def counted(*a, kernel=kernel, name=name):
-            launched[name] += 1
-            return kernel(*a)
-
-        monkeypatch.setattr(triton_kernels, name, counted)
+    launched = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads")
     compiled_chunks = []
     monkeypatch.setattr(logprobs, "compiled_function", lambda fn: compiled_chunks.append(fn) or fn)
     g = torch.Generator().manual_seed(6)
