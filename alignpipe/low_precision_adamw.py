@@ -19,7 +19,9 @@ Two remedies (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
   must round alike. fp16 weights take `kahan`.
 
 On CUDA the `kahan` update of contiguous bf16 weights is one hand-written Triton launch a step for all of them
-(`triton_kernels.kahan_adamw`, since session 45; ~18 bytes of traffic a value against torch's fused kernel's ~14).
+(`triton_kernels.kahan_adamw`, since session 45; ~18 bytes of traffic a value against torch's fused kernel's ~14), a
+launch a parameter group; from a group's second step on it launches from the addresses kept at the first
+(`_HandPlan`: ~1.8 ms of host time a step for Qwen2-0.5B's 290 tensors on a CPU where walking their slices took ~10).
 Elsewhere there (`stochastic`, a strided parameter, Triton failing its probe, `fused_kernels.ELEMENTWISE =
 "compiled"`) it is compiled: one kernel a slice of at most 16M values, up to `MAX_PIECES` slices a call. A call
 costs ~0.1-0.3 ms of host time whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an
@@ -85,10 +87,12 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         # step's host time): what they were taken of (`_identity`), their bounds and the slices (None where a tensor
         # has no flat view)
         self._views: dict[torch.Tensor, tuple] = {}
-        self._blocks = triton_kernels.AdamWBlocks()  # the hand-written step's table of blocks
+        self._blocks: dict[int, triton_kernels.AdamWBlocks] = {}  # the hand-written step's table of blocks a group
+        self._plans: dict[int, _HandPlan] = {}  # a group's whole step by hand, kept while it holds (`_HandPlan`)
 
     def load_state_dict(self, state_dict) -> None:
         self._views.clear()  # the slices of the states replaced, which would stay alive otherwise
+        self._plans.clear()
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
@@ -116,9 +120,15 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         return None
 
     def _low_precision_step(self, group_index: int, group: dict, params: list[torch.Tensor]) -> None:
+        plan = self._plans.pop(group_index, None)
+        by_hand = self.fused_kernels and fused_kernels.ELEMENTWISE == "triton"
+        if plan is not None and by_hand and plan.step(params, self.state, group, self._blocks[group_index]):
+            self._plans[group_index] = plan
+            return
         compiles = self.fused_kernels and fused_kernels.wanted(True, params[0].device)
         pending: dict[tuple[bool, int], list] = {}  # (stochastic, step) → [(slice, salt)] for the compiled calls
         scalars = functools.cache(functools.partial(_scalars, group))  # one step count for nearly all parameters
+        eager = False  # whether a slice took the eager step
         states = [self.state[p] for p in params]
         for state in states:
             if not state:
@@ -141,14 +151,18 @@ class LowPrecisionAdamW(torch.optim.AdamW):
                 if compiles and p.dtype == torch.bfloat16:
                     pending.setdefault((stochastic, step), []).append((piece, salt))
                 else:
+                    eager = True
                     _update(piece, scalars(step), salt)
         for (stochastic, step), batch in pending.items():  # one step count for nearly all: one entry
             if not stochastic:
-                batch = self._update_by_hand(batch, scalars(step))
+                batch = self._update_by_hand(group_index, batch, scalars(step))
+                if not batch and not eager and len(pending) == 1:
+                    # every slice of the group went into the one launch: the next steps may go as this one did
+                    self._plans[group_index] = _HandPlan(params, states, [self._views[p] for p in params], step)
             for bucket in _buckets(batch):
                 self._update_compiled(bucket, scalars(step), stochastic)
 
-    def _update_by_hand(self, batch: list, scalars: tuple[float, ...]) -> list:
+    def _update_by_hand(self, group_index: int, batch: list, scalars: tuple[float, ...]) -> list:
         """Kahan's update of `batch`'s flat bf16 slices in one launch of the hand-written kernel, where
         `fused_kernels.ELEMENTWISE` asks for it and Triton runs it (`triton_kernels.adamw_usable`); the items left
         for the compiled step (a strided parameter's whole tensors; all of them otherwise)."""
@@ -158,7 +172,8 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         pieces = [piece for (piece, _), take in zip(batch, taken, strict=True) if take]
         if not pieces or not triton_kernels.adamw_usable(pieces[0][0].device):
             return batch
-        triton_kernels.kahan_adamw(pieces, scalars, self._blocks)
+        blocks = self._blocks.setdefault(group_index, triton_kernels.AdamWBlocks())
+        triton_kernels.kahan_adamw(pieces, scalars, blocks)
         return [item for item, take in zip(batch, taken, strict=True) if not take]
 
     def _slices(self, p: torch.Tensor, state: dict, names: tuple[str, ...]) -> list[tuple[torch.Tensor, ...]]:
@@ -199,6 +214,67 @@ class LowPrecisionAdamW(torch.optim.AdamW):
                 self.fused_kernels = False
         for piece, salt in bucket:
             _update(piece, scalars, salt)
+
+
+class _HandPlan:
+    """A group's Kahan step as one launch by hand, kept from a step in which the group's every slice went into it:
+    the next steps launch from the addresses kept, without walking the parameters' slices (~25 µs of host time a
+    parameter, 290 for Qwen2-0.5B, on a CPU like the GPU machines'). It holds while the group steps the same
+    parameters (those with a gradient), each weight at the same storage with the same states, every gradient bf16 and
+    contiguous, and all at one step count; otherwise the step goes the long way and keeps a plan anew."""
+
+    def __init__(self, params: list[torch.Tensor], states: list[dict], views: list[tuple], step: int):
+        self.params = params
+        self.states = [(state, state["exp_avg"], state["exp_avg_sq"], state["kahan_comp"]) for state in states]
+        self.steps = [state["step"] for state in states]
+        self.count = step
+        self.views = views  # the kept slices: they hold the storages whose addresses the plan launches with
+        self.weights = [_local(p).data_ptr() for p in params]
+        self.numels = [_local(p).numel() for p in params]
+        self.device = params[0].device
+        # a row a slice: its parameter, its offset in bytes (the gradient's is the weight's), and the addresses of the
+        # slices of weight and states
+        self.rows: list[tuple[int, ...]] = []
+        sizes = []
+        for index, (_, bounds, slices) in enumerate(views):
+            for (start, stop), (w, *rest) in zip(bounds, slices, strict=True):
+                self.rows.append((index, start * w.element_size(), w.data_ptr(), *(t.data_ptr() for t in rest)))
+                sizes.append(stop - start)
+        self.sizes = tuple(sizes)
+
+    def holds(self, params: list[torch.Tensor], state: dict) -> bool:
+        """Whether `params` are the plan's, at their storages, with the same states."""
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params, strict=True)):
+            return False
+        for p, pointer, kept in zip(params, self.weights, self.states, strict=True):
+            now = state.get(p)
+            if (
+                _local(p).data_ptr() != pointer
+                or now is not kept[0]
+                or now["exp_avg"] is not kept[1]
+                or now["exp_avg_sq"] is not kept[2]
+                or now.get("kahan_comp") is not kept[3]
+            ):
+                return False
+        return True
+
+    def step(self, params: list[torch.Tensor], state: dict, group: dict, blocks: triton_kernels.AdamWBlocks) -> bool:
+        """The group's step from the plan, if it holds (`holds`, and every gradient as the kernel takes it); False,
+        with nothing done, otherwise."""
+        if not self.holds(params, state):
+            return False
+        grads = [_local(p.grad) for p in params if p.grad is not None]  # `LowPrecisionAdamW.step` hands over those
+        if len(grads) < len(params) or not all(
+            g.dtype == torch.bfloat16 and g.is_contiguous() and g.numel() == n
+            for g, n in zip(grads, self.numels, strict=True)
+        ):
+            return False
+        pointers = [g.data_ptr() for g in grads]
+        torch._foreach_add_(self.steps, 1)
+        self.count += 1
+        rows = [(w, pointers[index] + offset, *rest) for index, offset, w, *rest in self.rows]
+        triton_kernels.kahan_adamw_at(rows, self.sizes, self.device, _scalars(group, self.count), blocks)
+        return True
 
 
 def _identity(kept: list[torch.Tensor]) -> tuple:

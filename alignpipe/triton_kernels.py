@@ -182,21 +182,25 @@ def kahan_adamw_takes(pieces: list[tuple[torch.Tensor, ...]]) -> bool:
 
 class AdamWBlocks:
     """Which slice and where in it each program of `kahan_adamw`'s launch updates, for one list of slice sizes, on
-    the device: made once while the sizes stay (a model's parameters keep theirs from step to step)."""
+    the device: made once while the sizes stay (a model's parameters keep theirs from step to step; one a parameter
+    group, whose sizes differ)."""
 
     def __init__(self) -> None:
         self.sizes: tuple[int, ...] = ()
         self.tables: tuple[torch.Tensor, ...] = ()
 
     def of(self, sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(numels, each block's slice, each block's start), made anew where `sizes` changed."""
-        if sizes != self.sizes or self.tables[0].device != device:
+        """(numels, each block's slice, each block's start), made anew where `sizes` changed (copied to the device
+        without a wait: a plain `.to` of host memory waits for every kernel queued)."""
+        from alignpipe.device_copies import to_device
+
+        if sizes != self.sizes or self.tables[0].device != torch.device(device):
             counts = [_cdiv(n, ADAMW_BLOCK) for n in sizes]
             piece = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(counts))
             first = torch.tensor([0, *counts[:-1]]).cumsum(0).repeat_interleave(torch.tensor(counts))
             start = ((torch.arange(len(piece)) - first) * ADAMW_BLOCK).to(torch.int32)
             numels = torch.tensor(sizes, dtype=torch.int32)
-            self.sizes, self.tables = sizes, tuple(t.to(device) for t in (numels, piece, start))
+            self.sizes, self.tables = sizes, tuple(to_device([numels, piece, start], device))
         return self.tables
 
 
@@ -207,11 +211,19 @@ def kahan_adamw(pieces: list[tuple[torch.Tensor, ...]], scalars: tuple[float, ..
     Triton's contraction of a product and a sum into one fused multiply-add is off, and the divisions and the root
     are rounded as IEEE's, so each value is computed as torch's eager kernels compute it (CUDA's eager division by a
     scalar multiplies by its reciprocal: at most a rounding step apart there)."""
+    rows = [[t.data_ptr() for t in piece] for piece in pieces]
+    kahan_adamw_at(rows, tuple(piece[0].numel() for piece in pieces), pieces[0][0].device, scalars, blocks)
+
+
+def kahan_adamw_at(
+    rows: list, sizes: tuple[int, ...], device: torch.device, scalars: tuple[float, ...], blocks: AdamWBlocks
+) -> None:
+    """`kahan_adamw` of slices given by their addresses: each row the (weight, gradient, exp_avg, exp_avg_sq,
+    compensation) addresses of `sizes`' values of bf16 on `device` (`low_precision_adamw`'s kept plan of a step)."""
     from alignpipe.device_copies import to_device
 
-    device = pieces[0][0].device
-    numels, piece, start = blocks.of(tuple(p[0].numel() for p in pieces), device)
-    pointers = to_device(torch.tensor([[t.data_ptr() for t in p] for p in pieces], dtype=torch.int64), device)
+    numels, piece, start = blocks.of(sizes, device)
+    pointers = to_device(torch.tensor(rows, dtype=torch.int64), device)
     beta1, beta2, step_size, root_correction, lr_decay, eps = scalars
     _kernels().kahan_adamw[(len(piece),)](
         pointers, numels, piece, start, 1 - beta1, beta2, 1 - beta2, step_size, root_correction, lr_decay, eps,

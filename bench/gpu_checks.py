@@ -605,8 +605,13 @@ def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
                 return params, torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
             updates = "stochastic" if kind == "stochastic" else "kahan"
             compiled = kind != "eager kahan"  # `kahan`: the hand-written step where Triton runs it
+            # a stage's two groups (`build_optimizer`): matrices decayed, vectors not; a launch a group and step
+            groups = [
+                {"params": [p for p in params if p.ndim >= 2]},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ]
             return params, LowPrecisionAdamW(
-                params, lr=1e-5, weight_decay=0.01, updates=updates, fused_kernels=compiled
+                groups, lr=1e-5, weight_decay=0.01, updates=updates, fused_kernels=compiled
             )
 
         def step_at(opt, lr: float) -> float:

@@ -220,6 +220,77 @@ def test_the_kahan_adamw_step_is_one_launch_a_step_and_equals_the_eager_step(int
         assert want.abs().max() > 0
 
 
+def test_a_group_whose_every_slice_went_by_hand_steps_from_its_kept_plan(interpreted, monkeypatch):
+    """After a step in which all of a group's slices went into the one launch, the next steps launch from the kept
+    addresses (`_HandPlan`) while the group holds the same parameters at the same storages with the same states; a
+    weight given new storage, a parameter without a gradient, a loaded state or parameters at two step counts take
+    the long way (and a plan is kept anew where it allows). Weights, moments, compensations and step counts equal
+    a run that never keeps a plan, bit for bit; one launch a group and step count a step either way."""
+    from alignpipe import low_precision_adamw
+    from alignpipe.low_precision_adamw import LowPrecisionAdamW, _HandPlan
+
+    monkeypatch.setattr(low_precision_adamw, "CHUNK", 1000)
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(50, 70), (16, 9), (70,)]
+    weights = [torch.randn(shape, generator=gen) * 0.02 for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) * 1e-3 for shape in shapes] for _ in range(8)]
+    assert triton_kernels.adamw_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launches = counted_calls(monkeypatch, triton_kernels, "kahan_adamw_at")
+    planned: list[tuple[int, int, bool]] = []  # (step, group, whether the plan held)
+    plan_step = _HandPlan.step
+
+    def recorded(self, params, *args):
+        held = plan_step(self, params, *args)
+        planned.append((len(steps), int(self.params[0] is params_now[2]), held))
+        return held
+
+    monkeypatch.setattr(_HandPlan, "step", recorded)
+    steps: list[int] = []
+    params_now: list[torch.Tensor] = []
+
+    def run(keep_plans: bool):
+        params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
+        params_now[:] = params
+        groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+        opt = LowPrecisionAdamW(groups, lr=1e-3, weight_decay=0.01, fused_kernels=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+        steps.clear()
+        for step, step_grads in enumerate(grads, start=1):
+            steps.append(step)
+            if step == 3:
+                params[0].data = params[0].data.clone()  # new storage, same values
+            if step == 5:
+                opt.load_state_dict(opt.state_dict())
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = None if step in (5, 6) and p is params[1] else g.bfloat16()
+            if not keep_plans:
+                opt._plans.clear()
+            opt.step()
+            scheduler.step()
+        return params, opt
+
+    kept, opt = run(True)
+    assert planned == [
+        (2, 0, True), (2, 1, True),
+        (3, 0, False), (3, 1, True),  # a new storage for a weight of group 0
+        (4, 0, True), (4, 1, True),
+        # step 5: the state loaded, no plan; group 0 without params[1] keeps one of params[0] alone
+        (6, 0, True), (6, 1, True),
+        (7, 0, False), (7, 1, True),  # params[1] back, a step behind: two step counts, no plan kept
+        (8, 1, True),
+    ]  # fmt: skip
+    assert launches["kahan_adamw_at"] == 18  # one a group a step; group 0's two step counts at steps 7 and 8, two
+    planned.clear()
+    plain, ref = run(False)
+    assert planned == [] and launches["kahan_adamw_at"] == 36
+    for a, b in zip(kept, plain, strict=True):
+        assert torch.equal(a, b)
+        for name in ("step", "exp_avg", "exp_avg_sq", "kahan_comp"):
+            assert torch.equal(opt.state[a][name], ref.state[b][name]), name
+    assert [int(opt.state[p]["step"]) for p in kept] == [8, 6, 8]
+
+
 def test_a_card_whose_adamw_kernel_disagrees_runs_the_compiled_step(interpreted, monkeypatch, caplog):
     assert triton_kernels.adamw_disagreement(torch.device("cpu")) is None
     launch = triton_kernels.kahan_adamw
