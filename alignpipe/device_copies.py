@@ -1,8 +1,17 @@
-"""Copies from the host to a device that do not make the host wait for the device."""
+"""A batch's host tensors made cheaply, and copies from the host to a device that do not make the host wait for the
+device."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def int64_tensor(values) -> torch.Tensor:
+    """`values` (a list of ints, or of equal-length lists) as an int64 host tensor, through NumPy: `torch.tensor` of
+    a Python list takes ~80 ns a value, NumPy ~20, and a DPO batch of 8 pairs of ~1,000 tokens makes ~60k of them
+    (half of its ~19 ms collate on the CPU of these machines, on the host's side of a step)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 def to_device(data, device):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from alignpipe.attention import document_kwargs, documents_mask, implementation_of
+from alignpipe.device_copies import int64_tensor
 
 # transformers' `attn_implementation`s that run packed documents from their offsets, with no mask
 DOCUMENT_KERNELS = frozenset({"varlen", "flash_attention_2", "flash_attention_3"})
@@ -108,10 +109,10 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) ->
     documents = document_kwargs(cu_q)
     if cu_k != cu_q:
         documents |= document_kwargs(cu_k, "k")
-        documents["key_rows"] = torch.tensor(key_rows)
+        documents["key_rows"] = int64_tensor(key_rows)
     return {
-        "input_ids": torch.tensor([ids]),
-        "position_ids": torch.tensor([positions]),
+        "input_ids": int64_tensor(ids)[None],
+        "position_ids": int64_tensor(positions)[None],
         "documents": documents,
         "offsets": cu_q,
         "where": where,

@@ -246,6 +246,14 @@ def test_a_group_whose_every_slice_went_by_hand_steps_from_its_kept_plan(interpr
         return held
 
     monkeypatch.setattr(_HandPlan, "step", recorded)
+    built: list[int] = []  # the steps in which a group's block table was made (on a GPU: copied to it)
+    tables_of = triton_kernels.AdamWBlocks.of
+
+    def of(self, sizes, device):
+        built.extend(len(steps) for _ in range(sizes != self.sizes))
+        return tables_of(self, sizes, device)
+
+    monkeypatch.setattr(triton_kernels.AdamWBlocks, "of", of)
     steps: list[int] = []
     params_now: list[torch.Tensor] = []
 
@@ -281,6 +289,8 @@ def test_a_group_whose_every_slice_went_by_hand_steps_from_its_kept_plan(interpr
         (8, 1, True),
     ]  # fmt: skip
     assert launches["kahan_adamw_at"] == 18  # one a group a step; group 0's two step counts at steps 7 and 8, two
+    # a table a group, made again where its slices change: group 0 without params[1] (5), then its two launches
+    assert built == [1, 1, 5, 7, 8, 8]
     planned.clear()
     plain, ref = run(False)
     assert planned == [] and launches["kahan_adamw_at"] == 36

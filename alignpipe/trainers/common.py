@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch
 
 from alignpipe import fused_kernels, offload
@@ -67,14 +68,15 @@ def pad_rows(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[to
     """Token-id lists → (ids, 0/1 mask), padded to the longest row (at least one column) on the right, or on the
     left (prompts that completions follow end at the same column)."""
     n = max(1, max(len(r) for r in rows))
-    values = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    # filled in NumPy (~4x faster from Python lists than a `torch.tensor` a row: `device_copies.int64_tensor`)
+    values = np.full((len(rows), n), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), n), dtype=np.int64)
     for i, r in enumerate(rows):
         if r:
             cols = slice(n - len(r), n) if left else slice(0, len(r))
-            values[i, cols] = torch.tensor(r, dtype=torch.long)
+            values[i, cols] = r
             mask[i, cols] = 1
-    return values, mask
+    return torch.from_numpy(values), torch.from_numpy(mask)
 
 
 def kernels_run(model, cfg: TrainingArgs, device) -> dict[str, object]:

@@ -27,6 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from alignpipe.attention import document_kwargs, document_offsets
@@ -143,23 +144,27 @@ def collate(batch: list[dict], pad_id: int, padding_free: bool = False) -> dict[
             }
         ]
     n = max(len(b["input_ids"]) for b in batch)
-    input_ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    # filled in NumPy (~4x faster from Python lists than a `torch.tensor` a row: `device_copies.int64_tensor`)
+    rows = (len(batch), n)
+    input_ids, labels = np.full(rows, pad_id, dtype=np.int64), np.full(rows, IGNORE, dtype=np.int64)
+    mask, positions = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     packed = "position_ids" in batch[0]
-    positions = torch.zeros((len(batch), n), dtype=torch.long)
     for i, b in enumerate(batch):
         k = len(b["input_ids"])
-        input_ids[i, :k] = torch.tensor(b["input_ids"])
-        labels[i, :k] = torch.tensor(b["labels"])
+        input_ids[i, :k] = b["input_ids"]
+        labels[i, :k] = b["labels"]
         mask[i, :k] = 1
         if packed:
-            positions[i, :k] = torch.tensor(b["position_ids"])
-            positions[i, k:] = torch.arange(n - k)
-    out: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+            positions[i, :k] = b["position_ids"]
+            positions[i, k:] = np.arange(n - k)
+    out: dict[str, Any] = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(mask),
+        "labels": torch.from_numpy(labels),
+    }
     if packed:
-        out["position_ids"] = positions
-        out["documents"] = documents(positions)
+        out["position_ids"] = torch.from_numpy(positions)
+        out["documents"] = documents(out["position_ids"])
     out["num_targets"] = int((labels[:, 1:] != IGNORE).sum())
     return out
 
