@@ -524,3 +524,47 @@ def test_host_tensors_built_through_numpy_are_what_torch_tensor_builds():
     assert out["position_ids"].tolist() == [[0, 0, 1], [0, 0, 1]], "the padding after a block counts from 0"
     assert out["num_targets"] == 2 and isinstance(out["num_targets"], int)
     assert all(out[k].dtype == torch.int64 for k in ("input_ids", "labels", "attention_mask", "position_ids"))
+
+
+def test_batches_collated_in_a_worker_process_train_as_those_collated_in_the_loop(tiny, tmp_path, monkeypatch):
+    """`dataloader_workers: 1` (the default on a GPU) tokenizes and collates DPO's batches in a worker process beside
+    training: the same batches in the same order, so the same losses and gradient norms step for step, across an
+    epoch's end (a new loader, a new worker); the tokenizing happened in the worker, not here. The loader of a resumed
+    run skips its first batches alike with a worker or without."""
+    from accelerate import Accelerator
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # restored after: the loader sets it for its workers
+    tok, train, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=24, max_length=64)
+    where = tmp_path / "tokenized-in"
+    tokenize = dpo.tokenize
+
+    def recorded(rows, *args):
+        if rows:  # (the evaluation rows, none here, are tokenized up front)
+            with open(where, "a") as f:  # a file: a worker's memory is its own
+                f.write(f"{os.getpid()}\n")
+        return tokenize(rows, *args)
+
+    monkeypatch.setattr(dpo, "tokenize", recorded)
+    curves = {}
+    for workers in (0, 1):
+        where.write_text("")
+        policy = load_causal_lm(str(tiny / "model"))
+        tracker = Tracker()
+        cfg = DPOConfig(learning_rate=1e-3, max_steps=8, batch_size=4, logging_every=1, dataloader_workers=workers)
+        dpo.train(cfg, policy, tok, train, [], tracker, tmp_path / str(workers), ref_model=copy.deepcopy(policy))
+        curves[workers] = tracker.series("train/loss"), tracker.series("train/grad_norm")
+        pids = set(where.read_text().split())
+        assert (str(os.getpid()) in pids) == (workers == 0) and len(pids) == (1 if workers == 0 else 2), pids
+    assert len(curves[0][0]) == 8 and curves[1] == curves[0]  # 6 batches an epoch: the second epoch's worker too
+
+    assert common.loader_workers(DPOConfig(), torch.device("cpu")) == 0
+    assert common.loader_workers(DPOConfig(), torch.device("cuda", 0)) == 1
+    assert common.loader_workers(DPOConfig(dataloader_workers=2), torch.device("cpu")) == 2
+    assert common.loader_workers(DPOConfig(), torch.device("cuda", 0), collates=False) == 0, "an online trainer's rows"
+    acc = Accelerator(cpu=True)
+    rows = list(range(10))
+    skipped = {}
+    for workers in (0, 1):
+        loader = common.batch_loader(acc, rows, 2, torch.tensor, torch.Generator().manual_seed(0), workers=workers)
+        skipped[workers] = [b.tolist() for b in acc.skip_first_batches(loader, 2)]
+    assert len(skipped[0]) == 3 and skipped[1] == skipped[0]

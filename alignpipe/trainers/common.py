@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -399,12 +400,18 @@ def batch_loader(
     generator=None,
     drop_last: bool = False,
     shuffle: bool = True,
+    workers: int = 0,
 ):
-    """The prepared loader of a stage's examples, shuffled by `generator` unless `shuffle` is off. On a GPU its
-    batches are page-locked and copied without a wait (`make_accelerator`): a blocking copy would drain the device's
-    queue at every batch."""
+    """The prepared loader of a stage's examples, shuffled by `generator` unless `shuffle` is off, collated in
+    `workers` processes beside training (0: in this one, as the loop asks for each batch). On a GPU its batches are
+    page-locked and copied without a wait (`make_accelerator`): a blocking copy would drain the device's queue at
+    every batch."""
     from torch.utils.data import DataLoader, Dataset
 
+    if workers:
+        # a forked worker's tokenizer runs single-threaded either way; said explicitly, tokenizers does not warn
+        # about the fork in every worker
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return accelerator.prepare_data_loader(
         DataLoader(
             cast("Dataset", examples),
@@ -414,8 +421,18 @@ def batch_loader(
             collate_fn=collate,
             drop_last=drop_last,
             pin_memory=accelerator.device.type == "cuda",
+            num_workers=workers,
         )
     )
+
+
+def loader_workers(cfg: TrainingArgs, device: torch.device, collates: bool = True) -> int:
+    """`dataloader_workers`, its default resolved: 1 on a CUDA device where the loader's `collate` does work
+    (`collates`: the offline trainers tokenize and lay out batches; the online ones hand prompt rows on as they are,
+    to a rollout), 0 elsewhere."""
+    if cfg.dataloader_workers is not None:
+        return cfg.dataloader_workers
+    return 1 if collates and torch.device(device).type == "cuda" else 0
 
 
 class TrainLoop:
@@ -452,6 +469,7 @@ class TrainLoop:
         drop_last: bool = False,
         metric_prefix: str = "train/",
         summary_keys: tuple[str, ...] = ("loss",),
+        collates: bool = True,
     ):
         from alignpipe.distributed import make_accelerator
         from alignpipe.modeling import count_parameters, disable_dropout, enable_activation_checkpointing, lora_model
@@ -502,7 +520,8 @@ class TrainLoop:
         def loader(epoch: int):
             g = torch.Generator().manual_seed(seed + epoch)
             size = rows_per_batch or cfg.batch_size
-            return batch_loader(self.accelerator, examples, size, collate, g, drop_last, cfg.shuffle)
+            workers = loader_workers(cfg, self.accelerator.device, collates)
+            return batch_loader(self.accelerator, examples, size, collate, g, drop_last, cfg.shuffle, workers)
 
         self._loader = loader
         self.micro_per_epoch = len(loader(0))

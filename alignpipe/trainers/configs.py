@@ -96,6 +96,12 @@ class TrainingArgs(Strict):
     `activation_offloading`): device memory for longer sequences, paid by copies over the host link, about
     `offloaded_gb` (logged per step) / its bandwidth more per step. With `gradient_checkpointing` only each layer's
     input moves, the pairing for long contexts. Needs a GPU (on the CPU it does nothing; `alignpipe/offload.py`)."""
+    dataloader_workers: int | None = Field(None, ge=0)
+    """Processes that tokenize and collate the next batches beside training (PyTorch's `DataLoader(num_workers=...)`,
+    TRL's `dataloader_num_workers`). None: 1 on a CUDA device, whose step waits for its host wherever the host cannot
+    stay ahead of the GPU (a DPO batch of 8 pairs of ~1,000 tokens takes ~20 ms to tokenize and ~4 to collate on one
+    core of these machines, which TRL pays once before training instead), and 0 elsewhere (on a CPU the worker would
+    take cores from the step itself). The batches and their order are the same either way."""
     disable_dropout: bool = True
     """Train with every dropout probability at 0 (dropout layers, LoRA's included, attention dropout, OPT's
     layerdrop), so the policy's log-probs are deterministic and equal the reference's at the start. TRL's default

@@ -814,6 +814,7 @@ def train_on_samples(
         rows_per_batch=cfg.batch_size // G,
         batches_per_step=cfg.micro_batches_per_generation,
         repeat=cfg.num_iterations * cfg.steps_per_rollout,
+        collates=False,
     )
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)

@@ -294,7 +294,7 @@ def train(
         raise ValueError("full-model online DPO needs `ref_model` (a frozen copy of the starting model), or set lora")
     if rewards is not None:
         rewards.probe([r["prompt"] for r in rows[:2]], extra_columns(rows[:2]))
-    loop = TrainLoop("online_dpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed)
+    loop = TrainLoop("online_dpo", cfg, model, rows, lambda b: b, tracker, output_dir, seed, collates=False)
     device = loop.accelerator.device
     if engine is None:  # the hf engine on the policy itself
         engine = hf_engine(cfg.rollout, loop.unwrapped, tokenizer)

@@ -582,6 +582,7 @@ def train(
         drop_last=True,
         metric_prefix="",
         summary_keys=("objective/scores", "objective/rlhf_reward", "objective/kl", "objective/kl_coef"),
+        collates=False,
     )
     acc = loop.accelerator
     kl_ctl = KLController(cfg.kl_coef, cfg.adap_kl_ctrl, cfg.target, cfg.horizon)
