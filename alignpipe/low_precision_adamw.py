@@ -219,7 +219,7 @@ class LowPrecisionAdamW(torch.optim.AdamW):
 class _HandPlan:
     """A group's Kahan step as one launch by hand, kept from a step in which the group's every slice went into it:
     the next steps launch from the addresses kept, without walking the parameters' slices (~25 µs of host time a
-    parameter, 290 for Qwen2-0.5B, on a CPU like the GPU machines'). It holds while the group steps the same
+    parameter on this project's CI machines, 290 parameters for Qwen2-0.5B). It holds while the group steps the same
     parameters (those with a gradient), each weight at the same storage with the same states, every gradient bf16 and
     contiguous, and all at one step count; otherwise the step goes the long way and keeps a plan anew."""
 
