@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+STATES = ("exp_avg", "exp_avg_sq", "kahan_comp")
+"""A parameter's states beside its step count: torch's moments, then Kahan's compensation (not under `stochastic`)."""
+
 CHUNK = 1 << 24
 """Values per slice of the element-wise passes: the float32 temporaries of a step stay under ~0.5 GB however large
 a parameter (an embedding) is."""
@@ -138,7 +141,7 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         torch._foreach_add_([state["step"] for state in states], 1)  # host tensors, one call: no device read
         for position, (p, state) in enumerate(zip(params, states)):
             stochastic = rounds_stochastically(self.updates, p.dtype)
-            names = ("exp_avg", "exp_avg_sq") + (() if stochastic else ("kahan_comp",))
+            names = STATES[:2] if stochastic else STATES
             for name in names:  # all at the first step; the buffer too where a run resumes under `kahan`
                 if name not in state:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -225,7 +228,7 @@ class _HandPlan:
 
     def __init__(self, params: list[torch.Tensor], states: list[dict], views: list[tuple], step: int):
         self.params = params
-        self.states = [(state, state["exp_avg"], state["exp_avg_sq"], state["kahan_comp"]) for state in states]
+        self.states = [(state, *(state[name] for name in STATES)) for state in states]
         self.steps = [state["step"] for state in states]
         self.count = step
         self.views = views  # the kept slices: they hold the storages whose addresses the plan launches with
@@ -243,17 +246,16 @@ class _HandPlan:
         self.sizes = tuple(sizes)
 
     def holds(self, params: list[torch.Tensor], state: dict) -> bool:
-        """Whether `params` are the plan's, at their storages, with the same states."""
+        """Whether `params` are the plan's, at their storages, with the same states: `_same`'s test written out for
+        the plan's parameters (a list built a parameter for `_same` doubled the planned step's host time)."""
         if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params, strict=True)):
             return False
-        for p, pointer, kept in zip(params, self.weights, self.states, strict=True):
+        for p, pointer, (kept, *tensors) in zip(params, self.weights, self.states, strict=True):
             now = state.get(p)
             if (
                 _local(p).data_ptr() != pointer
-                or now is not kept[0]
-                or now["exp_avg"] is not kept[1]
-                or now["exp_avg_sq"] is not kept[2]
-                or now.get("kahan_comp") is not kept[3]
+                or now is not kept
+                or any(now.get(name) is not t for name, t in zip(STATES, tensors, strict=True))
             ):
                 return False
         return True
