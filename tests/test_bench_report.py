@@ -926,3 +926,26 @@ def test_device_busy_is_kernel_time_a_step_over_a_steady_steps_wall_time():
 
     assert abs(device_busy(1500.0, 10, 8, 40.0) - 0.75) < 1e-12
     assert device_busy(1500.0, 10, 8, None) is None and device_busy(1500.0, 0, 8, 40.0) is None
+
+
+def test_host_work_runs_a_step_with_the_gpu_s_hand_written_paths_and_counts_its_work(tiny):
+    """`python -m bench.host_work` runs our DPO step on CPU with the paths a CUDA device takes: every hand-written
+    kernel's launch reached (a no-op there) in the counted steps, at the rate a 2-layer model makes them, and the
+    step's Python calls and top-level operators counted."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.host_work", "dpo", "--layers", "2", "--rows", "2", "--warmup", "1"]
+        + ["--steps", "1", "--assets", str(tiny), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["step_ms"]) == 1 and got["median_ms"] > 0
+    # per layer: the policy's and the reference's forward and the policy's backward; two parameter groups
+    assert got["launches"]["rotary"] == 3 * 2 and got["launches"]["kahan_adamw"] == 2, got["launches"]
+    assert got["launches"]["silu_mul_forward"] >= 2 * 2 and got["launches"]["token_scores"] >= 1
+    assert got["python_calls"] > 1000 and got["aten_ops"] > 100
+    ops = dict(got["ops_by_count"])
+    assert ops["aten::linear"] == 2 * 7 * 2 + 2, ops  # 7 projections a layer in each of two forwards, a head each
+    assert "aten::zero_" not in ops, "the stand-ins' own operators are left out of the counts"

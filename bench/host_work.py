@@ -1,0 +1,312 @@
+"""A training step's host work, measured on a CPU with a GPU's code paths open:
+
+    python -m bench.host_work [TRAINER] [--layers 24] [--width 64] [--rows 8] [--tokens 16] [--steps 5]
+
+TRAINER is `dpo` (default), `sft`, `reward` or `kto`. On a GPU a step waits on its host wherever the host's work
+(Python, dispatch, launches) outlasts its kernels: session 43 measured a DPO step's host work on CPU near that step's
+time on an H200, so host work cut is step time cut there. A GPU's profile shows that a step waits, not what for.
+This runs our trainer on a model of Qwen2-0.5B's depth and attention layout at a width that leaves next to no
+compute (bf16, `--width` wide, rows of about `--tokens` tokens: 8 prompt tokens and the rest completion), with the
+paths a CUDA device takes opened and stood in for:
+
+- the fused kernels' gate (`fused_kernels.wanted`) open, as on CUDA;
+- the hand-written Triton kernels (`triton_kernels`: SwiGLU, rotary, the LM head's scores and gradients, the Kahan
+  AdamW step) taken, each launch a no-op: their host work up to the launch is counted (the arguments, the outputs'
+  allocation, the AdamW block tables), the launch itself (tens of µs on a GPU's host) is not. The weights do not
+  change;
+- `model.attention: varlen` (padding-free batches, shared prompts for DPO), with flash's one variable-length kernel
+  a layer stood in for by one SDPA call over all the batch's tokens (CPU runs the documents one by one otherwise);
+- torch's fused RMSNorm (one operator each way on CUDA, several on CPU, where it decomposes) stood in for by one
+  operator forward and two backward;
+- the loader's tokenizing and collating in a worker process (`dataloader_workers: 1`, the CUDA default).
+
+It prints, a steady step each: the wall time (steps run without a profiler), the Python function calls (cProfile, in
+steps of their own) and the top-level aten operators (the torch profiler, in steps of their own: operators called
+from within other operators are not counted, those run by autograd's engine in backward are), then where they come
+from: the functions with the most own time, and the operators by count. Three windows after `--warmup` steps, each
+`--steps` long; the numbers say which part of a step to cut and, compared between two commits, whether a change cut
+it. Wall times on a shared CPU vary by tens of percent from run to run; the counts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import tempfile
+import time
+import types
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from bench.cases import QWEN_05B, Case, Shape, rows
+from bench.run_one import _train_ours
+
+TRAINERS = ("dpo", "sft", "reward", "kto")
+
+
+LAUNCHES: Counter = Counter()
+"""The hand-written kernels' launches by kernel, from the start of the operator-counting window."""
+
+STAND_IN = "host_work::stand_in"
+"""The profiler's label around what the stand-ins do that a GPU's step does not (left out of the operator counts)."""
+
+
+class _NoLaunch:
+    """A Triton kernel whose launch (`kernel[grid](...)`) computes nothing: it zeroes the outputs at positions
+    `outputs` of its arguments (a garbage output would stop training at a NaN loss), under `STAND_IN`."""
+
+    def __init__(self, name: str, *outputs: int):
+        self.name, self.outputs = name, outputs
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs) -> None:
+        LAUNCHES[self.name] += 1
+        with torch.profiler.record_function(STAND_IN):
+            for i in self.outputs:
+                args[i].zero_()
+
+
+class _OneOpNorm(torch.autograd.Function):
+    """torch's fused RMSNorm as a CUDA device runs it, by its operator count: one operator forward
+    (`_fused_rms_norm`), here a product with the weight, and the gradients of input and weight in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).flatten(0, -2).sum(0)
+
+
+def _stand_in_norm(self, hidden_states):
+    return _OneOpNorm.apply(hidden_states, self.weight)
+
+
+def _one_attention_call(q, k, v, cu_q, cu_k, longest_q, longest_k, scale):
+    """flash's variable-length kernel, one call a layer, stood in for by one SDPA call over all tokens (not
+    document-masked: the values do not matter here, the host work does)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=q.shape[0] == k.shape[0],
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+@contextlib.contextmanager
+def gpu_paths():
+    """Open, for the block, the code paths a CUDA device takes (the module docstring lists them)."""
+    from alignpipe import attention, fused_kernels, lean_activations, triton_kernels
+
+    stub = types.SimpleNamespace(  # each kernel's outputs among its arguments (`triton_jit`)
+        silu_mul_forward=_NoLaunch("silu_mul_forward", 2),
+        silu_mul_backward=_NoLaunch("silu_mul_backward", 3, 4, 5),
+        rotary=_NoLaunch("rotary", 2, 3),
+        kahan_adamw=_NoLaunch("kahan_adamw"),  # updates the weights in place, by address
+        token_scores=_NoLaunch("token_scores", 2, 3),
+        token_grads=_NoLaunch("token_grads", 4),
+    )
+    patches = {
+        (fused_kernels, "wanted"): lambda enabled, device: bool(enabled),
+        (triton_kernels, "interpreted"): lambda: True,
+        (triton_kernels, "_kernels"): lambda: stub,
+        (triton_kernels, "usable"): lambda device: True,
+        (triton_kernels, "adamw_usable"): lambda device: True,
+        (triton_kernels, "head_usable"): lambda device: True,
+        (attention, "_documents_attention"): _one_attention_call,
+        (lean_activations, "_norm_forward"): _stand_in_norm,
+    }
+    kept = {key: getattr(*key) for key in patches}
+    try:
+        for (module, name), value in patches.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for (module, name), value in kept.items():
+            setattr(module, name, value)
+
+
+def model(trainer: str, tok, layers: int, width: int):
+    """A bf16 Qwen2 of `layers` layers, `width` wide, with Qwen2-0.5B's ratio of query to key/value heads (7:1 there,
+    2:1 here at 16-wide heads), the tokenizer's vocabulary; random init, seeded. Attention: `varlen`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from alignpipe.modeling import implementation
+
+    heads = max(2, width // 16)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=4096,
+        rope_theta=QWEN_05B["rope_theta"],
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        num_labels=1,
+    )
+    torch.manual_seed(0)
+    built = (Qwen2ForSequenceClassification if trainer == "reward" else Qwen2ForCausalLM)(cfg).to(torch.bfloat16)
+    built.set_attn_implementation(implementation("varlen"))
+    return built
+
+
+class Windows:
+    """At the end of each optimizer step (torch's global step hooks, once per step where a step calls its parent
+    class's): the step's wall time, and the profilers switched on and off at the windows' edges."""
+
+    def __init__(self, warmup: int, steps: int):
+        self.edges = (warmup, warmup + steps, warmup + 2 * steps, warmup + 3 * steps)
+        self.ends: list[float] = []
+        self.python = cProfile.Profile()
+        self.ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._depth = 0
+
+    def _entered(self, *_) -> None:
+        self._depth += 1
+
+    def _left(self, *_) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        self.ends.append(time.perf_counter())
+        n = len(self.ends)
+        _, profiled, counted, last = self.edges
+        if n == profiled:
+            self.python.enable()
+        elif n == counted:
+            self.python.disable()
+            LAUNCHES.clear()
+            self.ops.start()
+        elif n == last:
+            self.ops.stop()
+
+    @contextlib.contextmanager
+    def hooked(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        handles = [register_optimizer_step_pre_hook(self._entered), register_optimizer_step_post_hook(self._left)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def step_ms(self) -> list[float]:
+        first, last = self.edges[0], self.edges[1]
+        return [1000 * (b - a) for a, b in zip(self.ends[first - 1 : last - 1], self.ends[first:last])]
+
+
+def top_level_ops(prof) -> Counter:
+    """aten operators the host called that no other aten operator called (autograd's engine calls backward's), the
+    stand-ins' own left out."""
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::") or parent.name == STAND_IN:
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    return Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not nested(e))
+
+
+def run(trainer: str, layers: int, width: int, batch: int, tokens: int, warmup: int, steps: int, assets: str) -> dict:
+    """Train `trainer` for `warmup` + 3 × `steps` steps with the GPU's paths open; the figures of its steady steps."""
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.tracking import Tracker
+
+    tok = load_tokenizer(f"{assets}/model")
+    total = warmup + 3 * steps
+    prompt = min(8, tokens // 2)
+    shape = Shape(
+        f"{batch}×{tokens}",
+        batch=batch,
+        max_len=2 * tokens if trainer == "sft" else tokens,
+        prompt_tokens=prompt,
+        completion_tokens=tokens - prompt,
+        packed=trainer == "sft",
+    )
+    data = rows(assets, Case(trainer, shape), total, tok)
+    common = dict(
+        learning_rate=1e-4,
+        max_steps=total,
+        batch_size=batch,
+        max_length=shape.max_len,
+        logging_every=10,
+        lr_scheduler="linear",
+        dataloader_workers=1,
+    )
+    windows = Windows(warmup, steps)
+    with gpu_paths(), windows.hooked(), tempfile.TemporaryDirectory() as out:
+        built = model(trainer, tok, layers, width)
+        _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
+    if len(windows.ends) < total:
+        raise SystemExit(f"{trainer} ran {len(windows.ends)} optimizer steps of {total}")
+    stats = pstats.Stats(windows.python)
+    ops = top_level_ops(windows.ops)
+    by_own_time = io.StringIO()
+    pstats.Stats(windows.python, stream=by_own_time).sort_stats("tottime").print_stats(20)
+    ms = windows.step_ms()
+    return {
+        "trainer": trainer,
+        "shape": f"{layers} layers × {width} wide, {batch} rows × {tokens} tokens",
+        "step_ms": [round(t, 1) for t in ms],
+        "median_ms": round(statistics.median(ms), 1),
+        "python_calls": round(stats.total_calls / steps),  # type: ignore[attr-defined]  # pstats keeps it
+        "aten_ops": round(sum(ops.values()) / steps),
+        "launches": {name: round(n / steps, 1) for name, n in sorted(LAUNCHES.items())},
+        "ops_by_count": [(name, round(n / steps, 1)) for name, n in ops.most_common(25)],
+        "by_own_time": by_own_time.getvalue(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_work", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trainer", nargs="?", default="dpo", choices=TRAINERS)
+    parser.add_argument("--layers", type=int, default=QWEN_05B["num_hidden_layers"])
+    parser.add_argument("--width", type=int, default=64, help="hidden size (heads of 16)")
+    parser.add_argument("--rows", type=int, default=8, help="rows (DPO, reward: pairs) a step")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens a row, about")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps in each window (timed, Python, operators)")
+    parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
+    parser.add_argument("--functions", action="store_true", help="also print the 20 functions by own time")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line instead")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # host work is single-threaded; one thread keeps the wall times comparable
+    got = run(args.trainer, args.layers, args.width, args.rows, args.tokens, args.warmup, args.steps, args.assets)
+    if args.json:
+        print(json.dumps(got))
+        return
+    print(f"{got['trainer']}: {got['shape']}")
+    print(f"  step ms        {got['median_ms']} (median; each: {got['step_ms']})")
+    print(f"  Python calls   {got['python_calls']:,} a step")
+    print(f"  aten operators {got['aten_ops']:,} a step (top level)")
+    print("  hand-written launches a step: " + ", ".join(f"{k} {n:g}" for k, n in got["launches"].items()))
+    print("  operators a step: " + ", ".join(f"{name.removeprefix('aten::')} {n:g}" for name, n in got["ops_by_count"]))
+    if args.functions:
+        print(got["by_own_time"])
+
+
+if __name__ == "__main__":
+    main()
