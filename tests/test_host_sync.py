@@ -568,3 +568,50 @@ def test_batches_collated_in_a_worker_process_train_as_those_collated_in_the_loo
         loader = common.batch_loader(acc, rows, 2, torch.tensor, torch.Generator().manual_seed(0), workers=workers)
         skipped[workers] = [b.tolist() for b in acc.skip_first_batches(loader, 2)]
     assert len(skipped[0]) == 3 and skipped[1] == skipped[0]
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _clipped_pair(layers: int):
+    """A model of bf16 and float32 linears with random gradients (the last bias without one), and a copy."""
+    torch.manual_seed(layers)
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(16, 16).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(layers))
+    )
+    model[-1].bias.requires_grad_(False)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p) * 3
+    theirs = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
+        q.grad = None if p.grad is None else p.grad.clone()
+    return model, theirs
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, None])
+def test_the_step_s_clipping_gives_torch_s_norm_and_gradients_bit_for_bit_without_a_copy_a_parameter(max_norm):
+    """`common.clip_and_measure` off FSDP: the norm and the clipped gradients (bf16 and float32 parameters, a
+    parameter without a gradient) equal `torch.nn.utils.clip_grad_norm_`'s bit for bit, clipped or not, in as many
+    operators for 3 layers as for 12 (torch copies each parameter's norm to the first device: one a parameter)."""
+    from accelerate import Accelerator
+
+    counts = []
+    for layers in (3, 12):
+        model, theirs = _clipped_pair(layers)
+        with _OpCount() as counted:
+            norm = common.clip_and_measure(Accelerator(cpu=True), model, max_norm)
+        want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm or float("inf"))
+        assert torch.equal(norm, want)
+        for (name, p), q in zip(model.named_parameters(), theirs.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+        counts.append(len(counted.ops))
+    assert counts[0] == counts[1], (counts, counted.ops)
+    assert "_to_copy" not in counted.ops and "detach" not in counted.ops
