@@ -194,11 +194,6 @@ def _total_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
-def grad_norm(model) -> torch.Tensor:
-    groups = _grads_by_kind(model)
-    return _total_norm(groups) if groups else torch.zeros(())
-
-
 def clip_and_measure(accelerator, model, max_norm: float | None) -> torch.Tensor:
     """The global gradient norm before clipping (a device tensor, read when logged), clipping to `max_norm` when set
     (one pass over the grads).
