@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from bench.cases import QWEN_05B, Case, Shape, rows
-from bench.run_one import _train_ours
+from bench.run_one import _train_ours, optimizer_ticks
 
 TRAINERS = ("dpo", "sft", "reward", "kto")
 
@@ -170,23 +170,16 @@ def model(trainer: str, tok, layers: int, width: int):
 
 
 class Windows:
-    """At the end of each optimizer step (torch's global step hooks, once per step where a step calls its parent
-    class's): the step's wall time, and the profilers switched on and off at the windows' edges."""
+    """`tick`ed at the end of each optimizer step (`bench.run_one.optimizer_ticks`): the step's wall time, and the
+    profilers switched on and off at the windows' edges."""
 
     def __init__(self, warmup: int, steps: int):
         self.edges = (warmup, warmup + steps, warmup + 2 * steps, warmup + 3 * steps)
         self.ends: list[float] = []
         self.python = cProfile.Profile()
         self.ops = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self._depth = 0
 
-    def _entered(self, *_) -> None:
-        self._depth += 1
-
-    def _left(self, *_) -> None:
-        self._depth -= 1
-        if self._depth:
-            return
+    def tick(self) -> None:
         self.ends.append(time.perf_counter())
         n = len(self.ends)
         _, profiled, counted, last = self.edges
@@ -198,17 +191,6 @@ class Windows:
             self.ops.start()
         elif n == last:
             self.ops.stop()
-
-    @contextlib.contextmanager
-    def hooked(self):
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        handles = [register_optimizer_step_pre_hook(self._entered), register_optimizer_step_post_hook(self._left)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def step_ms(self) -> list[float]:
         first, last = self.edges[0], self.edges[1]
@@ -257,7 +239,7 @@ def run(trainer: str, layers: int, width: int, batch: int, tokens: int, warmup: 
         dataloader_workers=1,
     )
     windows = Windows(warmup, steps)
-    with gpu_paths(), windows.hooked(), tempfile.TemporaryDirectory() as out:
+    with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
         built = model(trainer, tok, layers, width)
         _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
     if len(windows.ends) < total:

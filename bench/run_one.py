@@ -140,8 +140,8 @@ ROOT_PREFIX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 
 
 @contextlib.contextmanager
-def optimizer_ticks(clock: StepClock):
-    """`clock.tick()` at the end of every optimizer step taken within (torch's global step hooks), once per step
+def optimizer_ticks(clock):
+    """`clock.tick()` (a `StepClock`, or anything with a `tick`) at the end of every optimizer step taken within (torch's global step hooks), once per step
     where a step calls its parent class's (`LowPrecisionAdamW` hands float32 parameters to torch's AdamW): our
     offline trainers' steps, whatever they log."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
