@@ -179,15 +179,7 @@ def _run_stage_process(
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(
-        stage_command(spec_path, processes, accelerate_config),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-        env=env,
-        preexec_fn=die_with_parent(),
-    )
+    proc = _start(spec_path, processes, accelerate_config, env, extra_env)
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
     pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
@@ -221,6 +213,28 @@ def _run_stage_process(
         errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
         raise StageFailed(spec.stage_id, code, list(tail) + (["--- stderr ---", *errors] if errors else []))
     return manifest
+
+
+def _start(spec_path: Path, processes, accelerate_config, env: dict[str, str], extra_env):
+    """The stage's process: forked from the launcher's stage host (`alignpipe.stage_host`) where it may be, which
+    has its libraries imported already; else a fresh one."""
+    from alignpipe import stage_host
+
+    if stage_host.hosts(processes, accelerate_config, extra_env):
+        try:
+            argv = [str(Path(__file__).with_name("stage.py")), str(spec_path)]
+            return stage_host.HOSTS.get(env).start(argv, env, title=" ".join(stage_command(spec_path)))
+        except stage_host.HostGone as e:
+            print(f"alignpipe: {e}; starting the stage as a process of its own", file=sys.stderr)
+    return subprocess.Popen(
+        stage_command(spec_path, processes, accelerate_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        preexec_fn=die_with_parent(),
+    )
 
 
 def die_with_parent():

@@ -36,9 +36,15 @@ class StageSpec(BaseModel):
     pipeline_run_id: str = ""
 
 
-def _quiet_libraries() -> None:
+def quiet_environment() -> None:
+    """The environment that quiets the libraries a stage imports; read by `datasets` when it is imported, so a stage
+    host (`alignpipe.stage_host`) sets it before its imports too."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet_libraries() -> None:
+    quiet_environment()
     import transformers
     from transformers.utils import logging as tlog
 
@@ -211,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         manifest.write(stage_dir)
     log.info("stage %s done in %.1fs", stage.id, duration)
     return 0
+
+
+def hosted_main(argv: list[str]) -> int:
+    """A single-process stage forked by a stage host (`alignpipe.stage_host`): `main`, then out as `__main__` leaves."""
+    exit_now(main(argv))
+    return 1  # not reached: exit_now ends the process
 
 
 def exit_now(code: int) -> None:

@@ -56,6 +56,21 @@ def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
     )
 
 
+def warm_stage_host(recipe, plans: dict) -> None:
+    """Start this machine's stage host (`alignpipe.stage_host`) now, importing what stages need beside the run's own
+    start-up, where a stage will be run here and in one process."""
+    from alignpipe import stage_host
+
+    if any(
+        not plans[s.id].cached
+        and not s.resources.pool
+        and s.resources.processes <= 1
+        and not s.resources.accelerate_config
+        for s in recipe.stages
+    ):
+        stage_host.warm()
+
+
 def submit_stage(recipe, s, spec: str, wait_for: list):
     """Start a stage's task run: the kind's local task, or its dispatch to the stage's work pool."""
     task = TASKS[s.kind]
@@ -183,6 +198,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     recipe = load_recipe(recipe_path, overrides or [])  # validated again: UI-launched runs skip the CLI
     check_pools(recipe)
     plans = plan(recipe, force or [])
+    warm_stage_host(recipe, plans)
     run_id = _flow_run_id()
     tracking = start_pipeline_run(recipe, run_id)
     link_mlflow_run(recipe, tracking)

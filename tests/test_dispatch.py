@@ -303,9 +303,24 @@ def _stage_process(spec_marker: str) -> int | None:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"alignpipe.stage" in cmd and any(spec_marker.encode() in part for part in cmd):
+        line = b" ".join(cmd)  # a stage forked from the stage host shows its command line as one string
+        if b" alignpipe.stage " in line and spec_marker.encode() in line:
             return int(proc.name)
     return None
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _job_of(stage_pid: int) -> int:
+    """The process that launched a stage: its parent, or the parent of the stage host it was forked from."""
+    from alignpipe.stage_host import HOST_TITLE, MONITOR_TITLE
+
+    pid = _parent(stage_pid)
+    while Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0") in (HOST_TITLE.encode(), MONITOR_TITLE.encode()):
+        pid = _parent(pid)
+    return pid
 
 
 def _alive(pid: int) -> bool:
@@ -360,9 +375,7 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
     stage_dir = ckpt.parents[2]
     stage_pid = _stage_process(stage_dir.name)
     assert stage_pid, "the stage process is running"
-    job_pid = int(
-        Path(f"/proc/{stage_pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-    )  # its parent: the worker's job
+    job_pid = _job_of(stage_pid)  # the worker's job
     os.kill(job_pid, signal.SIGKILL)
     gone = time.monotonic() + 15
     while _alive(stage_pid):
