@@ -20,6 +20,7 @@ anything else. Multi-process stages are started by their launcher (torchrun, acc
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import io
 import json
@@ -137,7 +138,7 @@ class StageHost:
     def _await_ready(self) -> None:
         assert self.process is not None
         try:
-            said = self._sock.recv(64).decode()
+            said = self._sock.recv(256).decode()
         except OSError as e:
             said = f"({e})"
         if said != "ready":
@@ -145,8 +146,8 @@ class StageHost:
         self._ready.set()
 
     def serves(self, env: dict[str, str], cwd: str) -> bool:
-        """Whether a stage with environment `env` in `cwd` may be forked from this host."""
-        if cwd != self.cwd or self._failed is not None or self.process is None or self.process.poll() is not None:
+        """Whether a stage with environment `env` in `cwd` may be forked from this host (if it started)."""
+        if cwd != self.cwd or (self._failed is None and self.process is not None and self.process.poll() is not None):
             return False
         keys = (set(env) | set(self.env)) - LATE_READ
         return all(env.get(k) == self.env.get(k) for k in keys)
@@ -194,7 +195,8 @@ class StageHost:
 
 class StageHosts:
     """The launcher's host, started on first use (or by `warm`) and replaced when the environment or working
-    directory the launcher starts stages in has changed; a replaced host finishes its running stages."""
+    directory the launcher starts stages in has changed; a replaced host finishes its running stages. A host that
+    could not serve (`serve`) is kept for its environment: its stages start as processes of their own at once."""
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
         self.preload = preload
@@ -215,8 +217,16 @@ HOSTS = StageHosts()
 
 
 def enabled() -> bool:
-    """The host is used unless `ALIGNPIPE_STAGE_HOST=0`, and only where processes fork (Linux)."""
-    return os.environ.get("ALIGNPIPE_STAGE_HOST", "1") != "0" and sys.platform.startswith("linux")
+    """Whether stages are forked from a host: on Linux (where processes fork), by default on a machine without a GPU,
+    and as `ALIGNPIPE_STAGE_HOST` (`1` or `0`) says. A process that initialised CUDA cannot fork a CUDA user, so the
+    host refuses to serve if a preload did (`serve`), but on GPU machines the host has not been run yet; there a
+    stage's ~11 s of imports weigh little beside its training."""
+    if not sys.platform.startswith("linux"):
+        return False
+    said = os.environ.get("ALIGNPIPE_STAGE_HOST")
+    if said in ("0", "1"):
+        return said == "1"
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
 
 
 def hosts(processes: int, accelerate_config: str | None, extra_env: dict[str, str] | None) -> bool:
@@ -300,6 +310,27 @@ def _monitor(request: dict, out: int, err: int, status: socket.socket) -> None:
         os._exit(0)
 
 
+def _unfit_to_fork() -> str:
+    """Why a fork of this process could not run a stage, or "": a preload started a thread (a fork copies only the
+    forking one), or initialised CUDA (a fork then fails at its first CUDA call; seen from a test fork, where torch
+    says it is in a bad fork)."""
+    if threading.active_count() > 1:
+        return "a preload started a thread"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, b"1" if torch.cuda._is_in_bad_fork() else b"0")
+        os._exit(0)
+    os.close(w)
+    bad = os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)
+    return "a preload initialised CUDA" if bad else ""
+
+
 def serve(fd: int, preload: list[str]) -> None:
     """The host: import `preload`, say "ready", then fork a monitor for each request until the launcher closes the
     socket, and leave once the stages it started have ended."""
@@ -309,6 +340,8 @@ def serve(fd: int, preload: list[str]) -> None:
     _die_with_parent()
     setproctitle(HOST_TITLE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the launcher, which stops its stages
+    # torch's CUDA check through NVML, which leaves CUDA uninitialised (the stages read their own environment)
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
         from alignpipe.stage import quiet_environment
 
@@ -318,10 +351,10 @@ def serve(fd: int, preload: list[str]) -> None:
     except BaseException as e:
         sock.send(f"import failed: {type(e).__name__}: {e}"[:60].encode())
         return
-    if threading.active_count() > 1:  # a fork copies only the forking thread: a preload that started one is unsafe
-        sock.send(b"a preload started a thread")
+    unfit = _unfit_to_fork()
+    sock.send(f"unfit to fork: {unfit}".encode() if unfit else b"ready")
+    if unfit:
         return
-    sock.send(b"ready")
     children = 0
     while True:
         message, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 3)

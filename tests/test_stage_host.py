@@ -126,6 +126,21 @@ def test_a_changed_environment_gets_a_new_host_and_the_old_one_finishes_its_stag
     new.close()
 
 
+def test_a_host_whose_preload_initialised_cuda_refuses_and_the_stage_runs_as_a_process_of_its_own(
+    tiny, tmp_path, monkeypatch, capfd
+):
+    host = StageHost(_env(), str(tmp_path), ("host_poison",))
+    with pytest.raises(stage_host.HostGone, match="unfit to fork: a preload initialised CUDA"):
+        host.start(["stage.py", "0"], _env(), target="host_targets:report")
+    host.process.wait(timeout=30)
+
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    monkeypatch.setattr(stage_host, "HOSTS", StageHosts(("host_poison",)))
+    lines = _format_stage(tiny, tmp_path)
+    assert any("formatted reviews" in line for line in lines)
+    assert "starting the stage as a process of its own" in capfd.readouterr().err
+
+
 def test_what_is_started_from_the_host(monkeypatch):
     assert stage_host.hosts(1, None, None) and stage_host.hosts(1, None, {"HF_TOKEN": "t"})
     assert not stage_host.hosts(2, None, None), "ranks are started by torchrun or accelerate launch"
@@ -133,11 +148,15 @@ def test_what_is_started_from_the_host(monkeypatch):
     assert not stage_host.hosts(1, None, {"CUDA_VISIBLE_DEVICES": "1"}), "a variable an import may read"
     monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", "0")
     assert not stage_host.hosts(1, None, None)
+    monkeypatch.delenv("ALIGNPIPE_STAGE_HOST")
+    monkeypatch.setattr(stage_host.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    assert not stage_host.enabled(), "not by default on a GPU machine"
+    monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", "1")
+    assert stage_host.enabled()
 
 
-@pytest.mark.parametrize("hosted", ["1", "0"])
-def test_a_stage_runs_the_same_from_the_host_and_as_a_process_of_its_own(tiny, tmp_path, monkeypatch, hosted):
-    """A format stage through `launch`, forked from the host or not: the same manifest, and its log lines."""
+def _format_stage(tiny, tmp_path) -> list[str]:
+    """Run the demo recipe's `sft-data` format stage through `launch`; its log lines."""
     from support import demo_recipe
 
     from alignpipe.launch import launch
@@ -145,7 +164,6 @@ def test_a_stage_runs_the_same_from_the_host_and_as_a_process_of_its_own(tiny, t
     from alignpipe.plan import plan, write_spec
     from alignpipe.recipe import load_recipe
 
-    monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", hosted)
     (tmp_path / "r.yaml").write_text(demo_recipe(tiny, tmp_path / "work"))
     recipe = load_recipe(tmp_path / "r.yaml", [])
     plans = plan(recipe)
@@ -154,4 +172,12 @@ def test_a_stage_runs_the_same_from_the_host_and_as_a_process_of_its_own(tiny, t
         write_spec(recipe, plans["sft-data"], {}, start_pipeline_run(recipe, "run-1"), "run-1"), on_line=lines.append
     )
     assert manifest.metrics["rows_train"] == 1800 and (plans["sft-data"].dir / "manifest.json").exists()
+    return lines
+
+
+@pytest.mark.parametrize("hosted", ["1", "0"])
+def test_a_stage_runs_the_same_from_the_host_and_as_a_process_of_its_own(tiny, tmp_path, monkeypatch, hosted):
+    """A format stage through `launch`, forked from the host or not: the same manifest, and its log lines."""
+    monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", hosted)
+    lines = _format_stage(tiny, tmp_path)
     assert any("formatted reviews → prompt_completion: 1800 train / 200 eval rows" in line for line in lines), lines
