@@ -73,10 +73,7 @@ def cmd_run(args) -> int:
 
     if any(s.resources.pool for s in recipe.stages):
         check_pools(recipe)  # exit 2 before a flow run exists
-    if not recipe.storage:  # (a storage root's manifests are read by the flow's plan, which then warms it)
-        from alignpipe.plan import plan
-
-        warm_stage_host(recipe, plan(recipe, args.force))  # its imports run while Prefect's server starts
+    warm_stage_host(recipe)  # its imports run while Prefect's server starts
     state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
     run_id = str(state.state_details.flow_run_id)
     summary_path = recipe.run_root / "runs" / f"{run_id}.json"

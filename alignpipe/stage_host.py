@@ -147,7 +147,8 @@ class StageHost:
 
     def serves(self, env: dict[str, str], cwd: str) -> bool:
         """Whether a stage with environment `env` in `cwd` may be forked from this host (if it started)."""
-        if cwd != self.cwd or (self._failed is None and self.process is not None and self.process.poll() is not None):
+        died = self._failed is None and self.process is not None and self.process.poll() is not None
+        if cwd != self.cwd or died:
             return False
         keys = (set(env) | set(self.env)) - LATE_READ
         return all(env.get(k) == self.env.get(k) for k in keys)

@@ -56,13 +56,14 @@ def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
     )
 
 
-def warm_stage_host(recipe, plans: dict) -> None:
+def warm_stage_host(recipe, plans: dict | None = None) -> None:
     """Start this machine's stage host (`alignpipe.stage_host`) now, importing what stages need beside the run's own
-    start-up, where a stage will be run here and in one process."""
+    start-up, where a stage will be run here and in one process: of those `plans` does not reuse, or, before a plan
+    (the CLI, which leaves hashing the data to the flow), of any."""
     from alignpipe import stage_host
 
     if any(
-        not plans[s.id].cached
+        (plans is None or not plans[s.id].cached)
         and not s.resources.pool
         and s.resources.processes <= 1
         and not s.resources.accelerate_config
