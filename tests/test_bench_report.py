@@ -949,3 +949,19 @@ def test_host_work_runs_a_step_with_the_gpu_s_hand_written_paths_and_counts_its_
     ops = dict(got["ops_by_count"])
     assert ops["aten::linear"] == 2 * 7 * 2 + 2, ops  # 7 projections a layer in each of two forwards, a head each
     assert "aten::zero_" not in ops, "the stand-ins' own operators are left out of the counts"
+
+
+def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
+    """`python -m bench.worker_batches` collates the DPO user case's batch as a GPU stage does (padding-free, shared
+    prompts: 13 tensors) and times its handover from a loader worker as separate tensors and in one buffer."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.worker_batches", "--batches", "3", "--rounds", "1", "--assets", str(tiny)]
+        + ["--json"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["case"] == "dpo/8x1024" and got["tensors"] == 13 and got["bytes"] > 100_000
+    assert all(len(ms) == 1 and ms[0] > 0 for ms in got["median_ms"].values())

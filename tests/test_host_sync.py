@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections import namedtuple
 
 import pytest
 import torch
@@ -493,6 +494,96 @@ def test_to_device_stages_host_tensors_in_pinned_memory_and_queues_their_copies(
     with Record():
         device_copies.to_device(data, torch.device("cpu"))
     assert calls == [("to", "cpu", True)] * 2, "no page-locking off CUDA"
+
+
+def test_a_worker_s_batch_crosses_in_one_buffer_and_unpacks_as_it_was_collated():
+    """A loader worker's batch travels as one `OneBuffer`: one shared-memory storage, pinned once and copied to the
+    device once on CUDA (recorded here by a mode that answers `pin_memory` and `to`), then unpacked by the loader's
+    device placement into the batch as collated: the same nest (dicts, lists, tuples, named tuples, other values),
+    every tensor's dtype, shape and values (non-contiguous and empty ones too), each a view of one buffer at an
+    aligned offset."""
+    from accelerate import Accelerator
+    from accelerate.utils import send_to_device
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    def collate(rows):
+        n = len(rows)
+        return {
+            "input_ids": torch.arange(3 * n).view(n, 3) + rows[0],
+            "mask": torch.tensor([True, False, True]),
+            "weights": torch.arange(6, dtype=torch.float32).view(2, 3).t(),  # not contiguous
+            "half": torch.full((5,), 0.5, dtype=torch.bfloat16),
+            "empty": torch.zeros(0, 4, dtype=torch.int64),
+            "documents": {"cu_seq_lens_q": torch.tensor([0, 2, 5], dtype=torch.int32), "max_length_q": 3},
+            "offsets": [0, 2, 5],
+            "parts": (torch.ones(1, dtype=torch.int8), "x", None),
+            "pair": Pair(torch.tensor([7, 8]), 2),
+            "prompts_nonempty": True,
+        }
+
+    def same(a, b):
+        assert type(a) is type(b), (a, b)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+
+    def views_of_one_buffer(batch) -> set[int]:
+        tensors = [t for t in _tensors(batch) if t.numel()]
+        assert all(t.data_ptr() % device_copies.OneBuffer.ALIGN == 0 for t in tensors)
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    packed = device_copies.OneBuffer.of(collate([4, 5]))
+    unpacked = packed.to("cpu")
+    same(unpacked, collate([4, 5]))
+    assert views_of_one_buffer(unpacked) == {packed.buffer.data_ptr()}
+
+    acc = Accelerator(cpu=True)
+    for workers in (0, 1):
+        loader = common.batch_loader(acc, list(range(6)), 2, collate, shuffle=False, workers=workers)
+        batches = list(loader)
+        assert len(batches) == 3
+        for batch, first in zip(batches, (0, 2, 4)):
+            same(batch, collate([first, first + 1]))
+            assert len(views_of_one_buffer(batch)) == (1 if workers else 7), "from a worker: one storage a batch"
+
+    calls: list = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("pin_memory", "to"):
+                calls.append((name, *(str(a) for a in args[1:]), *(kwargs or {}).values()))
+                return args[0]
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        on_device = send_to_device(pin_memory(packed), "cuda", non_blocking=True)
+    assert calls == [("pin_memory",), ("to", "cuda", True)], "one pinning, one copy a batch"
+    same(on_device, collate([4, 5]))
+    with pytest.raises(ValueError, match="on the host, not meta"):
+        device_copies.OneBuffer.of({"x": torch.empty(2, device="meta")})
+
+
+Pair = namedtuple("Pair", "ids count")  # at module level: a worker's batch is pickled
+
+
+def _tensors(nest) -> list[torch.Tensor]:
+    if isinstance(nest, torch.Tensor):
+        return [nest]
+    if isinstance(nest, dict):
+        nest = list(nest.values())
+    if isinstance(nest, (list, tuple)):
+        return [t for x in nest for t in _tensors(x)]
+    return []
 
 
 def test_host_tensors_built_through_numpy_are_what_torch_tensor_builds():

@@ -21,6 +21,7 @@ import torch
 
 from alignpipe import fused_kernels, offload
 from alignpipe.compiled import compile_layers
+from alignpipe.device_copies import OneBuffer
 from alignpipe.lean_activations import lean_activations
 from alignpipe.low_precision_adamw import LowPrecisionAdamW, low_precision_params, rounds_stochastically
 from alignpipe.progress import progress
@@ -438,6 +439,9 @@ def batch_loader(
         # a forked worker's tokenizer runs single-threaded either way; said explicitly, tokenizers does not warn
         # about the fork in every worker
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # the worker's batches cross in one buffer each (one shared-memory descriptor, one pinning, one copy to the
+        # device), which the loader's device placement unpacks into the batch as collated
+        collate = _in_one_buffer(collate)
     return accelerator.prepare_data_loader(
         DataLoader(
             cast("Dataset", examples),
@@ -450,6 +454,13 @@ def batch_loader(
             num_workers=workers,
         )
     )
+
+
+def _in_one_buffer(collate):
+    def collate_in_one_buffer(rows):
+        return OneBuffer.of(collate(rows))
+
+    return collate_in_one_buffer
 
 
 def loader_workers(cfg: TrainingArgs, device: torch.device, collates: bool = True) -> int:
