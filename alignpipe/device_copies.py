@@ -58,20 +58,21 @@ class OneBuffer:
 
     @classmethod
     def of(cls, batch) -> OneBuffer:
-        tensors: list[torch.Tensor] = []
+        placed: list[tuple[torch.Tensor, _Slot]] = []
         end = 0
 
         def place(t: torch.Tensor) -> _Slot:
             nonlocal end
             if t.device.type != "cpu":
                 raise ValueError(f"OneBuffer: a batch's tensors must be on the host, not {t.device}")
-            tensors.append(t)
-            at, end = end, end + -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
-            return _Slot(at, t.dtype, tuple(t.shape))
+            slot = _Slot(end, t.dtype, tuple(t.shape))
+            end += -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+            placed.append((t, slot))
+            return slot
 
         tree = _map(batch, torch.Tensor, place)
         buffer = torch.empty(end, dtype=torch.uint8)
-        for t, slot in zip(tensors, _leaves(tree), strict=True):
+        for t, slot in placed:
             _view(buffer, slot).copy_(t)
         return cls(buffer, tree)
 
@@ -103,12 +104,6 @@ def _map(tree, kind: type, fn):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map(v, kind, fn) for v in tree)
     return tree
-
-
-def _leaves(tree) -> list[_Slot]:
-    out: list[_Slot] = []
-    _map(tree, _Slot, out.append)
-    return out
 
 
 def _view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
