@@ -216,14 +216,15 @@ def _run_stage_process(
 
 
 def _start(spec_path: Path, processes, accelerate_config, env: dict[str, str], extra_env):
-    """The stage's process: forked from the launcher's stage host (`alignpipe.stage_host`) where it may be, which
-    has its libraries imported already; else a fresh one."""
+    """The stage's process (or its ranks): forked from the launcher's stage host (`alignpipe.stage_host`) where it
+    may be, which has its libraries imported already; else a fresh one (torchrun or `accelerate launch` for ranks)."""
     from alignpipe import stage_host
 
     if stage_host.hosts(processes, accelerate_config, extra_env):
         try:
             argv = [str(Path(__file__).with_name("stage.py")), str(spec_path)]
-            return stage_host.HOSTS.get(env).start(argv, env, title=" ".join(stage_command(spec_path)))
+            title = " ".join(stage_command(spec_path))
+            return stage_host.HOSTS.get(env).start(argv, env, title=title, ranks=max(processes, 1))
         except stage_host.HostGone as e:
             print(f"alignpipe: {e}; starting the stage as a process of its own", file=sys.stderr)
     return subprocess.Popen(

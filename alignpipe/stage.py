@@ -220,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def hosted_main(argv: list[str]) -> int:
-    """A single-process stage forked by a stage host (`alignpipe.stage_host`): `main`, then out as `__main__` leaves."""
-    exit_now(main(argv))
+    """A stage, or a rank of one, forked by a stage host (`alignpipe.stage_host`): `main`, then out as `__main__`
+    leaves (a rank once its peers are done with the process group)."""
+    code = main(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        leave_process_group(code)
+    exit_now(code)
     return 1  # not reached: exit_now ends the process
 
 

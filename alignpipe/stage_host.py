@@ -13,8 +13,13 @@ each die with their parent).
 A fork carries the host's imported modules, so the host serves only launches whose environment is its own but for
 `LATE_READ` variables (read when used, never at import): `StageHosts` starts a new host when the launcher's
 environment or working directory changed, and `launch` starts a plain process where a stage's extra environment holds
-anything else. Multi-process stages are started by their launcher (torchrun, accelerate) as before.
-`ALIGNPIPE_STAGE_HOST=0` turns the host off.
+anything else.
+
+A multi-process stage on a machine without a GPU (`processes: 2` runs gloo ranks) is forked too: its monitor forks
+each rank with the variables torchrun would give it (`RANK`, `WORLD_SIZE`, `MASTER_PORT`…), waits for all of them,
+and, as torchrun does, stops the others when one fails, whose exit status it reports. Two ranks under torchrun spend
+~9 s of a 2-core CPU importing before they meet; forked, they meet at once. On a GPU machine ranks are started by
+`accelerate launch`, as before. `ALIGNPIPE_STAGE_HOST=0` turns the host off.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class HostGone(RuntimeError):
 
 class HostedStage:
     """A stage forked by a host, with the part of `subprocess.Popen` that `launch` uses: `pid`, `stdout` (text
-    lines), `stderr` (its file descriptor is read), `kill()` and `wait()`."""
+    lines), `stderr` (its file descriptor is read), `kill()` and `wait()`. For a stage of several ranks, `pid` is
+    their monitor's, whose death (`kill`) takes the ranks with it."""
 
     def __init__(self, pid: int, stdout: IO[str], stderr: IO[bytes], status: IO[bytes]):
         self.pid, self.stdout, self.stderr, self._status = pid, stdout, stderr, status
@@ -153,20 +159,26 @@ class StageHost:
         keys = (set(env) | set(self.env)) - LATE_READ
         return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def start(self, argv: list[str], env: dict[str, str], target: str = STAGE_TARGET, title: str = "") -> HostedStage:
+    def start(
+        self, argv: list[str], env: dict[str, str], target: str = STAGE_TARGET, title: str = "", ranks: int = 1
+    ) -> HostedStage:
         """Fork `target` (`module:function`, called with `argv[1:]`, returning its exit code) with `env`, its command
-        line shown as `title` (`ps`, `top`; default: its monitor's): waits for the host to finish importing. HostGone
-        where it cannot."""
+        line shown as `title` (`ps`, `top`; default: its monitor's), as one process or as `ranks` data-parallel ranks
+        on loopback: waits for the host to finish importing. HostGone where it cannot."""
         self._ready.wait()
         if self._failed is not None:
             raise HostGone(f"the stage host did not start: {self._failed}")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         status, remote = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        request = json.dumps({"target": target, "argv": argv, "env": env, "cwd": self.cwd, "title": title}).encode()
+        request = {"target": target, "argv": argv, "env": env, "cwd": self.cwd, "title": title, "ranks": ranks}
+        if ranks > 1:
+            from alignpipe.launch import free_port
+
+            request["master_port"] = free_port()
         try:
             with self._send:
-                socket.send_fds(self._sock, [request], [out_w, err_w, remote.fileno()])
+                socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w, remote.fileno()])
         except OSError as e:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -217,6 +229,10 @@ class StageHosts:
 HOSTS = StageHosts()
 
 
+def _gpu_machine() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
 def enabled() -> bool:
     """Whether stages are forked from a host: on Linux (where processes fork), by default on a machine without a GPU,
     and as `ALIGNPIPE_STAGE_HOST` (`1` or `0`) says. A process that initialised CUDA cannot fork a CUDA user, so the
@@ -227,13 +243,16 @@ def enabled() -> bool:
     said = os.environ.get("ALIGNPIPE_STAGE_HOST")
     if said in ("0", "1"):
         return said == "1"
-    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+    return not _gpu_machine()
 
 
 def hosts(processes: int, accelerate_config: str | None, extra_env: dict[str, str] | None) -> bool:
     """Whether a stage of `processes` ranks, launched with `accelerate_config` and `extra_env`, is forked from the
-    host: one process that `accelerate launch` does not start, and no extra variable an import might read."""
-    return enabled() and processes <= 1 and not accelerate_config and set(extra_env or {}) <= LATE_READ
+    host: not one that `accelerate launch` starts (an accelerate config; several ranks on a GPU machine, where each
+    takes a device), and no extra variable an import might read."""
+    if not enabled() or accelerate_config or not set(extra_env or {}) <= LATE_READ:
+        return False
+    return processes <= 1 or not _gpu_machine()
 
 
 def warm() -> None:
@@ -290,23 +309,68 @@ def _stage(request: dict, out: int, err: int) -> None:
         os._exit(code)
 
 
+def rank_env(rank: int, ranks: int, master_port: int) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `ranks` on this one machine (what torch.distributed's env://
+    rendezvous and accelerate read)."""
+    every = {"WORLD_SIZE": ranks, "LOCAL_WORLD_SIZE": ranks, "ROLE_WORLD_SIZE": ranks, "GROUP_WORLD_SIZE": 1}
+    mine = {"RANK": rank, "LOCAL_RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": 0}
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "ROLE_NAME": "default"}
+    return {k: str(v) for k, v in {**every, **mine, **where}.items()}
+
+
+def _rank(request: dict, rank: int) -> dict:
+    """Rank `rank`'s request: its variables, one intra-op thread where the launcher set none (torchrun's default for
+    several ranks a machine), its rank in its title."""
+    ranks = request["ranks"]
+    env = {**request["env"], **rank_env(rank, ranks, request["master_port"])}
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+        torch = sys.modules.get("torch")
+        if torch is not None:  # imported by the host, which read its thread count then
+            torch.set_num_threads(1)
+    title = f"{request['title'] or MONITOR_TITLE} (rank {rank} of {ranks})"
+    return {**request, "env": env, "title": title}
+
+
+def _wait_for_ranks(pids: list[int]) -> int:
+    """The ranks' exit status: 0 once all have ended so; else the first failure's, the others stopped at once (a
+    rank left waiting in a collective for a dead peer would wait forever)."""
+    left = set(pids)
+    while left:
+        pid, raw = os.wait()
+        left.discard(pid)
+        code = os.waitstatus_to_exitcode(raw)
+        if code != 0:
+            for other in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGKILL)
+            for other in left:
+                os.waitpid(other, 0)
+            return code
+    return 0
+
+
 def _monitor(request: dict, out: int, err: int, status: socket.socket) -> None:
-    """Fork the stage, tell its pid and then its exit status over `status`; never returns."""
+    """Fork the stage (or its ranks), tell its pid (the ranks': this monitor's) and then its exit status over
+    `status`; never returns."""
     try:
         from setproctitle import setproctitle
 
         _die_with_parent()
         setproctitle(MONITOR_TITLE)
-        pid = os.fork()
-        if pid == 0:
-            status.close()
-            _die_with_parent()
-            _stage(request, out, err)
+        ranks = request.get("ranks", 1)
+        pids = []
+        for rank in range(ranks):
+            pid = os.fork()
+            if pid == 0:
+                status.close()
+                _die_with_parent()
+                _stage(_rank(request, rank) if ranks > 1 else request, out, err)
+            pids.append(pid)
         os.close(out)
         os.close(err)
-        status.sendall(f"pid {pid}\n".encode())
-        _, raw = os.waitpid(pid, 0)
-        status.sendall(f"exit {os.waitstatus_to_exitcode(raw)}\n".encode())
+        status.sendall(f"pid {pids[0] if ranks == 1 else os.getpid()}\n".encode())
+        status.sendall(f"exit {_wait_for_ranks(pids)}\n".encode())
     finally:
         os._exit(0)
 

@@ -87,12 +87,13 @@ BOTH = ("ddp", "fsdp")
     ids=["sft", "dpo", "dpo-synced-reference", "dpo-precomputed-reference"],
 )
 def test_two_processes_match_one_process_with_ddp_and_fsdp(
-    tiny, tmp_path_factory, text_fn, stage, per_process, strategies
+    tiny, tmp_path_factory, monkeypatch, text_fn, stage, per_process, strategies
 ):
     """The same global batch (16 rows: one process × 16, or two × 8) gives the same logged loss curve, whether the
     two processes hold full copies (DDP) or shards (FSDP2), and the FSDP model saves as a normal transformers
     folder with the same weights. The DPO cases share one workdir on a test worker, so its SFT ancestor (the same
-    config in each) is trained once there."""
+    config in each) is trained once there. The ranks are forked from the stage host, but SFT's DDP ranks, which
+    torchrun starts (as on a machine with the host turned off)."""
     from transformers import AutoModelForCausalLM
 
     workdir = _shared_workdir(tmp_path_factory, text_fn.__name__)
@@ -101,6 +102,10 @@ def test_two_processes_match_one_process_with_ddp_and_fsdp(
     two = per_process + [f"stages.{stage}.batch_size=8", f"stages.{stage}.resources.processes=2"]
     curves = {}
     for strategy in strategies:
+        if (stage, strategy) == ("sft", "ddp"):
+            monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", "0")
+        else:
+            monkeypatch.delenv("ALIGNPIPE_STAGE_HOST", raising=False)
         manifest, runs, curves[strategy] = run_stage(
             tiny, workdir, text_fn, stage, 2, two + [f"stages.{stage}.resources.strategy={strategy}"]
         )

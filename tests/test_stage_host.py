@@ -1,6 +1,7 @@
 """The stage host (`alignpipe.stage_host`): stages forked from a warm process get their own arguments, environment,
-streams and exit status, die with their launcher, and outlive a host that was replaced. The pipelines, resume, timeout
-and dispatch tests run every single-process stage through it."""
+streams and exit status, die with their launcher, and outlive a host that was replaced; a stage's ranks on a CPU machine
+meet as torchrun's would, and one failing stops the others. The pipelines, resume, timeout and dispatch tests run every
+single-process stage through it, the multi-process tests all but one stage's ranks."""
 
 from __future__ import annotations
 
@@ -84,6 +85,52 @@ def test_a_killed_or_crashing_stage_reports_like_a_process_of_its_own(tmp_path):
         host.close()
 
 
+def test_ranks_forked_from_the_host_meet_as_torchrun_s_ranks_would(tmp_path):
+    """Two ranks of one stage: each gets torchrun's variables and one intra-op thread (the host's torch had the
+    machine's count), both meet in one gloo group over loopback, share the launcher's stdout, show their rank in
+    `ps`, and the group's pid is their monitor's."""
+    host = StageHost(_env(), str(tmp_path), (*PRELOAD, "torch"))
+    try:
+        group = host.start(["stage.py"], _env(), target="host_targets:meet", title="stage two", ranks=2)
+        out = group.stdout.read()
+        assert group.wait() == 0, group.stderr.read().decode()[-2000:]
+    finally:
+        host.close()
+    seen = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in seen] == [0, 1] and all(r["world"] == 2 and r["sum"] == 3.0 for r in seen), seen
+    for rank, r in enumerate(seen):
+        assert r["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        assert r["threads"] == 1 and r["title"] == f"stage two (rank {rank} of 2)" and r["parent"] == group.pid
+
+
+def test_a_failing_rank_stops_its_peers_and_a_killed_group_dies_whole(tmp_path):
+    """A rank that fails ends its group at once with its exit status (its peer, which would wait for it forever, is
+    stopped); `kill` of a group's monitor takes every rank with it."""
+    env = _env()
+    env.pop("OMP_NUM_THREADS", None)
+    host = StageHost(env, str(tmp_path), PRELOAD)
+    try:
+        failing = host.start(
+            ["stage.py", str(tmp_path / "a"), "fail"], env, target="host_targets:last_rank_fails", ranks=2
+        )
+        started = time.monotonic()
+        assert failing.wait() == 3
+        assert time.monotonic() - started < 30
+        assert not _alive(_pid_in(tmp_path / "a.0")), "the waiting rank was stopped"
+        killed = host.start(
+            ["stage.py", str(tmp_path / "b"), "sleep"], env, target="host_targets:last_rank_fails", ranks=2
+        )
+        pids = [_pid_in(tmp_path / f"b.{rank}") for rank in (0, 1)]
+        killed.kill()
+        assert killed.wait() == -signal.SIGKILL
+        deadline = time.monotonic() + 20
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, pids)), "both ranks died with their monitor"
+    finally:
+        host.close()
+
+
 def test_the_host_and_its_stages_die_with_the_launcher(tmp_path):
     """A launcher killed mid-stage (a worker's job cancelled, the OOM killer) leaves no host and no stage behind."""
     script = textwrap.dedent(
@@ -143,8 +190,8 @@ def test_a_host_whose_preload_initialised_cuda_refuses_and_the_stage_runs_as_a_p
 
 def test_what_is_started_from_the_host(monkeypatch):
     assert stage_host.hosts(1, None, None) and stage_host.hosts(1, None, {"HF_TOKEN": "t"})
-    assert not stage_host.hosts(2, None, None), "ranks are started by torchrun or accelerate launch"
-    assert not stage_host.hosts(1, "fsdp.yaml", None)
+    assert stage_host.hosts(2, None, None), "a CPU machine's ranks too"
+    assert not stage_host.hosts(1, "fsdp.yaml", None) and not stage_host.hosts(2, "fsdp.yaml", None)
     assert not stage_host.hosts(1, None, {"CUDA_VISIBLE_DEVICES": "1"}), "a variable an import may read"
     monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", "0")
     assert not stage_host.hosts(1, None, None)
@@ -152,7 +199,8 @@ def test_what_is_started_from_the_host(monkeypatch):
     monkeypatch.setattr(stage_host.glob, "glob", lambda pattern: ["/dev/nvidia0"])
     assert not stage_host.enabled(), "not by default on a GPU machine"
     monkeypatch.setenv("ALIGNPIPE_STAGE_HOST", "1")
-    assert stage_host.enabled()
+    assert stage_host.enabled() and stage_host.hosts(1, None, None)
+    assert not stage_host.hosts(2, None, None), "a GPU machine's ranks are started by accelerate launch, one a device"
 
 
 def _format_stage(tiny, tmp_path) -> list[str]:
