@@ -496,6 +496,39 @@ def test_to_device_stages_host_tensors_in_pinned_memory_and_queues_their_copies(
     assert calls == [("to", "cpu", True)] * 2, "no page-locking off CUDA"
 
 
+_EXIT_HOOK_OF_A_DEAD_THREAD = """
+import os, threading, torch
+from accelerate import Accelerator
+from alignpipe.trainers import common
+
+parent = os.getpid()
+
+
+def drain():  # as Prefect 3's API-log and event services drain their thread at exit: that thread is the parent's
+    assert os.getpid() == parent, "no service thread to drain in a forked child"
+
+
+threading._register_atexit(drain)
+loader = common.batch_loader(Accelerator(cpu=True), list(range(6)), 2, lambda rows: {"x": torch.tensor(rows)},
+                             shuffle=False, workers=1)
+for _ in range(2):
+    print([b["x"].tolist() for b in loader], flush=True)
+"""
+
+
+def test_loader_workers_exit_cleanly_from_a_process_whose_libraries_left_thread_exit_hooks():
+    """A trainer called in a process where Prefect had run a flow: the forked loader worker inherited Prefect's
+    thread exit hooks, one failed there, the worker exited with status 1 and the loader raised at the end of each
+    pass. (In a subprocess: the hook cannot be taken back from a test worker.)"""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_HOOK_OF_A_DEAD_THREAD], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["[[0, 1], [2, 3], [4, 5]]"] * 2
+
+
 def test_a_worker_s_batch_crosses_in_one_buffer_and_unpacks_as_it_was_collated():
     """A loader worker's batch travels as one `OneBuffer`: one shared-memory storage, pinned once and copied to the
     device once on CUDA (recorded here by a mode that answers `pin_memory` and `to`), then unpacked by the loader's

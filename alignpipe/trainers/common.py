@@ -10,6 +10,7 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -452,8 +453,20 @@ def batch_loader(
             drop_last=drop_last,
             pin_memory=accelerator.device.type == "cuda",
             num_workers=workers,
+            worker_init_fn=_forget_the_parents_thread_exit_hooks if workers else None,
         )
     )
+
+
+def _forget_the_parents_thread_exit_hooks(worker_id: int) -> None:
+    """A loader worker is forked from the training process, and inherits the exit hooks that its libraries registered
+    for their background threads (`threading._register_atexit`), though not the threads. A hook that drains such a
+    thread fails in the worker: Prefect 3's API-log and event services assert, so a trainer called in a process where
+    Prefect had run a flow saw each worker exit with status 1 at the end of its pass, and the loader raise
+    "DataLoader worker exited unexpectedly". The worker only collates; nothing of theirs is its to flush."""
+    hooks = getattr(threading, "_threading_atexits", None)
+    if isinstance(hooks, list):
+        hooks.clear()
 
 
 def _in_one_buffer(collate):
