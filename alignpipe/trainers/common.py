@@ -453,7 +453,7 @@ def batch_loader(
             drop_last=drop_last,
             pin_memory=accelerator.device.type == "cuda",
             num_workers=workers,
-            worker_init_fn=_forget_the_parents_thread_exit_hooks if workers else None,
+            worker_init_fn=_forget_the_parents_thread_exit_hooks,  # run by workers only: none where workers=0
         )
     )
 
