@@ -318,7 +318,7 @@ GRAPH_RECORDING: ContextVar[bool] = ContextVar("alignpipe_graph_recording", defa
 serve one-position steps too. An eager decode step leaves them out: a compiled call's guards cost the host more than
 one position per row saves. A recording pays that host work once per rollout and its replays keep only the kernels.
 A graphed step's time goes mostly to its kernel count: an H200 replayed Qwen2-0.5B's step (64 rows, ~43 kernels a
-layer unpatched, 29 patched) in 4.0 ms where its bytes need 0.28 (docs/benchmarks.md, session 29). Fused, with the
+layer unpatched, 29 patched) in 4.0 ms where its bytes need 0.28 (docs/benchmarks-log.md, session 29). Fused, with the
 decode loop's shared cache positions, attention bias and merged projections (session 31), a patched layer issues
 about 13; with its residual adds fused into the norms after them (`engine.fused_residuals`, session 32), about 11."""
 

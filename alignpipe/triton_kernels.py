@@ -6,7 +6,7 @@ Why by hand, where inductor writes the same kernels from the eager expressions (
 the fallback): a compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and
 inductor's Python `call` before its launch. A DPO step on a 24-layer model makes ~144 such calls for the element-wise
 kernels (each layer's rotary and SwiGLU, forward for the policy and the reference, backward for the policy) and 37
-for the AdamW step (calls of 8 slices), at ~0.2–0.4 ms of host time each on this project's CPUs (docs/benchmarks.md,
+for the AdamW step (calls of 8 slices), at ~0.2–0.4 ms of host time each on this project's CPUs (docs/benchmarks-log.md,
 sessions 43 and 44), where a step's device time is ~190 ms: a step whose host cannot stay ahead of its GPU pays them
 all. A Triton kernel's call is its launch: its arguments bound and its compiled variant looked up (tens of µs). The
 kernels compute in float32 and round once, as the compiled ones do.

@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         if importlib.util.find_spec("liger_kernel") is None:
             parser.error(
                 "--contenders trl+liger needs liger-kernel: pip install -e '.[bench-gpu]' (on the device tool's "
-                "machine, the wheels of `bench/device_wheels.sh`; docs/benchmarks.md, 'Running on a GPU')"
+                "machine, the wheels of `bench/device_wheels.sh`; docs/benchmarks.md, section Users' shapes on a GPU)"
             )
     from alignpipe.tiny import make_tiny
 

@@ -1,7 +1,7 @@
 """How many kernels one decode step of the hf engine issues, counted on CPU.
 
 A decode step replayed as a CUDA graph spends its time on the number of kernels it runs, not on their bytes (an H200
-replayed Qwen2-0.5B's step at 64 rows in 4.0 ms, 14× what its bytes need: docs/benchmarks.md, session 29). This
+replayed Qwen2-0.5B's step at 64 rows in 4.0 ms, 14× what its bytes need: docs/benchmarks-log.md, session 29). This
 counts the operators of one static-cache decode step of a Qwen2-shaped model (Qwen2-0.5B's layout, small widths)
 through torch's profiler, which also sees what SDPA runs inside. Leaf operators only, views, allocations and
 no-op casts left out: what is left launches one kernel each on a GPU. The difference between a 2-layer and a 3-layer

@@ -3,7 +3,7 @@
 # has torch, triton, accelerate, peft, tokenizers, huggingface-hub, numpy, pandas and pyarrow; it lacks pydantic,
 # datasets, TRL and Liger, and its transformers is older than ours. Run here, in the repository root; the wheels
 # land in .whl/ (git-ignored through .git/info/exclude), TRL 1.12 (PPO's contender) in .whl/ppo/ so that one
-# `pip install .whl/*.whl` installs a single TRL. docs/benchmarks.md, "Running on a GPU", has the command there.
+# `pip install .whl/*.whl` installs a single TRL. docs/benchmarks.md, "Users' shapes on a GPU", has the command there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .git/info && touch .git/info/exclude
