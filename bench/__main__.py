@@ -199,11 +199,11 @@ def measure(
     return json.loads(lines[-1])
 
 
-def gpu_peaks() -> dict:
-    """This GPU's measured matmul and copy rates beside its data sheet's (`bench.peaks`, in a fresh process)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.peaks"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
-    )
+def machine_peaks(gpu: bool) -> dict:
+    """This machine's measured matmul and copy rates (`bench.peaks`, in a fresh process, as each run is): the GPU's
+    beside its data sheet's, or the CPU's on the threads a run gets."""
+    command = [sys.executable, "-m", "bench.peaks"] + ([] if gpu else ["--cpu"])
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -212,7 +212,7 @@ class Physics:
     """What one case's figures are read against."""
 
     tokens_per_sample: float | None  # offline trainers: real tokens in a row, pair or packed block
-    flops_per_token: float | None  # model FLOPs per trained token (GPU model, offline trainers)
+    flops_per_token: float | None  # model FLOPs per trained token (offline trainers)
     decode_bound: float | None  # generated tokens/s a memory-bound decode could reach at the measured copy rate
 
 
@@ -244,15 +244,17 @@ UNIT = {
 def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: str = "") -> list[str]:
     """The markdown table of `results` {(case, model): {impl: [run, ...]}}: a row per case and contender, ours /
     contender as the ratio. On a GPU the headline rate is the steady one (steps after the warm-up ones), with MFU
-    against the data-sheet peak and the measured matmul, and rollouts' generated tokens/s against the decode bound;
-    on the CPU it is end to end. `runs_label` fills `runs × steps` (rows of separate invocations share one table,
+    against the data-sheet peak and the measured matmul; on the CPU it is end to end, with MFU against the measured
+    matmul alone. Rollouts' generated tokens/s stand beside the decode bound on both. `runs_label` fills `runs × steps` (rows of separate invocations share one table,
     `merge_rows`); "{runs}" in it becomes the case's count of runs per side (a call cut short keeps its finished
     rounds)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
     cols = ["trainer", "model", "shape", "contender", "runs × steps", "measure", "ours", "contender", "ratio"]
     if gpu:
         cols += ["end-to-end ratio", "ours MFU (peak · matmul)", "contender MFU (peak · matmul)"]
-        cols += ["ours generated tokens/s (of bound)", "contender generated tokens/s (of bound)"]
+    else:
+        cols += ["ours MFU (of matmul)", "contender MFU (of matmul)"]
+    cols += ["ours generated tokens/s (of bound)", "contender generated tokens/s (of bound)"]
     cols += [f"ours {mem}", f"contender {mem}", "memory ratio", "ours loss", "contender loss"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for (case, model), runs in results.items():
@@ -287,12 +289,12 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
             ]
             if gpu:
                 row.append(f"{o['samples_per_s'] / c['samples_per_s']:.2f}×")
-                row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks) for impl in ("ours", contender)]
-                row += [
-                    _generated(case, rate[impl], med[impl]["mean_completion_length"], ph)
-                    + _engine(med[impl]["generation_tokens_per_s"], ph)
-                    for impl in ("ours", contender)
-                ]
+            row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks, gpu) for impl in ("ours", contender)]
+            row += [
+                _generated(case, rate[impl], med[impl]["mean_completion_length"], ph)
+                + _engine(med[impl]["generation_tokens_per_s"], ph)
+                for impl in ("ours", contender)
+            ]
             row += [
                 f"{o['peak_mb']:,.0f}",
                 f"{c['peak_mb']:,.0f}",
@@ -304,12 +306,16 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
     return lines
 
 
-def _mfu(tokens_per_s: float, flops_per_token: float | None, peaks: dict | None) -> str:
+def _mfu(tokens_per_s: float, flops_per_token: float | None, peaks: dict | None, gpu: bool) -> str:
+    """Model FLOP/s over the data-sheet peak · over the measured matmul (GPU), or over the measured matmul (CPU)."""
     if not (flops_per_token and peaks):
         return "–"
     achieved = tokens_per_s * flops_per_token / 1e12
+    of_matmul = f"{achieved / peaks['matmul_tflops']:.1%}"
+    if not gpu:
+        return of_matmul
     of_peak = f"{achieved / peaks['spec_tflops']:.1%}" if peaks.get("spec_tflops") else "–"
-    return f"{of_peak} · {achieved / peaks['matmul_tflops']:.1%}"
+    return f"{of_peak} · {of_matmul}"
 
 
 def _generated(case: Case, rate: float, mean_length: float | None, ph: Physics) -> str:
@@ -453,9 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     from alignpipe.tiny import make_tiny
 
     assets = make_tiny(args.assets)
-    peaks = gpu_peaks() if gpu else None
-    if peaks:
-        print(f"peaks: {json.dumps(peaks)}", flush=True)
+    peaks = machine_peaks(gpu)
+    print(f"peaks: {json.dumps(peaks)}", flush=True)
     # On a freshly started GPU machine the first process of each case ran at half speed (kernels compiled and
     # cached, clocks rising): a discarded run per side keeps that out of the medians.
     warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
@@ -541,7 +546,14 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
             f"## CPU{', users’ shapes' if suite == 'user' else ''}: tiny (~1.7M) and small (~20M) Llama-shaped models"
         )
     limits = ""
-    if peaks:
+    if peaks and not gpu:
+        limits = (
+            f"This CPU's limits, measured in the same invocation (`python -m bench.peaks --cpu`, on the "
+            f"{peaks['cpu_threads']} threads a run gets): a 2048³ fp32 matrix product at "
+            f"{peaks['matmul_tflops'] * 1e3:.0f} GFLOP/s; a 512 MiB copy in memory at "
+            f"{peaks['copy_tb_s'] * 1e3:.1f} GB/s read + written. "
+        )
+    elif peaks:
         spec_flops = f" (data sheet {peaks['spec_tflops']:.0f})" if peaks.get("spec_tflops") else ""
         spec_bw = f" (data sheet {peaks['spec_tb_s']:.2f} TB/s read)" if peaks.get("spec_tb_s") else ""
         limits = (
@@ -579,8 +591,14 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
             "(`generation/tokens_per_s`, the median of the steady steps). Memory: `torch.cuda.max_memory_allocated`. "
             if gpu
             else "Ratio: ours / contender, end to end (data preparation + training + saving; model loading "
-            "excluded); tokens/s = samples/s × mean real tokens per sample of the identical data. Memory: peak RSS "
-            "of the process, imports included. "
+            "excluded); tokens/s = samples/s × mean real tokens per sample of the identical data. MFU: those "
+            "tokens/s × model FLOPs per token (6·N + 12·L·d·s; DPO and KTO add the reference forward) over the "
+            "measured matmul (these models' matrices are 192 to 512 wide, where a product runs below the 2048-wide "
+            "one's rate). Generated tokens/s: samples/s × completions × their logged "
+            "mean length, beside the bound a decode step reading every fp32 weight and the KV cache at the measured "
+            "copy rate allows (the tiny model's 7 MB fit in cache, so that bound is the memory's, not the cache's); "
+            "'generating' after it: the rollouts' generation alone, as our trainers log it. Memory: peak RSS of the "
+            "process, imports included. "
         )
         + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if merged else "")
         + "Absolute numbers swing between runs on shared machines; ratios from one run are what count."

@@ -291,11 +291,38 @@ QWEN_05B = dict(
 SPEC = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12), "A100": (312e12, 2.04e12)}
 
 
-def _dims(model: str) -> tuple[int, int, int, int] | None:
-    """(layers, d, matmul parameters of the decoder, LM head parameters) of the GPU model; None for the CPU ones."""
-    if not is_gpu_model(model):
-        return None
-    c = QWEN_05B
+# The CPU models' sizes: `tiny` is the project's own (alignpipe.tiny), `small` the BASELINES.md 20M Llama shape
+# (`bench.run_one.random_model` builds it); both take the tiny tokenizer's vocabulary.
+SMALL = dict(
+    hidden_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1536,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+TINY_VOCAB = 512
+"""The tiny tokenizer's vocabulary (`alignpipe.tiny.train_tokenizer`'s size, special tokens included)."""
+
+
+def model_sizes(model: str) -> dict:
+    """A benchmark model's configuration sizes, the vocabulary included."""
+    if is_gpu_model(model):
+        return QWEN_05B
+    from alignpipe.tiny import TINY_MODEL
+
+    return {**(SMALL if model == "small" else TINY_MODEL), "vocab_size": TINY_VOCAB}
+
+
+def value_bytes(model: str) -> int:
+    """Bytes of one weight or cache value as the benchmark runs the model: bf16 on the GPU, fp32 on the CPU."""
+    return 2 if is_gpu_model(model) else 4
+
+
+def _dims(model: str) -> tuple[int, int, int, int]:
+    """(layers, d, matmul parameters of the decoder, LM head parameters)."""
+    c = model_sizes(model)
     d, L, kv = c["hidden_size"], c["num_hidden_layers"], c["num_key_value_heads"]
     head_dim = d // c["num_attention_heads"]
     per_layer = d * d * 2 + 2 * d * kv * head_dim + 3 * d * c["intermediate_size"]  # q,o + k,v + gate,up,down
@@ -311,11 +338,11 @@ def attention_span(lengths: list[int]) -> float:
 def train_flops_per_token(trainer: str, model: str, span: float) -> float | None:
     """Model FLOPs per trained token (PaLM's appendix B: 6·N + 12·L·d·s, attention over the whole span): the same
     figure for both sides, so MFU ratios are throughput ratios. DPO and KTO add the reference model's forward (2·N +
-    4·L·d·s); the reward model has no LM head. None where MFU is not reported (CPU models, online trainers)."""
-    dims = _dims(model)
-    if dims is None or trainer in ONLINE:
+    4·L·d·s); the reward model has no LM head. None for the online trainers (their step is mostly decoding, read
+    against the bandwidth bound instead)."""
+    if trainer in ONLINE:
         return None
-    L, d, decoder, head = dims
+    L, d, decoder, head = _dims(model)
     n = decoder + (0 if trainer == "reward" else head)
     flops = 6 * n + 12 * L * d * span
     if trainer in ("dpo", "kto"):
@@ -323,22 +350,19 @@ def train_flops_per_token(trainer: str, model: str, span: float) -> float | None
     return flops
 
 
-def decode_bytes_per_step(model: str, sequences: int, context: float) -> float | None:
-    """Bytes one decode step must read from memory in bf16: every weight once (decoder + LM head; the embedding
-    lookup reads `sequences` rows only) and each sequence's KV cache of `context` tokens."""
-    dims = _dims(model)
-    if dims is None:
-        return None
-    L, d, decoder, head = dims
-    c = QWEN_05B
+def decode_bytes_per_step(model: str, sequences: int, context: float) -> float:
+    """Bytes one decode step must read from memory (bf16 on the GPU, fp32 on the CPU): every weight once (decoder +
+    LM head; the embedding lookup reads `sequences` rows only) and each sequence's KV cache of `context` tokens."""
+    L, d, decoder, head = _dims(model)
+    c = model_sizes(model)
     kv_per_token = L * 2 * c["num_key_value_heads"] * (d // c["num_attention_heads"])
-    return 2 * (decoder + head) + 2 * sequences * context * kv_per_token
+    return value_bytes(model) * (decoder + head + sequences * context * kv_per_token)
 
 
-def decode_bound(case: Case, model: str, bandwidth: float) -> float | None:
+def decode_bound(case: Case, model: str, bandwidth: float) -> float:
     """Generated tokens/s a rollout of the shape could reach if each decode step only read memory at `bandwidth`:
     all of a step's completions decode together, over an average context of prompt + half the completion."""
     shape = case.shape
     sequences = shape.per_step * (2 if case.trainer == "online_dpo" else 1)  # online DPO: two per prompt
     per_step = decode_bytes_per_step(model, sequences, shape.prompt_tokens + shape.completion / 2)
-    return sequences * bandwidth / per_step if per_step else None
+    return sequences * bandwidth / per_step

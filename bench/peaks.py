@@ -1,11 +1,16 @@
-"""`python -m bench.peaks`: what this GPU reaches at its two limits, as one JSON line: a bf16 8192×8192×8192 matrix
-product (TFLOP/s, the ceiling a training step's MFU is read against beside the data-sheet peak) and a large
-device-to-device copy (bytes read + written per second, the ceiling of a memory-bound decode step). Each is the
-mean of `iters` timed runs after `warmup` untimed ones, timed with CUDA events."""
+"""`python -m bench.peaks [--cpu]`: what this machine reaches at its two limits, as one JSON line: a square matrix
+product (TFLOP/s, the ceiling a training step's MFU is read against, beside the data-sheet peak on a GPU) and a large
+copy (bytes read + written per second, the ceiling of a memory-bound decode step).
+
+On a GPU: a bf16 8192³ product and a 2 GiB device-to-device copy, timed with CUDA events. With `--cpu`: an fp32
+2048³ product on torch's intra-op threads (those a benchmark run gets: the same default) and a 512 MiB copy in host
+memory, timed by the host's clock. Each figure is the mean of `iters` timed runs after `warmup` untimed ones."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 
 def _timed(fn, warmup: int, iters: int) -> float:
@@ -23,22 +28,36 @@ def _timed(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def matmul_tflops(n: int = 8192, warmup: int = 3, iters: int = 10) -> float:
+def _timed_on_host(fn, warmup: int, iters: int) -> float:
+    """Mean seconds per call of `fn`, which runs on the CPU (it has returned when its work is done)."""
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def matmul_tflops(n: int = 8192, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
     import torch
 
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    seconds = _timed(lambda: torch.mm(a, b, out=out), warmup, iters)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    timed = _timed if device == "cuda" else _timed_on_host
+    seconds = timed(lambda: torch.mm(a, b, out=out), warmup, iters)
     return 2 * n**3 / seconds / 1e12
 
 
-def copy_tb_per_s(gib: int = 2, warmup: int = 3, iters: int = 10) -> float:
+def copy_tb_per_s(gib: float = 2, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
     import torch
 
-    src = torch.empty(gib * 2**30, device="cuda", dtype=torch.uint8)
+    src = torch.empty(int(gib * 2**30), device=device, dtype=torch.uint8)
+    src.fill_(1)  # touched, so that the host's pages exist before the timing
     dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), warmup, iters)
+    timed = _timed if device == "cuda" else _timed_on_host
+    seconds = timed(lambda: dst.copy_(src), warmup, iters)
     return 2 * src.numel() / seconds / 1e12
 
 
@@ -58,5 +77,19 @@ def measure() -> dict:
     }
 
 
+def measure_cpu() -> dict:
+    """The CPU's: no data sheet is looked up (the part and its clocks vary by machine), so its MFU is read against
+    the measured product alone."""
+    import torch
+
+    return {
+        "cpu_threads": torch.get_num_threads(),
+        "matmul_tflops": matmul_tflops(2048, warmup=2, iters=5, device="cpu"),
+        "copy_tb_s": copy_tb_per_s(0.5, warmup=2, iters=5, device="cpu"),
+        "spec_tflops": None,
+        "spec_tb_s": None,
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure()))
+    print(json.dumps(measure_cpu() if "--cpu" in sys.argv[1:] else measure()))

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections import Counter
 
-from bench.cases import ONLINE, QWEN_05B, Case, find_case, is_gpu_model, rows
+from bench.cases import ONLINE, QWEN_05B, SMALL, Case, find_case, is_gpu_model, rows
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -221,17 +221,7 @@ def random_model(kind: str, tok, head: str, seed: int = 0):
     ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_labels=1)
     torch.manual_seed(seed)
     if kind == "small":
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=512,
-            num_hidden_layers=6,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            intermediate_size=1536,
-            max_position_embeddings=512,
-            tie_word_embeddings=True,
-            **ids,
-        )
+        cfg = LlamaConfig(vocab_size=len(tok), **SMALL, **ids)
         return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(cfg)
     cfg = Qwen2Config(**QWEN_05B, **ids)
     cls = Qwen2ForSequenceClassification if head == "reward" else Qwen2ForCausalLM

@@ -19,6 +19,16 @@ from bench.orchestration import critical_path
 from bench.run_one import WARMUP_STEPS, SteadySyncs, StepClock
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU_PEAKS = {"cpu_threads": 2, "matmul_tflops": 0.1, "copy_tb_s": 0.01, "spec_tflops": None, "spec_tb_s": None}
+
+
+@pytest.fixture(autouse=True)
+def _no_peaks_measured(monkeypatch):
+    """`python -m bench` measures the machine's matmul and copy rates first (seconds of both cores); the tests of
+    its report give it fixed ones (`test_the_cpu_peaks_are_measured_on_the_threads_a_run_gets` runs the real one)."""
+    import bench.__main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "machine_peaks", lambda gpu: CPU_PEAKS)
 
 
 def test_a_generated_section_is_replaced_and_hand_written_text_kept(tmp_path):
@@ -344,7 +354,10 @@ def test_mfu_flops_count_the_qwen_shape():
     assert train_flops_per_token("sft", "qwen0.5b", 2048) - per_token == 12 * 24 * 896 * 2048
     assert train_flops_per_token("reward", "qwen0.5b", 0) < per_token - 6 * 130e6  # no LM head (136M)
     assert train_flops_per_token("dpo", "qwen0.5b", 0) == pytest.approx(per_token * 8 / 6)  # + the reference forward
-    assert train_flops_per_token("sft", "tiny", 100) is None and train_flops_per_token("grpo", "qwen0.5b", 9) is None
+    assert train_flops_per_token("grpo", "qwen0.5b", 9) is None  # online: read against the decode bound
+    # the CPU models: tiny 4 layers × (q,o 2·192² + k,v 2·192·64 + MLP 3·192·512) + a 512 × 192 head ("~1.7M")
+    assert train_flops_per_token("sft", "tiny", 0) == 6 * (4 * (2 * 192**2 + 2 * 192 * 64 + 3 * 192 * 512) + 512 * 192)
+    assert 6 * 19e6 < train_flops_per_token("sft", "small", 0) < 6 * 21e6  # the 20M Llama
 
 
 def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny, tmp_path):
@@ -505,7 +518,10 @@ def test_decode_bound_counts_weights_and_kv_cache_read_per_step():
     per_step = 2 * 494e6 + 64 * 224 * 24 * 2 * 2 * 64 * 2
     assert bound == pytest.approx(64 * 3.0e12 / per_step, rel=0.02)
     assert 150_000 < bound < 200_000
-    assert decode_bound(find_case("tiny", "grpo/2x8x32"), "tiny", 3.0e12) is None
+    tiny = find_case("tiny", "grpo/2x8x32")  # fp32 on the CPU: 4 bytes a weight and a cached value
+    tiny_step = 4 * (4 * (2 * 192**2 + 2 * 192 * 64 + 3 * 192 * 512) + 512 * 192)
+    tiny_step += 4 * 16 * (tiny.shape.prompt_tokens + 16) * 4 * 2 * 2 * 32
+    assert decode_bound(tiny, "tiny", 1e10) == pytest.approx(16 * 1e10 / tiny_step)
 
 
 def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
@@ -550,6 +566,55 @@ def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
     bound = phys[(grpo, "qwen0.5b")].decode_bound
     assert grpo_trl[12] == f"8,000 ({8000 / bound:.1%}); generating 24,000 ({24000 / bound:.1%})"
     assert grpo_trl[13] == f"2,560 ({2560 / bound:.1%})", "TRL logs no generation rate"
+
+
+def test_cpu_rows_give_mfu_of_the_measured_matmul_and_the_rollout_bound(tiny, tmp_path):
+    """The CPU table states its physical limits too: MFU against the matmul measured in the same invocation (no data
+    sheet), generated tokens/s against the decode bound at the measured copy rate; the header says both rates."""
+    import bench.__main__ as bench_main
+    from bench.__main__ import report, table
+
+    sft, grpo = find_case("tiny", "sft/8x64"), find_case("tiny", "grpo/2x8x32")
+
+    def run(rate, length=None):
+        return {"samples_per_s": rate, "peak_mb": 500.0, "loss": 1.0, "mean_completion_length": length}
+
+    results = {
+        (sft, "tiny"): {"ours": [run(10.0)], "trl": [run(5.0)]},
+        (grpo, "tiny"): {"ours": [run(30.0, 20.0) | {"generation_tokens_per_s": 900.0}], "trl": [run(20.0, 32.0)]},
+    }
+    phys = {(c, "tiny"): bench_main.physics(c, "tiny", tiny, CPU_PEAKS) for c in (sft, grpo)}
+    lines = table(results, phys, CPU_PEAKS, gpu=False, runs_label="1 × 20")
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[9:13] == [
+        "ours MFU (of matmul)",
+        "contender MFU (of matmul)",
+        "ours generated tokens/s (of bound)",
+        "contender generated tokens/s (of bound)",
+    ]
+    sft_row, grpo_row = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    tokens = 10.0 * phys[(sft, "tiny")].tokens_per_sample
+    assert sft_row[9] == f"{tokens * phys[(sft, 'tiny')].flops_per_token / 0.1e12:.1%}" and sft_row[11] == "–"
+    bound = phys[(grpo, "tiny")].decode_bound
+    assert bound == decode_bound(grpo, "tiny", 0.01e12)
+    assert grpo_row[9] == "–" and grpo_row[11] == f"600 ({600 / bound:.1%}); generating 900 ({900 / bound:.1%})"
+    text = "\n".join(report(lines, "latency", False, 0, CPU_PEAKS, False))
+    assert "a 2048³ fp32 matrix product at 100 GFLOP/s; a 512 MiB copy in memory at 10.0 GB/s" in text
+
+
+def test_the_cpu_peaks_are_measured_on_the_threads_a_run_gets():
+    """`python -m bench.peaks --cpu`, as `python -m bench` runs it (a fresh process, torch's threads as a run's):
+    positive rates, the threads it ran on named."""
+    from bench import peaks
+
+    assert 0 < peaks.matmul_tflops(256, warmup=1, iters=2, device="cpu") < 100  # TFLOP/s: a CPU's, not a GPU's
+    assert 0 < peaks.copy_tb_per_s(2**-6, warmup=1, iters=2, device="cpu") < 10
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.peaks", "--cpu"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    measured = json.loads(out.stdout.splitlines()[-1])
+    assert measured["cpu_threads"] >= 1 and measured["spec_tflops"] is None
+    assert measured["matmul_tflops"] > 0 and measured["copy_tb_s"] > 0
 
 
 def test_liger_is_a_gpu_contender(tiny, tmp_path, capsys):
