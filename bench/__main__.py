@@ -245,9 +245,9 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
     """The markdown table of `results` {(case, model): {impl: [run, ...]}}: a row per case and contender, ours /
     contender as the ratio. On a GPU the headline rate is the steady one (steps after the warm-up ones), with MFU
     against the data-sheet peak and the measured matmul; on the CPU it is end to end, with MFU against the measured
-    matmul alone. Rollouts' generated tokens/s stand beside the decode bound on both. `runs_label` fills `runs × steps` (rows of separate invocations share one table,
-    `merge_rows`); "{runs}" in it becomes the case's count of runs per side (a call cut short keeps its finished
-    rounds)."""
+    matmul alone. Rollouts' generated tokens/s stand beside the decode bound on both. `runs_label` fills `runs ×
+    steps` (rows of separate invocations share one table, `merge_rows`); "{runs}" in it becomes the case's count of
+    runs per side (a call cut short keeps its finished rounds)."""
     mem = "peak CUDA MB" if gpu else "peak RSS MB"
     cols = ["trainer", "model", "shape", "contender", "runs × steps", "measure", "ours", "contender", "ratio"]
     if gpu:
