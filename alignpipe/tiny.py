@@ -44,9 +44,11 @@ TINY_MODEL = dict(
     max_position_embeddings=512,
     tie_word_embeddings=True,
 )
+TOKENIZER_VOCAB = 512
+"""The tiny tokenizer's vocabulary, special tokens included (the tiny model's `vocab_size`)."""
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = 512):
+def train_tokenizer(texts: list[str], vocab_size: int = TOKENIZER_VOCAB):
     """Byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast

@@ -302,17 +302,15 @@ SMALL = dict(
     max_position_embeddings=512,
     tie_word_embeddings=True,
 )
-TINY_VOCAB = 512
-"""The tiny tokenizer's vocabulary (`alignpipe.tiny.train_tokenizer`'s size, special tokens included)."""
 
 
 def model_sizes(model: str) -> dict:
     """A benchmark model's configuration sizes, the vocabulary included."""
     if is_gpu_model(model):
         return QWEN_05B
-    from alignpipe.tiny import TINY_MODEL
+    from alignpipe.tiny import TINY_MODEL, TOKENIZER_VOCAB
 
-    return {**(SMALL if model == "small" else TINY_MODEL), "vocab_size": TINY_VOCAB}
+    return {**(SMALL if model == "small" else TINY_MODEL), "vocab_size": TOKENIZER_VOCAB}
 
 
 def value_bytes(model: str) -> int:

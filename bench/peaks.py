@@ -13,29 +13,25 @@ import sys
 import time
 
 
-def _timed(fn, warmup: int, iters: int) -> float:
-    """Mean seconds per call of `fn` on the current CUDA stream."""
+def _timed(fn, warmup: int, iters: int, device: str) -> float:
+    """Mean seconds per call of `fn`: on the current CUDA stream by CUDA events, or on the CPU by the host's clock
+    (a CPU call has returned when its work is done)."""
     import torch
 
     for _ in range(warmup):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
     for _ in range(iters):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def _timed_on_host(fn, warmup: int, iters: int) -> float:
-    """Mean seconds per call of `fn`, which runs on the CPU (it has returned when its work is done)."""
-    for _ in range(warmup):
-        fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) / iters
+    return begin.elapsed_time(end) / 1e3 / iters
 
 
 def matmul_tflops(n: int = 8192, warmup: int = 3, iters: int = 10, device: str = "cuda") -> float:
@@ -45,8 +41,7 @@ def matmul_tflops(n: int = 8192, warmup: int = 3, iters: int = 10, device: str =
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    timed = _timed if device == "cuda" else _timed_on_host
-    seconds = timed(lambda: torch.mm(a, b, out=out), warmup, iters)
+    seconds = _timed(lambda: torch.mm(a, b, out=out), warmup, iters, device)
     return 2 * n**3 / seconds / 1e12
 
 
@@ -56,8 +51,7 @@ def copy_tb_per_s(gib: float = 2, warmup: int = 3, iters: int = 10, device: str 
     src = torch.empty(int(gib * 2**30), device=device, dtype=torch.uint8)
     src.fill_(1)  # touched, so that the host's pages exist before the timing
     dst = torch.empty_like(src)
-    timed = _timed if device == "cuda" else _timed_on_host
-    seconds = timed(lambda: dst.copy_(src), warmup, iters)
+    seconds = _timed(lambda: dst.copy_(src), warmup, iters, device)
     return 2 * src.numel() / seconds / 1e12
 
 
