@@ -336,9 +336,9 @@ def _engine(tokens_per_s: float | None, ph: Physics) -> str:
 
 
 def merge_rows(old: list[str], new: list[str]) -> list[str]:
-    """Table `old` (same columns) with its rows of the cases and contenders `new` measures replaced where they stand
-    and `new`'s other rows after them: a GPU session that can afford only some trainers per invocation still ends
-    with one table, in the order it was first written."""
+    """Table `old` (same columns) with its rows of the cases and contenders `new` measures replaced where they stand,
+    and `new`'s other rows placed after the last row of their model (at the end for a new model): a session that can
+    afford only some trainers per invocation still ends with one table, grouped by model in the order first written."""
 
     def key(line: str) -> tuple[str, ...]:  # trainer, model, shape, contender
         return tuple(c.strip() for c in line.strip("|").split("|")[:4])
@@ -346,8 +346,11 @@ def merge_rows(old: list[str], new: list[str]) -> list[str]:
     if not old or old[0] != new[0]:
         return new
     fresh = {key(line): line for line in new[2:]}
-    kept = [fresh.pop(key(line), line) for line in old[2:]]
-    return new[:2] + kept + list(fresh.values())
+    rows = [fresh.pop(key(line), line) for line in old[2:]]
+    for k, line in fresh.items():
+        same_model = [i for i, row in enumerate(rows) if key(row)[1] == k[1]]
+        rows.insert(same_model[-1] + 1 if same_model else len(rows), line)
+    return new[:2] + rows
 
 
 def read_table(path: Path, name: str) -> list[str]:

@@ -118,6 +118,28 @@ def test_split_invocations_merge_into_one_table(tiny, tmp_path, monkeypatch):
     ).startswith("| grpo")
 
 
+def test_merged_rows_stay_grouped_by_model():
+    """Rows a later invocation adds go after the last row of their model, not after every other model's rows: a
+    table merged from invocations by trainer (offline ones, then rollouts) still reads model by model."""
+    from bench.__main__ import merge_rows
+
+    head = ["| trainer | model | shape | contender | x |", "|---|---|---|---|---|"]
+
+    def row(trainer: str, model: str, value: str) -> str:
+        return f"| {trainer} | {model} | 8×64 | trl | {value} |"
+
+    first = head + [row("sft", "tiny", "1"), row("dpo", "tiny", "1"), row("sft", "small", "1")]
+    merged = merge_rows(first, head + [row("grpo", "tiny", "2"), row("grpo", "small", "2"), row("sft", "tiny", "3")])
+    assert merged == head + [
+        row("sft", "tiny", "3"),
+        row("dpo", "tiny", "1"),
+        row("grpo", "tiny", "2"),
+        row("sft", "small", "1"),
+        row("grpo", "small", "2"),
+    ]
+    assert merge_rows(first, head + [row("sft", "qwen0.5b", "4")])[-1] == row("sft", "qwen0.5b", "4")
+
+
 def test_each_run_counts_what_it_compiled_and_its_line_says_so(tiny, tmp_path, monkeypatch, capsys):
     """A run reports the graphs `torch.compile` built during it and the seconds that took (its share of the fixed
     cost a GPU run of ours pays for its fused kernels); the per-run line prints them where there were any."""
