@@ -117,7 +117,9 @@ def test_one_step_equals_trl_training_step(tiny, loss_type, monkeypatch):
         ref_model=ours_ref,
         engine=engine,
     )
-    assert tracker.last("train/loss") == pytest.approx(trl_loss, abs=1e-5)
+    # IPO's loss is a squared log-ratio, ~17 here, where one float32 step is 2e-6: the same tensors through another
+    # CPU's matrix kernels (an Intel Xeon against the AMD EPYC this was written on) moved it by 1.3e-5, 7 steps
+    assert tracker.last("train/loss") == pytest.approx(trl_loss, rel=2e-6, abs=1e-5)
     for key, value in trl_stats.items():
         assert tracker.last(f"train/{key}") == pytest.approx(value, abs=1e-4), key
     assert tracker.last("train/pairs_decided") == 1.0
