@@ -31,6 +31,15 @@ def select_strategy(strategy: str) -> None:
             os.environ.setdefault(key, value)
 
 
+def use_rank_device() -> None:
+    """On a machine with GPUs, make a rank's own GPU (`LOCAL_RANK`) the current CUDA device before its stage loads
+    anything: what a stage places on "cuda" before the trainer's accelerator exists (reward models, a PPO value
+    model's scorer) then lands on that rank's GPU instead of every rank's on GPU 0. Accelerate does the same when
+    its state is made, which is later. One process, or no GPU: nothing to do."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 

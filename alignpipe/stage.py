@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
     _quiet_libraries()
 
-    from alignpipe.distributed import select_strategy
+    from alignpipe.distributed import select_strategy, use_rank_device
     from alignpipe.recipe.schema import Recipe
     from alignpipe.stages import runner
     from alignpipe.stages.context import StageContext
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     monitor = _system_metrics(spec, recipe.tracking.system_metrics_every, tracker)
     try:
         require_gpus(stage.id, stage.resources.gpus)
+        use_rank_device()
         result = runner(stage.kind)(ctx)
     except BaseException as e:
         _stop_system_metrics(monitor)

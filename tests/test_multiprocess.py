@@ -281,6 +281,87 @@ def test_grpo_with_several_steps_per_generation_and_a_sampling_correction_runs_o
     assert len(ratios) == 4 and all(abs(r - 1) < 1e-3 for r in ratios), ratios
 
 
+def test_ppo_ranks_stay_in_step_with_every_batch_control_on(tiny, tmp_path):
+    """Two DDP ranks of PPO, each rolling out its own prompts: after three updates both hold the same policy and value
+    weights (the micro-batches' passes run inside the wrapper's forward, so both models' gradients are all-reduced),
+    the same KL coefficient moved by the same KL (the mean of the ranks'), the same running score moments (updated
+    with both ranks' scores), and the same early-stopping decisions (on the ranks' mean policy KL); rank 1 skips every
+    micro-batch over the ratio threshold and rank 0 none, and both still step (`tests/ppo_ddp_check.py`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ppo_ddp_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [*cmd, str(script), str(tiny), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["end"] == one["end"] and zero["end"] != zero["start"], "both ranks trained the same weights"
+    assert zero["kl_seen"] == one["kl_seen"] and len(zero["kl_seen"]) == 3 and zero["kl_seen"][1] > 0
+    assert zero["kl_coef"] == one["kl_coef"] != 0.2
+    assert zero["moments"] == one["moments"] and zero["moments"]["count"] == 3 * 16 * 2, (
+        "both ranks' scores, each update"
+    )
+    assert zero["stops"] == one["stops"] and any(stop for _, stop in zero["stops"])
+    assert zero["prompts"] != one["prompts"] and len(zero["prompts"]) == len(one["prompts"]) == 3 * 16
+    # rank 1's micro-batches were all skipped, rank 0's none: the logged count is the ranks' mean, one per micro-batch
+    epochs = zero["series"]["policy/ppo_epochs"]
+    assert zero["series"]["policy/skipped_batches"] == [e * 2 / 2 for e in epochs], zero["series"]
+    assert not one["series"]["objective/kl_coef"], "rank 1 logs nothing"
+
+
+def test_each_rank_makes_its_own_gpu_current_before_its_stage_loads_models(monkeypatch):
+    """A reward model placed on "cuda" before the trainer's accelerator exists goes to the current device: each rank
+    of a multi-process stage on a GPU machine makes its `LOCAL_RANK` GPU current first, so eight ranks do not load
+    eight reward models onto GPU 0. One process, or a machine without GPUs, changes nothing."""
+    from alignpipe import distributed
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    distributed.use_rank_device()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    distributed.use_rank_device()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    distributed.use_rank_device()
+    assert chosen == [3]
+
+
+def ppo_recipe(tiny, workdir):
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pipelines" / "tiny-ppo.yaml").read_text()
+    return text.replace("assets/tiny", str(tiny)).replace("./runs", str(workdir))
+
+
+def test_a_ppo_stage_runs_on_two_ranks(tiny, tmp_path):
+    """`resources.processes: 2` on a ppo stage, as a pipeline runs it: the ranks are forked from the stage host, each
+    loads the reward model and the value head, rank 0 alone logs, and the episode count is both ranks'."""
+    overrides = [
+        "stages.sft.max_steps=10",
+        "stages.rm.max_steps=5",
+        "stages.ppo.max_steps=3",
+        "stages.ppo.batch_size=8",
+        "stages.ppo.max_completion_length=8",
+        "stages.ppo.logging_every=1",
+        "stages.ppo.resources.processes=2",
+    ]
+    manifest, runs, _ = run_stage(tiny, tmp_path, ppo_recipe, "ppo", 2, overrides)
+    assert len(runs) == 1, "only rank 0 opened an MLflow run"
+    assert manifest.metrics["steps"] == 3
+    client = MlflowClient(parse_recipe(ppo_recipe(tiny, tmp_path / "runs"), overrides).tracking_uri)
+    episodes = [m.value for m in client.get_metric_history(runs[0].info.run_id, "episode")]
+    assert episodes == [16.0 * 2 * k for k in (1, 2, 3)], episodes  # 8 × 2 mini-batches on each of 2 ranks
+
+
 def test_low_precision_adamw_under_fsdp_takes_the_unsharded_steps_and_saves_its_compensation():
     """Two FSDP2 ranks, a bf16 model: `LowPrecisionAdamW` (kahan) on the sharded parameters (DTensors) takes exactly the unsharded
     model's steps, keeps its states sharded, and its compensation comes out of torch's distributed state dict."""

@@ -435,11 +435,14 @@ def test_vllm_server_rollouts_need_a_url(tiny):
     assert "rollout mode 'server' needs `server_url`" in problems_of(text)
 
 
-def test_ppo_is_single_process(tiny):
-    text = rl_recipe(tiny, "tiny-ppo.yaml").replace(
-        "    kl_coef: 0.05\n", "    kl_coef: 0.05\n    resources: {processes: 2}\n"
-    )
-    assert "the ppo stage runs in a single process for now" in problems_of(text)
+def test_ppo_runs_on_ddp_ranks_but_not_sharded(tiny):
+    """Several PPO processes are DDP ranks (tests/test_multiprocess.py); FSDP is refused, as for every stage whose
+    policy generates."""
+    ranks = "    kl_coef: 0.05\n    resources: {processes: 2%s}\n"
+    recipe = parse_recipe(rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", ranks % ""))
+    assert recipe.stage("ppo").resources.processes == 2
+    sharded = rl_recipe(tiny, "tiny-ppo.yaml").replace("    kl_coef: 0.05\n", ranks % ", strategy: fsdp")
+    assert "strategy: fsdp is supported for sft, reward, dpo and kto stages, not ppo" in problems_of(sharded)
 
 
 def ppo_with(tiny, *lines: str) -> str:

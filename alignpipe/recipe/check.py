@@ -286,17 +286,7 @@ def _check_devices(s, i: int) -> list[Problem]:
 
 
 def _check_generation_groups(s, i: int) -> list[Problem]:
-    """GRPO's and RLOO's completions per step must split into whole groups of `num_generations`; PPO runs in one
-    process."""
-    if isinstance(s, PPOStage) and s.resources.processes > 1:
-        return [
-            Problem(
-                ("stages", i, "resources", "processes"),
-                "the ppo stage runs in a single process for now "
-                f"(got processes: {s.resources.processes}); its policy and value model are not DDP-synchronised",
-                "set resources.processes: 1 (use grpo or dpo for multi-process training)",
-            )
-        ]
+    """GRPO's and RLOO's completions per step must split into whole groups of `num_generations`."""
     if not isinstance(s, GRPOStage | RLOOStage):
         return []
     per_step = s.batch_size * s.resources.processes

@@ -382,7 +382,7 @@ SHOWN = ("loss", "reward", "rewards/margins", "accuracy", "objective/scores", "o
 
 
 # Metrics that add up over processes (each rank's throughput is its share of the step's).
-SUMMED = frozenset({"tokens_per_s", "samples_per_s", "generation/tokens_per_s"})
+SUMMED = frozenset({"tokens_per_s", "samples_per_s", "generation/tokens_per_s", "eps"})
 
 
 def extreme(key: str):
@@ -394,6 +394,15 @@ def extreme(key: str):
     if last in ("min", "min_length"):
         return min
     return None
+
+
+def mean_over_processes(accelerator, value: float | torch.Tensor) -> float:
+    """`value`'s mean over the processes of a multi-process stage (an all-reduce every process must join), for a
+    decision they must all take alike; `value` itself in one process."""
+    if accelerator.num_processes == 1:
+        return float(value)
+    tensor = value.detach().float().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    return float(accelerator.reduce(tensor.to(accelerator.device), "mean"))
 
 
 def across_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:

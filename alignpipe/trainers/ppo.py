@@ -23,6 +23,11 @@ every forward over episodes, the rollout's policy, reference and value passes (`
 epoch's micro-batch, runs padding-free: one row of documents, an episode each (`episode_layout`, from the rollout's
 host token lists), so neither the prompts' left padding nor the padding after short responses is computed.
 
+On several processes (DDP) each rank rolls out its own prompts and whitens its own advantages, as TRL does. Each
+micro-batch's passes run inside the wrapper's forward (`PolicyAndValue.forward`), so both models' gradients are
+all-reduced. The controls that act on a batch see every rank's statistics, so the ranks stay in step: the adaptive
+KL coefficient, the running score moments, early stopping, and whether a mini-batch's optimizer step is taken.
+
 Departures from TRL 1.12, both as TRL 0.7 and the N+ paper do: the score lands on the last response token
 (1.12 added it one position later, `sequence_lengths + 1`, so λ discounted it), and that token is the last step
 of the episode (1.12 treated the position after EOS as a real next step, bootstrapping from its value and
@@ -39,8 +44,10 @@ objective/score_running_{mean,std}.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import os
 import re
 import time
 import warnings
@@ -67,6 +74,7 @@ from alignpipe.trainers.common import (
     TrainResult,
     frozen_reference,
     lean_patched,
+    mean_over_processes,
     pad_rows,
     resolve_seed,
     save_model,
@@ -96,6 +104,13 @@ class PolicyAndValue(nn.Module):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+
+    def forward(self, passes: Callable[[PolicyAndValue], Any]) -> Any:
+        """`passes(self)`: a micro-batch's policy and value passes, run as this module's forward. Under DDP the
+        wrapper's own forward must run for the backward to all-reduce the gradients of both models; the passes still
+        call the models' parts directly (the chunked LM head, padding-free documents). A closure, so that DDP has no
+        arguments to walk and copy."""
+        return passes(self)
 
 
 def token_values(value_model, input_ids, attention_mask) -> torch.Tensor:
@@ -339,7 +354,8 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     scores = raw_scores.clone()
     if cfg.missing_eos_penalty is not None:
         scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
-    scores = transform_scores(scores, run.moments, cfg.use_score_norm, cfg.score_clip)
+    everyone = run.acc.gather(scores) if run.moments is not None and run.acc.num_processes > 1 else None
+    scores = transform_scores(scores, run.moments, cfg.use_score_norm, cfg.score_clip, everyone)
     unwrapped.eval()
     last = (lengths - 1).to(device)
     padding = torch.arange(response.size(1), device=device).unsqueeze(0) > last.unsqueeze(1)
@@ -420,6 +436,20 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
     }
 
 
+def _passes(
+    b: Rollout, ix, mask, count: int, packed, temperature: float, cfg: PPOConfig, m: PolicyAndValue
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's (log-probs, entropies, values) of episodes `ix`, by the unwrapped module `m`: the LM head runs on
+    the `mask`ed response tokens alone (`count` of them), not on the padding after short responses."""
+    q, qm, r = b.query[ix], b.query_mask[ix], b.response[ix]
+    lp, entropy = response_logprobs(
+        m.policy, q, qm, r, temperature, cfg.logprob_chunk_tokens, with_entropy=True, only=mask, count=count,
+        packed=packed,
+    )  # fmt: skip
+    vpred = response_values(m.value_model, q, qm, r, packed)
+    return lp.float().masked_fill(~mask, INVALID_LOGPROB), entropy, vpred.masked_fill(~mask, 0)
+
+
 def _epochs(
     run: PPORun, b: Rollout, lengths: list[int], orders: list[list[int]]
 ) -> tuple[dict[str, list[torch.Tensor]], int, int, bool]:
@@ -442,23 +472,10 @@ def _epochs(
                 packed = b.layout(rows, acc.device)
                 sync = j == cfg.gradient_accumulation_steps - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(model):
-                    new_lp, entropy = response_logprobs(
-                        unwrapped.policy,
-                        b.query[ix],
-                        b.query_mask[ix],
-                        b.response[ix],
-                        run.temperature,
-                        cfg.logprob_chunk_tokens,
-                        with_entropy=True,
-                        only=mask,  # the head on response tokens alone, not on the padding after short ones
-                        count=sum(lengths[i] for i in rows),
-                        packed=packed,
+                    count = sum(lengths[i] for i in rows)
+                    new_lp, entropy, vpred = model(
+                        functools.partial(_passes, b, ix, mask, count, packed, run.temperature, cfg)
                     )
-                    new_lp = new_lp.float().masked_fill(~mask, INVALID_LOGPROB)
-                    vpred = response_values(
-                        unwrapped.value_model, b.query[ix], b.query_mask[ix], b.response[ix], packed
-                    )
-                    vpred = vpred.masked_fill(~mask, 0)
                     pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
                     vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
                     loss = pl.loss + cfg.vf_coef * vf
@@ -481,7 +498,7 @@ def _epochs(
                 ):
                     stats[k].append(v.detach())
             skipped += skipped_here
-            if skipped_here < cfg.gradient_accumulation_steps:
+            if _trained_anywhere(acc, cfg.gradient_accumulation_steps - skipped_here, cfg.ratio_threshold):
                 if cfg.max_grad_norm:
                     acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 run.optimizer.step()
@@ -494,19 +511,30 @@ def _epochs(
                 run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
         epochs_run = epoch + 1
-        if cfg.early_stopping and should_stop_early(float(stats["policykl"][-1]), cfg.target_kl):
+        # every process decides on the mean of the processes' KLs (TRL 0.7's all-reduce): they stop together
+        policy_kl = mean_over_processes(acc, stats["policykl"][-1]) if cfg.early_stopping else 0.0
+        if cfg.early_stopping and should_stop_early(policy_kl, cfg.target_kl):
             stopped = True
             log.info(
                 "ppo: early stop after epoch %d/%d (policy KL %.4g > 1.5 × target_kl %g)",
                 epochs_run,
                 cfg.num_ppo_epochs,
-                float(stats["policykl"][-1]),
+                policy_kl,
                 cfg.target_kl,
             )
             for _ in range((cfg.num_ppo_epochs - epochs_run) * cfg.num_mini_batches):
                 run.scheduler.step()  # the schedule stays on time with the updates
             break
     return stats, skipped, epochs_run, stopped
+
+
+def _trained_anywhere(acc, trained_here: int, ratio_threshold: float | None) -> bool:
+    """Whether a mini-batch takes its optimizer step: where some micro-batch trained, on this process or, under DDP,
+    on any other (the all-reduced gradient then holds its share everywhere, and every process steps, as one process
+    would on the whole mini-batch). Only `ratio_threshold` skips micro-batches, so only it asks the other processes."""
+    if ratio_threshold is None or acc.num_processes == 1:
+        return trained_here > 0
+    return mean_over_processes(acc, float(trained_here)) > 0
 
 
 def batch_metrics(run: PPORun, b: Rollout, per_fn: torch.Tensor) -> dict[str, float]:
@@ -563,9 +591,10 @@ def train(
         for model in (policy, value_model):
             lean_activations(model, fused=cfg.fused_kernels)
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    rollout_size = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches
-    # Every update takes a whole rollout batch; a split smaller than one is cycled to fill it.
-    examples = rows * math.ceil(rollout_size / len(rows)) if rows and len(rows) < rollout_size else rows
+    rollout_size = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.num_mini_batches  # per process
+    # Every update takes a whole rollout batch on each process; a split smaller than that is cycled to fill it.
+    everywhere = rollout_size * int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; no accelerator yet
+    examples = rows * math.ceil(everywhere / len(rows)) if rows and len(rows) < everywhere else rows
     loop = TrainLoop(
         "ppo",
         cfg,
@@ -621,8 +650,12 @@ def train(
         b, gens, per_fn = rollout(run, batch_rows, loop.step)
         loop.count(b.response_mask.sum() + b.query_mask.sum(), len(batch_rows))
         metrics = batch_metrics(run, b, per_fn) | update(run, b)
-        kl_ctl.update(metrics["objective/kl"], rollout_size * acc.num_processes)
-        metrics |= {"eps": rollout_size / (time.perf_counter() - t0), "episode": float(update_index * rollout_size)}
+        if kl_ctl.adaptive:  # every process moves its coefficient by the KL of all the processes' episodes
+            kl_ctl.update(mean_over_processes(acc, metrics["objective/kl"]), rollout_size * acc.num_processes)
+        metrics |= {
+            "eps": rollout_size / (time.perf_counter() - t0),  # this process's; summed over processes at a log point
+            "episode": float(update_index * rollout_size * acc.num_processes),
+        }
         if acc.is_main_process and update_index % cfg.sample_every == 0:
             table = [
                 {"prompt": r["prompt"], "completion": g.completion, "reward": float(sc)}

@@ -70,12 +70,18 @@ class RunningMoments:
 
 
 def transform_scores(
-    scores: torch.Tensor, moments: RunningMoments | None, normalize: bool, clip: float | None
+    scores: torch.Tensor,
+    moments: RunningMoments | None,
+    normalize: bool,
+    clip: float | None,
+    everyone: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scale scores by the running std (updating `moments` with this batch first; and centre them on the running
-    mean with `normalize`), then clip to ±`clip`. `moments` None skips scaling. As TRL 0.7's `PPOTrainer.step`."""
+    mean with `normalize`), then clip to ±`clip`. `moments` None skips scaling. As TRL 0.7's `PPOTrainer.step`.
+    `everyone`: the scores of every process's batch, which update the moments instead of `scores` (TRL 0.7's global
+    statistics), so that all processes keep the same moments."""
     if moments is not None:
-        moments.update(scores)
+        moments.update(scores if everyone is None else everyone)
         factor = moments.std + torch.finfo(scores.dtype).eps
         scores = (scores - moments.mean) / factor if normalize else scores / factor
     if clip is not None:
