@@ -1,9 +1,10 @@
-"""Run by tests under `torch.distributed.run` with two gloo ranks: `python ppo_ddp_check.py ASSETS OUT`. Each rank
-runs the tiny PPO of `support.run_ppo` with every control that acts on a batch's statistics switched on (adaptive KL,
-score scaling and normalisation, early stopping, and the ratio threshold, which skips every micro-batch of rank
-1 and none of rank 0), then writes `OUT/rank<r>.json`: a digest of
-its policy's and value model's weights before and after, its KL coefficient and the KLs that moved it, its running score moments, its early-stopping decisions and the
-prompts it rolled out. Ranks that stay in step agree on all but the prompts."""
+"""Run by tests under `torch.distributed.run` with two gloo ranks: `python ppo_ddp_check.py ASSETS OUT [lora]
+[checkpointing]`. Each rank runs the tiny PPO of `support.run_ppo` (with a LoRA policy and activation checkpointing
+where asked) with every control that acts on a batch's statistics switched on: adaptive KL, score scaling and
+normalisation, early stopping, and the ratio threshold, which skips every micro-batch of rank 1 and none of rank 0.
+Then it writes `OUT/rank<r>.json`: a digest of its policy's and value model's weights before and after, its KL
+coefficient and the KLs that moved it, its running score moments, its early-stopping decisions and the prompts it
+rolled out. Ranks that stay in step agree on all but the prompts."""
 
 import hashlib
 import json
@@ -89,6 +90,8 @@ _, tracker, _ = run_ppo(
     ratio_threshold=1.02,
     early_stopping=True,
     target_kl=0.002,
+    lora="lora" in sys.argv[3:],
+    gradient_checkpointing="checkpointing" in sys.argv[3:],
 )
 result = {
     "start": made["start"],

@@ -281,12 +281,14 @@ def test_grpo_with_several_steps_per_generation_and_a_sampling_correction_runs_o
     assert len(ratios) == 4 and all(abs(r - 1) < 1e-3 for r in ratios), ratios
 
 
-def test_ppo_ranks_stay_in_step_with_every_batch_control_on(tiny, tmp_path):
+@pytest.mark.parametrize("variant", [[], ["lora", "checkpointing"]], ids=["full", "lora-checkpointing"])
+def test_ppo_ranks_stay_in_step_with_every_batch_control_on(tiny, tmp_path, variant):
     """Two DDP ranks of PPO, each rolling out its own prompts: after three updates both hold the same policy and value
     weights (the micro-batches' passes run inside the wrapper's forward, so both models' gradients are all-reduced),
     the same KL coefficient moved by the same KL (the mean of the ranks'), the same running score moments (updated
     with both ranks' scores), and the same early-stopping decisions (on the ranks' mean policy KL); rank 1 skips every
-    micro-batch over the ratio threshold and rank 0 none, and both still step (`tests/ppo_ddp_check.py`)."""
+    micro-batch over the ratio threshold and rank 0 none, and both still step (`tests/ppo_ddp_check.py`). The same with
+    a LoRA policy (the reference its adapter-disabled self) and activation checkpointing."""
     import json
     import os
     import subprocess
@@ -297,7 +299,7 @@ def test_ppo_ranks_stay_in_step_with_every_batch_control_on(tiny, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [*cmd, str(script), str(tiny), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+        [*cmd, str(script), str(tiny), str(tmp_path), *variant], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
