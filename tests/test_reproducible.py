@@ -5,6 +5,7 @@ files and MLflow run markers, and the workdir's own path where a file names it (
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,11 @@ def assert_identical_runs(tiny: Path, tmp_path: Path, recipe_file: str, override
     text = (ROOT / "pipelines" / recipe_file).read_text().replace("assets/tiny", str(tiny))
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(2) as pool:  # the two runs side by side (their stages are processes of their own)
+    # The two runs side by side (their stages are processes of their own), one torch thread each: with a thread per
+    # core, two stages' OpenMP pools spin against each other (on 2 cores tiny-ppo's 150 SFT steps took minutes, not
+    # the ~15 s one stage alone takes). Both runs use the same count, so their bytes still compare.
+    with pytest.MonkeyPatch.context() as env, ThreadPoolExecutor(2) as pool:
+        env.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
         runs = list(pool.map(lambda name: run_all(text, tmp_path / name, overrides), ("first", "second")))
     (recipe, first), (_, second) = runs
     for s in recipe.topological_order():
