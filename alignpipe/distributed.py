@@ -33,9 +33,9 @@ def select_strategy(strategy: str) -> None:
 
 def use_rank_device() -> None:
     """On a machine with GPUs, make a rank's own GPU (`LOCAL_RANK`) the current CUDA device before its stage loads
-    anything: what a stage places on "cuda" before the trainer's accelerator exists (reward models, a PPO value
-    model's scorer) then lands on that rank's GPU instead of every rank's on GPU 0. Accelerate does the same when
-    its state is made, which is later. One process, or no GPU: nothing to do."""
+    anything: what a stage places on "cuda" before the trainer's accelerator exists (the reward models an RL stage
+    scores with) then lands on that rank's GPU instead of every rank's on GPU 0. Accelerate does the same when its
+    state is made, which is later. One process, or no GPU: nothing to do."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
