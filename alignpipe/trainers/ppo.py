@@ -354,7 +354,7 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     scores = raw_scores.clone()
     if cfg.missing_eos_penalty is not None:
         scores[~torch.tensor([g.finish_reason == "stop" for g in gens], device=device)] -= cfg.missing_eos_penalty
-    everyone = run.acc.gather(scores) if run.moments is not None and run.acc.num_processes > 1 else None
+    everyone = run.acc.gather(scores) if run.moments is not None else None  # one process: `scores` itself
     scores = transform_scores(scores, run.moments, cfg.use_score_norm, cfg.score_clip, everyone)
     unwrapped.eval()
     last = (lengths - 1).to(device)
@@ -437,13 +437,13 @@ def update(run: PPORun, b: Rollout) -> dict[str, float]:
 
 
 def _passes(
-    b: Rollout, ix, mask, count: int, packed, temperature: float, cfg: PPOConfig, m: PolicyAndValue
+    run: PPORun, b: Rollout, ix, mask, count: int, packed, m: PolicyAndValue
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro-batch's (log-probs, entropies, values) of episodes `ix`, by the unwrapped module `m`: the LM head runs on
     the `mask`ed response tokens alone (`count` of them), not on the padding after short responses."""
     q, qm, r = b.query[ix], b.query_mask[ix], b.response[ix]
     lp, entropy = response_logprobs(
-        m.policy, q, qm, r, temperature, cfg.logprob_chunk_tokens, with_entropy=True, only=mask, count=count,
+        m.policy, q, qm, r, run.temperature, run.cfg.logprob_chunk_tokens, with_entropy=True, only=mask, count=count,
         packed=packed,
     )  # fmt: skip
     vpred = response_values(m.value_model, q, qm, r, packed)
@@ -473,9 +473,7 @@ def _epochs(
                 sync = j == cfg.gradient_accumulation_steps - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(model):
                     count = sum(lengths[i] for i in rows)
-                    new_lp, entropy, vpred = model(
-                        functools.partial(_passes, b, ix, mask, count, packed, run.temperature, cfg)
-                    )
+                    new_lp, entropy, vpred = model(functools.partial(_passes, run, b, ix, mask, count, packed))
                     pl = policy_loss(new_lp, b.logprobs[ix], b.advantages[ix], mask, cfg.cliprange)
                     vf, vf_clipfrac = value_loss(vpred, b.values[ix], b.returns[ix], mask, cfg.cliprange_value)
                     loss = pl.loss + cfg.vf_coef * vf
