@@ -75,6 +75,8 @@ ppo.prompt_ids, ppo.should_stop_early = recorded_prompts, recorded_stop
 # rank 1 finds every micro-batch over the threshold and rank 0 none: both must still take each optimizer step
 ppo.ratio_exceeds = lambda ratio, mask, threshold: threshold is not None and rank == 1
 
+# The value model's new head is drawn at load: the same draw every run, so a failure here can be run again
+torch.manual_seed(0)
 _, tracker, _ = run_ppo(
     assets,
     out / "run",

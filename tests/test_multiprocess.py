@@ -304,7 +304,8 @@ def test_ppo_ranks_stay_in_step_with_every_batch_control_on(tiny, tmp_path, vari
     assert out.returncode == 0, out.stderr[-3000:]
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero["end"] == one["end"] and zero["end"] != zero["start"], "both ranks trained the same weights"
-    assert zero["kl_seen"] == one["kl_seen"] and len(zero["kl_seen"]) == 3 and zero["kl_seen"][1] > 0
+    # a batch's KL estimate (the sum of log-ratios over sampled tokens) can come out either side of 0: it must be measured
+    assert zero["kl_seen"] == one["kl_seen"] and len(zero["kl_seen"]) == 3 and 0 not in zero["kl_seen"][1:]
     assert zero["kl_coef"] == one["kl_coef"] != 0.2
     assert zero["moments"] == one["moments"] and zero["moments"]["count"] == 3 * 16 * 2, (
         "both ranks' scores, each update"
