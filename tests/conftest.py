@@ -37,6 +37,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _same_random_state_every_test():
+    """Each test starts from seed 0, whatever ran before it on its xdist worker: a head drawn at load (a value or
+    reward model's) or a random batch is the same draw on every run, so a failure can be run again alone."""
+    from alignpipe.trainers.common import seed_everything
+
+    seed_everything(0)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """`alignpipe make-tiny` output: model/ (tokenizer + Llama) and data/*.jsonl."""
