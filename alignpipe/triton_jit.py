@@ -89,7 +89,7 @@ def rotate_heads(
     tl.store(written + HALF, hi.to(out.dtype.element_ty), mask=keep)
 
 
-@triton.jit(do_not_specialize=["tokens", "q_batch", "k_batch", "c_batch"])
+@triton.jit(do_not_specialize=["tokens"])  # the token count: a decode step's 1 would be a variant of its own
 def rotary(
     q,
     k,
@@ -138,6 +138,17 @@ def rotary(
 
 
 @triton.jit
+def bf16_block(address, offs, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers to the bf16 values at `offs` of the slice at `address` (an integer read from a table); with ALIGNED,
+    Triton is told what it cannot see in an address read at run time: that the block's values are adjacent and
+    start on a 16-byte boundary, so that they load and store 8 at a time."""
+    values = address.to(tl.pointer_type(tl.bfloat16)) + offs
+    if ALIGNED:
+        values = tl.max_contiguous(tl.multiple_of(values, [16]), [BLOCK])
+    return values
+
+
+@triton.jit
 def kahan_adamw(
     pointers,
     numels,
@@ -151,21 +162,27 @@ def kahan_adamw(
     lr_decay,
     eps,
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """One block of one slice: AdamW's moments and step in float32 (torch's arithmetic, operation for operation),
     the weight rounded to bf16 with Kahan's compensation. `pointers` holds each slice's (weight, gradient, exp_avg,
     exp_avg_sq, compensation) addresses, all bf16; `block_piece` and `block_start` say which slice and where in it each
-    program's block lies."""
+    program's block lies (a block starts at a multiple of BLOCK). ALIGNED: every slice's addresses are multiples of 16
+    bytes and its size a multiple of 8 values (`triton_kernels.kahan_adamw_at` checks it), so its values go 16 bytes a
+    load and store (without: 2 bytes, and ~210 registers a thread instead of ~64: one block of 8 warps an SM)."""
     piece = tl.load(block_piece + tl.program_id(0))
-    start = tl.load(block_start + tl.program_id(0))
+    start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK)
+    numel = tl.load(numels + piece)
+    if ALIGNED:
+        numel = tl.multiple_of(numel, 8)  # so a mask never splits 8 adjacent values
     offs = start + tl.arange(0, BLOCK)
-    keep = offs < tl.load(numels + piece)
+    keep = offs < numel
     row = pointers + piece * 5
-    weight = tl.load(row).to(tl.pointer_type(tl.bfloat16)) + offs
-    grad = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16)) + offs
-    exp_avg = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16)) + offs
-    exp_avg_sq = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16)) + offs
-    comp = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16)) + offs
+    weight = bf16_block(tl.load(row), offs, BLOCK, ALIGNED)
+    grad = bf16_block(tl.load(row + 1), offs, BLOCK, ALIGNED)
+    exp_avg = bf16_block(tl.load(row + 2), offs, BLOCK, ALIGNED)
+    exp_avg_sq = bf16_block(tl.load(row + 3), offs, BLOCK, ALIGNED)
+    comp = bf16_block(tl.load(row + 4), offs, BLOCK, ALIGNED)
     g = tl.load(grad, mask=keep, other=0.0).to(tl.float32)
     m = tl.load(exp_avg, mask=keep, other=0.0).to(tl.float32)
     # torch's lerp(m, g, weight1), either branch of its formula, with the multiply-add fused as its vectorised CPU

@@ -11,10 +11,13 @@ sessions 43 and 44), where a step's device time is ~190 ms: a step whose host ca
 all. A Triton kernel's call is its launch: its arguments bound and its compiled variant looked up (tens of µs). The
 kernels compute in float32 and round once, as the compiled ones do.
 
-Each kernel is compiled by Triton at its first launch in a process (once per dtype and layout, not per size: the
-sizes that change from batch to batch are left unspecialised, `do_not_specialize`). `usable`, `adamw_usable` and
-`head_usable` try each kernel once per device and process against the eager expressions; where one fails to build
-or computes otherwise, they say so once and the compiled kernels run.
+Each kernel is compiled by Triton at its first launch in a process: once per dtype and layout, not per size. Triton
+specialises an integer argument only on whether it is 1 or a multiple of 16, and where a kernel reads adjacent values
+that is what lets it load 16 bytes at a time; the rotary kernel's token count, which a decode step makes 1, is left
+unspecialised (`do_not_specialize`). `tests/triton_build_check.py` builds every kernel for A100s, H100s and B200s on
+the CPU and reads its loads, stores and registers. `usable`, `adamw_usable` and `head_usable` try each kernel once
+per device and process against the eager expressions; where one fails to build or computes otherwise, they say so
+once and the compiled kernels run.
 
 On a CPU, these run only under Triton's interpreter (`TRITON_INTERPRET=1`, set before the first call), which is how
 the tests check them against the eager expressions."""
@@ -170,6 +173,11 @@ def token_grads(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, c
 ADAMW_BLOCK = 4096
 """Values a program of the AdamW kernel updates: 8 warps of 16 values per thread."""
 
+ALIGNMENT = 16
+"""Bytes a vector load or store moves: 8 bf16 values. The AdamW kernel moves its values that many at a time where
+every slice of a launch starts at an address that is a multiple of it and holds a multiple of 8 values
+(`kahan_adamw_at`)."""
+
 
 def kahan_adamw_takes(pieces: list[tuple[torch.Tensor, ...]]) -> bool:
     """Whether `kahan_adamw` takes these slices: each (weight, gradient, exp_avg, exp_avg_sq, compensation) flat,
@@ -188,6 +196,7 @@ class AdamWBlocks:
     def __init__(self) -> None:
         self.sizes: tuple[int, ...] = ()
         self.tables: tuple[torch.Tensor, ...] = ()
+        self.whole_vectors = False  # whether every size is a multiple of the values a vector load moves
 
     def of(self, sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
         """(numels, each block's slice, each block's start), made anew where `sizes` changed (copied to the device
@@ -201,6 +210,7 @@ class AdamWBlocks:
             start = ((torch.arange(len(piece)) - first) * ADAMW_BLOCK).to(torch.int32)
             numels = torch.tensor(sizes, dtype=torch.int32)
             self.sizes, self.tables = sizes, tuple(to_device([numels, piece, start], device))
+            self.whole_vectors = all(n * torch.bfloat16.itemsize % ALIGNMENT == 0 for n in sizes)
         return self.tables
 
 
@@ -219,15 +229,20 @@ def kahan_adamw_at(
     rows: list, sizes: tuple[int, ...], device: torch.device, scalars: tuple[float, ...], blocks: AdamWBlocks
 ) -> None:
     """`kahan_adamw` of slices given by their addresses: each row the (weight, gradient, exp_avg, exp_avg_sq,
-    compensation) addresses of `sizes`' values of bf16 on `device` (`low_precision_adamw`'s kept plan of a step)."""
+    compensation) addresses of `sizes`' values of bf16 on `device` (`low_precision_adamw`'s kept plan of a step).
+    The kernel moves 8 values a load where every address is `ALIGNMENT`-aligned and every size a multiple of 8 (a
+    tensor of its own always starts aligned; a view into a shared buffer, such as a gradient in DDP's bucket, may
+    not), and one value a load otherwise."""
     from alignpipe.device_copies import to_device
 
     numels, piece, start = blocks.of(sizes, device)
-    pointers = to_device(torch.tensor(rows, dtype=torch.int64), device)
+    table = torch.tensor(rows, dtype=torch.int64)
+    aligned = blocks.whole_vectors and not bool(table.remainder(ALIGNMENT).any())
+    pointers = to_device(table, device)
     beta1, beta2, step_size, root_correction, lr_decay, eps = scalars
     _kernels().kahan_adamw[(len(piece),)](
         pointers, numels, piece, start, 1 - beta1, beta2, 1 - beta2, step_size, root_correction, lr_decay, eps,
-        BLOCK=ADAMW_BLOCK, num_warps=8, enable_fp_fusion=False,
+        BLOCK=ADAMW_BLOCK, ALIGNED=aligned, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -303,29 +318,31 @@ def head_disagreement(device: torch.device) -> str | None:
 def adamw_disagreement(device: torch.device) -> str | None:
     """ "the Kahan AdamW step" where `kahan_adamw` on two small bf16 slices updates the moments otherwise than
     `low_precision_adamw.kahan_update` (beyond a rounding step), or the weights plus their compensation beyond 1e-6
-    (the eager CUDA kernel divides by a scalar through its reciprocal); None where they agree."""
+    (the eager CUDA kernel divides by a scalar through its reciprocal); None where they agree. Tried on slices of
+    whole vectors (8 values a load) and on slices with a value over (one a load)."""
     from alignpipe.low_precision_adamw import _scalars, kahan_update
 
     g = torch.Generator(device=device).manual_seed(0)
 
-    def slices() -> list[tuple[torch.Tensor, ...]]:
+    def slices(sizes: tuple[int, ...]) -> list[tuple[torch.Tensor, ...]]:
         g.manual_seed(0)
         made = []
-        for n in (ADAMW_BLOCK + 100, 17):
+        for n in sizes:
             w, grad, m, v, c = (torch.randn(n, generator=g, device=device) * s for s in (0.02, 1e-3, 1e-4, 1e-7, 1e-5))
             made.append(tuple(t.to(torch.bfloat16) for t in (w, grad, m, v.abs(), c)))
         return made
 
     scalars = _scalars({"betas": (0.9, 0.999), "lr": 1e-5, "eps": 1e-8, "weight_decay": 0.01}, 3)
-    got, want = slices(), slices()
-    kahan_adamw(got, scalars, AdamWBlocks())
-    for piece in want:
-        kahan_update(*piece, *scalars)
-    for (w, _, m, v, c), (w0, _, m0, v0, c0) in zip(got, want, strict=True):
-        moments = all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-12) for a, b in ((m, m0), (v, v0)))
-        tracked = torch.allclose(w.float() + c.float(), w0.float() + c0.float(), rtol=0, atol=1e-6)
-        if not (moments and tracked):
-            return "the Kahan AdamW step"
+    for sizes in ((ADAMW_BLOCK + 104, 24), (ADAMW_BLOCK + 100, 17)):
+        got, want = slices(sizes), slices(sizes)
+        kahan_adamw(got, scalars, AdamWBlocks())
+        for piece in want:
+            kahan_update(*piece, *scalars)
+        for (w, _, m, v, c), (w0, _, m0, v0, c0) in zip(got, want, strict=True):
+            moments = all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-12) for a, b in ((m, m0), (v, v0)))
+            tracked = torch.allclose(w.float() + c.float(), w0.float() + c0.float(), rtol=0, atol=1e-6)
+            if not (moments and tracked):
+                return "the Kahan AdamW step"
     return None
 
 

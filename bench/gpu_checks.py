@@ -580,6 +580,11 @@ def qwen05b_parameter_shapes() -> list[tuple[int, ...]]:
     return [(151936, d), *layer * 24, (d,)]
 
 
+ADAMW_BYTES = {"torch": 14, "kahan": 18, "stochastic": 14}
+"""Bytes an AdamW step of bf16 weights reads and writes a value: weight, gradient and two moments read, weight and
+moments written (2 bytes each), and Kahan's buffer read and written."""
+
+
 def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
     @check(
         "AdamW for bf16 weights (Kahan, stochastic): the hand-written and compiled steps keep the eager one's sums, wait "
@@ -588,6 +593,7 @@ def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
     def run():
         from alignpipe import triton_kernels
         from alignpipe.low_precision_adamw import LowPrecisionAdamW
+        from bench.peaks import copy_tb_per_s
 
         if not setup.cuda:
             return None, "no CUDA device (tests/test_low_precision_adamw.py runs the compiled steps on CPU)"
@@ -625,6 +631,7 @@ def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
 
         figures, results, recompiled = [], {}, 0
         graphs = torch._dynamo.utils.counters["stats"]
+        rate = copy_tb_per_s()
         for kind in ("torch", "kahan", "compiled kahan", "eager kahan", "stochastic"):
             with elementwise("compiled" if kind == "compiled kahan" else "triton"):
                 params, opt = optimizer(kind)
@@ -635,8 +642,11 @@ def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
                 if kind == "kahan":  # a step more, after the timed ones
                     seen, _ = behind_queued_work(setup, opt.step)
             host, times = (sorted(r[i] for r in runs)[2] for i in (0, 1))
+            # the bound: every byte a step reads and writes once at the card's copy rate (bf16 weight, gradient and
+            # moments, Kahan's buffer too; the stochastic step has none)
+            bound = values * ADAMW_BYTES["kahan" if "kahan" in kind else kind] / (rate * 1e12)
             # host time near the whole: the step is bound by its launches and Python, not by the device
-            figures.append(f"{kind} {times * 1e3:.1f} ms (host {host * 1e3:.1f})")
+            figures.append(f"{kind} {times * 1e3:.1f} ms (host {host * 1e3:.1f}; bound {bound * 1e3:.1f})")
             if "kahan" in kind:
                 results[kind] = (params, opt)
             del params, opt
@@ -662,7 +672,8 @@ def check_low_precision_adamw(setup: Setup) -> Callable[[], None]:
                 f"step apart {flipped:.2%}"
             )
         return ok, (
-            f"{values / 1e6:.0f}M bf16 values (Qwen2-0.5B's tensors), median of 5 steps at 5 learning rates: "
+            f"{values / 1e6:.0f}M bf16 values (Qwen2-0.5B's tensors), median of 5 steps at 5 learning rates, each "
+            f"beside the time its bytes take at the measured copy rate ({rate:.2f} TB/s): "
             f"{', '.join(figures)}; {'; '.join(gaps)}; graphs compiled after the first step: {recompiled}; "
             f"synchronising calls of `kahan`: {len(seen)}; `kahan` hand-written (Triton runs it): "
             f"{triton_kernels.adamw_usable(setup.device)}"
