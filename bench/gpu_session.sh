@@ -46,7 +46,8 @@
 #      TRL + Liger (the GRPO row owed since session 29: TRL's layer kernels under its generation) (timeout_s 520)
 # Session 42's lease ran c and d. What it found sets the next lease's two calls, f then g, back to back:
 #   f  gpu_checks' AdamW and offloading lines (session 42 mended both: the compiled AdamW step in calls of 8 slices
-#      with Triton's FMA contraction off, the offloaded step warmed up before it is timed), then DPO 8×1024 and
+#      with Triton's FMA contraction off, the offloaded step warmed up before it is timed; since session 56 the
+#      hand-written step moves 16 bytes a load, and the line gives each step's bound), then DPO 8×1024 and
 #      reward 8×1024 against TRL + Liger (the reward contender now runs: Liger's layer kernels, no fused LM head).
 #      DPO gets 210 s, room for a third round: a side's first run can pay its JIT kernels' compilation inside the
 #      steady window (session 42: TRL + Liger's first DPO run 13.9 pairs/s, its second 26.3), and only a median of
