@@ -1,6 +1,6 @@
 """A training step's host work, measured on a CPU with a GPU's code paths open:
 
-    python -m bench.host_work [TRAINER] [--layers 24] [--width 64] [--rows 8] [--tokens 16] [--steps 5]
+    python -m bench.host_work [TRAINER] [--layers 24] [--width 64] [--rows 8] [--tokens 16] [--steps 5] [--users-head]
 
 TRAINER is `dpo` (default), `sft`, `reward` or `kto`. On a GPU a step waits on its host wherever the host's work
 (Python, dispatch, launches) outlasts its kernels: session 43 measured a DPO step's host work on CPU near that step's
@@ -18,7 +18,13 @@ paths a CUDA device takes opened and stood in for:
   a layer stood in for by one SDPA call over all the batch's tokens (CPU runs the documents one by one otherwise);
 - torch's fused RMSNorm (one operator each way on CUDA, several on CPU, where it decomposes) stood in for by one
   operator forward and two backward;
-- the loader's tokenizing and collating in a worker process (`dataloader_workers: 1`, the CUDA default).
+- the loader's tokenizing and collating in a worker process (`dataloader_workers: 1`, the CUDA default);
+- with `--users-head` (SFT and DPO), the LM head in as many pieces as at the users' shape: the stand-in's few tokens
+  over the tokenizer's 512-token vocabulary make logits small enough for the head to run whole, where SFT 8×2048's
+  and DPO 8×1024's over Qwen2-0.5B's 151,936 tokens run it in chunks (SFT, DPO's reference) and a group a pair (DPO's
+  fused head). The head's limits are divided by how many times more logits the users' step makes
+  (`logprobs.WHOLE_LOGITS_MAX`, a step's) and the users' pair (`dpo.FUSED_GROUP_MAX`, a pair's): `users_head_scales`.
+  With `--tokens 64`, DPO's head then runs as at 8×1024: a fused group a pair, ~24 chunks for the reference.
 
 It prints, a steady step each: the wall time (steps run without a profiler), the Python function calls (cProfile, in
 steps of their own) and the top-level aten operators (the torch profiler, in steps of their own: operators called
@@ -141,6 +147,39 @@ def gpu_paths():
             setattr(module, name, value)
 
 
+USERS_HEAD = {"sft": (8, 2048), "dpo": (8, 2 * 720)}
+"""Rows a step and tokens the LM head scores a row at the users' shapes of `bench.cases`: SFT's 8 packed rows of 2048,
+DPO's 8 pairs of two ~720-token answers (the prompts are not scored)."""
+
+
+def users_head_scales(trainer: str, rows: int, tokens: int, vocab: int) -> tuple[float, float]:
+    """How many times more logits the LM head makes at the users' shape (`USERS_HEAD` over Qwen2-0.5B's vocabulary)
+    than the stand-in's `rows` rows of about `tokens` tokens (SFT: packed blocks of twice that; DPO: two answers a
+    pair, after 8 prompt tokens) over `vocab`: (a step's, a row's)."""
+    if trainer not in USERS_HEAD:
+        raise SystemExit(f"--users-head: {trainer} has no users' head shape here (sft, dpo)")
+    users_rows, users_tokens = USERS_HEAD[trainer]
+    scored = 2 * tokens if trainer == "sft" else 2 * (tokens - min(8, tokens // 2))
+    row = users_tokens * QWEN_05B["vocab_size"] / (scored * vocab)
+    return row * users_rows / rows, row
+
+
+@contextlib.contextmanager
+def head_limits(step: float, row: float):
+    """The LM head's limits divided for the block (`--users-head`): a step's logits in one piece by `step`, a DPO
+    group's by `row`."""
+    from alignpipe import logprobs
+    from alignpipe.trainers import dpo
+
+    kept = (logprobs.WHOLE_LOGITS_MAX, dpo.FUSED_GROUP_MAX)
+    logprobs.WHOLE_LOGITS_MAX = max(1, int(kept[0] / step))
+    dpo.FUSED_GROUP_MAX = max(1, int(kept[1] / row))
+    try:
+        yield
+    finally:
+        logprobs.WHOLE_LOGITS_MAX, dpo.FUSED_GROUP_MAX = kept
+
+
 def model(trainer: str, tok, layers: int, width: int):
     """A bf16 Qwen2 of `layers` layers, `width` wide, with Qwen2-0.5B's ratio of query to key/value heads (7:1 there,
     2:1 here at 16-wide heads), the tokenizer's vocabulary; random init, seeded. Attention: `varlen`."""
@@ -212,8 +251,19 @@ def top_level_ops(prof) -> Counter:
     return Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not nested(e))
 
 
-def run(trainer: str, layers: int, width: int, batch: int, tokens: int, warmup: int, steps: int, assets: str) -> dict:
-    """Train `trainer` for `warmup` + 3 × `steps` steps with the GPU's paths open; the figures of its steady steps."""
+def run(
+    trainer: str,
+    layers: int,
+    width: int,
+    batch: int,
+    tokens: int,
+    warmup: int,
+    steps: int,
+    assets: str,
+    users_head: bool = False,
+) -> dict:
+    """Train `trainer` for `warmup` + 3 × `steps` steps with the GPU's paths open (and the users' head, `head_limits`);
+    the figures of its steady steps."""
     from alignpipe.modeling import load_tokenizer
     from alignpipe.tracking import Tracker
 
@@ -239,7 +289,8 @@ def run(trainer: str, layers: int, width: int, batch: int, tokens: int, warmup: 
         dataloader_workers=1,
     )
     windows = Windows(warmup, steps)
-    with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
+    scales = users_head_scales(trainer, batch, tokens, len(tok)) if users_head else (1.0, 1.0)
+    with gpu_paths(), head_limits(*scales), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
         built = model(trainer, tok, layers, width)
         _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
     if len(windows.ends) < total:
@@ -251,7 +302,12 @@ def run(trainer: str, layers: int, width: int, batch: int, tokens: int, warmup: 
     ms = windows.step_ms()
     return {
         "trainer": trainer,
-        "shape": f"{layers} layers × {width} wide, {batch} rows × {tokens} tokens",
+        "shape": f"{layers} layers × {width} wide, {batch} rows × {tokens} tokens"
+        + (
+            f", the head's limits / {scales[0]:,.0f} a step, / {scales[1]:,.0f} a row (the users' head)"
+            if users_head
+            else ""
+        ),
         "step_ms": [round(t, 1) for t in ms],
         "median_ms": round(statistics.median(ms), 1),
         "python_calls": round(stats.total_calls / steps),  # type: ignore[attr-defined]  # pstats keeps it
@@ -272,11 +328,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps in each window (timed, Python, operators)")
     parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
+    parser.add_argument(
+        "--users-head", action="store_true", help="the LM head in as many pieces as at the users' shape (sft, dpo)"
+    )
     parser.add_argument("--functions", action="store_true", help="also print the 20 functions by own time")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # host work is single-threaded; one thread keeps the wall times comparable
-    got = run(args.trainer, args.layers, args.width, args.rows, args.tokens, args.warmup, args.steps, args.assets)
+    got = run(
+        args.trainer, args.layers, args.width, args.rows, args.tokens, args.warmup, args.steps, args.assets,
+        args.users_head,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(got))
         return

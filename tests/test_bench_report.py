@@ -1038,6 +1038,24 @@ def test_host_work_runs_a_step_with_the_gpu_s_hand_written_paths_and_counts_its_
     assert "aten::zero_" not in ops, "the stand-ins' own operators are left out of the counts"
 
 
+def test_host_work_can_run_the_lm_head_in_as_many_pieces_as_at_the_users_dpo_shape(tiny):
+    """With `--users-head` the stand-in's DPO head runs as DPO 8×1024's does over Qwen2-0.5B's vocabulary: a fused group
+    a pair (its gradients formed in the forward: one `token_grads` launch each) and the reference's log-probs in
+    chunks of a few positions (~27 at the users' shape), where the stand-in's 512-token vocabulary ran it whole."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.host_work", "dpo", "--layers", "2", "--rows", "2", "--tokens", "64"]
+        + ["--warmup", "1", "--steps", "1", "--users-head", "--assets", str(tiny), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "the users' head" in got["shape"]
+    assert got["launches"]["token_grads"] == 2, got["launches"]  # a group a pair
+    assert 20 <= got["launches"]["token_scores"] - 2 <= 40, got["launches"]  # the reference's chunks
+
+
 def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
     """`python -m bench.worker_batches` collates the DPO user case's batch as a GPU stage does (padding-free, shared
     prompts: 13 tensors) and times its handover from a loader worker as separate tensors and in one buffer."""
