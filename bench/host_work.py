@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cases import QWEN_05B, Case, Shape, rows
+from bench.cases import QWEN_05B, Case, Shape, _user, rows
 from bench.run_one import _train_ours, optimizer_ticks
 
 TRAINERS = ("dpo", "sft", "reward", "kto")
@@ -147,9 +147,14 @@ def gpu_paths():
             setattr(module, name, value)
 
 
-USERS_HEAD = {"sft": (8, 2048), "dpo": (8, 2 * 720)}
-"""Rows a step and tokens the LM head scores a row at the users' shapes of `bench.cases`: SFT's 8 packed rows of 2048,
-DPO's 8 pairs of two ~720-token answers (the prompts are not scored)."""
+def _users_head() -> dict[str, tuple[int, int]]:
+    """Rows a step and tokens the LM head scores a row at the first users' shape of `bench.cases` for SFT and DPO:
+    SFT's 8 packed rows of 2048, DPO's 8 pairs of two ~720-token answers (the prompts are not scored)."""
+    sft, dpo = (_user(gpu=True)[trainer][0] for trainer in ("sft", "dpo"))
+    return {"sft": (sft.batch, sft.max_len), "dpo": (dpo.batch, 2 * dpo.completion_tokens)}
+
+
+USERS_HEAD = _users_head()
 
 
 def users_head_scales(trainer: str, rows: int, tokens: int, vocab: int) -> tuple[float, float]:
