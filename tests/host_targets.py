@@ -7,6 +7,13 @@ import time
 from pathlib import Path
 
 
+def _write(path: str, text: str) -> None:
+    """Write whole or not at all: a peer polling for the file must never find it created but still empty (a rank that
+    saw its peer's empty pid file failed at once, and the peer was stopped before it wrote its pid)."""
+    Path(f"{path}.tmp").write_text(text)
+    os.replace(f"{path}.tmp", path)
+
+
 def report(argv: list[str]) -> int:
     """Print what the process was given and whether the host's preload was already imported; exit with argv[0]."""
     monitor = os.getppid()
@@ -32,9 +39,9 @@ def report(argv: list[str]) -> int:
 
 def sleep(argv: list[str]) -> int:
     """Write this process's pid to argv[0], sleep argv[1] seconds, then write "done" to argv[0]."""
-    Path(argv[0]).write_text(str(os.getpid()))
+    _write(argv[0], str(os.getpid()))
     time.sleep(float(argv[1]))
-    Path(argv[0]).write_text("done")
+    _write(argv[0], "done")
     return 0
 
 
@@ -75,7 +82,7 @@ def last_rank_fails(argv: list[str]) -> int:
     """Every rank writes its pid to argv[0].RANK; the last rank then fails with exit code 3 (argv[1] == "fail"),
     the others sleep 600 s, as a rank waiting in a collective for a dead peer would."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    Path(f"{argv[0]}.{rank}").write_text(str(os.getpid()))
+    _write(f"{argv[0]}.{rank}", str(os.getpid()))
     if rank == world - 1 and argv[1] == "fail":
         while not all(Path(f"{argv[0]}.{r}").exists() for r in range(world)):  # the peers have started
             time.sleep(0.05)
