@@ -12,6 +12,17 @@ from pydantic import BaseModel, Field
 MANIFEST = "manifest.json"
 
 
+def write_whole(path: Path | str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a temporary file of this process beside it, then renamed over
+    it. For files whose existence means something to another reader (a manifest, a checkpoint's `state.json`, the
+    MLflow run marker): `write_text` creates the file empty before it writes, so a reader polling for it (the
+    checkpoint mirror's thread), or a re-run after a kill at that instant, would find it empty."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Manifest(BaseModel):
     """What a finished stage hands downstream: paths and metrics, never tensors."""
 
@@ -30,9 +41,7 @@ class Manifest(BaseModel):
 
     def write(self, stage_dir: Path) -> Path:
         path = Path(stage_dir) / MANIFEST
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, path)
+        write_whole(path, self.model_dump_json(indent=2))
         return path
 
     @classmethod

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from alignpipe.manifest import Manifest
+from alignpipe.manifest import Manifest, write_whole
 from alignpipe.recipe.schema import Recipe
 
 STATUS_DONE, STATUS_CACHED, STATUS_FAILED, STATUS_NOT_RUN, STATUS_SKIPPED = (
@@ -132,7 +132,8 @@ def write_summary(
     d = recipe.run_root / "runs"
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{pipeline_run_id}.json"
-    path.write_text(
+    write_whole(
+        path,
         json.dumps(
             {
                 "pipeline": recipe.name,
@@ -143,7 +144,7 @@ def write_summary(
                 "stages": [asdict(o) for o in outcomes],
             },
             indent=1,
-        )
+        ),
     )
     store = recipe.remote_store()
     if store:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from alignpipe.manifest import Manifest
+from alignpipe.manifest import Manifest, write_whole
 
 log = logging.getLogger("alignpipe.stage")
 
@@ -73,7 +73,7 @@ def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
         except Exception:  # the store was reset or the run deleted: start a new one
             pass
     tracker = MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
-    marker.write_text(tracker.run_id)
+    write_whole(marker, tracker.run_id)
     return tracker
 
 

@@ -6,12 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _write(path: str, text: str) -> None:
-    """Write whole or not at all: a peer polling for the file must never find it created but still empty (a rank that
-    saw its peer's empty pid file failed at once, and the peer was stopped before it wrote its pid)."""
-    Path(f"{path}.tmp").write_text(text)
-    os.replace(f"{path}.tmp", path)
+from alignpipe.manifest import write_whole as _write  # a peer polling for a pid file must never find it empty
 
 
 def report(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from alignpipe.launch import free_port
 from alignpipe.manifest import Manifest
@@ -100,6 +101,38 @@ def test_checkpoint_mirror_uploads_finished_checkpoints_and_follows_rotation(tmp
     mirror.sync()
     names = {n.rsplit("/", 1)[-1] for n in store.fs.ls(store.path("stages/s/checkpoints"), detail=False)}
     assert names == {"step-4", "step-6"}
+
+
+def test_the_mirror_never_uploads_a_checkpoint_whose_state_is_still_being_written(tmp_path, monkeypatch):
+    """The mirror's thread runs beside the trainer. Were `state.json` created empty and written after (as
+    `write_text` does), a sync at that instant would upload the checkpoint with an empty state, mark it sent, and a
+    retry elsewhere would fail to resume from it. Here the sync runs at every file creation of a real save."""
+    from accelerate import Accelerator
+
+    from alignpipe.trainers.common import Checkpointer
+
+    store = _store("c")
+    local = tmp_path / "stage"
+    mirror = CheckpointMirror(store, local, "stages/s")
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))  # registered: the save writes its weights before state.json
+    created = []
+    plain = Path.write_text
+
+    def create_then_sync(self, text, *args, **kwargs):
+        self.touch()  # open(..., "w") creates the file before a byte is written
+        created.append(self.name)
+        mirror.sync()
+        return plain(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", create_then_sync)
+    Checkpointer(local, keep=2).save(accelerator, step=3)
+    monkeypatch.setattr(Path, "write_text", plain)
+    assert not store.fs.exists(store.path("stages/s/checkpoints/step-3")), "nothing sent before state.json was whole"
+    assert any(name.endswith(".tmp") and "state.json" in name for name in created)
+    mirror.sync()
+    assert json.loads(store.fs.cat_file(store.path("stages/s/checkpoints/step-3/state.json"))) == {"step": 3}
+    assert [p.name for p in (local / "checkpoints" / "step-3").iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_storage_is_validated_before_anything_runs(demo_text, tmp_path):

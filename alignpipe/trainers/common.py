@@ -25,6 +25,7 @@ from alignpipe.compiled import compile_layers
 from alignpipe.device_copies import OneBuffer
 from alignpipe.lean_activations import lean_activations
 from alignpipe.low_precision_adamw import LowPrecisionAdamW, low_precision_params, rounds_stochastically
+from alignpipe.manifest import write_whole
 from alignpipe.progress import progress
 from alignpipe.trainers.configs import TrainingArgs
 from alignpipe.trainers.loss_watch import LossWatch
@@ -256,7 +257,7 @@ class Checkpointer:
             for write in files:
                 write(path, step)
             if accelerator.is_main_process:
-                (path / "state.json").write_text(json.dumps({"step": step, **(extra or {})}))
+                write_whole(path / "state.json", json.dumps({"step": step, **(extra or {})}))
         except OSError as e:
             shutil.rmtree(path, ignore_errors=True)
             kept = self.complete()
