@@ -304,6 +304,11 @@ SMALL = dict(
 )
 
 
+TINY_QWEN2 = "tiny-qwen2"
+"""A CPU model: the tiny model's sizes and vocabulary in Qwen2's architecture (random init), so that Liger patches it
+as it patches the GPU's `qwen0.5b`, at sizes Triton's interpreter runs in seconds (`bench.liger_cpu`)."""
+
+
 def model_sizes(model: str) -> dict:
     """A benchmark model's configuration sizes, the vocabulary included."""
     if is_gpu_model(model):

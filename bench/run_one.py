@@ -5,7 +5,8 @@ model, tokenizer, data and hyperparameters for every implementation. Timed for a
 saving the model (what a user waits for; model loading excluded); checkpointing off.
 
 Models: `tiny` (the project's 1.7M Llama) and `small` (a 20M Llama, random init) run on CPU in fp32;
-`qwen0.5b` (Qwen2-0.5B's shape, random init) runs on a GPU in bf16.
+`qwen0.5b` (Qwen2-0.5B's shape, random init) runs on a GPU in bf16; `tiny-qwen2` (the tiny model's sizes in Qwen2's
+architecture, random init, fp32 on CPU) is the one `bench.liger_cpu` runs TRL + Liger's contenders on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import time
 from collections import Counter
 
-from bench.cases import ONLINE, QWEN_05B, SMALL, Case, find_case, is_gpu_model, rows
+from bench.cases import ONLINE, QWEN_05B, SMALL, TINY_QWEN2, Case, find_case, is_gpu_model, model_sizes, rows
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -206,8 +207,9 @@ def model_for(kind: str, assets: str, task: str):
 
 
 def random_model(kind: str, tok, head: str, seed: int = 0):
-    """`small`: the BASELINES.md 20M Llama shape in fp32 on CPU; `qwen0.5b`: Qwen2-0.5B's shape, built in bf16
-    directly on the GPU. Random init, seeded."""
+    """`small`: the BASELINES.md 20M Llama shape in fp32 on CPU; `tiny-qwen2`: the tiny model's sizes in Qwen2's
+    architecture, fp32 on CPU (`bench.liger_cpu`); `qwen0.5b`: Qwen2-0.5B's shape, built in bf16 directly on the GPU.
+    Random init, seeded."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -223,8 +225,10 @@ def random_model(kind: str, tok, head: str, seed: int = 0):
     if kind == "small":
         cfg = LlamaConfig(vocab_size=len(tok), **SMALL, **ids)
         return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(cfg)
-    cfg = Qwen2Config(**QWEN_05B, **ids)
     cls = Qwen2ForSequenceClassification if head == "reward" else Qwen2ForCausalLM
+    if kind == TINY_QWEN2:
+        return cls(Qwen2Config(**model_sizes(kind), **ids))
+    cfg = Qwen2Config(**QWEN_05B, **ids)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -1070,3 +1070,37 @@ def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["case"] == "dpo/8x1024" and got["tensors"] == 13 and got["bytes"] > 100_000
     assert all(len(ms) == 1 and ms[0] > 0 for ms in got["median_ms"].values())
+
+
+def test_the_liger_preflight_runs_each_users_case_shrunk_with_its_flags_and_judges_a_pair_of_runs():
+    """`bench.liger_cpu` (run whole by `make test-slow`): the users' case of each trainer with a Liger contender, its
+    tokens cut and its flags kept, named by the users' key; a pair of runs fails where either failed, Liger launched
+    nothing, or an offline loss differs from plain TRL's."""
+    from bench.liger_cpu import SHRINK, users_cases, verdict
+
+    by = {c.trainer: c for c in users_cases(["sft", "reward", "dpo", "grpo"])}
+    users: dict = {}
+    for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo"]):
+        users.setdefault(c.trainer, c)  # SFT's first: 8×2048
+    assert (
+        {t: c.key for t, c in by.items()}
+        == {t: users[t].key for t in by}
+        == {
+            "sft": "sft/8x2048",
+            "reward": "reward/8x1024",
+            "dpo": "dpo/8x1024",
+            "grpo": "grpo/8x8x256",
+        }
+    )
+    assert by["sft"].shape.packed and by["sft"].shape.max_len == 2048 // (SHRINK // 2)
+    grpo, users_grpo = by["grpo"].shape, users["grpo"].shape
+    assert (grpo.batch, grpo.accumulation, grpo.generations) == (users_grpo.batch, users_grpo.accumulation, 8)
+    assert grpo.completion == 256 // SHRINK and by["dpo"].shape.completion_tokens == 720 // SHRINK
+
+    ran = {"loss": 0.5, "liger_kernels": {"rms_norm._rms_norm_forward_kernel": 9}}
+    assert verdict("dpo", ran, ran) is None
+    assert "failed" in verdict("dpo", ran, {"error": "AttributeError: no lm_head"})
+    assert "no Liger kernel" in verdict("dpo", ran, {**ran, "liger_kernels": {}})
+    assert "not plain TRL's" in verdict("dpo", ran, {**ran, "loss": 0.6})
+    assert verdict("grpo", ran, {**ran, "loss": 0.6}) is None, "sampled completions: GRPO's losses are not compared"
+    assert "nan" in verdict("sft", ran, {**ran, "loss": float("nan")})
