@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A GPU session of the device tool, planned as whole calls: `bash bench/gpu_session.sh STAGE` is one call's command
-# (carry `.whl` and `assets/tiny`; run `bash bench/device_wheels.sh` here first). Each stage fits the tool's 10-minute
+# (carry `.whl` and `assets/tiny`; run `bash bench/device_wheels.sh` here first, and `python -m bench.liger_cpu`: TRL +
+# Liger's contenders on the CPU, so that none fails at its first step on the lease). Each stage fits the tool's 10-minute
 # limit with its own per-step timeouts; the bench rewrites docs/benchmarks.md after every round of runs, so a step
 # stopped by its timeout keeps the rounds it finished. What each stage leaves lands in $OUT (the tool fetches it):
 # the log, gpu_checks' lines and the report. Stages in order of what the acceptance targets need most:
