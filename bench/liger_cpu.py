@@ -153,8 +153,7 @@ def run_here(impl: str, trainer: str, steps: int, assets: str) -> dict:
         interpreter_shims()
         launched = count_kernels()
     (case,) = users_cases([trainer])
-    run_one.find_case = lambda model, key: case  # the shrunk case is in no suite
-    out = run_one.case(impl, case.key, TINY_QWEN2, steps, assets)
+    out = run_one.case(impl, case, TINY_QWEN2, steps, assets)
     return {**out, "liger_kernels": dict(launched)}
 
 

@@ -641,16 +641,17 @@ def compilations() -> tuple[int, float]:
 IMPLS = ("ours", "trl", "trl+liger")
 
 
-def case(impl: str, key: str, kind: str, steps: int, assets: str, around=contextlib.nullcontext) -> dict:
-    """Build the model and data of case `key`, then run and time one implementation; `around` wraps the timed part
-    only (the profiler in `bench.profile`)."""
+def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=contextlib.nullcontext) -> dict:
+    """Build the model and data of case `key` (a key of the suites, or a `Case` of no suite: `bench.liger_cpu`'s
+    shrunk ones), then run and time one implementation; `around` wraps the timed part only (the profiler in
+    `bench.profile`)."""
     import torch
 
     if impl not in IMPLS:
         raise SystemExit(f"unknown implementation {impl!r}; one of {', '.join(IMPLS)}")
     global ASSETS
     ASSETS = assets
-    c = find_case(kind, key)
+    c = key if isinstance(key, Case) else find_case(kind, key)
     gpu = is_gpu_model(kind)
     torch.manual_seed(0)
     model, tok = model_for(kind, assets, c.trainer)
