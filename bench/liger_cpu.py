@@ -31,7 +31,7 @@ kernels to SFT, reward, DPO and GRPO alike, never Liger's fused linear cross-ent
 that off itself and computes the loss through its own chunked LM head (`add_fused_lm_head`); for reward,
 `run_one.liger_args` turns it off.
 
-Two steps a run: about 7.5 minutes in all on two cores (7:24 in session 57). `make test-slow` runs it
+Two steps a run: 7 to 11 minutes in all on two cores (7:24 and 10:44 in session 57). `make test-slow` runs it
 (tests/test_liger_on_cpu.py).
 """
 
