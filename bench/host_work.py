@@ -278,7 +278,9 @@ def run(
     shape = Shape(
         f"{batch}×{tokens}",
         batch=batch,
-        max_len=2 * tokens if trainer == "sft" else tokens,
+        # SFT packs rows into blocks of two; a reward pair longer than `max_length` is dropped (as TRL drops it),
+        # and the synthetic rows overshoot `tokens`; DPO and KTO cut theirs
+        max_len=2 * tokens if trainer in ("sft", "reward") else tokens,
         prompt_tokens=prompt,
         completion_tokens=tokens - prompt,
         packed=trainer == "sft",

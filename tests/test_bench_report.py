@@ -1038,6 +1038,28 @@ def test_host_work_runs_a_step_with_the_gpu_s_hand_written_paths_and_counts_its_
     assert "aten::zero_" not in ops, "the stand-ins' own operators are left out of the counts"
 
 
+def test_host_work_runs_every_trainer_it_names(tiny):
+    """SFT, reward and KTO steps too (DPO's above): each reaches the hand-written kernels. Until session 57 the reward
+    stand-in's pairs were longer than its `max_length`, every one was dropped, and the tool failed on an empty split."""
+    runs = {
+        trainer: subprocess.Popen(
+            [sys.executable, "-m", "bench.host_work", trainer, "--layers", "2", "--rows", "2", "--warmup", "1"]
+            + ["--steps", "1", "--assets", str(tiny), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for trainer in ("sft", "reward", "kto")
+    }
+    for trainer, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (trainer, err[-3000:])
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["trainer"] == trainer and len(got["step_ms"]) == 1
+        assert got["launches"]["rotary"] >= 2 * 2 and got["launches"]["kahan_adamw"] == 2, (trainer, got["launches"])
+
+
 def test_host_work_can_run_the_lm_head_in_as_many_pieces_as_at_the_users_dpo_shape(tiny):
     """With `--users-head` the stand-in's DPO head runs as DPO 8×1024's does over Qwen2-0.5B's vocabulary: a fused group
     a pair (its gradients formed in the forward: one `token_grads` launch each) and the reference's log-probs in
