@@ -7,8 +7,8 @@ and GRPO's has never run at all.
 
 Triton's interpreter runs Triton kernels on CPU tensors, as the tests run ours. This runs, for each trainer of the
 GPU suite that has a `trl+liger` contender (SFT, reward, DPO, GRPO: TRL 1.12's PPO has no Liger path):
-- the users' case, shrunk (`shrunk`): the same flags (packed rows, gradient accumulation, completions a prompt), each
-  token count divided by `SHRINK`;
+- the users' case, shrunk (`shrunk`): the same flags (packed rows, gradient accumulation, completions a prompt), its
+  token counts cut by `SHRINK` and an offline step's rows by `FEWER_ROWS`;
 - on `tiny-qwen2`, the tiny model's sizes in Qwen2's architecture, so that Liger patches what it patches in the GPU's
   `qwen0.5b`;
 - TRL + Liger and plain TRL, each in a fresh process, on the same model, data and hyperparameters.
@@ -58,8 +58,9 @@ share, and TRL drops a pair longer than its rows). Liger's kernels run a program
 milliseconds each, so tokens are what a run's minutes are made of."""
 FEWER_ROWS = 4
 """An offline step's rows (pairs) over this; the online trainers keep theirs, which set TRL's generation batches."""
-LOSS_RTOL = 1e-3
-"""How far TRL + Liger's loss may be from plain TRL's, relative, for the offline trainers (fp32; chunked sums)."""
+LOSS_RTOL = 1e-4
+"""How far TRL + Liger's loss may be from plain TRL's, relative, for the offline trainers: both in fp32, summed in other
+orders (session 57's agreed to the 6 digits printed)."""
 
 
 def shrunk(case: Case) -> Case:
