@@ -47,7 +47,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.cases import ONLINE, TINY_QWEN2, Case, cases
+from bench.cases import ONLINE, TINY_QWEN2, Case, _user
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ("sft", "reward", "dpo", "grpo")
@@ -83,11 +83,8 @@ def shrunk(case: Case) -> Case:
 
 
 def users_cases(trainers: list[str]) -> list[Case]:
-    """The GPU suite's first case of each trainer (SFT: 8×2048 packed), shrunk."""
-    first: dict[str, Case] = {}
-    for c in cases("qwen0.5b", "user", trainers):
-        first.setdefault(c.trainer, c)
-    return [shrunk(first[t]) for t in trainers]
+    """The GPU suite's first case of each trainer (SFT: 8×2048 packed), shrunk (as `host_work.USERS_HEAD` reads it)."""
+    return [shrunk(Case(t, _user(gpu=True)[t][0])) for t in trainers]
 
 
 def interpreter_shims() -> None:
