@@ -1,6 +1,7 @@
 """A training step's host work, measured on a CPU with a GPU's code paths open:
 
-    python -m bench.host_work [TRAINER] [--layers 24] [--width 64] [--rows 8] [--tokens 16] [--steps 5] [--users-head]
+    python -m bench.host_work [TRAINER] [--side ours|trl|trl+liger | --compare] [--layers 24] [--width 64] [--rows 8]
+                              [--tokens 16] [--steps 5] [--users-head]
 
 TRAINER is `dpo` (default), `sft`, `reward` or `kto`. On a GPU a step waits on its host wherever the host's work
 (Python, dispatch, launches) outlasts its kernels: session 43 measured a DPO step's host work on CPU near that step's
@@ -26,6 +27,20 @@ paths a CUDA device takes opened and stood in for:
   (`logprobs.WHOLE_LOGITS_MAX`, a step's) and the users' pair (`dpo.FUSED_GROUP_MAX`, a pair's): `users_head_scales`.
   With `--tokens 64`, DPO's head then runs as at 8×1024: a fused group a pair, ~24 chunks for the reference.
 
+`--side trl` and `--side trl+liger` run TRL 1.16's trainer of the same step instead (`bench.run_one.trl_run`, the
+contender of the GPU table, as a user configures it), on the same model, data and paths, with what its step does on a
+CUDA device stood in for alike (`trl_paths`):
+- TRL's chunked LM head (`add_fused_lm_head`, both TRL sides) takes its Triton folds of each tile, as on CUDA, each
+  launch a no-op, and its float32-accumulating product (one `addmm` with `out_dtype` on CUDA, a cast of each input
+  and a product on CPU) is counted as the one operator;
+- with `trl+liger`, Liger's RMSNorm, rotary and SwiGLU kernels are launched (the norms and MLPs of the policy, which
+  TRL hands Liger, and the rotary of every model, which Liger swaps module-wide), each a no-op: their host work up to
+  the launch is counted, as ours'.
+No-op launches leave their outputs unwritten, so TRL's losses are garbage (TRL trains on through a NaN; the counts do
+not depend on the values). Two things of TRL's GPU step are not stood in for, so its counts are lower bounds: its
+`bf16=True` autocast (casts to float32 before the operators autocast runs in float32) and the pinned copies of its
+batches. `--compare` runs the three sides, each in a fresh process, and prints one table.
+
 It prints, a steady step each: the wall time (steps run without a profiler), the Python function calls (cProfile, in
 steps of their own) and the top-level aten operators (the torch profiler, in steps of their own: operators called
 from within other operators are not counted, those run by autograd's engine in backward are), then where they come
@@ -41,8 +56,12 @@ import contextlib
 import cProfile
 import io
 import json
+import math
+import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -52,9 +71,10 @@ from pathlib import Path
 import torch
 
 from bench.cases import QWEN_05B, Case, Shape, _user, rows
-from bench.run_one import _train_ours, optimizer_ticks
+from bench.run_one import _train_ours, optimizer_ticks, trl_run
 
 TRAINERS = ("dpo", "sft", "reward", "kto")
+SIDES = ("ours", "trl", "trl+liger")
 
 
 LAUNCHES: Counter = Counter()
@@ -185,6 +205,68 @@ def head_limits(step: float, row: float):
         logprobs.WHOLE_LOGITS_MAX, dpo.FUSED_GROUP_MAX = kept
 
 
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768
+"""TRL 1.16's chunked LM head's tile: tokens (`trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE`) by vocabulary entries
+(`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`)."""
+
+
+def trl_head_tiles(trainer: str, rows: int, tokens: int, vocab: int) -> tuple[int, int]:
+    """TRL's head tile (tokens, vocabulary entries) that cuts the stand-in's scored tokens over `vocab` into as many
+    tiles as TRL's tile cuts the users' step over Qwen2-0.5B's vocabulary (`--users-head` on a TRL side): DPO 8×1024's
+    11,520 scored tokens a forward in 3 × 5 tiles, SFT 8×2048's 16,384 in 4 × 5."""
+    if trainer not in USERS_HEAD:
+        raise SystemExit(f"--users-head: {trainer} has no users' head shape here (sft, dpo)")
+    users_rows, users_tokens = USERS_HEAD[trainer]
+    token_tiles = math.ceil(users_rows * users_tokens / TRL_TOKEN_TILE)
+    vocab_tiles = math.ceil(QWEN_05B["vocab_size"] / TRL_VOCAB_TILE)
+    scored = rows * (2 * tokens if trainer == "sft" else 2 * (tokens - min(8, tokens // 2)))
+    return math.ceil(scored / token_tiles), math.ceil(vocab / vocab_tiles)
+
+
+def _no_launch(self, *args, grid, warmup, **kwargs) -> None:
+    """`JITFunction.run` for a TRL side: any Triton kernel's launch (Liger's, TRL's head folds) counted, not run."""
+    LAUNCHES[f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"] += 1
+
+
+def _fp32_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """TRL's `_addmm_fp32` as CUDA runs it, by its operator count: one `addmm` with `out_dtype=float32`, which the
+    CPU lacks. The range's name makes the profiler count it as that one operator and the casts within as nested."""
+    with torch.profiler.record_function("aten::addmm"):
+        acc.addmm_(a.float(), b.float())
+
+
+@contextlib.contextmanager
+def trl_paths(tiles: tuple[int, int] | None = None):
+    """Open, for the block, the paths TRL's step takes on a CUDA device (the module docstring lists them), with its
+    head cut in `tiles` (tokens, vocabulary entries; `trl_head_tiles`) where given."""
+    import trl.kernels.chunked_logprob as chunked
+    import trl.trainer.utils as trl_utils
+    from triton.runtime.jit import JITFunction
+
+    patches = {
+        (JITFunction, "run"): _no_launch,
+        (chunked, "_use_triton"): lambda device: True,
+        (chunked, "_addmm_fp32"): _fp32_product,
+    }
+    if tiles:
+        patches[(chunked, "TOKEN_CHUNK_SIZE")], patches[(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE")] = tiles
+    kept = {key: getattr(*key) for key in patches}
+    try:
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for (owner, name), value in kept.items():
+            setattr(owner, name, value)
+
+
+class _NoClock:
+    """`trl_run`'s clock, unused: both sides' windows tick at the end of each optimizer step (`optimizer_ticks`)."""
+
+    def tick(self) -> None:
+        pass
+
+
 def model(trainer: str, tok, layers: int, width: int):
     """A bf16 Qwen2 of `layers` layers, `width` wide, with Qwen2-0.5B's ratio of query to key/value heads (7:1 there,
     2:1 here at 16-wide heads), the tokenizer's vocabulary; random init, seeded. Attention: `varlen`."""
@@ -266,9 +348,10 @@ def run(
     steps: int,
     assets: str,
     users_head: bool = False,
+    side: str = "ours",
 ) -> dict:
-    """Train `trainer` for `warmup` + 3 × `steps` steps with the GPU's paths open (and the users' head, `head_limits`);
-    the figures of its steady steps."""
+    """Train `trainer` (ours, or TRL's with `side`) for `warmup` + 3 × `steps` steps with the GPU's paths open (and
+    the users' head: `head_limits`, `trl_head_tiles`); the figures of its steady steps."""
     from alignpipe.modeling import load_tokenizer
     from alignpipe.tracking import Tracker
 
@@ -284,6 +367,7 @@ def run(
         prompt_tokens=prompt,
         completion_tokens=tokens - prompt,
         packed=trainer == "sft",
+        log_every=10,  # TRL's side; ours' is `common`'s
     )
     data = rows(assets, Case(trainer, shape), total, tok)
     common = dict(
@@ -297,9 +381,17 @@ def run(
     )
     windows = Windows(warmup, steps)
     scales = users_head_scales(trainer, batch, tokens, len(tok)) if users_head else (1.0, 1.0)
-    with gpu_paths(), head_limits(*scales), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
+    if side != "ours" and trainer == "kto":
+        raise SystemExit("--side: TRL's sides run sft, dpo and reward here (the GPU table's offline trainers)")
+    with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
         built = model(trainer, tok, layers, width)
-        _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
+        if side == "ours":
+            with head_limits(*scales):
+                _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
+        else:
+            tiles = trl_head_tiles(trainer, batch, tokens, len(tok)) if users_head else None
+            with trl_paths(tiles):
+                trl_run(Case(trainer, shape), built, tok, data, total, "tiny", _NoClock(), liger=side == "trl+liger")
     if len(windows.ends) < total:
         raise SystemExit(f"{trainer} ran {len(windows.ends)} optimizer steps of {total}")
     stats = pstats.Stats(windows.python)
@@ -307,14 +399,16 @@ def run(
     by_own_time = io.StringIO()
     pstats.Stats(windows.python, stream=by_own_time).sort_stats("tottime").print_stats(20)
     ms = windows.step_ms()
+    if not users_head:
+        head = ""
+    elif side == "ours":
+        head = f", the head's limits / {scales[0]:,.0f} a step, / {scales[1]:,.0f} a row (the users' head)"
+    else:
+        head = ", TRL's head in tiles of {} tokens × {} entries (the users' head)".format(*tiles)
     return {
         "trainer": trainer,
-        "shape": f"{layers} layers × {width} wide, {batch} rows × {tokens} tokens"
-        + (
-            f", the head's limits / {scales[0]:,.0f} a step, / {scales[1]:,.0f} a row (the users' head)"
-            if users_head
-            else ""
-        ),
+        "side": side,
+        "shape": f"{layers} layers × {width} wide, {batch} rows × {tokens} tokens" + head,
         "step_ms": [round(t, 1) for t in ms],
         "median_ms": round(statistics.median(ms), 1),
         "python_calls": round(stats.total_calls / steps),  # type: ignore[attr-defined]  # pstats keeps it
@@ -325,9 +419,47 @@ def run(
     }
 
 
+def compare(argv: list[str]) -> list[dict]:
+    """`run` for each of `SIDES`, each in a fresh process with the same arguments `argv`: their figures."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    got = []
+    for side in SIDES:
+        cmd = [sys.executable, "-m", "bench.host_work", *argv, "--side", side, "--json"]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        got.append(json.loads(lines[-1]))
+    return got
+
+
+def comparison_table(runs: list[dict]) -> str:
+    """The sides' figures as one markdown table: a row a side, ratios to ours."""
+    ours = next(r for r in runs if r["side"] == "ours")
+    lines = [
+        f"{ours['trainer']}: {ours['shape'].split(', the head')[0]}, a steady step each",
+        "",
+        "| side | Python calls | aten operators (top level) | Triton launches | ms on this CPU (median) |",
+        "|---|---|---|---|---|",
+    ]
+
+    def cell(r: dict, key: str) -> str:
+        return f"{r[key]:,}" + ("" if r is ours else f" ({r[key] / ours[key]:.2f}× ours)")
+
+    for r in runs:
+        lines.append(
+            f"| {r['side']} | {cell(r, 'python_calls')} | {cell(r, 'aten_ops')} | {sum(r['launches'].values()):g} "
+            f"| {cell(r, 'median_ms')} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.host_work", description=__doc__.split("\n\n")[0])
     parser.add_argument("trainer", nargs="?", default="dpo", choices=TRAINERS)
+    parser.add_argument("--side", default="ours", choices=SIDES, help="whose trainer runs the step")
+    parser.add_argument("--compare", action="store_true", help="run every side, each in a fresh process: one table")
     parser.add_argument("--layers", type=int, default=QWEN_05B["num_hidden_layers"])
     parser.add_argument("--width", type=int, default=64, help="hidden size (heads of 16)")
     parser.add_argument("--rows", type=int, default=8, help="rows (DPO, reward: pairs) a step")
@@ -341,19 +473,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--functions", action="store_true", help="also print the 20 functions by own time")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line instead")
     args = parser.parse_args(argv)
+    if args.compare:
+        if args.trainer == "kto":
+            parser.error("--compare: TRL's sides run sft, dpo and reward here")
+        passed = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--compare", "--json")]
+        runs = compare(passed)
+        print(json.dumps(runs) if args.json else comparison_table(runs))
+        return
     torch.set_num_threads(1)  # host work is single-threaded; one thread keeps the wall times comparable
     got = run(
         args.trainer, args.layers, args.width, args.rows, args.tokens, args.warmup, args.steps, args.assets,
-        args.users_head,
+        args.users_head, args.side,
     )  # fmt: skip
     if args.json:
         print(json.dumps(got))
         return
-    print(f"{got['trainer']}: {got['shape']}")
+    print(f"{got['trainer']} ({got['side']}): {got['shape']}")
     print(f"  step ms        {got['median_ms']} (median; each: {got['step_ms']})")
     print(f"  Python calls   {got['python_calls']:,} a step")
     print(f"  aten operators {got['aten_ops']:,} a step (top level)")
-    print("  hand-written launches a step: " + ", ".join(f"{k} {n:g}" for k, n in got["launches"].items()))
+    print("  Triton launches a step: " + ", ".join(f"{k} {n:g}" for k, n in got["launches"].items()))
     print("  operators a step: " + ", ".join(f"{name.removeprefix('aten::')} {n:g}" for name, n in got["ops_by_count"]))
     if args.functions:
         print(got["by_own_time"])

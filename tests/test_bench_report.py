@@ -4,6 +4,7 @@ in tests)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -1076,6 +1077,64 @@ def test_host_work_can_run_the_lm_head_in_as_many_pieces_as_at_the_users_dpo_sha
     assert "the users' head" in got["shape"]
     assert got["launches"]["token_grads"] == 2, got["launches"]  # a group a pair
     assert 20 <= got["launches"]["token_scores"] - 2 <= 40, got["launches"]  # the reference's chunks
+
+
+def test_host_work_runs_trl_s_step_on_its_gpu_paths_with_liger_s_kernels_launched(tiny):
+    """`--side trl+liger` runs TRL's DPO step on the same stand-in: Liger's RMSNorm, rotary and SwiGLU launches at the
+    rate a 2-layer policy makes them (its reference keeps transformers' norms and MLP), TRL's head folded by its Triton kernels as on CUDA
+    (the policy's and the reference's forward, the policy's backward), all no-ops, and the step's work counted.
+    `--side trl` launches TRL's head kernels alone, and issues more operators: transformers' norms, rotary and MLP."""
+    runs = {
+        side: subprocess.Popen(
+            [sys.executable, "-m", "bench.host_work", "dpo", "--side", side, "--layers", "2", "--rows", "2"]
+            + ["--warmup", "1", "--steps", "1", "--assets", str(tiny), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for side in ("trl", "trl+liger")
+    }
+    got = {}
+    for side, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (side, err[-3000:])
+        got[side] = json.loads(out.strip().splitlines()[-1])
+        assert got[side]["side"] == side and len(got[side]["step_ms"]) == 1
+    head = {"chunked_logprob._forward_kernel": 2, "chunked_logprob._backward_kernel": 1}
+    assert got["trl"]["launches"] == head, got["trl"]["launches"]
+    liger = got["trl+liger"]["launches"]
+    assert {k: liger[k] for k in head} == head, liger
+    norms = 2 * 2 + 1  # two a layer and the final one, in the policy's forward only
+    assert liger["rms_norm._rms_norm_forward_kernel"] == norms and liger["rms_norm._rms_norm_backward_kernel"] == norms
+    # Liger swaps transformers' rotary function module-wide: the reference's forward runs it too
+    assert liger["rope._triton_rope"] == 3 * 2, liger
+    assert liger["swiglu._swiglu_forward_kernel"] == 2 and liger["swiglu._swiglu_backward_kernel"] == 2, liger
+    assert got["trl+liger"]["aten_ops"] < got["trl"]["aten_ops"]
+    assert dict(got["trl"]["ops_by_count"]).get("aten::pow", 0) > dict(got["trl+liger"]["ops_by_count"]).get(
+        "aten::pow", 0
+    ), "transformers' RMSNorm runs in plain TRL's policy and in both sides' reference"
+
+
+def test_trl_s_head_is_cut_in_the_users_tiles_and_the_sides_compare_in_one_table():
+    """`--users-head` on a TRL side: TRL's head tiles the users' DPO step (8 pairs of two 720-token answers: 11,520
+    scored tokens) in 3 × 5 tiles of 4,096 tokens × 32,768 entries of Qwen2-0.5B's 151,936; the stand-in's tile gives
+    its 8 pairs × 8 scored tokens a side over 512 entries as many. `--compare`'s table gives each side's figures and
+    their ratios to ours."""
+    from bench.host_work import comparison_table, trl_head_tiles
+
+    tokens, entries = trl_head_tiles("dpo", 8, 16, 512)
+    assert (math.ceil(8 * 2 * 8 / tokens), math.ceil(512 / entries)) == (3, 5)
+    tokens, entries = trl_head_tiles("sft", 8, 16, 512)  # 8 packed blocks of 2048: 16,384 tokens in 4 × 5
+    assert (math.ceil(8 * 2 * 16 / tokens), math.ceil(512 / entries)) == (4, 5)
+    runs = [
+        {"trainer": "dpo", "side": side, "shape": "24 layers × 64 wide, 8 rows × 16 tokens", "python_calls": calls,
+         "aten_ops": ops, "launches": {"a": 100, "b": n}, "median_ms": ms}
+        for side, calls, ops, n, ms in (("ours", 1000, 500, 47, 100.0), ("trl+liger", 2000, 750, 121, 80.0))
+    ]  # fmt: skip
+    table = comparison_table(runs)
+    assert "| ours | 1,000 | 500 | 147 | 100.0 |" in table, table
+    assert "| trl+liger | 2,000 (2.00× ours) | 750 (1.50× ours) | 221 | 80.0 (0.80× ours) |" in table, table
 
 
 def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
