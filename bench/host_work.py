@@ -135,6 +135,19 @@ def _one_attention_call(q, k, v, cu_q, cu_k, longest_q, longest_k, scale):
 
 
 @contextlib.contextmanager
+def _patched(patches: dict[tuple[object, str], object]):
+    """Each `(owner, name)` attribute set to its value for the block, and put back after it."""
+    kept = {key: getattr(*key) for key in patches}
+    try:
+        for (owner, name), value in patches.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for (owner, name), value in kept.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def gpu_paths():
     """Open, for the block, the code paths a CUDA device takes (the module docstring lists them)."""
     from alignpipe import attention, fused_kernels, lean_activations, triton_kernels
@@ -157,14 +170,8 @@ def gpu_paths():
         (attention, "_documents_attention"): _one_attention_call,
         (lean_activations, "_norm_forward"): _stand_in_norm,
     }
-    kept = {key: getattr(*key) for key in patches}
-    try:
-        for (module, name), value in patches.items():
-            setattr(module, name, value)
+    with _patched(patches):
         yield
-    finally:
-        for (module, name), value in kept.items():
-            setattr(module, name, value)
 
 
 def _users_head() -> dict[str, tuple[int, int]]:
@@ -250,14 +257,8 @@ def trl_paths(tiles: tuple[int, int] | None = None):
     }
     if tiles:
         patches[(chunked, "TOKEN_CHUNK_SIZE")], patches[(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE")] = tiles
-    kept = {key: getattr(*key) for key in patches}
-    try:
-        for (owner, name), value in patches.items():
-            setattr(owner, name, value)
+    with _patched(patches):
         yield
-    finally:
-        for (owner, name), value in kept.items():
-            setattr(owner, name, value)
 
 
 class _NoClock:
