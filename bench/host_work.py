@@ -356,6 +356,8 @@ def run(
     from alignpipe.modeling import load_tokenizer
     from alignpipe.tracking import Tracker
 
+    if side != "ours" and trainer == "kto":
+        raise SystemExit("--side: TRL's sides run sft, dpo and reward here (the GPU table's offline trainers)")
     tok = load_tokenizer(f"{assets}/model")
     total = warmup + 3 * steps
     prompt = min(8, tokens // 2)
@@ -382,8 +384,6 @@ def run(
     )
     windows = Windows(warmup, steps)
     scales = users_head_scales(trainer, batch, tokens, len(tok)) if users_head else (1.0, 1.0)
-    if side != "ours" and trainer == "kto":
-        raise SystemExit("--side: TRL's sides run sft, dpo and reward here (the GPU table's offline trainers)")
     with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
         built = model(trainer, tok, layers, width)
         if side == "ours":
@@ -439,7 +439,9 @@ def comparison_table(runs: list[dict]) -> str:
     """The sides' figures as one markdown table: a row a side, ratios to ours."""
     ours = next(r for r in runs if r["side"] == "ours")
     lines = [
-        f"{ours['trainer']}: {ours['shape'].split(', the head')[0]}, a steady step each",
+        f"{ours['trainer']}: {ours['shape'].split(', the head')[0]}"
+        + (", the LM head in the users' pieces" if "users' head" in ours["shape"] else "")
+        + ", a steady step each",
         "",
         "| side | Python calls | aten operators (top level) | Triton launches | ms on this CPU (median) |",
         "|---|---|---|---|---|",
