@@ -67,6 +67,7 @@ import time
 import types
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ def _one_attention_call(q, k, v, cu_q, cu_k, longest_q, longest_k, scale):
 
 
 @contextlib.contextmanager
-def _patched(patches: dict[tuple[object, str], object]):
+def _patched(patches: dict[tuple[Any, str], Any]):
     """Each `(owner, name)` attribute set to its value for the block, and put back after it."""
     kept = {key: getattr(*key) for key in patches}
     try:
@@ -248,13 +249,13 @@ def trl_paths(tiles: tuple[int, int] | None = None):
     head cut in `tiles` (tokens, vocabulary entries; `trl_head_tiles`) where given."""
     import trl.kernels.chunked_logprob as chunked
     import trl.trainer.utils as trl_utils
-    from triton.runtime.jit import JITFunction
 
-    patches = {
-        (JITFunction, "run"): _no_launch,
-        (chunked, "_use_triton"): lambda device: True,
-        (chunked, "_addmm_fp32"): _fp32_product,
-    }
+    patches: dict[tuple[Any, str], Any] = {(chunked, "_addmm_fp32"): _fp32_product}
+    if chunked._TRITON_AVAILABLE:  # without Triton (not Linux x86-64), TRL's head folds its tiles in torch, as here
+        from triton.runtime.jit import JITFunction
+
+        patches[(JITFunction, "run")] = _no_launch
+        patches[(chunked, "_use_triton")] = lambda device: True
     if tiles:
         patches[(chunked, "TOKEN_CHUNK_SIZE")], patches[(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE")] = tiles
     with _patched(patches):
@@ -384,13 +385,13 @@ def run(
     )
     windows = Windows(warmup, steps)
     scales = users_head_scales(trainer, batch, tokens, len(tok)) if users_head else (1.0, 1.0)
+    tiles = trl_head_tiles(trainer, batch, tokens, len(tok)) if users_head and side != "ours" else None
     with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
         built = model(trainer, tok, layers, width)
         if side == "ours":
             with head_limits(*scales):
                 _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
         else:
-            tiles = trl_head_tiles(trainer, batch, tokens, len(tok)) if users_head else None
             with trl_paths(tiles):
                 trl_run(Case(trainer, shape), built, tok, data, total, "tiny", _NoClock(), liger=side == "trl+liger")
     if len(windows.ends) < total:
@@ -400,12 +401,12 @@ def run(
     by_own_time = io.StringIO()
     pstats.Stats(windows.python, stream=by_own_time).sort_stats("tottime").print_stats(20)
     ms = windows.step_ms()
-    if not users_head:
-        head = ""
-    elif side == "ours":
+    if tiles:
+        head = f", TRL's head in tiles of {tiles[0]} tokens × {tiles[1]} entries (the users' head)"
+    elif users_head:
         head = f", the head's limits / {scales[0]:,.0f} a step, / {scales[1]:,.0f} a row (the users' head)"
     else:
-        head = ", TRL's head in tiles of {} tokens × {} entries (the users' head)".format(*tiles)
+        head = ""
     return {
         "trainer": trainer,
         "side": side,

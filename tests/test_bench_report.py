@@ -1084,6 +1084,7 @@ def test_host_work_runs_trl_s_step_on_its_gpu_paths_with_liger_s_kernels_launche
     rate a 2-layer policy makes them (its reference keeps transformers' norms and MLP), TRL's head folded by its Triton kernels as on CUDA
     (the policy's and the reference's forward, the policy's backward), all no-ops, and the step's work counted.
     `--side trl` launches TRL's head kernels alone, and issues more operators: transformers' norms, rotary and MLP."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is in the test extra on Linux x86-64 only")
     runs = {
         side: subprocess.Popen(
             [sys.executable, "-m", "bench.host_work", "dpo", "--side", side, "--layers", "2", "--rows", "2"]
