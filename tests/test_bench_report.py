@@ -1081,9 +1081,10 @@ def test_host_work_can_run_the_lm_head_in_as_many_pieces_as_at_the_users_dpo_sha
 
 def test_host_work_runs_trl_s_step_on_its_gpu_paths_with_liger_s_kernels_launched(tiny):
     """`--side trl+liger` runs TRL's DPO step on the same stand-in: Liger's RMSNorm, rotary and SwiGLU launches at the
-    rate a 2-layer policy makes them (its reference keeps transformers' norms and MLP), TRL's head folded by its Triton kernels as on CUDA
-    (the policy's and the reference's forward, the policy's backward), all no-ops, and the step's work counted.
-    `--side trl` launches TRL's head kernels alone, and issues more operators: transformers' norms, rotary and MLP."""
+    rates a 2-layer model makes them (the reference keeps transformers' norms and MLP), TRL's head folded by its
+    Triton kernels as on CUDA (the policy's and the reference's forward, the policy's backward), all no-ops, and the
+    step's work counted. `--side trl` launches TRL's head kernels alone, and issues more operators: transformers'
+    norms, rotary and MLP."""
     pytest.importorskip("liger_kernel", reason="liger-kernel is in the test extra on Linux x86-64 only")
     runs = {
         side: subprocess.Popen(
