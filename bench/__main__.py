@@ -48,6 +48,7 @@ from bench.run_one import (
     NEAREST_ENV,
     SKIP_STEPS_ENV,
     UNFUSED_ENV,
+    fresh_json,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,18 +186,7 @@ def measure(
         env.update({v.env: "1" for v in VARIANTS if v.name in variants})
     if impl == "trl" and key.startswith("ppo/"):
         env["PYTHONPATH"] = os.pathsep.join([str(trl_with_ppo()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.run_one", impl, key, model, str(steps), str(assets)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{impl} {key} {model} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return fresh_json(["bench.run_one", impl, key, model, str(steps), str(assets)], env, timeout=1800)
 
 
 def machine_peaks(gpu: bool) -> dict:

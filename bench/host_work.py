@@ -57,10 +57,8 @@ import cProfile
 import io
 import json
 import math
-import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +70,7 @@ from typing import Any
 import torch
 
 from bench.cases import QWEN_05B, Case, Shape, _user, rows
-from bench.run_one import _train_ours, optimizer_ticks, trl_run
+from bench.run_one import _train_ours, fresh_json, optimizer_ticks, trl_run
 
 TRAINERS = ("dpo", "sft", "reward", "kto")
 SIDES = ("ours", "trl", "trl+liger")
@@ -185,16 +183,21 @@ def _users_head() -> dict[str, tuple[int, int]]:
 USERS_HEAD = _users_head()
 
 
+def _stand_in_row(trainer: str, tokens: int) -> tuple[int, int]:
+    """(tokens the head scores in one of the stand-in's rows of about `tokens` tokens, in one of the users' rows): SFT
+    scores packed blocks of twice `tokens`, DPO two answers a pair after 8 prompt tokens."""
+    if trainer not in USERS_HEAD:
+        raise SystemExit(f"--users-head: {trainer} has no users' head shape here (sft, dpo)")
+    return (2 * tokens if trainer == "sft" else 2 * (tokens - min(8, tokens // 2))), USERS_HEAD[trainer][1]
+
+
 def users_head_scales(trainer: str, rows: int, tokens: int, vocab: int) -> tuple[float, float]:
     """How many times more logits the LM head makes at the users' shape (`USERS_HEAD` over Qwen2-0.5B's vocabulary)
     than the stand-in's `rows` rows of about `tokens` tokens (SFT: packed blocks of twice that; DPO: two answers a
     pair, after 8 prompt tokens) over `vocab`: (a step's, a row's)."""
-    if trainer not in USERS_HEAD:
-        raise SystemExit(f"--users-head: {trainer} has no users' head shape here (sft, dpo)")
-    users_rows, users_tokens = USERS_HEAD[trainer]
-    scored = 2 * tokens if trainer == "sft" else 2 * (tokens - min(8, tokens // 2))
+    scored, users_tokens = _stand_in_row(trainer, tokens)
     row = users_tokens * QWEN_05B["vocab_size"] / (scored * vocab)
-    return row * users_rows / rows, row
+    return row * USERS_HEAD[trainer][0] / rows, row
 
 
 @contextlib.contextmanager
@@ -222,13 +225,10 @@ def trl_head_tiles(trainer: str, rows: int, tokens: int, vocab: int) -> tuple[in
     """TRL's head tile (tokens, vocabulary entries) that cuts the stand-in's scored tokens over `vocab` into as many
     tiles as TRL's tile cuts the users' step over Qwen2-0.5B's vocabulary (`--users-head` on a TRL side): DPO 8×1024's
     11,520 scored tokens a forward in 3 × 5 tiles, SFT 8×2048's 16,384 in 4 × 5."""
-    if trainer not in USERS_HEAD:
-        raise SystemExit(f"--users-head: {trainer} has no users' head shape here (sft, dpo)")
-    users_rows, users_tokens = USERS_HEAD[trainer]
-    token_tiles = math.ceil(users_rows * users_tokens / TRL_TOKEN_TILE)
+    scored, users_tokens = _stand_in_row(trainer, tokens)
+    token_tiles = math.ceil(USERS_HEAD[trainer][0] * users_tokens / TRL_TOKEN_TILE)
     vocab_tiles = math.ceil(QWEN_05B["vocab_size"] / TRL_VOCAB_TILE)
-    scored = rows * (2 * tokens if trainer == "sft" else 2 * (tokens - min(8, tokens // 2)))
-    return math.ceil(scored / token_tiles), math.ceil(vocab / vocab_tiles)
+    return math.ceil(rows * scored / token_tiles), math.ceil(vocab / vocab_tiles)
 
 
 def _no_launch(self, *args, grid, warmup, **kwargs) -> None:
@@ -423,17 +423,10 @@ def run(
 
 def compare(argv: list[str]) -> list[dict]:
     """`run` for each of `SIDES`, each in a fresh process with the same arguments `argv`: their figures."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    got = []
-    for side in SIDES:
-        cmd = [sys.executable, "-m", "bench.host_work", *argv, "--side", side, "--json"]
-        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            raise SystemExit(f"{side} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        got.append(json.loads(lines[-1]))
-    return got
+    try:
+        return [fresh_json(["bench.host_work", *argv, "--side", side, "--json"]) for side in SIDES]
+    except RuntimeError as failed:
+        raise SystemExit(str(failed)) from None
 
 
 def comparison_table(runs: list[dict]) -> str:

@@ -42,7 +42,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -157,17 +156,13 @@ def run_here(impl: str, trainer: str, steps: int, assets: str) -> dict:
 
 def run_fresh(impl: str, trainer: str, steps: int, assets: str) -> dict:
     """`run_here` in a fresh process with Triton's interpreter on: its result, or {"error": the output's tail}."""
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "bench.liger_cpu", "--run", impl, trainer, "--steps", str(steps), "--assets", assets]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        return {"error": (done.stdout + done.stderr)[-3000:]}
-    return json.loads(lines[-1])
+    from bench.run_one import fresh_json
+
+    args = ["bench.liger_cpu", "--run", impl, trainer, "--steps", str(steps), "--assets", assets]
+    try:
+        return fresh_json(args, {**os.environ, "TRITON_INTERPRET": "1"})
+    except RuntimeError as failed:
+        return {"error": str(failed)}
 
 
 def verdict(trainer: str, trl: dict, liger: dict) -> str | None:

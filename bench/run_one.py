@@ -140,6 +140,25 @@ class SteadySyncs:
 ROOT_PREFIX = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+def fresh_json(module_args: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> dict:
+    """`python -m MODULE ARGS…` (`module_args`) in a fresh process from the repository's root: the last JSON line it
+    prints. A failure (a non-zero exit, no JSON line) raises RuntimeError with the output's tail."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", *module_args],
+        cwd=ROOT_PREFIX,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(module_args)} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    return json.loads(lines[-1])
+
+
 @contextlib.contextmanager
 def optimizer_ticks(clock):
     """`clock.tick()` (a `StepClock`, or anything with a `tick`) at the end of every optimizer step taken within (torch's global step hooks), once per step
