@@ -340,6 +340,40 @@ def top_level_ops(prof) -> Counter:
     return Counter(e.name for e in prof.events() if e.name.startswith("aten::") and not nested(e))
 
 
+def train_side(side: str, case: Case, built, tok, data: list[dict], steps: int, clock, tiles=None) -> None:
+    """Train `built` for `steps` optimizer steps of `case` on `side`'s trainer (ours as `common` configures it, or
+    TRL's as `trl_run` does, TRL's head in `tiles` where given), with the GPU's paths open (`gpu_paths`, `trl_paths`):
+    `clock.tick()` at the end of each optimizer step. SystemExit if fewer steps ran."""
+    from alignpipe.tracking import Tracker
+
+    shape = case.shape
+    common = dict(
+        learning_rate=1e-4,
+        max_steps=steps,
+        batch_size=shape.batch,
+        gradient_accumulation_steps=shape.accumulation,
+        max_length=shape.max_len,
+        logging_every=10,
+        lr_scheduler="linear",
+        dataloader_workers=1,
+    )
+    ticks: list[None] = []
+
+    class Ticks:
+        def tick(self) -> None:
+            ticks.append(None)
+            clock.tick()
+
+    with gpu_paths(), optimizer_ticks(Ticks()), tempfile.TemporaryDirectory() as out:
+        if side == "ours":
+            _train_ours(case.trainer, shape, common, {}, {}, built, tok, data, steps, "tiny", Tracker(), out)
+        else:
+            with trl_paths(tiles):
+                trl_run(case, built, tok, data, steps, "tiny", _NoClock(), liger=side == "trl+liger")
+    if len(ticks) < steps:
+        raise SystemExit(f"{case.key} ({side}) ran {len(ticks)} optimizer steps of {steps}")
+
+
 def run(
     trainer: str,
     layers: int,
@@ -355,7 +389,6 @@ def run(
     """Train `trainer` (ours, or TRL's with `side`) for `warmup` + 3 × `steps` steps with the GPU's paths open (and
     the users' head: `head_limits`, `trl_head_tiles`); the figures of its steady steps."""
     from alignpipe.modeling import load_tokenizer
-    from alignpipe.tracking import Tracker
 
     if side != "ours" and trainer == "kto":
         raise SystemExit("--side: TRL's sides run sft, dpo and reward here (the GPU table's offline trainers)")
@@ -374,28 +407,11 @@ def run(
         log_every=10,  # TRL's side; ours' is `common`'s
     )
     data = rows(assets, Case(trainer, shape), total, tok)
-    common = dict(
-        learning_rate=1e-4,
-        max_steps=total,
-        batch_size=batch,
-        max_length=shape.max_len,
-        logging_every=10,
-        lr_scheduler="linear",
-        dataloader_workers=1,
-    )
     windows = Windows(warmup, steps)
     scales = users_head_scales(trainer, batch, tokens, len(tok)) if users_head else (1.0, 1.0)
     tiles = trl_head_tiles(trainer, batch, tokens, len(tok)) if users_head and side != "ours" else None
-    with gpu_paths(), optimizer_ticks(windows), tempfile.TemporaryDirectory() as out:
-        built = model(trainer, tok, layers, width)
-        if side == "ours":
-            with head_limits(*scales):
-                _train_ours(trainer, shape, common, {}, {}, built, tok, data, total, "tiny", Tracker(), out)
-        else:
-            with trl_paths(tiles):
-                trl_run(Case(trainer, shape), built, tok, data, total, "tiny", _NoClock(), liger=side == "trl+liger")
-    if len(windows.ends) < total:
-        raise SystemExit(f"{trainer} ran {len(windows.ends)} optimizer steps of {total}")
+    with head_limits(*scales):
+        train_side(side, Case(trainer, shape), model(trainer, tok, layers, width), tok, data, total, windows, tiles)
     stats = pstats.Stats(windows.python)
     ops = top_level_ops(windows.ops)
     by_own_time = io.StringIO()

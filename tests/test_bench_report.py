@@ -1139,6 +1139,54 @@ def test_trl_s_head_is_cut_in_the_users_tiles_and_the_sides_compare_in_one_table
     assert "| trl+liger | 2,000 (2.00× ours) | 750 (1.50× ours) | 221 | 80.0 (0.80× ours) |" in table, table
 
 
+def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
+    """`python -m bench.device_work` counts the matrix products of a DPO step (the users' case, shrunk, on the 64-wide
+    stand-in): each side's decoder runs 6 · N a policy token and 2 · N a reference token, N the decoder's matrices
+    scaled to 24 layers; ours embeds fewer tokens (each prompt once a pair, no padding); ours' fused head runs three
+    products a scored token in the policy (no recomputation) and one in the reference, TRL's chunked head four (it
+    recomputes each tile's logits in backward) and one."""
+    runs = {
+        side: subprocess.Popen(
+            [sys.executable, "-m", "bench.device_work", "dpo", "--side", side, "--shrink", "--layers", "2"]
+            + ["--steps", "1", "--assets", str(tiny), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for side in ("ours", "trl")
+    }
+    got = {}
+    for side, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (side, err[-3000:])
+        got[side] = json.loads(out.strip().splitlines()[-1])
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128  # q, o; k, v (2 of 4 heads of 16); gate, up, down
+    head_product = 2 * 512 * 64  # a token through the 512-entry head, 64 wide
+    for side, products in (("ours", 3 + 1), ("trl", 4 + 1)):
+        r = got[side]
+        assert r["decoder"] == 4 * 24 * per_layer * r["tokens"], (side, r)  # (6 + 2) · N over half the tokens each
+        scored = r["rest"] / head_product / products
+        assert scored == int(scored) and scored > 0, (side, r)
+        assert r["total"] == r["decoder"] + r["rest"] and r["model"] == got["ours"]["model"]
+    assert got["ours"]["tokens"] < got["trl"]["tokens"]
+    assert got["ours"]["total"] < got["ours"]["model"] < got["trl"]["total"]
+
+
+def test_device_work_table_gives_each_side_against_the_formula_and_ours():
+    from bench.device_work import table
+
+    runs = [
+        {"side": side, "case": "dpo/8x1024", "layers_run": 2, "decoder": dec * 1e12, "rest": rest * 1e12,
+         "total": (dec + rest) * 1e12, "model": 40e12, "tokens": tokens}
+        for side, dec, rest, tokens in (("ours", 20.0, 10.0, 27000), ("trl+liger", 26.0, 14.0, 31500))
+    ]  # fmt: skip
+    text = table(runs)
+    assert "the MFU formula's 40" in text, text
+    assert "| ours | 20 | 10 | 30 | 0.75 | 1.00× | 27,000 |" in text, text
+    assert "| trl+liger | 26 | 14 | 40 | 1.00 | 1.33× | 31,500 |" in text, text
+
+
 def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
     """`python -m bench.worker_batches` collates the DPO user case's batch as a GPU stage does (padding-free, shared
     prompts: 13 tensors) and times its handover from a loader worker as separate tensors and in one buffer."""

@@ -1,0 +1,243 @@
+"""A training step's device work at a users' shape, counted on a CPU: the matrix products each side's step runs.
+
+    python -m bench.device_work [TRAINER] [--side ours|trl|trl+liger | --compare] [--layers 2] [--steps 2]
+
+TRAINER is `dpo` (default), `reward` or `sft`: the first users' case of the GPU table (`bench.cases`: DPO and reward
+8 pairs of a ~256-token prompt and two ~720-token answers, SFT 8 packed rows of 2048), on the data the GPU run makes,
+with Qwen2-0.5B's widths and vocabulary and `--layers` of its 24 decoder layers (bf16, random init). A step's time on
+a GPU is the longer of its host work (`bench.host_work`) and its device work, and a training step's device work is
+mostly its matrix products. Both sides compute the same loss, but not with the same products: a side that pads its
+rows computes over the padding, a side that scores the prompt runs it once per answer, a chunked LM head that
+recomputes its logits in backward runs four products a token where a head that takes its gradients in the forward
+runs three. This counts them, with the paths a CUDA device takes opened as `bench.host_work` opens them (Triton
+launches no-ops: Liger's and TRL's kernels are elementwise folds, ours' too; the products around them run in torch).
+
+Counted by torch's `FlopCounterMode` over `--steps` optimizer steps after one warm-up step, each product where it ran:
+- decoder: inside a decoder layer, scaled by 24 / `--layers` (each of Qwen2-0.5B's layers runs the same products);
+- rest: the LM head (or the reward model's score), wherever it runs: in the head's module or in a loss that takes
+  its weight.
+Attention's own products are not counted: on a GPU they run in flash's kernels (ours' variable-length one over each
+document, TRL's over its padded rows), which the CPU stands in for with other kernels. At these shapes they are about
+8% of the model's FLOPs (`bench.cases.train_flops_per_token`: 12·L·d·s of 6·N + 12·L·d·s).
+
+Beside each count: the tokens the embedding took a step (policy and reference forwards, padding included), and the
+model's products a step as the GPU table's MFU counts them (6·N a trained token, 2·N more for DPO's reference, N the
+decoder's and head's parameters: every token through the whole model, once per answer), so a side's count under that
+says it skips work the formula counts (scores only answers' tokens, runs a shared prompt once), over it that it does
+more. `--compare` runs each side in a fresh process and prints one table, with how many times ours' products each
+contender runs: the speed ratio ours would have if both sides ran their products equally fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from bench.cases import QWEN_05B, Case, _user, row_lengths, rows, tokens_per_sample
+from bench.host_work import SIDES, train_side
+from bench.run_one import fresh_json
+
+TRAINERS = ("dpo", "reward", "sft")
+LAYER = re.compile(r"\.layers\.\d+$")
+
+
+def case_of(trainer: str) -> Case:
+    """The trainer's first users' case of the GPU table."""
+    return Case(trainer, _user(gpu=True)[trainer][0])
+
+
+def model(trainer: str, tok, layers: int):
+    """Qwen2-0.5B's widths and vocabulary with `layers` decoder layers, bf16, random init (seeded); attention
+    `varlen`, the GPU's default."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from alignpipe.modeling import implementation
+
+    cfg = Qwen2Config(
+        **{**QWEN_05B, "num_hidden_layers": layers},
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        num_labels=1,
+    )
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        built = (Qwen2ForSequenceClassification if trainer == "reward" else Qwen2ForCausalLM)(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    built.set_attn_implementation(implementation("varlen"))
+    return built
+
+
+def _product_in_place(acc_shape, a_shape, b_shape, *_, **__) -> int:
+    """`addmm_` (TRL's head accumulates its gradients so, on CPU): 2·m·k·n, as `addmm`."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+PRODUCT_LIKE = re.compile(r"mm|matmul|linear|dot|einsum|conv|mv")
+
+
+def _counter(custom_mapping: dict):
+    """A `FlopCounterMode` that also counts the product-like operators it has no formula for (a count that misses
+    one would be short), attention's kernels apart (left out on purpose: the module's docstring)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Counter_(FlopCounterMode):
+        def _count_flops(self, func_packet, out, args, kwargs):
+            name = str(func_packet)
+            if func_packet not in self.flop_registry and PRODUCT_LIKE.search(name) and "attention" not in name:
+                self.unformulated[str(func_packet)] += 1
+            return super()._count_flops(func_packet, out, args, kwargs)
+
+    mode = Counter_(display=False, custom_mapping=custom_mapping)
+    mode.unformulated = Counter()
+    return mode
+
+
+class Counting:
+    """`tick`ed at the end of each optimizer step: counts the products of steps `first` + 1 … `first` + `steps`
+    (`FlopCounterMode`, by module) and the tokens each embedding took."""
+
+    def __init__(self, first: int, steps: int):
+        self.edges = (first, first + steps)
+        self.ticks = 0
+        self.mode = _counter({torch.ops.aten.addmm_: _product_in_place})
+        self.tokens = 0
+        self._hook = None
+
+    def tick(self) -> None:
+        self.ticks += 1
+        if self.ticks == self.edges[0]:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._embedding_input)
+            self.mode.__enter__()
+        elif self.ticks == self.edges[1]:
+            self.mode.__exit__(None, None, None)
+            self._hook.remove()
+
+    def _embedding_input(self, module, args) -> None:
+        if isinstance(module, torch.nn.Embedding):
+            self.tokens += args[0].numel()
+
+    def counts(self, layers: int) -> dict:
+        """(decoder products scaled to Qwen2-0.5B's depth, the rest), in FLOPs, and the operators by FLOPs.
+        SystemExit if a product-like operator ran that the count has no formula for."""
+        by_module = self.mode.get_flop_counts()
+        total = sum(by_module["Global"].values())
+        decoder = sum(sum(ops.values()) for name, ops in by_module.items() if LAYER.search(name))
+        ops = {str(op).rsplit(".", 1)[-1]: n for op, n in by_module["Global"].items()}
+        if self.mode.unformulated:
+            raise SystemExit(f"products the count has no formula for: {dict(self.mode.unformulated)}")
+        return {
+            "decoder": decoder * QWEN_05B["num_hidden_layers"] / layers,
+            "rest": total - decoder,
+            "by_operator": ops,
+        }
+
+
+def model_products(case: Case, config, tokens_a_step: float) -> float:
+    """The step's products as the GPU table's MFU counts them (`bench.cases.train_flops_per_token`), attention left
+    out: (6, + 2 for DPO's reference) · N a token, N the decoder's matrices over Qwen2-0.5B's 24 layers and the LM
+    head's (none for the reward model)."""
+    d, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (d // config.num_attention_heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * inter  # q, o; k, v; gate, up, down
+    n = QWEN_05B["num_hidden_layers"] * per_layer + (0 if case.trainer == "reward" else config.vocab_size * d)
+    return (8 if case.trainer == "dpo" else 6) * n * tokens_a_step
+
+
+def run(trainer: str, side: str, layers: int, steps: int, assets: str, shrink: bool = False) -> dict:
+    """Train the users' case of `trainer` on `side` for one warm-up step and `steps` counted ones: the counts a
+    step, in FLOPs. `shrink`: the case shrunk as `bench.liger_cpu` shrinks it, on `bench.host_work`'s 64-wide
+    stand-in with the tokenizer's vocabulary (seconds, for tests: the structure of the counts, not their size)."""
+    from alignpipe.modeling import load_tokenizer
+    from bench import host_work, liger_cpu
+
+    tok = load_tokenizer(f"{assets}/model")
+    case = liger_cpu.shrunk(case_of(trainer)) if shrink else case_of(trainer)
+    total = 1 + steps
+    data = rows(assets, case, total, tok)
+    counting = Counting(1, steps)
+    built = host_work.model(trainer, tok, layers, 64) if shrink else model(trainer, tok, layers)
+    train_side(side, case, built, tok, data, total, counting)
+    if counting.ticks < total:
+        raise SystemExit(f"{case.key} ({side}) ran {counting.ticks} optimizer steps of {total}")
+    got = counting.counts(layers)
+    tokens_a_step = tokens_per_sample(case, row_lengths(assets, case, tok)) * case.shape.per_step
+    return {
+        "trainer": trainer,
+        "side": side,
+        "case": case.key + (" shrunk" if shrink else ""),
+        "layers_run": layers,
+        "decoder": got["decoder"] / steps,
+        "rest": got["rest"] / steps,
+        "total": (got["decoder"] + got["rest"]) / steps,
+        "model": model_products(case, built.config, tokens_a_step),
+        "tokens": counting.tokens / steps,
+        "by_operator": {op: n / steps for op, n in sorted(got["by_operator"].items())},
+    }
+
+
+def compare(argv: list[str]) -> list[dict]:
+    """`run` for each of `SIDES`, each in a fresh process with the same arguments `argv`: their counts."""
+    try:
+        return [fresh_json(["bench.device_work", *argv, "--side", side, "--json"]) for side in SIDES]
+    except RuntimeError as failed:
+        raise SystemExit(str(failed)) from None
+
+
+def _tflop(flops: float) -> str:
+    return f"{flops / 1e12:.3g}"
+
+
+def table(runs: list[dict]) -> str:
+    """The sides' counts as one markdown table: a row a side, and how many times ours' products each runs."""
+    ours = next((r for r in runs if r["side"] == "ours"), runs[0])
+    lines = [
+        f"{ours['case']}, Qwen2-0.5B's 24 layers (products counted on {ours['layers_run']}, scaled): TFLOP of "
+        f"products a step; the MFU formula's {_tflop(ours['model'])}",
+        "",
+        "| side | decoder | LM head and the rest | all | of the formula's | of ours' | tokens embedded |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['side']} | {_tflop(r['decoder'])} | {_tflop(r['rest'])} | {_tflop(r['total'])} "
+            f"| {r['total'] / r['model']:.2f} | {r['total'] / ours['total']:.2f}× | {r['tokens']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.device_work", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trainer", nargs="?", default="dpo", choices=TRAINERS)
+    parser.add_argument("--side", default="ours", choices=SIDES, help="whose trainer runs the step")
+    parser.add_argument("--compare", action="store_true", help="run every side, each in a fresh process: one table")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps counted, after one warm-up step")
+    parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
+    parser.add_argument("--shrink", action="store_true", help="the case shrunk, on a 64-wide model (for tests)")
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON line instead")
+    args = parser.parse_args(argv)
+    if args.compare:
+        passed = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--compare", "--json")]
+        runs = compare(passed)
+        print(json.dumps(runs) if args.json else table(runs))
+        return
+    got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink)
+    if args.json:
+        print(json.dumps(got))
+        return
+    print(table([got]))
+    by_operator = ", ".join(f"{op} {_tflop(n)}" for op, n in got["by_operator"].items())
+    print(f"products by operator, TFLOP a step (the decoder's over the {args.layers} layers run): {by_operator}")
+
+
+if __name__ == "__main__":
+    main()
