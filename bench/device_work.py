@@ -30,18 +30,15 @@ contender runs: the speed ratio ours would have if both sides ran their products
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from bench.cases import QWEN_05B, Case, _user, row_lengths, rows, tokens_per_sample
-from bench.host_work import SIDES, train_side
-from bench.run_one import fresh_json
+from bench.host_work import compare, sides_parser, train_side
 
 TRAINERS = ("dpo", "reward", "sft")
 LAYER = re.compile(r"\.layers\.\d+$")
@@ -184,14 +181,6 @@ def run(trainer: str, side: str, layers: int, steps: int, assets: str, shrink: b
     }
 
 
-def compare(argv: list[str]) -> list[dict]:
-    """`run` for each of `SIDES`, each in a fresh process with the same arguments `argv`: their counts."""
-    try:
-        return [fresh_json(["bench.device_work", *argv, "--side", side, "--json"]) for side in SIDES]
-    except RuntimeError as failed:
-        raise SystemExit(str(failed)) from None
-
-
 def _tflop(flops: float) -> str:
     return f"{flops / 1e12:.3g}"
 
@@ -215,19 +204,14 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.device_work", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trainer", nargs="?", default="dpo", choices=TRAINERS)
-    parser.add_argument("--side", default="ours", choices=SIDES, help="whose trainer runs the step")
-    parser.add_argument("--compare", action="store_true", help="run every side, each in a fresh process: one table")
+    parser = sides_parser("python -m bench.device_work", __doc__, TRAINERS)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps counted, after one warm-up step")
     parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
     parser.add_argument("--shrink", action="store_true", help="the case shrunk, on a 64-wide model (for tests)")
-    parser.add_argument("--json", action="store_true", help="print the counts as one JSON line instead")
     args = parser.parse_args(argv)
     if args.compare:
-        passed = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--compare", "--json")]
-        runs = compare(passed)
+        runs = compare("bench.device_work", argv)
         print(json.dumps(runs) if args.json else table(runs))
         return
     got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink)

@@ -437,10 +437,23 @@ def run(
     }
 
 
-def compare(argv: list[str]) -> list[dict]:
-    """`run` for each of `SIDES`, each in a fresh process with the same arguments `argv`: their figures."""
+def sides_parser(prog: str, doc: str, trainers: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The command line `host_work` and `device_work` share: TRAINER (the first of `trainers` by default), `--side`,
+    `--compare` and `--json`."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("trainer", nargs="?", default=trainers[0], choices=trainers)
+    parser.add_argument("--side", default="ours", choices=SIDES, help="whose trainer runs the step")
+    parser.add_argument("--compare", action="store_true", help="run every side, each in a fresh process: one table")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line instead")
+    return parser
+
+
+def compare(module: str, argv: list[str] | None) -> list[dict]:
+    """`python -m MODULE` for each of `SIDES`, each in a fresh process, with the command line's arguments (`argv`, or
+    the process's) but `--compare`: their figures."""
+    passed = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--compare", "--json")]
     try:
-        return [fresh_json(["bench.host_work", *argv, "--side", side, "--json"]) for side in SIDES]
+        return [fresh_json([module, *passed, "--side", side, "--json"]) for side in SIDES]
     except RuntimeError as failed:
         raise SystemExit(str(failed)) from None
 
@@ -469,10 +482,7 @@ def comparison_table(runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.host_work", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trainer", nargs="?", default="dpo", choices=TRAINERS)
-    parser.add_argument("--side", default="ours", choices=SIDES, help="whose trainer runs the step")
-    parser.add_argument("--compare", action="store_true", help="run every side, each in a fresh process: one table")
+    parser = sides_parser("python -m bench.host_work", __doc__, TRAINERS)
     parser.add_argument("--layers", type=int, default=QWEN_05B["num_hidden_layers"])
     parser.add_argument("--width", type=int, default=64, help="hidden size (heads of 16)")
     parser.add_argument("--rows", type=int, default=8, help="rows (DPO, reward: pairs) a step")
@@ -484,13 +494,11 @@ def main(argv: list[str] | None = None) -> None:
         "--users-head", action="store_true", help="the LM head in as many pieces as at the users' shape (sft, dpo)"
     )
     parser.add_argument("--functions", action="store_true", help="also print the 20 functions by own time")
-    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line instead")
     args = parser.parse_args(argv)
     if args.compare:
         if args.trainer == "kto":
             parser.error("--compare: TRL's sides run sft, dpo and reward here")
-        passed = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--compare", "--json")]
-        runs = compare(passed)
+        runs = compare("bench.host_work", argv)
         print(json.dumps(runs) if args.json else comparison_table(runs))
         return
     torch.set_num_threads(1)  # host work is single-threaded; one thread keeps the wall times comparable
