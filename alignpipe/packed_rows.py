@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from alignpipe import last_layer
 from alignpipe.attention import document_kwargs, documents_mask, implementation_of
 from alignpipe.device_copies import int64_tensor
+from alignpipe.last_layer import read_layout
 
 # transformers' `attn_implementation`s that run packed documents from their offsets, with no mask
 DOCUMENT_KERNELS = frozenset({"varlen", "flash_attention_2", "flash_attention_3"})
@@ -56,7 +58,9 @@ def runs(packed: dict[str, Any] | None, model) -> bool:
 
 def pack(seqs: list[list[int]]) -> dict[str, Any]:
     """`seqs` run together into one row, each its own document (`pack_groups` with one answer per group)."""
-    return pack_groups([([], [s]) for s in seqs], share=False)
+    packed = pack_groups([([], [s]) for s in seqs], share=False)
+    del packed["keys"]
+    return packed
 
 
 def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) -> dict[str, Any]:
@@ -67,8 +71,9 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) ->
       prefix's and its own (`cu_seq_lens_k`, `max_length_k`, and `key_rows`, the tokens whose keys make up the key
       documents, for `attention.varlen_attention_forward`); else every prefix + answer its own document;
     - `offsets`, the query documents' offsets as host ints;
-    - `where`, per group, per answer, (the first position of its prefix's copy, its answer's first position), for
-      the callers below to read (and drop: it stays on the host).
+    - `where`, per group, per answer, (the first position of its prefix's copy, its answer's first position), and
+      `keys`, the key documents' offsets and their tokens (host ints, whatever the layout), for the callers below to
+      read (and drop: they stay on the host).
     Unshared, the documents go row after row (every group's first answer, then every second); shared, group after
     group. A group is laid out unshared where its prefix is empty or an answer is. Every document must hold a
     token."""
@@ -116,6 +121,7 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]]]], share: bool) ->
         "documents": documents,
         "offsets": cu_q,
         "where": where,
+        "keys": (cu_k, key_rows),
     }
 
 
@@ -146,6 +152,7 @@ def pack_answers(
     groups, slots = _groups(prompts, answers, index)
     packed = pack_groups(groups, share)
     where = packed.pop("where")
+    del packed["keys"]
     scoring = torch.empty((len(answers), width), dtype=torch.long)
     for r, answer in enumerate(answers):
         g, j = slots[r]
@@ -167,7 +174,8 @@ def pack_scored(
 ) -> dict[str, Any]:
     """Sequence r, `prefixes[index[r]] + suffixes[r]` (default index: r % len(prefixes)), in `pack_groups`' layout,
     plus `last` (R,): where a sequence classifier reads its score, its last token that is not `pad_id`, as
-    transformers' classifiers read a padded row (a sequence of padding only: its first)."""
+    transformers' classifiers read a padded row (a sequence of padding only: its first), and `read`, the last
+    layer's documents for running it at those tokens alone (`last_layer.read_layout`)."""
     groups, slots = _groups(prefixes, suffixes, index)
     packed = pack_groups(groups, share)
     where = packed.pop("where")
@@ -180,6 +188,7 @@ def pack_scored(
         k = real[-1] if real else 0
         last.append(p0 + k if k < len(prefix) else a0 + k - len(prefix))
     packed["last"] = torch.tensor(last)
+    packed["read"] = read_layout(last, packed["offsets"], *packed.pop("keys"))
     return packed
 
 
@@ -219,8 +228,14 @@ def body_hidden(body, packed: dict[str, Any]) -> torch.Tensor:
 
 def classifier_scores(classifier, packed: dict[str, Any]) -> torch.Tensor:
     """A sequence classifier's (transformers' `*ForSequenceClassification`, unwrapped) float scores of a
-    `pack_scored` layout: its body over the one row of documents, its `score` head at each sequence's `last`."""
-    hidden = body_hidden(getattr(classifier, classifier.base_model_prefix), packed)
+    `pack_scored` layout: its body over the one row of documents, its `score` head at each sequence's `last`. Where
+    the body allows (`last_layer.supported`), its last layer runs at those tokens alone."""
+    body = getattr(classifier, classifier.base_model_prefix)
+    if "read" in packed and last_layer.supported(body):
+        with last_layer.reading_at(body, packed["read"]):
+            hidden = body_hidden(body, packed)
+        return classifier.score(hidden[0]).squeeze(-1).float()
+    hidden = body_hidden(body, packed)
     return classifier.score(hidden[0].index_select(0, packed["last"])).squeeze(-1).float()
 
 

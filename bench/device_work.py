@@ -4,7 +4,7 @@
 
 TRAINER is `dpo` (default), `reward` or `sft`: the first users' case of the GPU table (`bench.cases`: DPO and reward
 8 pairs of a ~256-token prompt and two ~720-token answers, SFT 8 packed rows of 2048), on the data the GPU run makes,
-with Qwen2-0.5B's widths and vocabulary and `--layers` of its 24 decoder layers (bf16, random init). A step's time on
+with Qwen2-0.5B's widths and vocabulary and `--layers` (≥ 2) of its 24 decoder layers (bf16, random init). A step's time on
 a GPU is the longer of its host work (`bench.host_work`) and its device work, and a training step's device work is
 mostly its matrix products. Both sides compute the same loss, but not with the same products: a side that pads its
 rows computes over the padding, a side that scores the prompt runs it once per answer, a chunked LM head that
@@ -13,7 +13,8 @@ runs three. This counts them, with the paths a CUDA device takes opened as `benc
 launches no-ops: Liger's and TRL's kernels are elementwise folds, ours' too; the products around them run in torch).
 
 Counted by torch's `FlopCounterMode` over `--steps` optimizer steps after one warm-up step, each product where it ran:
-- decoder: inside a decoder layer, scaled by 24 / `--layers` (each of Qwen2-0.5B's layers runs the same products);
+- decoder: inside a decoder layer, scaled to 24 layers: every layer but the last runs the same products, so their
+  mean counts 23 times, and the last once (a reward model's runs at the scored tokens alone: `alignpipe.last_layer`);
 - rest: the LM head (or the reward model's score), wherever it runs: in the head's module or in a loss that takes
   its weight.
 Attention's own products are not counted: on a GPU they run in flash's kernels (ours' variable-length one over each
@@ -41,7 +42,7 @@ from bench.cases import QWEN_05B, Case, _user, row_lengths, rows, tokens_per_sam
 from bench.host_work import compare, sides_parser, train_side
 
 TRAINERS = ("dpo", "reward", "sft")
-LAYER = re.compile(r"\.layers\.\d+$")
+LAYER = re.compile(r"\.layers\.(\d+)$")
 
 
 def case_of(trainer: str) -> Case:
@@ -123,17 +124,23 @@ class Counting:
             self.tokens += args[0].numel()
 
     def counts(self, layers: int) -> dict:
-        """(decoder products scaled to Qwen2-0.5B's depth, the rest), in FLOPs, and the operators by FLOPs.
-        SystemExit if a product-like operator ran that the count has no formula for."""
+        """(decoder products scaled to Qwen2-0.5B's depth, the rest), in FLOPs, and the operators by FLOPs: every
+        layer but the last runs the same products, so their mean counts 23 times; the last (a reward model's runs at
+        the scored tokens alone, `alignpipe.last_layer`) once. SystemExit if a product-like operator ran that the
+        count has no formula for."""
         by_module = self.mode.get_flop_counts()
         total = sum(by_module["Global"].values())
-        decoder = sum(sum(ops.values()) for name, ops in by_module.items() if LAYER.search(name))
+        per_layer = [0.0] * layers  # policy and reference alike (their modules have the same names)
+        for name, ops in by_module.items():
+            if found := LAYER.search(name):
+                per_layer[int(found.group(1))] += sum(ops.values())
         ops = {str(op).rsplit(".", 1)[-1]: n for op, n in by_module["Global"].items()}
         if self.mode.unformulated:
             raise SystemExit(f"products the count has no formula for: {dict(self.mode.unformulated)}")
+        inner = sum(per_layer[:-1]) / (layers - 1)  # each layer but the last runs the same products
         return {
-            "decoder": decoder * QWEN_05B["num_hidden_layers"] / layers,
-            "rest": total - decoder,
+            "decoder": inner * (QWEN_05B["num_hidden_layers"] - 1) + per_layer[-1],
+            "rest": total - sum(per_layer),
             "by_operator": ops,
         }
 
@@ -205,11 +212,13 @@ def table(runs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = sides_parser("python -m bench.device_work", __doc__, TRAINERS)
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24; at least 2)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps counted, after one warm-up step")
     parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
     parser.add_argument("--shrink", action="store_true", help="the case shrunk, on a 64-wide model (for tests)")
     args = parser.parse_args(argv)
+    if args.layers < 2:
+        parser.error("--layers: at least 2 (the last layer is counted apart from the others)")
     if args.compare:
         runs = compare("bench.device_work", argv)
         print(json.dumps(runs) if args.json else table(runs))

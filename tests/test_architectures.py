@@ -139,3 +139,34 @@ def test_dropout_defaults_are_trl_s():
         assert ours().disable_dropout == theirs.__dataclass_fields__["disable_dropout"].default, ours.__name__
     assert PPOConfig().disable_dropout and not SFTConfig().disable_dropout
     assert "disable_dropout" not in trl.SFTConfig.__dataclass_fields__
+
+
+@pytest.mark.parametrize("assets", ["qwen2"], indirect=True)
+def test_a_qwen2_reward_model_runs_its_last_layer_at_the_scored_tokens_alone(assets):
+    """On varlen a Qwen2 classifier (biased QKV, grouped K/V heads) scores a padding-free reward batch with its last
+    layer run at each sequence's last token alone (`last_layer`): its scores and gradients equal its own forward over
+    the padded rows."""
+    from alignpipe import last_layer
+    from alignpipe.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(assets / "model"))
+    rows = [
+        {"prompt": "The film was", "chosen": " great fun, start to end.", "rejected": " dull."},
+        {"prompt": "Honestly, I", "chosen": " loved it", "rejected": " loved it and more than I can say"},
+        {"prompt": "", "chosen": "Fine film.", "rejected": "Bad one, really bad."},
+    ]
+    batch = reward.collate(reward.tokenize(rows, tok, 64), tok.pad_token_id, packed="shared")
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0])
+    out = {}
+    for attention in ("sdpa", "varlen"):
+        model = load_sequence_scorer(str(assets / "model"), pad_token_id=tok.pad_token_id, seed=0, attention=attention)
+        if attention == "varlen":
+            assert last_layer.supported(model.model)
+            scores = reward.scores(model, batch)
+        else:
+            scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+        (scores * weights).sum().backward()
+        out[attention] = (scores.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert torch.allclose(out["varlen"][0], out["sdpa"][0], atol=1e-5)
+    for name, g in out["sdpa"][1].items():
+        assert float((out["varlen"][1][name] - g).norm() / g.norm().clamp(min=1e-12)) < 1e-5, name

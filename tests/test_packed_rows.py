@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from support import SHORT_GROUPS, tiny_split
 
 from alignpipe import attention as varlen
-from alignpipe import logprobs
+from alignpipe import last_layer, logprobs
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
 from alignpipe.packed_rows import answers_part, common_prefixes, pack, pack_answers, pack_scored, runs_documents
 from alignpipe.tracking import Tracker
@@ -192,6 +192,9 @@ def test_reward_scores_packed_equal_the_classifiers_own_forward(tiny, tok, lora,
     """The reward model's scores and gradients padding-free on varlen (each pair's common prefix once where
     "shared") equal the classifier's own forward over the padded rows, read at each row's last non-padding token."""
     seen = spy_documents(monkeypatch)
+    read: list[list[int]] = []  # the last layer's calls, at the read tokens alone
+    run_read = last_layer._documents_attention
+    monkeypatch.setattr(last_layer, "_documents_attention", lambda *a: read.append(a[3].tolist()) or run_read(*a))
     batch = reward.collate(reward.tokenize(ROWS, tok, 64), tok.pad_token_id, packed=packed)
     assert ("key_rows" in batch["packed"]["documents"]) == (packed == "shared")
     weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0, 0.25, 2.0])
@@ -211,6 +214,30 @@ def test_reward_scores_packed_equal_the_classifiers_own_forward(tiny, tok, lora,
     assert torch.allclose(out["varlen"][0], out["sdpa"][0], atol=1e-5)
     assert_same_grads(out["varlen"][1], out["sdpa"][1])
     assert seen and all(cu == batch["packed"]["offsets"] for cu in seen)
+    layers = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id).config.num_hidden_layers
+    assert len(seen) == layers - 1 and read == [list(range(9))], "the last layer ran at the 8 scored tokens alone"
+
+
+def test_the_last_layer_reads_each_position_with_the_keys_it_sees_in_its_document():
+    """`last_layer.read_layout`: a shared prompt (tokens 0, 1) with two answers, the first in the prompt's document
+    (token 2), the second a document of its own (tokens 3, 4) whose keys are the prompt's and its own. Each read
+    position gets one query document and, as keys, its document's keys up to its own (bottom-right causality)."""
+    got = last_layer.read_layout([2, 4, 3], [0, 3, 5], [0, 3, 7], [0, 1, 2, 0, 1, 3, 4])
+    assert got["rows"].tolist() == [2, 4, 3]
+    assert got["key_rows"].tolist() == [0, 1, 2, 0, 1, 3, 4, 0, 1, 3]
+    docs = got["documents"]
+    assert docs["cu_seq_lens_q"].tolist() == [0, 1, 2, 3] and docs["max_length_q"] == 1
+    assert docs["cu_seq_lens_k"].tolist() == [0, 3, 7, 10] and docs["max_length_k"] == 4
+
+
+def test_the_last_layer_runs_whole_where_it_cannot_run_at_the_read_tokens_alone(tiny):
+    """`last_layer.supported`: our varlen kernel on a Llama-family layer; not SDPA (no documents), nor a layer with
+    attention dropout."""
+    on = load_sequence_scorer(str(tiny / "model"), seed=0, attention="varlen")
+    assert last_layer.supported(on.model)
+    assert not last_layer.supported(load_sequence_scorer(str(tiny / "model"), seed=0, attention="sdpa").model)
+    on.model.layers[-1].self_attn.attention_dropout = 0.1
+    assert not last_layer.supported(on.model)
 
 
 def test_preference_stages_on_varlen_train_as_on_sdpa(tiny, tok, tmp_path):
