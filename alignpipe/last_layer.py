@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from alignpipe.attention import _documents_attention, document_kwargs
+from alignpipe import attention
+from alignpipe.attention import document_kwargs
 from alignpipe.device_copies import int64_tensor
 
 LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"})
@@ -54,10 +55,8 @@ def supported(body) -> bool:
     only)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from alignpipe.attention import implementation_of
-
     layers = getattr(body, "layers", None)
-    if not layers or implementation_of(body) != "varlen":
+    if not layers or attention.implementation_of(body) != "varlen":
         return False
     layer = layers[-1]
     attn = getattr(layer, "self_attn", None)
@@ -101,7 +100,7 @@ class ReadLayer(torch.nn.Module):
         key_rows = read["key_rows"].to(device, non_blocking=True)
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (tokens, heads, D)
         docs = read["documents"]
-        out = _documents_attention(
+        out = attention._documents_attention(  # by the module's name: whoever stands in for it stands in here too
             q,
             k.index_select(0, key_rows),
             v.index_select(0, key_rows),

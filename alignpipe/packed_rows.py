@@ -28,7 +28,6 @@ import torch
 from alignpipe import last_layer
 from alignpipe.attention import document_kwargs, documents_mask, implementation_of
 from alignpipe.device_copies import int64_tensor
-from alignpipe.last_layer import read_layout
 
 # transformers' `attn_implementation`s that run packed documents from their offsets, with no mask
 DOCUMENT_KERNELS = frozenset({"varlen", "flash_attention_2", "flash_attention_3"})
@@ -188,7 +187,7 @@ def pack_scored(
         k = real[-1] if real else 0
         last.append(p0 + k if k < len(prefix) else a0 + k - len(prefix))
     packed["last"] = torch.tensor(last)
-    packed["read"] = read_layout(last, packed["offsets"], *packed.pop("keys"))
+    packed["read"] = last_layer.read_layout(last, packed["offsets"], *packed.pop("keys"))
     return packed
 
 
