@@ -17,9 +17,15 @@ Counted by torch's `FlopCounterMode` over `--steps` optimizer steps after one wa
   mean counts 23 times, and the last once (a reward model's runs at the scored tokens alone: `alignpipe.last_layer`);
 - rest: the LM head (or the reward model's score), wherever it runs: in the head's module or in a loss that takes
   its weight.
-Attention's own products are not counted: on a GPU they run in flash's kernels (ours' variable-length one over each
-document, TRL's over its padded rows), which the CPU stands in for with other kernels. At these shapes they are about
-8% of the model's FLOPs (`bench.cases.train_flops_per_token`: 12·L·d·s of 6·N + 12·L·d·s).
+- attention: the products of attention itself (scores Q·Kᵀ and P·V), as the GPU's kernels run them, which the CPU
+  stands in for with other kernels: counted at each attention call from its layout, a (query, key) pair costing
+  2 · heads · head_dim FLOPs a product, two products forward and five backward (flash and memory-efficient
+  attention recompute the scores in backward: Q·Kᵀ, then P, dO·Vᵀ, dS·K, dSᵀ·Q), a forward without gradients two.
+  A document of the variable-length kernel (ours' packed rows, TRL's padding-free SFT blocks) runs its causal pairs
+  (m queries over n ≥ m keys, aligned at the bottom right: m·(n − m) + m·(m + 1)/2; the tiles on the diagonal add
+  a little more, not counted); a padded batch handed to SDPA with a mask (TRL's DPO and reward rows) runs every
+  pair of its rows' square, padding and the causal upper half too (the memory-efficient kernel, the one that takes
+  a mask, skips no tile); SDPA without a mask, its causal triangle.
 
 Beside each count: the tokens the embedding took a step (policy and reference forwards, padding included), and the
 model's products a step as the GPU table's MFU counts them (6·N a trained token, 2·N more for DPO's reference, N the
@@ -31,6 +37,7 @@ contender runs: the speed ratio ours would have if both sides ran their products
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -99,29 +106,90 @@ def _counter(custom_mapping: dict):
     return mode
 
 
+def causal_pairs(cu_q: list[int], cu_k: list[int]) -> int:
+    """(query, key) pairs a causal variable-length kernel computes over the documents at offsets `cu_q` (queries) and
+    `cu_k` (keys): m queries over n ≥ m keys, aligned at the bottom right, see m·(n − m) + m·(m + 1)/2."""
+    pairs = 0
+    for (a, b), (c, d) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
+        m, n = b - a, d - c
+        pairs += m * (n - m) + m * (m + 1) // 2
+    return pairs
+
+
+def padded_pairs(rows: int, queries: int, keys: int, masked: bool) -> int:
+    """(query, key) pairs SDPA computes over `rows` padded rows: with a mask, every pair of the square (the kernel
+    that takes a mask skips no tile); without one, causal, the triangle."""
+    return rows * queries * keys if masked else rows * queries * (queries + 1) // 2
+
+
+def attention_flops(pairs: int, heads: int, head_dim: int, trained: bool) -> int:
+    """FLOPs of attention's products over `pairs` (query, key) pairs: two products forward (Q·Kᵀ, P·V), five more
+    backward where it trains (the scores recomputed, then dV, dP, dQ, dK), 2 · head_dim FLOPs each a pair a head."""
+    return (7 if trained else 2) * 2 * heads * head_dim * pairs
+
+
 class Counting:
     """`tick`ed at the end of each optimizer step: counts the products of steps `first` + 1 … `first` + `steps`
-    (`FlopCounterMode`, by module) and the tokens each embedding took."""
+    (`FlopCounterMode`, by module), attention's at each attention call (`_count_attention`), and the tokens each
+    embedding took (with each forward's shape and whether it trained)."""
 
     def __init__(self, first: int, steps: int):
         self.edges = (first, first + steps)
         self.ticks = 0
         self.mode = _counter({torch.ops.aten.addmm_: _product_in_place})
         self.tokens = 0
+        self.forwards: list[tuple[int, int, bool]] = []
+        self.attention: Counter[str] = Counter()  # FLOPs by the innermost decoder layer running (or "rest")
         self._hook = None
+        self._kept: list[tuple[object, str, object]] = []
 
     def tick(self) -> None:
         self.ticks += 1
         if self.ticks == self.edges[0]:
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._embedding_input)
+            self._count_attention()
             self.mode.__enter__()
         elif self.ticks == self.edges[1]:
             self.mode.__exit__(None, None, None)
             self._hook.remove()
+            for owner, name, value in self._kept:
+                setattr(owner, name, value)
 
     def _embedding_input(self, module, args) -> None:
         if isinstance(module, torch.nn.Embedding):
             self.tokens += args[0].numel()
+            self.forwards.append((*args[0].shape, torch.is_grad_enabled()))  # type: ignore[arg-type]
+
+    def _count_attention(self) -> None:
+        """Wrap, until the counted steps end, the two places a training forward's attention runs on `varlen`
+        (whatever stands in for them: `bench.host_work.gpu_paths`): the documents' kernel and SDPA's fallback for
+        padded rows."""
+        from transformers.integrations import sdpa_attention
+
+        from alignpipe import attention
+
+        documents, sdpa = attention._documents_attention, sdpa_attention.sdpa_attention_forward
+
+        def counted_documents(q, k, v, cu_q, cu_k, *args):
+            pairs = causal_pairs(cu_q.tolist(), cu_k.tolist())
+            self._add(attention_flops(pairs, q.shape[1], q.shape[2], torch.is_grad_enabled() and q.requires_grad))
+            return documents(q, k, v, cu_q, cu_k, *args)
+
+        def counted_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+            rows, heads, length, dim = query.shape
+            causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+            masked = attention_mask is not None or not causal or length == 1
+            pairs = padded_pairs(rows, length, key.shape[2], masked)
+            self._add(attention_flops(pairs, heads, dim, torch.is_grad_enabled() and query.requires_grad))
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+        self._kept = [(attention, "_documents_attention", documents), (sdpa_attention, "sdpa_attention_forward", sdpa)]
+        attention._documents_attention = counted_documents
+        sdpa_attention.sdpa_attention_forward = counted_sdpa
+
+    def _add(self, flops: int) -> None:
+        layers = [name for name in self.mode.mod_tracker.parents if LAYER.search(name)]
+        self.attention[max(layers, key=len) if layers else "rest"] += flops
 
     def counts(self, layers: int) -> dict:
         """(decoder products scaled to Qwen2-0.5B's depth, the rest), in FLOPs, and the operators by FLOPs: every
@@ -137,12 +205,22 @@ class Counting:
         ops = {str(op).rsplit(".", 1)[-1]: n for op, n in by_module["Global"].items()}
         if self.mode.unformulated:
             raise SystemExit(f"products the count has no formula for: {dict(self.mode.unformulated)}")
-        inner = sum(per_layer[:-1]) / (layers - 1)  # each layer but the last runs the same products
+        attention = [0.0] * layers
+        for name, flops in self.attention.items():
+            if found := LAYER.search(name):
+                attention[int(found.group(1))] += flops
         return {
-            "decoder": inner * (QWEN_05B["num_hidden_layers"] - 1) + per_layer[-1],
+            "decoder": _to_depth(per_layer),
             "rest": total - sum(per_layer),
+            "attention": _to_depth(attention) + self.attention["rest"],
             "by_operator": ops,
         }
+
+
+def _to_depth(per_layer: list[float]) -> float:
+    """A count per layer run, scaled to Qwen2-0.5B's depth: every layer but the last runs the same work, so their
+    mean counts 23 times; the last (a reward model's runs at the scored tokens alone) once."""
+    return sum(per_layer[:-1]) / (len(per_layer) - 1) * (QWEN_05B["num_hidden_layers"] - 1) + per_layer[-1]
 
 
 def model_products(case: Case, config, tokens_a_step: float) -> float:
@@ -183,7 +261,9 @@ def run(trainer: str, side: str, layers: int, steps: int, assets: str, shrink: b
         "rest": got["rest"] / steps,
         "total": (got["decoder"] + got["rest"]) / steps,
         "model": model_products(case, built.config, tokens_a_step),
+        "attention": got["attention"] / steps,
         "tokens": counting.tokens / steps,
+        "forwards": counting.forwards,
         "by_operator": {op: n / steps for op, n in sorted(got["by_operator"].items())},
     }
 
@@ -197,15 +277,19 @@ def table(runs: list[dict]) -> str:
     ours = next((r for r in runs if r["side"] == "ours"), runs[0])
     lines = [
         f"{ours['case']}, Qwen2-0.5B's 24 layers (products counted on {ours['layers_run']}, scaled): TFLOP of "
-        f"products a step; the MFU formula's {_tflop(ours['model'])}",
+        f"products a step; the MFU formula's {_tflop(ours['model'])}, attention left out; attention's products as "
+        "the GPU's kernels run them apart",
         "",
-        "| side | decoder | LM head and the rest | all | of the formula's | of ours' | tokens embedded |",
-        "|---|---|---|---|---|---|---|",
+        "| side | decoder | LM head and the rest | all | of the formula's | of ours' | attention | all with attention "
+        "| of ours' | tokens embedded |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        whole, ours_whole = r["total"] + r["attention"], ours["total"] + ours["attention"]
         lines.append(
             f"| {r['side']} | {_tflop(r['decoder'])} | {_tflop(r['rest'])} | {_tflop(r['total'])} "
-            f"| {r['total'] / r['model']:.2f} | {r['total'] / ours['total']:.2f}× | {r['tokens']:,.0f} |"
+            f"| {r['total'] / r['model']:.2f} | {r['total'] / ours['total']:.2f}× | {_tflop(r['attention'])} "
+            f"| {_tflop(whole)} | {whole / ours_whole:.2f}× | {r['tokens']:,.0f} |"
         )
     return "\n".join(lines)
 

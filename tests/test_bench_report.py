@@ -1146,7 +1146,9 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
     stand-in): each side's decoder runs 6 · N a policy token and 2 · N a reference token, N the decoder's matrices
     scaled to 24 layers; ours embeds fewer tokens (each prompt once a pair, no padding); ours' fused head runs three
     products a scored token in the policy (no recomputation) and one in the reference, TRL's chunked head four (it
-    recomputes each tile's logits in backward) and one."""
+    recomputes each tile's logits in backward) and one. Attention's products as the GPU's kernels run them: TRL's
+    padded rows through SDPA with a mask, every pair of each forward's square (seven products a pair where it trains,
+    two in the reference's forward); ours' documents their causal pairs alone, fewer."""
     runs = {
         side: subprocess.Popen(
             [sys.executable, "-m", "bench.device_work", "dpo", "--side", side, "--shrink", "--layers", "2"]
@@ -1173,6 +1175,25 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
         assert r["total"] == r["decoder"] + r["rest"] and r["model"] == got["ours"]["model"]
     assert got["ours"]["tokens"] < got["trl"]["tokens"]
     assert got["ours"]["total"] < got["ours"]["model"] < got["trl"]["total"]
+    pair = 2 * 4 * 16  # a (query, key) pair a product: 4 query heads of 16
+    trl = got["trl"]["forwards"]
+    assert {trained for _, _, trained in trl} == {True, False}, trl  # the policy's forwards and the reference's
+    assert got["trl"]["attention"] == 24 * sum((7 if t else 2) * pair * rows * n * n for rows, n, t in trl)
+    ours = got["ours"]["forwards"]
+    assert all(rows == 1 for rows, _, _ in ours), ours  # padding-free
+    causal_whole = 24 * sum((7 if t else 2) * pair * n * (n + 1) // 2 for _, n, t in ours)  # one document a forward
+    assert 0 < got["ours"]["attention"] < causal_whole and got["ours"]["attention"] < got["trl"]["attention"] / 2
+
+
+def test_device_work_counts_attention_pairs_as_each_kernel_runs_them():
+    from bench.device_work import attention_flops, causal_pairs, padded_pairs
+
+    # a document of 3 attending to itself (1 + 2 + 3), then 2 queries over 4 keys aligned at the bottom right (3 + 4)
+    assert causal_pairs([0, 3, 5], [0, 3, 7]) == 6 + 7
+    assert causal_pairs([0, 1, 2], [0, 5, 7]) == 5 + 2  # one query a document (a reward model's read tokens)
+    assert padded_pairs(2, 4, 4, masked=True) == 32 and padded_pairs(2, 4, 4, masked=False) == 20
+    assert attention_flops(10, 14, 64, trained=False) == 2 * 2 * 14 * 64 * 10
+    assert attention_flops(10, 14, 64, trained=True) == 7 * 2 * 14 * 64 * 10
 
 
 def test_device_work_table_gives_each_side_against_the_formula_and_ours():
@@ -1180,13 +1201,13 @@ def test_device_work_table_gives_each_side_against_the_formula_and_ours():
 
     runs = [
         {"side": side, "case": "dpo/8x1024", "layers_run": 2, "decoder": dec * 1e12, "rest": rest * 1e12,
-         "total": (dec + rest) * 1e12, "model": 40e12, "tokens": tokens}
-        for side, dec, rest, tokens in (("ours", 20.0, 10.0, 27000), ("trl+liger", 26.0, 14.0, 31500))
+         "total": (dec + rest) * 1e12, "model": 40e12, "attention": att * 1e12, "tokens": tokens}
+        for side, dec, rest, att, tokens in (("ours", 20.0, 10.0, 2.0, 27000), ("trl+liger", 26.0, 14.0, 8.0, 31500))
     ]  # fmt: skip
     text = table(runs)
     assert "the MFU formula's 40" in text, text
-    assert "| ours | 20 | 10 | 30 | 0.75 | 1.00× | 27,000 |" in text, text
-    assert "| trl+liger | 26 | 14 | 40 | 1.00 | 1.33× | 31,500 |" in text, text
+    assert "| ours | 20 | 10 | 30 | 0.75 | 1.00× | 2 | 32 | 1.00× | 27,000 |" in text, text
+    assert "| trl+liger | 26 | 14 | 40 | 1.00 | 1.33× | 8 | 48 | 1.50× | 31,500 |" in text, text
 
 
 def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
