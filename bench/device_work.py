@@ -1,9 +1,10 @@
 """A training step's device work at a users' shape, counted on a CPU: the matrix products each side's step runs.
 
-    python -m bench.device_work [TRAINER] [--side ours|trl|trl+liger | --compare] [--layers 2] [--steps 2]
+    python -m bench.device_work [TRAINER] [--side ours|trl|trl+liger | --compare] [--shape KEY] [--layers 2] [--steps 2]
 
-TRAINER is `dpo` (default), `reward` or `sft`: the first users' case of the GPU table (`bench.cases`: DPO and reward
-8 pairs of a ~256-token prompt and two ~720-token answers, SFT 8 packed rows of 2048), on the data the GPU run makes,
+TRAINER is `dpo` (default), `reward` or `sft`: a users' case of the GPU table (`bench.cases`: DPO and reward 8 pairs
+of a ~256-token prompt and two ~720-token answers, SFT 8 packed rows of 2048, or with `--shape 4x4096` 4 of 4096),
+on the data the GPU run makes,
 with Qwen2-0.5B's widths and vocabulary and `--layers` (≥ 2) of its 24 decoder layers (bf16, random init). A step's time on
 a GPU is the longer of its host work (`bench.host_work`) and its device work, and a training step's device work is
 mostly its matrix products. Both sides compute the same loss, but not with the same products: a side that pads its
@@ -52,9 +53,16 @@ TRAINERS = ("dpo", "reward", "sft")
 LAYER = re.compile(r"\.layers\.(\d+)$")
 
 
-def case_of(trainer: str) -> Case:
-    """The trainer's first users' case of the GPU table."""
-    return Case(trainer, _user(gpu=True)[trainer][0])
+def case_of(trainer: str, shape: str | None = None) -> Case:
+    """The trainer's users' case of the GPU table with the shape key `shape` (`4x4096`), by default its first.
+    SystemExit naming the trainer's shapes where it has no such one."""
+    shapes = [Case(trainer, s) for s in _user(gpu=True)[trainer]]
+    if shape is None:
+        return shapes[0]
+    for case in shapes:
+        if case.shape.key == shape:
+            return case
+    raise SystemExit(f"--shape: {trainer} has no users' shape {shape!r} ({', '.join(c.shape.key for c in shapes)})")
 
 
 def model(trainer: str, tok, layers: int):
@@ -234,15 +242,18 @@ def model_products(case: Case, config, tokens_a_step: float) -> float:
     return (8 if case.trainer == "dpo" else 6) * n * tokens_a_step
 
 
-def run(trainer: str, side: str, layers: int, steps: int, assets: str, shrink: bool = False) -> dict:
-    """Train the users' case of `trainer` on `side` for one warm-up step and `steps` counted ones: the counts a
-    step, in FLOPs. `shrink`: the case shrunk as `bench.liger_cpu` shrinks it, on `bench.host_work`'s 64-wide
-    stand-in with the tokenizer's vocabulary (seconds, for tests: the structure of the counts, not their size)."""
+def run(
+    trainer: str, side: str, layers: int, steps: int, assets: str, shrink: bool = False, shape: str | None = None
+) -> dict:
+    """Train the users' case of `trainer` (`shape`: `case_of`) on `side` for one warm-up step and `steps` counted
+    ones: the counts a step, in FLOPs. `shrink`: the case shrunk as `bench.liger_cpu` shrinks it, on
+    `bench.host_work`'s 64-wide stand-in with the tokenizer's vocabulary (seconds, for tests: the structure of the
+    counts, not their size)."""
     from alignpipe.modeling import load_tokenizer
     from bench import host_work, liger_cpu
 
     tok = load_tokenizer(f"{assets}/model")
-    case = liger_cpu.shrunk(case_of(trainer)) if shrink else case_of(trainer)
+    case = liger_cpu.shrunk(case_of(trainer, shape)) if shrink else case_of(trainer, shape)
     total = 1 + steps
     data = rows(assets, case, total, tok)
     counting = Counting(1, steps)
@@ -299,15 +310,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24; at least 2)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps counted, after one warm-up step")
     parser.add_argument("--assets", default=str(Path(__file__).resolve().parents[1] / "assets" / "tiny"))
+    parser.add_argument(
+        "--shape", help="the users' shape of the trainer (`4x4096` for SFT's second; default: its first)"
+    )
     parser.add_argument("--shrink", action="store_true", help="the case shrunk, on a 64-wide model (for tests)")
     args = parser.parse_args(argv)
     if args.layers < 2:
         parser.error("--layers: at least 2 (the last layer is counted apart from the others)")
+    case_of(args.trainer, args.shape)  # an unknown shape stops here, before any side runs
     if args.compare:
         runs = compare("bench.device_work", argv)
         print(json.dumps(runs) if args.json else table(runs))
         return
-    got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink)
+    got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink, args.shape)
     if args.json:
         print(json.dumps(got))
         return

@@ -1185,6 +1185,15 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
     assert 0 < got["ours"]["attention"] < causal_whole and got["ours"]["attention"] < got["trl"]["attention"] / 2
 
 
+def test_device_work_picks_a_users_shape_by_its_key():
+    from bench.device_work import case_of
+
+    assert case_of("sft").key == "sft/8x2048" and case_of("sft", "4x4096").key == "sft/4x4096"
+    assert case_of("dpo", "8x1024").shape.batch == 8
+    with pytest.raises(SystemExit, match="8x2048, 4x4096"):
+        case_of("sft", "9x9")
+
+
 def test_device_work_counts_attention_pairs_as_each_kernel_runs_them():
     from bench.device_work import attention_flops, causal_pairs, padded_pairs
 
