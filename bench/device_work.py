@@ -33,7 +33,9 @@ model's products a step as the GPU table's MFU counts them (6·N a trained token
 decoder's and head's parameters: every token through the whole model, once per answer), so a side's count under that
 says it skips work the formula counts (scores only answers' tokens, runs a shared prompt once), over it that it does
 more. `--compare` runs each side in a fresh process and prints one table, with how many times ours' products each
-contender runs: the speed ratio ours would have if both sides ran their products equally fast.
+contender runs: the speed ratio ours would have if both sides ran their products equally fast. `--save
+bench/device_counts.json` keeps the counts there by case and side, where `bench.profile` on a GPU finds them and
+rates each side's matmul and attention kernels by them (TFLOP/s).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -279,6 +282,19 @@ def run(
     }
 
 
+COUNTS = Path(__file__).with_name("device_counts.json")
+
+
+def save(runs: list[dict], path: Path = COUNTS) -> None:
+    """Keep `runs`' counts a step (FLOPs: decoder, rest, attention; tokens embedded) in `path` by case and side, beside
+    the cases already there, for `bench.profile` to rate a GPU step's kernels by."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    for r in runs:
+        fields = ("decoder", "rest", "total", "attention", "tokens", "layers_run")
+        kept.setdefault(r["case"], {})[r["side"]] = {k: r[k] for k in fields}
+    path.write_text(json.dumps(dict(sorted(kept.items())), indent=1) + "\n")
+
+
 def _tflop(flops: float) -> str:
     return f"{flops / 1e12:.3g}"
 
@@ -305,6 +321,19 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _without_save(argv: list[str]) -> list[str]:
+    """The command line less `--save FILE` (the sides' processes print their counts; the caller keeps them)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--save":
+            skip = True
+        elif not a.startswith("--save="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = sides_parser("python -m bench.device_work", __doc__, TRAINERS)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24; at least 2)")
@@ -314,15 +343,22 @@ def main(argv: list[str] | None = None) -> None:
         "--shape", help="the users' shape of the trainer (`4x4096` for SFT's second; default: its first)"
     )
     parser.add_argument("--shrink", action="store_true", help="the case shrunk, on a 64-wide model (for tests)")
+    parser.add_argument(
+        "--save", metavar="FILE", help=f"keep the counts by case and side in FILE (bench/{COUNTS.name})"
+    )
     args = parser.parse_args(argv)
     if args.layers < 2:
         parser.error("--layers: at least 2 (the last layer is counted apart from the others)")
     case_of(args.trainer, args.shape)  # an unknown shape stops here, before any side runs
     if args.compare:
-        runs = compare("bench.device_work", argv)
+        runs = compare("bench.device_work", _without_save(sys.argv[1:] if argv is None else argv))
+        if args.save:
+            save(runs, Path(args.save))
         print(json.dumps(runs) if args.json else table(runs))
         return
     got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink, args.shape)
+    if args.save:
+        save([got], Path(args.save))
     if args.json:
         print(json.dumps(got))
         return

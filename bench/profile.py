@@ -14,7 +14,9 @@ It runs exactly what `python -m bench` times for that case (same model, data and
   also the device time by kind of kernel (matmul, attention, Triton, norm, element-wise, copy, optimizer), from
   the kernels themselves, so that ours and TRL + Liger's (whose Triton kernels run outside aten's operators) add up
   alike, how busy the device is in a steady step (`device_busy`: well under 100% says the step waits on its
-  host), and the host time of each optimizer step (`optimizer_host_ms`). It also prints the run's step times,
+  host), the host time of each optimizer step (`optimizer_host_ms`), and, where `bench.device_work --save` counted
+  the case (`bench/device_counts.json`), the matmul and attention kernels' TFLOP/s (`kernel_rates`: the figure
+  that says whether a side's step is slow in its products or around them). It also prints the run's step times,
   the synchronising calls of its steady steps (on a GPU) and the warnings it logged (`bench.__main__.step_detail`).
 
 It prints the top operators (kernels, on a GPU) and the matrix-multiply share: the figure that says whether a case is bound by
@@ -50,9 +52,9 @@ GEMM_OPS = (
 # the fused optimizer, then the element-wise work around the matmuls by what it computes (torch's, inductor's
 # `triton_*` and Liger's Triton kernels alike: a Liger norm and a fused torch norm both count as norm), copies, and
 # what is left of inductor's and torch's kernels.
-KERNEL_KINDS = (
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
+KERNEL_KINDS = (  # attention first: flash's and memory-efficient attention's names hold `cutlass::` types
     ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
     ("optimizer", ("adam", "multi_tensor_apply")),
     ("norm", ("rms", "layer_norm", "norm_")),
     ("rotary", ("rope", "rotary")),
@@ -127,6 +129,29 @@ def optimizer_host_ms(events) -> dict[str, float]:
     }
 
 
+def counts_for(path: Path, key: str, impl: str) -> dict | None:
+    """`bench.device_work`'s counts a step of case `key` on side `impl`, as `--save` kept them in `path`; None where
+    they are not there."""
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(key, {}).get(impl)
+
+
+def kernel_rates(kinds: dict, steps: int, counts: dict | None) -> dict:
+    """The matmul and attention kernels' rates: `bench.device_work`'s FLOPs a step of each (its products; attention's
+    as the kernels run them) over the kind's device time a step (the profiled steps' over their number, the warm-up
+    steps' included, so a little low). {} without counts. device_work counted two steps' batches, the profile runs
+    others of the same data, so a rate is good to the few percent a step's tokens vary."""
+    if not counts:
+        return {}
+    rates = {}
+    for kind, flops in (("matmul", counts["total"]), ("attention", counts["attention"])):
+        ms = kinds.get(kind, {}).get("ms", 0.0) / steps
+        if ms > 0:
+            rates[kind] = {"ms_a_step": ms, "tflop_a_step": flops / 1e12, "tflop_s": flops / 1e9 / ms}
+    return rates
+
+
 def device_busy(kernel_ms: float, steps: int, per_step: int, steady_samples_per_s: float | None) -> float | None:
     """The share of a steady step's wall time that the device spends in kernels: the run's kernel time a step (the
     warm-up steps' included, so a little high) over the wall time a step at the steady rate. Well under 1 says the
@@ -145,6 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", help="output folder (default <tmp>/alignpipe-profile/IMPL-TRAINER-MODEL)")
+    parser.add_argument(
+        "--counts",
+        default=str(ROOT / "bench" / "device_counts.json"),
+        help="`bench.device_work --save`'s counts, to rate the matmul and attention kernels by (qwen0.5b on a GPU)",
+    )
     args = parser.parse_args(argv)
     key = args.case
     if "/" not in key:
@@ -187,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary["profile"]["device_busy"] = device_busy(
             summary["profile"]["total_ms"], args.steps, per_step, figures.get("steady_samples_per_s")
         )
+        if args.model == "qwen0.5b":  # the model device_work counts
+            counts = counts_for(Path(args.counts), key, args.impl)
+            summary["profile"]["rates"] = kernel_rates(summary["profile"]["kinds"], args.steps, counts)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     p = summary["profile"]
     print(
@@ -201,6 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {detail.lstrip('; ')}")
     for kind, row in p["kinds"].items():
         print(f"  {kind:<14} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%")
+    for kind, r in p.get("rates", {}).items():
+        print(
+            f"  {kind} kernels: {r['ms_a_step']:.1f} ms a step for device_work's {r['tflop_a_step']:.3g} TFLOP: "
+            f"{r['tflop_s']:.0f} TFLOP/s"
+        )
     for row in p["top"]:
         print(f"  {row['op'][:60]:<60} {row['ms']:>10.1f} ms {100 * row['share']:>5.1f}%  {row['calls']:>7} calls")
     print(f"wrote {out}/ops.txt, trace.json, summary.json")

@@ -487,6 +487,13 @@ def test_on_a_gpu_the_summary_adds_up_kernels_only_and_sorts_them_by_kind():
     }
     assert "aten::mm" not in [r["op"] for r in s["top"]]
     assert kernel_kind("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn") == "matmul"
+    assert kernel_kind("cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32_bf16_bf16_128x128x64_1x1x1_0_tnn_align8") == "matmul"
+    # attention kernels' full names hold cutlass's types: still attention, not matmul
+    flash = "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, cutlass::bfloat16_t>>"
+    efficient = (
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEfficientAttention::AttentionKernel<cutlass::bfloat16_t>)"
+    )
+    assert kernel_kind(flash) == "attention" and kernel_kind(efficient) == "attention"
     assert kernel_kind("_swiglu_forward_kernel") == "swiglu" and kernel_kind("_triton_rope") == "rotary"
     assert kernel_kind("triton_red_fused__log_softmax_exp_1") == "loss"
     assert kernel_kind("triton_poi_fused_add_0") == "triton, other" and kernel_kind("some_unknown_kernel") == "other"
@@ -1183,6 +1190,26 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
     assert all(rows == 1 for rows, _, _ in ours), ours  # padding-free
     causal_whole = 24 * sum((7 if t else 2) * pair * n * (n + 1) // 2 for _, n, t in ours)  # one document a forward
     assert 0 < got["ours"]["attention"] < causal_whole and got["ours"]["attention"] < got["trl"]["attention"] / 2
+
+
+def test_device_work_keeps_its_counts_by_case_and_side_for_the_profile_to_rate_kernels_by(tmp_path):
+    from bench.device_work import _without_save, save
+    from bench.profile import counts_for, kernel_rates
+
+    path = tmp_path / "counts.json"
+    run = {"case": "dpo/8x1024", "decoder": 39e12, "rest": 13e12, "total": 52e12, "attention": 3e12, "tokens": 27000,
+           "layers_run": 2, "by_operator": {"mm": 1.0}}  # fmt: skip
+    save([run | {"side": "ours"}], path)
+    save([run | {"side": "trl+liger", "total": 67e12}, run | {"side": "ours", "case": "reward/8x1024"}], path)
+    assert counts_for(path, "dpo/8x1024", "ours")["total"] == 52e12  # kept beside what came after
+    assert counts_for(path, "dpo/8x1024", "trl+liger")["total"] == 67e12
+    assert counts_for(path, "reward/8x1024", "trl") is None and counts_for(tmp_path / "none", "x", "ours") is None
+    assert "by_operator" not in counts_for(path, "reward/8x1024", "ours")
+    kinds = {"matmul": {"ms": 1040.0}, "attention": {"ms": 150.0}, "norm": {"ms": 30.0}}
+    rates = kernel_rates(kinds, 10, counts_for(path, "dpo/8x1024", "ours"))
+    assert rates["matmul"] == {"ms_a_step": 104.0, "tflop_a_step": 52.0, "tflop_s": 500.0}
+    assert abs(rates["attention"]["tflop_s"] - 200.0) < 1e-9 and kernel_rates(kinds, 10, None) == {}
+    assert _without_save(["dpo", "--save", "f.json", "--layers", "2", "--save=g"]) == ["dpo", "--layers", "2"]
 
 
 def test_device_work_picks_a_users_shape_by_its_key():
