@@ -1,17 +1,14 @@
-"""The last decoder layer run only where its outputs are read (a reward model's scores, an LM head's scored tokens).
+"""The last decoder layer run only where its outputs are read (a reward model's scores).
 
-A sequence classifier reads one hidden state a sequence, at its last token; a DPO step's LM head reads the answers'
-tokens (and each prompt's last), not the prompts'. Every layer but the last must run over every token: the next
-layer's keys and values need them. The last layer's keys and values still do, but its queries, attention output,
-output projection and MLP are needed at the read tokens alone. On a padding-free reward batch
+A sequence classifier reads one hidden state a sequence, at its last token. Every layer but the last must run over
+every token: the next layer's keys and values need them. The last layer's keys and values still do, but its queries,
+attention output, output projection and MLP are needed at the read tokens alone. On a padding-free reward batch
 (`packed_rows.pack_scored`) the read tokens are one a sequence, so running the last layer there alone skips about
-1/L of the step's decoder products, less that layer's key and value projections (~4% of a 24-layer model's step);
-on a DPO batch (`packed_rows.pack_answers` with `read`) it skips the last layer at the prompts' tokens (~0.5% of a
-users' DPO step, whose prompts are ~15% of its tokens).
+1/L of the step's decoder products, less that layer's key and value projections (~4% of a 24-layer model's step).
 
-`read_layout` lays out, on the host, the query documents of the read positions (a run of consecutive positions in
-one document is one) and the keys each sees (the keys its position saw in the full layer: causal attention aligned
-at the bottom right, so a read token of a document sees that document's keys up to its own). `reading_at` swaps the body's last layer for `ReadLayer` for
+`read_layout` lays out, on the host, the one-token query documents of the read positions and the keys each sees
+(the keys its position saw in the full layer: causal attention aligned at the bottom right, so the read token of a
+document sees that document's keys up to its own). `reading_at` swaps the body's last layer for `ReadLayer` for
 one forward; the body then returns the read tokens' hidden states (1, R, d) in `read`'s order. The result and its
 gradients are the full layer's at those tokens.
 
@@ -36,28 +33,18 @@ LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLay
 
 def read_layout(positions: list[int], cu_q: list[int], cu_k: list[int], key_rows: list[int]) -> dict[str, Any]:
     """The last layer's documents for reading `positions` (host ints into the packed row) of a layout whose query
-    documents lie at `cu_q` and whose key documents are `key_rows[cu_k[i]:cu_k[i + 1]]`: one query document a run of
-    consecutive positions in one document (a reward model's one read token a sequence; the answer tokens an LM head
-    scores), and as its keys the ones the run's last position sees in its document, so that each position of the run
-    sees, aligned at the bottom right, the keys it sees there. `rows`: the positions, (R,)."""
+    documents lie at `cu_q` and whose key documents are `key_rows[cu_k[i]:cu_k[i + 1]]`: one query document a
+    position, and as its keys the ones that position sees in its document. `rows`: the positions, (R,)."""
     keys: list[int] = []
-    cu_reads, cu = [0], [0]
-    runs: list[tuple[int, int]] = []  # (document, last position) of each run
+    cu = [0]
     for pos in positions:
         doc = bisect.bisect_right(cu_q, pos) - 1
-        if runs and runs[-1] == (doc, pos - 1):
-            runs[-1] = (doc, pos)
-            cu_reads[-1] += 1
-        else:
-            runs.append((doc, pos))
-            cu_reads.append(cu_reads[-1] + 1)
-    for doc, last in runs:
-        seen = (cu_k[doc + 1] - cu_k[doc]) - (cu_q[doc + 1] - last) + 1  # bottom-right causal alignment
+        seen = (cu_k[doc + 1] - cu_k[doc]) - (cu_q[doc + 1] - pos) + 1  # bottom-right causal alignment
         keys.extend(key_rows[cu_k[doc] : cu_k[doc] + seen])
         cu.append(len(keys))
     return {
         "rows": int64_tensor(positions),
-        "documents": document_kwargs(cu_reads, "q") | document_kwargs(cu, "k"),
+        "documents": document_kwargs(list(range(len(positions) + 1)), "q") | document_kwargs(cu, "k"),
         "key_rows": int64_tensor(keys),
     }
 

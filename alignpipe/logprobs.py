@@ -11,14 +11,13 @@ Shapes: B = batch, T = sequence length, V = vocabulary, d = hidden size.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from alignpipe import fused_kernels, last_layer, triton_kernels
+from alignpipe import fused_kernels, triton_kernels
 from alignpipe.attention import documents_mask
 from alignpipe.compiled import chunk_bounds, compiled_function
 from alignpipe.linear_ce import linear_nll_sum
@@ -385,15 +384,10 @@ def completion_hidden(
     prompt + completion row whole, padded. (None, None) where the head can only run inside the model's forward
     (`RESHARDS_HEAD`)."""
     if packed is not None:
-        body = _decoder_and_head(base)[0] if (base := unwrapped(model)) is not None else None
-        reading = "read" in packed and body is not None and last_layer.supported(body)
-        with last_layer.reading_at(body, packed["read"]) if reading else contextlib.nullcontext():
-            hidden, head = _hidden_and_head(
-                model, packed["input_ids"], None, packed["position_ids"], packed["documents"]
-            )
+        hidden, head = _hidden_and_head(model, packed["input_ids"], None, packed["position_ids"], packed["documents"])
         if hidden is None:
             return None, None
-        scoring = packed["read_scoring" if reading else "scoring"]
+        scoring = packed["scoring"]
         return hidden[0].index_select(0, scoring.flatten()).view(*scoring.shape, -1), head
     R, C = completion_ids.shape
     P = prompt_ids.size(1)

@@ -142,19 +142,16 @@ def pack_answers(
     width: int,
     share: bool = False,
     index: list[int] | None = None,
-    read: bool = False,
 ) -> dict[str, Any]:
     """Answer row r after its prompt, `prompts[index[r]]` (default `r % len(prompts)`), in `pack_groups`' layout
     (`share`: each prompt once), plus `scoring` (R, `width`): the position whose hidden state scores answer token t of
     row r, as `completion_ids` lays the answers out (token 0 is scored by the prompt's last token, token t by answer
     token t − 1). Positions past an answer's end, and the first token of an answer with no prompt (which nothing
-    scores), point at the document's first token; the answer mask leaves them out. With `read`, also the last
-    layer's documents for running it at the scoring positions alone (`read`, `last_layer.read_layout`) and
-    `read_scoring`, `scoring` as indices into those positions (the hidden states `completion_hidden` then gets)."""
+    scores), point at the document's first token; the answer mask leaves them out."""
     groups, slots = _groups(prompts, answers, index)
     packed = pack_groups(groups, share)
     where = packed.pop("where")
-    keys = packed.pop("keys")
+    del packed["keys"]
     scoring = torch.empty((len(answers), width), dtype=torch.long)
     for r, answer in enumerate(answers):
         g, j = slots[r]
@@ -164,10 +161,6 @@ def pack_answers(
         if answer:
             scoring[r, 0] = a0 if a0 == p0 else p0 + len(prompts[g]) - 1  # no prompt: nothing scores token 0
     packed["scoring"] = scoring
-    if read:
-        positions = torch.unique(scoring)  # sorted: the read hidden states come back in the row's order
-        packed["read"] = last_layer.read_layout(positions.tolist(), packed["offsets"], *keys)
-        packed["read_scoring"] = torch.searchsorted(positions, scoring)
     return packed
 
 

@@ -1037,9 +1037,8 @@ def test_host_work_runs_a_step_with_the_gpu_s_hand_written_paths_and_counts_its_
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(got["step_ms"]) == 1 and got["median_ms"] > 0
-    # per layer but the last (which runs at the scored tokens alone, `last_layer`, its rotary in torch): the policy's
-    # and the reference's forward and the policy's backward; two parameter groups
-    assert got["launches"]["rotary"] == 3 * (2 - 1) and got["launches"]["kahan_adamw"] == 2, got["launches"]
+    # per layer: the policy's and the reference's forward and the policy's backward; two parameter groups
+    assert got["launches"]["rotary"] == 3 * 2 and got["launches"]["kahan_adamw"] == 2, got["launches"]
     assert got["launches"]["silu_mul_forward"] >= 2 * 2 and got["launches"]["token_scores"] >= 1
     assert got["python_calls"] > 1000 and got["aten_ops"] > 100
     ops = dict(got["ops_by_count"])
@@ -1152,7 +1151,7 @@ def test_trl_s_head_is_cut_in_the_users_tiles_and_the_sides_compare_in_one_table
 def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
     """`python -m bench.device_work` counts the matrix products of a DPO step (the users' case, shrunk, on the 64-wide
     stand-in): each side's decoder runs 6 · N a policy token and 2 · N a reference token, N the decoder's matrices
-    scaled to 24 layers (ours' last layer less: it skips the prompts' tokens); ours embeds fewer tokens (each prompt once a pair, no padding); ours' fused head runs three
+    scaled to 24 layers; ours embeds fewer tokens (each prompt once a pair, no padding); ours' fused head runs three
     products a scored token in the policy (no recomputation) and one in the reference, TRL's chunked head four (it
     recomputes each tile's logits in backward) and one. Attention's products as the GPU's kernels run them: TRL's
     padded rows through SDPA with a mask, every pair of each forward's square (seven products a pair where it trains,
@@ -1177,11 +1176,7 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
     head_product = 2 * 512 * 64  # a token through the 512-entry head, 64 wide
     for side, products in (("ours", 3 + 1), ("trl", 4 + 1)):
         r = got[side]
-        whole = 4 * 24 * per_layer * r["tokens"]  # (6 + 2) · N over half the tokens each
-        if side == "trl":
-            assert r["decoder"] == whole, r
-        else:  # ours' last layer runs at the head's scoring positions alone (`last_layer`), not the prompts'
-            assert 23 / 24 * whole < r["decoder"] < whole, r
+        assert r["decoder"] == 4 * 24 * per_layer * r["tokens"], (side, r)  # (6 + 2) · N over half the tokens each
         scored = r["rest"] / head_product / products
         assert scored == int(scored) and scored > 0, (side, r)
         assert r["total"] == r["decoder"] + r["rest"] and r["model"] == got["ours"]["model"]
@@ -1253,7 +1248,7 @@ def test_device_work_table_gives_each_side_against_the_formula_and_ours():
 
 def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving_side(tiny):
     """`python -m bench.worker_batches` collates the DPO user case's batch as a GPU stage does (padding-free, shared
-    prompts, the last layer's read layout: 18 tensors) and times its handover from a loader worker as separate tensors and in one buffer."""
+    prompts: 13 tensors) and times its handover from a loader worker as separate tensors and in one buffer."""
     out = subprocess.run(
         [sys.executable, "-m", "bench.worker_batches", "--batches", "3", "--rounds", "1", "--assets", str(tiny)]
         + ["--json"],
@@ -1263,7 +1258,7 @@ def test_worker_batches_hands_a_dpo_batch_over_both_ways_and_times_the_receiving
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["case"] == "dpo/8x1024" and got["tensors"] == 18 and got["bytes"] > 100_000  # 5 for the last layer
+    assert got["case"] == "dpo/8x1024" and got["tensors"] == 13 and got["bytes"] > 100_000
     assert all(len(ms) == 1 and ms[0] > 0 for ms in got["median_ms"].values())
 
 

@@ -148,24 +148,8 @@ def test_dpo_packed_equals_padded_in_loss_metrics_and_gradients(tiny, tok, fused
     assert out["varlen"][1] == pytest.approx(out["sdpa"][1], abs=1e-5)
     assert_same_grads(out["varlen"][2], out["sdpa"][2])
     layers = ref.config.num_hidden_layers
-    assert len(seen) == layers and all(cu == batch["packed"]["offsets"] for cu in seen[:-1])
+    assert len(seen) == layers and all(cu == batch["packed"]["offsets"] for cu in seen)
     assert ("key_rows" in batch["packed"]["documents"]) == (packed == "shared")
-    read = batch["packed"]["read"]  # the last layer ran at the scoring positions alone, a run of them a document
-    assert seen[-1] == read["documents"]["cu_seq_lens_q"].tolist()
-    assert read["rows"].tolist() == sorted(set(batch["packed"]["scoring"].flatten().tolist()))
-    assert seen[-1][-1] < batch["packed"]["input_ids"].size(1) and len(seen[-1]) < 3 * len(batch["packed"]["offsets"])
-
-
-def test_the_last_layer_reads_runs_of_positions_as_one_document_each():
-    """`last_layer.read_layout` over an LM head's scoring positions: a shared prompt (tokens 0–2) whose first answer
-    (3, 4) is in its document and whose second (5, 6) is a document of its own over the prompt's keys; the head
-    reads the prompt's last token and the answers' tokens but their last. Consecutive positions of one document are
-    one query document, whose keys are those its last position sees; a lone position its own."""
-    got = last_layer.read_layout([0, 2, 3, 5], [0, 5, 7], [0, 5, 10], [0, 1, 2, 3, 4, 0, 1, 2, 5, 6])
-    docs = got["documents"]
-    assert docs["cu_seq_lens_q"].tolist() == [0, 1, 3, 4]  # [0], [2, 3], [5]
-    assert got["key_rows"].tolist() == [0, 0, 1, 2, 3, 0, 1, 2, 5]
-    assert docs["cu_seq_lens_k"].tolist() == [0, 1, 5, 9] and docs["max_length_q"] == 2 and docs["max_length_k"] == 4
 
 
 def test_kto_packed_equals_padded(tiny, tok, monkeypatch):

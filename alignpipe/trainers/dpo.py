@@ -122,7 +122,7 @@ def collate(
         "prompts_nonempty": all(prompts),
     }
     if packed:
-        batch["packed"] = pack_answers(prompts, answers, completion_ids.size(1), share=packed == "shared", read=True)
+        batch["packed"] = pack_answers(prompts, answers, completion_ids.size(1), share=packed == "shared")
     if "ref_chosen_logps" in examples[0]:
         batch["ref_chosen_logps"] = torch.tensor([e["ref_chosen_logps"] for e in examples])
         batch["ref_rejected_logps"] = torch.tensor([e["ref_rejected_logps"] for e in examples])
