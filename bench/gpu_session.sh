@@ -73,6 +73,11 @@
 # Then:
 #   j  what the hand-written kernels buy: DPO 8×1024 with `--compiled-kernels` (all of that work on inductor's
 #      kernels, as before session 45) against TRL + Liger, to read beside f's rows (timeout_s 300)
+# Since session 60 each profile (g's) also prints its matmul and attention kernels' TFLOP/s: the FLOPs a step that
+# `bench.device_work --save` counted on CPU for that case and side (bench/device_counts.json: products, and
+# attention as each side's kernels run it) over the kernels' time a step. Session 29's DPO steps ran all their FLOPs
+# at 277 (ours) and 292 TFLOP/s (TRL + Liger), their SFT steps at 335 and 333: the rates say which kernels ours
+# runs slower.
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to j)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j) ;; *)
