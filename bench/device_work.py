@@ -169,7 +169,7 @@ class Counting:
     def _embedding_input(self, module, args) -> None:
         if isinstance(module, torch.nn.Embedding):
             self.tokens += args[0].numel()
-            self.forwards.append((*args[0].shape, torch.is_grad_enabled()))  # type: ignore[arg-type]
+            self.forwards.append((*args[0].shape, torch.is_grad_enabled()))
 
     def _count_attention(self) -> None:
         """Wrap, until the counted steps end, the two places a training forward's attention runs on `varlen`
