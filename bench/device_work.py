@@ -40,17 +40,18 @@ rates each side's matmul and attention kernels by them (TFLOP/s).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
-import sys
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from bench.cases import QWEN_05B, Case, _user, row_lengths, rows, tokens_per_sample
-from bench.host_work import compare, sides_parser, train_side
+from bench.host_work import compare, patched, sides_parser, train_side
 
 TRAINERS = ("dpo", "reward", "sft")
 LAYER = re.compile(r"\.layers\.(\d+)$")
@@ -152,7 +153,7 @@ class Counting:
         self.forwards: list[tuple[int, int, bool]] = []
         self.attention: Counter[str] = Counter()  # FLOPs by the innermost decoder layer running (or "rest")
         self._hook = None
-        self._kept: list[tuple[object, str, object]] = []
+        self._patches = contextlib.ExitStack()
 
     def tick(self) -> None:
         self.ticks += 1
@@ -163,8 +164,7 @@ class Counting:
         elif self.ticks == self.edges[1]:
             self.mode.__exit__(None, None, None)
             self._hook.remove()
-            for owner, name, value in self._kept:
-                setattr(owner, name, value)
+            self._patches.close()
 
     def _embedding_input(self, module, args) -> None:
         if isinstance(module, torch.nn.Embedding):
@@ -194,9 +194,14 @@ class Counting:
             self._add(attention_flops(pairs, heads, dim, torch.is_grad_enabled() and query.requires_grad))
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
 
-        self._kept = [(attention, "_documents_attention", documents), (sdpa_attention, "sdpa_attention_forward", sdpa)]
-        attention._documents_attention = counted_documents
-        sdpa_attention.sdpa_attention_forward = counted_sdpa
+        self._patches.enter_context(
+            patched(
+                {
+                    (attention, "_documents_attention"): counted_documents,
+                    (sdpa_attention, "sdpa_attention_forward"): counted_sdpa,
+                }
+            )
+        )
 
     def _add(self, flops: int) -> None:
         layers = [name for name in self.mode.mod_tracker.parents if LAYER.search(name)]
@@ -209,23 +214,26 @@ class Counting:
         count has no formula for."""
         by_module = self.mode.get_flop_counts()
         total = sum(by_module["Global"].values())
-        per_layer = [0.0] * layers  # policy and reference alike (their modules have the same names)
-        for name, ops in by_module.items():
-            if found := LAYER.search(name):
-                per_layer[int(found.group(1))] += sum(ops.values())
+        # policy and reference alike (their modules have the same names)
+        per_layer = _per_layer(((name, sum(ops.values())) for name, ops in by_module.items()), layers)
         ops = {str(op).rsplit(".", 1)[-1]: n for op, n in by_module["Global"].items()}
         if self.mode.unformulated:
             raise SystemExit(f"products the count has no formula for: {dict(self.mode.unformulated)}")
-        attention = [0.0] * layers
-        for name, flops in self.attention.items():
-            if found := LAYER.search(name):
-                attention[int(found.group(1))] += flops
         return {
             "decoder": _to_depth(per_layer),
             "rest": total - sum(per_layer),
-            "attention": _to_depth(attention) + self.attention["rest"],
+            "attention": _to_depth(_per_layer(self.attention.items(), layers)) + self.attention["rest"],
             "by_operator": ops,
         }
+
+
+def _per_layer(named: Iterable[tuple[str, float]], layers: int) -> list[float]:
+    """The counts of modules named for a decoder layer (`LAYER`), summed by layer index; others left out."""
+    per_layer = [0.0] * layers
+    for name, flops in named:
+        if found := LAYER.search(name):
+            per_layer[int(found.group(1))] += flops
+    return per_layer
 
 
 def _to_depth(per_layer: list[float]) -> float:
@@ -321,19 +329,6 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _without_save(argv: list[str]) -> list[str]:
-    """The command line less `--save FILE` (the sides' processes print their counts; the caller keeps them)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--save":
-            skip = True
-        elif not a.startswith("--save="):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = sides_parser("python -m bench.device_work", __doc__, TRAINERS)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers run (of Qwen2-0.5B's 24; at least 2)")
@@ -351,9 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--layers: at least 2 (the last layer is counted apart from the others)")
     case_of(args.trainer, args.shape)  # an unknown shape stops here, before any side runs
     if args.compare:
-        runs = compare("bench.device_work", _without_save(sys.argv[1:] if argv is None else argv))
-        if args.save:
-            save(runs, Path(args.save))
+        runs = compare("bench.device_work", argv)  # each side's process keeps its own counts (`--save`), in turn
         print(json.dumps(runs) if args.json else table(runs))
         return
     got = run(args.trainer, args.side, args.layers, args.steps, args.assets, args.shrink, args.shape)

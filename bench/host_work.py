@@ -134,7 +134,7 @@ def _one_attention_call(q, k, v, cu_q, cu_k, longest_q, longest_k, scale):
 
 
 @contextlib.contextmanager
-def _patched(patches: dict[tuple[Any, str], Any]):
+def patched(patches: dict[tuple[Any, str], Any]):
     """Each `(owner, name)` attribute set to its value for the block, and put back after it."""
     kept = {key: getattr(*key) for key in patches}
     try:
@@ -169,7 +169,7 @@ def gpu_paths():
         (attention, "_documents_attention"): _one_attention_call,
         (lean_activations, "_norm_forward"): _stand_in_norm,
     }
-    with _patched(patches):
+    with patched(patches):
         yield
 
 
@@ -258,7 +258,7 @@ def trl_paths(tiles: tuple[int, int] | None = None):
         patches[(chunked, "_use_triton")] = lambda device: True
     if tiles:
         patches[(chunked, "TOKEN_CHUNK_SIZE")], patches[(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE")] = tiles
-    with _patched(patches):
+    with patched(patches):
         yield
 
 

@@ -1193,7 +1193,7 @@ def test_device_work_counts_each_side_s_products_of_a_users_dpo_step(tiny):
 
 
 def test_device_work_keeps_its_counts_by_case_and_side_for_the_profile_to_rate_kernels_by(tmp_path):
-    from bench.device_work import _without_save, save
+    from bench.device_work import save
     from bench.profile import counts_for, kernel_rates
 
     path = tmp_path / "counts.json"
@@ -1209,7 +1209,6 @@ def test_device_work_keeps_its_counts_by_case_and_side_for_the_profile_to_rate_k
     rates = kernel_rates(kinds, 10, counts_for(path, "dpo/8x1024", "ours"))
     assert rates["matmul"] == {"ms_a_step": 104.0, "tflop_a_step": 52.0, "tflop_s": 500.0}
     assert abs(rates["attention"]["tflop_s"] - 200.0) < 1e-9 and kernel_rates(kinds, 10, None) == {}
-    assert _without_save(["dpo", "--save", "f.json", "--layers", "2", "--save=g"]) == ["dpo", "--layers", "2"]
 
 
 def test_device_work_picks_a_users_shape_by_its_key():
