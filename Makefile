@@ -44,7 +44,7 @@ LINTED := alignpipe tasks flows tests bench
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
-	$(BIN)/mypy alignpipe tasks flows
+	$(BIN)/mypy alignpipe tasks flows bench
 
 test: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)

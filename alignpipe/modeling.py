@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ def is_activation_checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
+@overload
+def implementation(attention: str) -> str: ...
+@overload
+def implementation(attention: None) -> None: ...
 def implementation(attention: str | None) -> str | None:
     """transformers' `attn_implementation` to load the recipe's `model.attention` with: ours (`varlen`) registered
     first; `auto` loads as `sdpa` and `settle_auto` chooses once the weights' dtype is known."""

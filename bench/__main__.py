@@ -22,6 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.cases import (
     GPU_TRAINERS,
@@ -249,20 +250,8 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for (case, model), runs in results.items():
         ph: Physics = phys[(case, model)]
-        med = {
-            impl: {
-                k: _median([r.get(k) for r in rs])
-                for k in (
-                    "samples_per_s",
-                    "steady_samples_per_s",
-                    "peak_mb",
-                    "mean_completion_length",
-                    "generation_tokens_per_s",
-                )
-            }
-            for impl, rs in runs.items()
-        }
-        rate = {impl: (m["steady_samples_per_s"] if gpu else None) or m["samples_per_s"] for impl, m in med.items()}
+        med = {impl: Medians.of(rs) for impl, rs in runs.items()}
+        rate = {impl: (m.steady_samples_per_s if gpu else None) or m.samples_per_s for impl, m in med.items()}
         scale = ph.tokens_per_sample or 1.0
         for contender in [impl for impl in runs if impl != "ours"]:
             o, c = med["ours"], med[contender]
@@ -278,17 +267,17 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
                 f"**{rate['ours'] / rate[contender]:.2f}×**",
             ]
             if gpu:
-                row.append(f"{o['samples_per_s'] / c['samples_per_s']:.2f}×")
+                row.append(f"{o.samples_per_s / c.samples_per_s:.2f}×")
             row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks, gpu) for impl in ("ours", contender)]
             row += [
-                _generated(case, rate[impl], med[impl]["mean_completion_length"], ph)
-                + _engine(med[impl]["generation_tokens_per_s"], ph)
+                _generated(case, rate[impl], med[impl].mean_completion_length, ph)
+                + _engine(med[impl].generation_tokens_per_s, ph)
                 for impl in ("ours", contender)
             ]
             row += [
-                f"{o['peak_mb']:,.0f}",
-                f"{c['peak_mb']:,.0f}",
-                f"{o['peak_mb'] / c['peak_mb']:.2f}",
+                f"{o.peak_mb:,.0f}",
+                f"{c.peak_mb:,.0f}",
+                f"{o.peak_mb / c.peak_mb:.2f}",
                 _fmt(runs["ours"][-1]["loss"]),
                 _fmt(runs[contender][-1]["loss"]),
             ]
@@ -362,6 +351,33 @@ def split_section(text: str, name: str) -> tuple[str, str | None, str]:
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+class Medians(NamedTuple):
+    """A side's medians over its runs of one case; every run measures its rate and peak, the rest may be absent
+    (a steady rate on the CPU, a completion length or an engine's rate for an offline trainer)."""
+
+    samples_per_s: float
+    peak_mb: float
+    steady_samples_per_s: float | None
+    mean_completion_length: float | None
+    generation_tokens_per_s: float | None
+
+    @classmethod
+    def of(cls, runs: list[dict]) -> Medians:
+        def median(key: str) -> float | None:
+            return _median([r.get(key) for r in runs])
+
+        rate, peak = median("samples_per_s"), median("peak_mb")
+        if rate is None or peak is None:
+            raise ValueError(f"no run measured its samples/s and peak memory: {runs}")
+        return cls(
+            rate,
+            peak,
+            median("steady_samples_per_s"),
+            median("mean_completion_length"),
+            median("generation_tokens_per_s"),
+        )
 
 
 def _fmt(x) -> str:

@@ -35,7 +35,8 @@ def model(layers: int, shape: dict):
 
     torch.manual_seed(0)
     cfg = Qwen2Config(**{**shape, "num_hidden_layers": layers})
-    return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(True)
+    built = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+    return built.eval().requires_grad_(True)
 
 
 def kept_bytes(step, leave_out) -> int:
@@ -55,18 +56,17 @@ def kept_bytes(step, leave_out) -> int:
     return sum(seen.values())
 
 
-@contextlib.contextmanager
 def fused_path():
     """`fused_kernels` as on a CUDA device, the kernels eager (the same autograd Functions, so the same tensors kept)."""
     from alignpipe import fused_kernels
+    from bench.host_work import patched
 
-    wanted, compiled = fused_kernels.wanted, fused_kernels.compiled_function
-    fused_kernels.wanted = lambda enabled, device: enabled
-    fused_kernels.compiled_function = lambda fn: fn
-    try:
-        yield
-    finally:
-        fused_kernels.wanted, fused_kernels.compiled_function = wanted, compiled
+    return patched(
+        {
+            (fused_kernels, "wanted"): lambda enabled, device: enabled,
+            (fused_kernels, "compiled_function"): lambda fn: fn,
+        }
+    )
 
 
 def measure(variant: str, layers: int, tokens: int, shape: dict) -> int:

@@ -18,6 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TRAINERS = ("sft", "reward", "dpo", "kto", "grpo", "rloo", "online_dpo", "ppo")
 ONLINE = ("grpo", "rloo", "online_dpo", "ppo")
@@ -100,7 +101,7 @@ def _latency(gpu: bool) -> dict[str, Shape]:
 def _user(gpu: bool) -> dict[str, list[Shape]]:
     log = _logging_every(gpu, online=False)
     pair = Shape("8×1024", batch=8, max_len=1024, prompt_tokens=256, completion_tokens=720, log_every=log)
-    rl = dict(
+    rl: dict[str, Any] = dict(
         batch=16,
         accumulation=4,
         max_len=384,
@@ -108,7 +109,7 @@ def _user(gpu: bool) -> dict[str, list[Shape]]:
         prompt_tokens=96,
         log_every=_logging_every(gpu, online=True),
     )
-    packed = dict(packed=True, prompt_tokens=128, completion_tokens=384, log_every=log)
+    packed: dict[str, Any] = dict(packed=True, prompt_tokens=128, completion_tokens=384, log_every=log)
     return {
         "sft": [
             Shape("8×2048 packed", batch=8, max_len=2048, **packed),
@@ -276,7 +277,7 @@ def tokens_per_sample(case: Case, lengths: list[int]) -> float:
 
 # --- physics -------------------------------------------------------------------------------------------------------
 
-QWEN_05B = dict(
+QWEN_05B: dict[str, Any] = dict(
     vocab_size=151936,
     hidden_size=896,
     intermediate_size=4864,
@@ -293,7 +294,7 @@ SPEC = {"H100": (989.4e12, 3.35e12), "H200": (989.4e12, 4.8e12), "A100": (312e12
 
 # The CPU models' sizes: `tiny` is the project's own (alignpipe.tiny), `small` the BASELINES.md 20M Llama shape
 # (`bench.run_one.random_model` builds it); both take the tiny tokenizer's vocabulary.
-SMALL = dict(
+SMALL: dict[str, Any] = dict(
     hidden_size=512,
     num_hidden_layers=6,
     num_attention_heads=8,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = tiny_qwen()
-    loops = [("eager, growing KV cache", decode, {}), ("eager, static KV cache", decode_static, {})]
+    loops: list[tuple[str, Callable, dict[str, Any]]] = [
+        ("eager, growing KV cache", decode, {}),
+        ("eager, static KV cache", decode_static, {}),
+    ]
     if not args.no_compile:
         loops.append(("compiled step", decode_static, {"step": CompiledDecodeStep()}))
     for name, loop, kwargs in loops:

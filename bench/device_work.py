@@ -80,8 +80,8 @@ def model(trainer: str, tok, layers: int):
         **{**QWEN_05B, "num_hidden_layers": layers},
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        num_labels=1,
     )
+    cfg.num_labels = 1
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -107,6 +107,8 @@ def _counter(custom_mapping: dict):
     from torch.utils.flop_counter import FlopCounterMode
 
     class Counter_(FlopCounterMode):
+        unformulated: Counter[str]
+
         def _count_flops(self, func_packet, out, args, kwargs):
             name = str(func_packet)
             if func_packet not in self.flop_registry and PRODUCT_LIKE.search(name) and "attention" not in name:
@@ -152,7 +154,7 @@ class Counting:
         self.tokens = 0
         self.forwards: list[tuple[int, int, bool]] = []
         self.attention: Counter[str] = Counter()  # FLOPs by the innermost decoder layer running (or "rest")
-        self._hook = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._patches = contextlib.ExitStack()
 
     def tick(self) -> None:
@@ -163,7 +165,8 @@ class Counting:
             self.mode.__enter__()
         elif self.ticks == self.edges[1]:
             self.mode.__exit__(None, None, None)
-            self._hook.remove()
+            if self._hook is not None:
+                self._hook.remove()
             self._patches.close()
 
     def _embedding_input(self, module, args) -> None:

@@ -27,6 +27,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ class Setup:
             tie_word_embeddings=True,
         )
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).to(self.device, self.dtype)
+        model = Qwen2ForCausalLM(cfg).to(self.device, self.dtype)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
         model.set_attn_implementation(implementation(attention))
         return model
 
@@ -484,7 +485,7 @@ def check_dpo_head(setup: Setup) -> Callable[[], None]:
         rows[-1] += N - sum(rows)
         ref = torch.linspace(-3, 3, 2 * B, device=setup.device).chunk(2)
 
-        def pair_loss(sums: torch.Tensor, group: list[int]) -> torch.Tensor:
+        def pair_loss(sums: torch.Tensor, group: torch.Tensor | list[int]) -> torch.Tensor:
             k = len(group) // 2
             losses, _, _ = dpo_loss(sums[:k], sums[k:], ref[0][group[:k]], ref[1][group[:k]], 0.1)
             return losses.sum() / B
@@ -748,7 +749,8 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         if not setup.cuda:
             return None, "no CUDA device"
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).to(setup.device, torch.bfloat16).eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).to(setup.device, torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+        model.eval()
         rows, width, new = 64, 128, 256  # grpo/8x8x256: 8 prompts × 8 samples, 256 new tokens
         ids = torch.randint(2, QWEN_05B["vocab_size"], (rows, width), generator=torch.Generator().manual_seed(3))
         ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
@@ -762,7 +764,11 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
                 if not keep:
                     step.release()
 
-        loops = (("eager", decode, {}), ("eager static", decode_static, {}), ("graphed", decode_static, {"step": step}))
+        loops: tuple[tuple[str, Callable, dict[str, Any]], ...] = (
+            ("eager", decode, {}),
+            ("eager static", decode_static, {}),
+            ("graphed", decode_static, {"step": step}),
+        )
         with torch.inference_mode():
             for name, loop, kwargs in (*loops, ("graphed again", decode_static, {"step": step})):
                 seed = torch.Generator(device=setup.device).manual_seed(5)
@@ -820,7 +826,8 @@ def check_decode_kernels(setup: Setup) -> Callable[[], None]:
             shape, rows, width = {**QWEN_05B, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, 4, 8
             shape.update(num_attention_heads=2, num_key_value_heads=1)
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(setup.device, setup.dtype).eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(setup.device, setup.dtype)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+        model.eval()
         counts = {}
         for name in ("plain", "policy"):
             if name == "policy":  # patched as a stage patches it, its fused kernels taken as a recording takes them
@@ -1056,7 +1063,7 @@ def check_host_copies(setup: Setup) -> Callable[[], None]:
             return None, "no CUDA device (tests/test_host_sync.py checks the online updates copy with to_device)"
         # a GRPO micro-batch's host pieces at 8×8×256: mask, advantages, index, its padding-free layout
         prompts, answers = [list(range(96))] * 8, [list(range(256))] * 8
-        piece = {
+        piece: dict[str, Any] = {
             "mask": torch.ones(8, 256),
             "advantages": torch.randn(8),
             "index": torch.arange(8),

@@ -285,14 +285,15 @@ def model(trainer: str, tok, layers: int, width: int):
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
         max_position_embeddings=4096,
-        rope_theta=QWEN_05B["rope_theta"],
+        rope_parameters={"rope_type": "default", "rope_theta": QWEN_05B["rope_theta"]},
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        num_labels=1,
     )
+    cfg.num_labels = 1
     torch.manual_seed(0)
-    built = (Qwen2ForSequenceClassification if trainer == "reward" else Qwen2ForCausalLM)(cfg).to(torch.bfloat16)
+    built = (Qwen2ForSequenceClassification if trainer == "reward" else Qwen2ForCausalLM)(cfg)
+    built.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
     built.set_attn_implementation(implementation("varlen"))
     return built
 

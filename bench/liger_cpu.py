@@ -45,6 +45,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from bench.cases import ONLINE, TINY_QWEN2, Case, _user
 
@@ -115,7 +116,7 @@ def interpreter_shims() -> None:
 
     for info in pkgutil.iter_modules(ops.__path__):
         try:
-            module = importlib.import_module(f"liger_kernel.ops.{info.name}")
+            module: Any = importlib.import_module(f"liger_kernel.ops.{info.name}")
         except ImportError:  # another vendor's backend (Ascend, XPU)
             continue
         if hasattr(module, "rsqrt"):

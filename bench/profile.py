@@ -78,7 +78,7 @@ def kernel_kind(name: str) -> str:
 def self_time_us(event, device: bool) -> float:
     """An event's own time (children excluded) in microseconds, on the device or the CPU."""
     if device:
-        return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+        return float(getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0))
     return float(event.self_cpu_time_total)
 
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from typing import Any, Protocol
 
 from bench.cases import ONLINE, QWEN_05B, SMALL, TINY_QWEN2, Case, find_case, is_gpu_model, model_sizes, rows
 
@@ -35,6 +36,12 @@ ASSETS = ""  # set by main
 SKIP_STEPS_ENV = "ALIGNPIPE_BENCH_SKIP_STEPS"
 # steps left out of the steady-state rate (CUDA/cuBLAS warm-up, allocator growth)
 WARMUP_STEPS = int(os.environ.get(SKIP_STEPS_ENV, "5"))
+
+
+class Ticking(Protocol):
+    """What is told of each optimizer step's end: a `StepClock`, or a tool's own counter."""
+
+    def tick(self) -> None: ...
 
 
 class StepClock:
@@ -160,8 +167,8 @@ def fresh_json(module_args: list[str], env: dict[str, str] | None = None, timeou
 
 
 @contextlib.contextmanager
-def optimizer_ticks(clock):
-    """`clock.tick()` (a `StepClock`, or anything with a `tick`) at the end of every optimizer step taken within (torch's global step hooks), once per step
+def optimizer_ticks(clock: Ticking):
+    """`clock.tick()` at the end of every optimizer step taken within (torch's global step hooks), once per step
     where a step calls its parent class's (`LowPrecisionAdamW` hands float32 parameters to torch's AdamW): our
     offline trainers' steps, whatever they log."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -239,11 +246,11 @@ def random_model(kind: str, tok, head: str, seed: int = 0):
         Qwen2ForSequenceClassification,
     )
 
-    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_labels=1)
+    ids: dict[str, Any] = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, num_labels=1)
     torch.manual_seed(seed)
     if kind == "small":
-        cfg = LlamaConfig(vocab_size=len(tok), **SMALL, **ids)
-        return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(cfg)
+        llama = LlamaConfig(vocab_size=len(tok), **SMALL, **ids)
+        return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(llama)
     cls = Qwen2ForSequenceClassification if head == "reward" else Qwen2ForCausalLM
     if kind == TINY_QWEN2:
         return cls(Qwen2Config(**model_sizes(kind), **ids))
@@ -348,8 +355,16 @@ def _train_ours(task, shape, common, offline, online, model, tok, data, steps, k
         import copy
 
         fused = os.environ.get(UNFUSED_ENV) != "1"
-        cfg = DPOConfig(**common, **offline, fused_loss=fused)
-        dpo.train(cfg, model, tok, data, [], tracker, out, ref_model=copy.deepcopy(model))
+        dpo.train(
+            DPOConfig(**common, **offline, fused_loss=fused),
+            model,
+            tok,
+            data,
+            [],
+            tracker,
+            out,
+            ref_model=copy.deepcopy(model),
+        )
     elif task == "kto":
         import copy
 
@@ -358,7 +373,7 @@ def _train_ours(task, shape, common, offline, online, model, tok, data, steps, k
         import copy
 
         config, trainer = (GRPOConfig, grpo) if task == "grpo" else (RLOOConfig, rloo)
-        cfg = config(
+        rl_cfg = config(
             **common,
             **online,
             num_generations=shape.generations,
@@ -369,20 +384,20 @@ def _train_ours(task, shape, common, offline, online, model, tok, data, steps, k
             **({"beta": 0.0} if task == "rloo" else {}),
         )
         lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
-        ref = copy.deepcopy(model) if cfg.beta else None
-        trainer.train(cfg, model, tok, data, lexicon, tracker, out, ref_model=ref)
+        ref = copy.deepcopy(model) if rl_cfg.beta else None
+        trainer.train(rl_cfg, model, tok, data, lexicon, tracker, out, ref_model=ref)
     elif task == "online_dpo":
         import copy
 
         lexicon = RewardSet([LoadedReward("lexicon", sentiment_lexicon)])
-        cfg = OnlineDPOConfig(
+        odpo_cfg = OnlineDPOConfig(
             **{k: v for k, v in common.items() if k != "max_length"},
             **online,
             max_completion_length=shape.completion,
             sample_every=10**9,
         )
         ranker = online_dpo.RewardRanker(lexicon, None)
-        online_dpo.train(cfg, model, tok, data, ranker, tracker, out, ref_model=copy.deepcopy(model))
+        online_dpo.train(odpo_cfg, model, tok, data, ranker, tracker, out, ref_model=copy.deepcopy(model))
     elif task == "ppo":
         import copy
 
@@ -393,7 +408,7 @@ def _train_ours(task, shape, common, offline, online, model, tok, data, steps, k
         from alignpipe.trainers.configs import PPOConfig
 
         rm, dtype = reward_model_dir(ASSETS, kind), ("bfloat16" if is_gpu_model(kind) else "float32")
-        cfg = PPOConfig(
+        ppo_cfg = PPOConfig(
             **common,
             **online,
             max_completion_length=shape.completion,
@@ -404,7 +419,7 @@ def _train_ours(task, shape, common, offline, online, model, tok, data, steps, k
         )
         value = load_sequence_scorer(rm, dtype, pad_token_id=tok.pad_token_id)
         ppo.train(
-            cfg,
+            ppo_cfg,
             model,
             value,
             tok,
@@ -444,12 +459,12 @@ def liger_args(task: str) -> dict:
     return args
 
 
-def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock, liger: bool = False) -> dict:
+def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: Ticking, liger: bool = False) -> dict:
     """TRL's trainer for the case, as a user would configure it for the same step (`liger`: with
     `use_liger_kernel=True`, TRL's fused kernels and losses)."""
     import trl
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_end(self, *_, **__):
@@ -474,6 +489,7 @@ def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepCloc
         **(liger_args(task) if liger else {}),
     )
     ds = Dataset.from_list(data)
+    trainer: Trainer  # TRL's trainer for the task
     t0 = time.perf_counter()  # construction (tokenization) + train + save, as `ours` is timed
     if task == "sft":
         trainer = trl.SFTTrainer(
@@ -569,18 +585,20 @@ def trl_run(case: Case, model, tok, data, steps: int, kind: str, clock: StepCloc
                 train_dataset=ds,
             )
         else:
-            config, trainer_class = (
-                (trl.GRPOConfig, trl.GRPOTrainer) if task == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
-            )
-            args = config(
-                **common,
-                num_generations=shape.generations,
-                max_completion_length=shape.completion,
-                **({"beta": 0.0} if task == "rloo" else {}),
-            )
-            trainer = trainer_class(
-                model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds
-            )
+            sampled: dict[str, Any] = {
+                "num_generations": shape.generations,
+                "max_completion_length": shape.completion,
+            }
+            if task == "grpo":
+                args = trl.GRPOConfig(**common, **sampled)
+                trainer = trl.GRPOTrainer(
+                    model=model, reward_funcs=[lexicon], args=args, processing_class=tok, train_dataset=ds
+                )
+            else:  # without the KL term, as ours' RLOO runs (`_train_ours`)
+                rloo_args = trl.RLOOConfig(**common, **sampled, beta=0.0)
+                trainer = trl.RLOOTrainer(
+                    model=model, reward_funcs=[lexicon], args=rloo_args, processing_class=tok, train_dataset=ds
+                )
     trainer.add_callback(Clock())
     result = trainer.train()
     trainer.save_model(tempfile.mkdtemp())

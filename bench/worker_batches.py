@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from alignpipe.device_copies import OneBuffer
 
@@ -50,7 +50,8 @@ def receive_ms(batch: dict, one_buffer: bool, batches: int) -> list[float]:
     def hand_over(_):
         return OneBuffer.of(batch) if one_buffer else batch
 
-    loader = iter(DataLoader(range(batches + 1), batch_size=1, collate_fn=hand_over, num_workers=1, prefetch_factor=4))
+    numbers = TensorDataset(torch.arange(batches + 1))  # what is handed over is `batch`, whatever the item
+    loader = iter(DataLoader(numbers, batch_size=1, collate_fn=hand_over, num_workers=1, prefetch_factor=4))
     next(loader)
     time.sleep(1.0)  # the worker fills its queue
     out = []
@@ -74,7 +75,11 @@ def tensor_count(nest) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="dpo/8x1024", help="a user-shape case of bench.cases: dpo, reward or sft")
+    ap.add_argument(
+        "--case",
+        default="dpo/8x1024",
+        help="a user-shape case key of a dpo, reward or sft case: dpo/8x1024, reward/8x1024, sft/8x2048",
+    )
     ap.add_argument("--batches", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of both layouts")
     ap.add_argument("--assets", default="assets/tiny")
