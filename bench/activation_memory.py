@@ -35,7 +35,7 @@ def model(layers: int, shape: dict):
 
     torch.manual_seed(0)
     cfg = Qwen2Config(**{**shape, "num_hidden_layers": layers})
-    built = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+    built = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # functools.wraps: unbound to mypy
     return built.eval().requires_grad_(True)
 
 

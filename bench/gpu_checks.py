@@ -90,7 +90,8 @@ class Setup:
             tie_word_embeddings=True,
         )
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).to(self.device, self.dtype)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+        model = Qwen2ForCausalLM(cfg)
+        model.to(self.device, self.dtype)  # type: ignore[arg-type]  # functools.wraps: unbound to mypy
         model.set_attn_implementation(implementation(attention))
         return model
 
@@ -749,8 +750,8 @@ def check_rollout_speed(setup: Setup) -> Callable[[], None]:
         if not setup.cuda:
             return None, "no CUDA device"
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B)).to(setup.device, torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
-        model.eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B))
+        model.to(setup.device, torch.bfloat16).eval()  # type: ignore[arg-type]  # functools.wraps: unbound to mypy
         rows, width, new = 64, 128, 256  # grpo/8x8x256: 8 prompts × 8 samples, 256 new tokens
         ids = torch.randint(2, QWEN_05B["vocab_size"], (rows, width), generator=torch.Generator().manual_seed(3))
         ids, mask = ids.to(setup.device), torch.ones(rows, width, dtype=torch.long, device=setup.device)
@@ -826,8 +827,8 @@ def check_decode_kernels(setup: Setup) -> Callable[[], None]:
             shape, rows, width = {**QWEN_05B, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, 4, 8
             shape.update(num_attention_heads=2, num_key_value_heads=1)
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(setup.device, setup.dtype)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
-        model.eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        model.to(setup.device, setup.dtype).eval()  # type: ignore[arg-type]  # functools.wraps: unbound to mypy
         counts = {}
         for name in ("plain", "policy"):
             if name == "policy":  # patched as a stage patches it, its fused kernels taken as a recording takes them

@@ -293,7 +293,7 @@ def model(trainer: str, tok, layers: int, width: int):
     cfg.num_labels = 1
     torch.manual_seed(0)
     built = (Qwen2ForSequenceClassification if trainer == "reward" else Qwen2ForCausalLM)(cfg)
-    built.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' `to` is wrapped (functools.wraps), which mypy reads as unbound
+    built.to(torch.bfloat16)  # type: ignore[arg-type]  # functools.wraps: unbound to mypy
     built.set_attn_implementation(implementation("varlen"))
     return built
 
