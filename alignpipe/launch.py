@@ -16,6 +16,7 @@ from pathlib import Path
 from alignpipe.manifest import Manifest
 from alignpipe.plan import read_spec
 from alignpipe.recipe.schema import Recipe
+from alignpipe.shared_line import SharedLine
 from alignpipe.stage import StageSpec
 from alignpipe.storage import CheckpointMirror, localize, stage_folder
 
@@ -175,14 +176,15 @@ def _run_stage_process(
     spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config
 ) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    if sys.stderr.isatty():  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
+    shared = SharedLine(sys.stderr, live=sys.stderr.isatty())
+    if shared.live:  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = _start(spec_path, processes, accelerate_config, env, extra_env)
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
-    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail), daemon=True)
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail, shared), daemon=True)
     pump.start()
     # A timer, not a check per output line: a stage that hangs silently (a stuck collective, a scorer that never
     # answers) is killed on time too.
@@ -200,7 +202,8 @@ def _run_stage_process(
     for line in proc.stdout:
         line = line.rstrip("\n")
         tail.append(line)
-        on_line(line)
+        with shared.apart():  # a bar on stderr's last line gives way to the log line
+            on_line(line)
     code = proc.wait()
     if timer is not None:
         timer.cancel()
@@ -251,9 +254,9 @@ def die_with_parent():
     return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _pump_stderr(stream, keep: collections.deque) -> None:
-    """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) and keep
-    its last lines for an error message."""
+def _pump_stderr(stream, keep: collections.deque, shared: SharedLine) -> None:
+    """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) through the
+    line its bars share with the log, and keep its last lines for an error message."""
     import codecs
 
     fd = stream.fileno()
@@ -264,8 +267,7 @@ def _pump_stderr(stream, keep: collections.deque) -> None:
         if not chunk:
             break
         text = decoder.decode(chunk)
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        shared.write(text)
         pending += text.replace("\r", "\n")
         *lines, pending = pending.split("\n")
         keep.extend(line for line in lines if line.strip())

@@ -1,5 +1,5 @@
-"""What the terminal shows when the machinery around a run misbehaves: a Prefect server too slow to start, a reader
-that closes the pipe."""
+"""What the terminal shows when the machinery around a run misbehaves (a Prefect server too slow to start, a reader
+that closes the pipe), and how a stage's progress bar shares stderr with the log."""
 
 from __future__ import annotations
 
@@ -55,3 +55,57 @@ def test_importing_alignpipe_turns_mlflow_telemetry_off_unless_the_user_set_it()
         check=True,
     )
     assert run.stdout.strip() == "false"  # the user's choice stands
+
+
+def _shared(live: bool):
+    import io
+
+    from alignpipe.shared_line import SharedLine
+
+    stream = io.StringIO()
+    return SharedLine(stream, live), stream
+
+
+def _log(shared, stream, text: str) -> None:
+    with shared.apart():
+        stream.write(text + "\n")  # as Prefect's console handler writes a record, on the same stream
+
+
+def test_on_a_terminal_a_log_line_clears_the_progress_bar_and_the_bar_is_drawn_again_below_it():
+    shared, stream = _shared(live=True)
+    shared.write("\rsft:   5%| | 8/150")
+    shared.write("\rsft:   7%| | 10/150 loss=5.3")
+    _log(shared, stream, "[sft] step 10 loss=5.3")
+    shared.write("\rsft:   8%| | 11/150 loss=5.3")
+    shared.write("\rsft: 100%|#| 150/150\n")
+    _log(shared, stream, "[sft] stage done")
+    assert stream.getvalue() == (
+        "\rsft:   5%| | 8/150\rsft:   7%| | 10/150 loss=5.3"
+        "\r\x1b[K[sft] step 10 loss=5.3\n"  # the bar erased, the log line in its place
+        "sft:   7%| | 10/150 loss=5.3"  # the bar again, under it
+        "\rsft:   8%| | 11/150 loss=5.3\rsft: 100%|#| 150/150\n"
+        "[sft] stage done\n"  # after a finished bar's newline: nothing to clear or redraw
+    )
+
+
+def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_line():
+    shared, stream = _shared(live=False)
+    shared.write("\rsft:   0%| | 0/150")
+    shared.write("\rsft:   7%| | 10/150 loss=5.3")
+    _log(shared, stream, "[sft] step 10 loss=5.3")
+    shared.write("\rsft:  13%| | 20/150 loss=3.5\r")
+    shared.write("sft: 100%|#| 150/150\r\n")
+    shared.write("Traceback (most recent call last):\n\n  File ...\n")
+    _log(shared, stream, "[sft] stage done")
+    assert stream.getvalue().splitlines() == [
+        "sft:   0%| | 0/150",
+        "sft:   7%| | 10/150 loss=5.3",
+        "[sft] step 10 loss=5.3",
+        "sft:  13%| | 20/150 loss=3.5",
+        "sft: 100%|#| 150/150",
+        "Traceback (most recent call last):",
+        "",  # a blank line of the stage's own is kept
+        "  File ...",
+        "[sft] stage done",
+    ]
+    assert "\r" not in stream.getvalue()
