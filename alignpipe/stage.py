@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from alignpipe import progress
 from alignpipe.manifest import Manifest, write_whole
 
 log = logging.getLogger("alignpipe.stage")
@@ -45,6 +46,8 @@ def quiet_environment() -> None:
 
 def _quiet_libraries() -> None:
     quiet_environment()
+    if not progress.live():  # MLflow's bar for each artifact transfer: a log line per file, in a file
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import transformers
     from transformers.utils import logging as tlog
 

@@ -3,6 +3,7 @@ that closes the pipe), and how a stage's progress bar shares stderr with the log
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -58,8 +59,6 @@ def test_importing_alignpipe_turns_mlflow_telemetry_off_unless_the_user_set_it()
 
 
 def _shared(live: bool):
-    import io
-
     from alignpipe.shared_line import SharedLine
 
     stream = io.StringIO()
@@ -109,3 +108,18 @@ def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_l
         "[sft] stage done",
     ]
     assert "\r" not in stream.getvalue()
+
+
+def test_mlflow_s_transfer_bars_stay_out_of_a_stage_s_log_unless_its_bars_are_live_or_the_user_asks(monkeypatch):
+    from alignpipe import stage
+
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, whoever runs the tests
+    for tty, user, want in (("0", None, "false"), ("1", None, None), ("0", "true", "true")):
+        monkeypatch.setenv("ALIGNPIPE_TTY", tty)
+        if user is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, user)
+        stage._quiet_libraries()
+        assert os.environ.get(key) == want, (tty, user)
