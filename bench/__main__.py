@@ -205,6 +205,7 @@ class Physics:
     tokens_per_sample: float | None  # offline trainers: real tokens in a row, pair or packed block
     flops_per_token: float | None  # model FLOPs per trained token (offline trainers)
     decode_bound: float | None  # generated tokens/s a memory-bound decode could reach at the measured copy rate
+    counted: dict[str, float] | None = None  # GPU: FLOPs a sample each side's kernels run (`counted_flops`)
 
 
 def physics(case: Case, model: str, assets: Path, peaks: dict | None) -> Physics:
@@ -214,9 +215,33 @@ def physics(case: Case, model: str, assets: Path, peaks: dict | None) -> Physics
     from alignpipe.modeling import load_tokenizer
 
     lengths = row_lengths(str(assets), case, load_tokenizer(str(assets / "model")))
+    per_sample = tokens_per_sample(case, lengths)
     return Physics(
-        tokens_per_sample(case, lengths), train_flops_per_token(case.trainer, model, attention_span(lengths)), None
+        per_sample,
+        train_flops_per_token(case.trainer, model, attention_span(lengths)),
+        None,
+        counted_flops(case, per_sample) if is_gpu_model(model) else None,
     )
+
+
+COUNTS = ROOT / "bench" / "device_counts.json"
+
+
+def counted_flops(case: Case, tokens_a_sample: float, path: Path = COUNTS) -> dict[str, float] | None:
+    """The FLOPs a sample of the table that each side's GPU kernels run (products and attention), as
+    `bench.device_work --save` counted them on CPU at this case (`path`), by side; None where it has no count. A
+    packed SFT block: FLOPs a token × the block's real tokens (both sides fill blocks alike: TRL's `bfd` to within
+    0.3% of ours at both users' shapes); a pair or a row: a step's FLOPs over the step's samples."""
+    if not path.exists():
+        return None
+    by_side = json.loads(path.read_text()).get(case.key)
+    if not by_side:
+        return None
+    out = {}
+    for side, counts in by_side.items():
+        flops = counts["total"] + counts["attention"]
+        out[side] = flops / counts["tokens"] * tokens_a_sample if case.shape.packed else flops / case.shape.per_step
+    return out
 
 
 # What a sample is, per trainer (rows/s is shown only where tokens per sample are unknown)
@@ -243,6 +268,7 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
     cols = ["trainer", "model", "shape", "contender", "runs × steps", "measure", "ours", "contender", "ratio"]
     if gpu:
         cols += ["end-to-end ratio", "ours MFU (peak · matmul)", "contender MFU (peak · matmul)"]
+        cols += ["counted work, contender / ours", "counted TFLOP/s, ours · contender (of matmul)"]
     else:
         cols += ["ours MFU (of matmul)", "contender MFU (of matmul)"]
     cols += ["ours generated tokens/s (of bound)", "contender generated tokens/s (of bound)"]
@@ -269,6 +295,8 @@ def table(results: dict, phys: dict, peaks: dict | None, gpu: bool, runs_label: 
             if gpu:
                 row.append(f"{o.samples_per_s / c.samples_per_s:.2f}×")
             row += [_mfu(rate[impl] * scale, ph.flops_per_token, peaks, gpu) for impl in ("ours", contender)]
+            if gpu:
+                row += _counted(ph.counted, rate, contender, peaks)
             row += [
                 _generated(case, rate[impl], med[impl].mean_completion_length, ph)
                 + _engine(med[impl].generation_tokens_per_s, ph)
@@ -295,6 +323,19 @@ def _mfu(tokens_per_s: float, flops_per_token: float | None, peaks: dict | None,
         return of_matmul
     of_peak = f"{achieved / peaks['spec_tflops']:.1%}" if peaks.get("spec_tflops") else "–"
     return f"{of_peak} · {of_matmul}"
+
+
+def _counted(counted: dict[str, float] | None, rate: dict[str, float], contender: str, peaks: dict | None) -> list[str]:
+    """The work each side's kernels ran a sample, counted (`counted_flops`): the contender's over ours' (the ratio
+    equal FLOP rates would give), and each side's measured samples/s × its FLOPs a sample, of the measured matmul."""
+    if not counted or "ours" not in counted or contender not in counted:
+        return ["–", "–"]
+
+    def tflop_s(impl: str) -> str:
+        achieved = rate[impl] * counted[impl] / 1e12
+        return f"{achieved:,.0f}" + (f" ({achieved / peaks['matmul_tflops']:.0%})" if peaks else "")
+
+    return [f"{counted[contender] / counted['ours']:.2f}×", f"{tflop_s('ours')} · {tflop_s(contender)}"]
 
 
 def _generated(case: Case, rate: float, mean_length: float | None, ph: Physics) -> str:
@@ -594,7 +635,11 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
             "samples/s × real tokens per sample of the identical data (a packed block: as our best-fit packer fills "
             "it, which TRL's `bfd` matches). MFU: tokens/s × model FLOPs per token (6·N + 12·L·d·s, s the span a "
             "token attends over; DPO and KTO add the reference forward) over the data-sheet dense bf16 peak · over "
-            "the measured matmul. Generated tokens/s: samples/s × completions × their logged mean length (TRL 1.12's "
+            "the measured matmul. Counted work: the FLOPs a sample each side's kernels run (products, and attention "
+            "as its kernel runs it: a padded row's whole square under a mask), counted on CPU by `bench.device_work` "
+            "(bench/device_counts.json); contender / ours is the ratio equal FLOP rates would give, so the measured "
+            "ratio over it is ours' FLOP rate over the contender's; counted TFLOP/s: steady samples/s × those FLOPs, "
+            "of the measured matmul. Generated tokens/s: samples/s × completions × their logged mean length (TRL 1.12's "
             "PPO logs none: its maximum), beside the bound a decode step reading every weight and the KV cache at the "
             "measured copy rate allows; 'generating' after it: the rollouts' generation alone, as our trainers log it "
             "(`generation/tokens_per_s`, the median of the steady steps). Memory: `torch.cuda.max_memory_allocated`. "

@@ -78,6 +78,9 @@
 # attention as each side's kernels run it) over the kernels' time a step. Session 29's DPO steps ran all their FLOPs
 # at 277 (ours) and 292 TFLOP/s (TRL + Liger), their SFT steps at 335 and 333: the rates say which kernels ours
 # runs slower.
+# Since session 61 the GPU tables (f's, g's) carry the same counts: beside each measured ratio, the counted one and each
+# side's counted TFLOP/s (steady samples/s × its FLOPs a sample): a measured ratio below the counted one is ours' lower
+# rate a FLOP, which g's profiles then place.
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to j)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j) ;; *)

@@ -554,6 +554,26 @@ def test_decode_bound_counts_weights_and_kv_cache_read_per_step():
     assert decode_bound(tiny, "tiny", 1e10) == pytest.approx(16 * 1e10 / tiny_step)
 
 
+def test_the_gpu_rows_read_each_side_s_work_a_sample_from_the_counts_device_work_kept(tmp_path):
+    """`counted_flops`: products and attention a sample by side, from `bench/device_counts.json` as kept (a DPO pair:
+    a step's over its 8 pairs; a packed SFT block: FLOPs a token × the block's tokens); None for a case or file
+    without counts."""
+    import json
+
+    from bench.__main__ import COUNTS, counted_flops
+
+    kept = json.loads(COUNTS.read_text())
+    dpo = counted_flops(find_case("qwen0.5b", "dpo/8x1024"), 1900.0)
+    ours = kept["dpo/8x1024"]["ours"]
+    assert dpo is not None and dpo["ours"] == pytest.approx((ours["total"] + ours["attention"]) / 8)
+    assert dpo["trl+liger"] / dpo["ours"] == pytest.approx(1.34, abs=0.005)  # session 60's count
+    sft = counted_flops(find_case("qwen0.5b", "sft/8x2048"), 2000.0)
+    trl = kept["sft/8x2048"]["trl"]
+    assert sft is not None and sft["trl"] == pytest.approx((trl["total"] + trl["attention"]) / trl["tokens"] * 2000.0)
+    assert counted_flops(find_case("qwen0.5b", "grpo/8x8x256"), 1.0) is None
+    assert counted_flops(find_case("qwen0.5b", "dpo/8x1024"), 1.0, tmp_path / "none.json") is None
+
+
 def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
     """On a GPU a case has a row per contender (TRL, TRL + Liger): the steady ratio, MFU against the data sheet and
     the measured matmul, generated tokens/s against the decode bound."""
@@ -580,7 +600,7 @@ def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
     peaks = {"gpu": "NVIDIA H100", "matmul_tflops": 800.0, "copy_tb_s": 3.0, "spec_tflops": 989.4, "spec_tb_s": 3.35}
     flops = train_flops_per_token("sft", "qwen0.5b", 500)
     phys = {
-        (sft, "qwen0.5b"): Physics(2000.0, flops, None),
+        (sft, "qwen0.5b"): Physics(2000.0, flops, None, {"ours": 6.0e12, "trl": 7.2e12}),  # no trl+liger count
         (grpo, "qwen0.5b"): Physics(None, None, decode_bound(grpo, "qwen0.5b", 3.0e12)),
     }
     lines = table(results, phys, peaks, gpu=True, runs_label="1 × 20")
@@ -591,11 +611,14 @@ def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
     assert sft_liger[8] == "**1.20×**"
     mfu = 12_000 * flops / 1e12
     assert sft_trl[10] == f"{mfu / 989.4:.1%} · {mfu / 800:.1%}"
-    assert sft_trl[12] == "–" and sft_trl[-3] == "0.74"
+    # counted work: TRL's 1.2× ours' a sample; 6 samples/s × 6 TFLOP ours, 4 × 7.2 TRL's, of the 800 TFLOP/s matmul
+    assert sft_trl[12:14] == ["1.20×", "36 (4%) · 29 (4%)"] and sft_liger[12:14] == ["–", "–"]
+    assert sft_trl[14] == "–" and sft_trl[-3] == "0.74"
     assert grpo_trl[5:9] == ["completions/s", "40.0", "10.0", "**4.00×**"] and grpo_trl[10] == "–"
+    assert grpo_trl[12:14] == ["–", "–"]
     bound = phys[(grpo, "qwen0.5b")].decode_bound
-    assert grpo_trl[12] == f"8,000 ({8000 / bound:.1%}); generating 24,000 ({24000 / bound:.1%})"
-    assert grpo_trl[13] == f"2,560 ({2560 / bound:.1%})", "TRL logs no generation rate"
+    assert grpo_trl[14] == f"8,000 ({8000 / bound:.1%}); generating 24,000 ({24000 / bound:.1%})"
+    assert grpo_trl[15] == f"2,560 ({2560 / bound:.1%})", "TRL logs no generation rate"
 
 
 def test_cpu_rows_give_mfu_of_the_measured_matmul_and_the_rollout_bound(tiny, tmp_path):
