@@ -574,6 +574,25 @@ def test_the_gpu_rows_read_each_side_s_work_a_sample_from_the_counts_device_work
     assert counted_flops(find_case("qwen0.5b", "dpo/8x1024"), 1.0, tmp_path / "none.json") is None
 
 
+def test_trl_s_bfd_packing_fills_blocks_as_ours_does_at_the_users_sft_shapes(tiny):
+    """The GPU table's tokens/s for packed SFT are samples/s × ours' real tokens a block, on both sides: TRL's `bfd`
+    must fill its blocks as ours does, or the contender's rate would be scaled wrong."""
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    from alignpipe.modeling import load_tokenizer
+    from bench.cases import row_lengths
+
+    tok = load_tokenizer(str(tiny / "model"))
+    for key in ("sft/8x2048", "sft/4x4096"):
+        case = find_case("qwen0.5b", key)
+        lengths = row_lengths(str(tiny), case, tok)
+        packed = pack_dataset(Dataset.from_dict({"input_ids": [[1] * n for n in lengths]}), case.shape.max_len, "bfd")
+        fills = [len(ids) for ids in packed["input_ids"]]
+        assert sum(fills) == sum(lengths), "bfd splits no row"
+        assert sum(fills) / len(fills) == pytest.approx(tokens_per_sample(case, lengths), rel=0.01), key
+
+
 def test_each_contender_gets_its_row_with_mfu_and_the_rollout_bound():
     """On a GPU a case has a row per contender (TRL, TRL + Liger): the steady ratio, MFU against the data sheet and
     the measured matmul, generated tokens/s against the decode bound."""
