@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from alignpipe import shared_line
 from alignpipe.manifest import Manifest
 from alignpipe.plan import read_spec
 from alignpipe.recipe.schema import Recipe
-from alignpipe.shared_line import SharedLine
 from alignpipe.stage import StageSpec
 from alignpipe.storage import CheckpointMirror, localize, stage_folder
 
@@ -176,7 +176,7 @@ def _run_stage_process(
     spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config
 ) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    shared = SharedLine(sys.stderr, live=sys.stderr.isatty())
+    shared = shared_line.for_stream(sys.stderr, live=sys.stderr.isatty())
     if shared.live:  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -254,7 +254,7 @@ def die_with_parent():
     return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _pump_stderr(stream, keep: collections.deque, shared: SharedLine) -> None:
+def _pump_stderr(stream, keep: collections.deque, shared: shared_line.SharedLine) -> None:
     """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) through the
     line its bars share with the log, and keep its last lines for an error message."""
     import codecs

@@ -4,7 +4,9 @@ A stage's bars reach the launcher's stderr from the stage process's stderr (`lau
 with `\\r`; the launcher's log lines (Prefect's console handler, on the same stderr) come from another thread. Written
 as they come, each log line lands after the bar's text, on the bar's line. `SharedLine` takes both: on a terminal
 it clears the bar before a log line and draws it again below it; in a file or a pipe (CI's output, a pool worker's
-log) each bar update becomes a line of its own, and a log line always starts a line.
+log) each bar update becomes a line of its own, and a log line always starts a line. Stages that run side by side
+(a recipe's parallel branches) share the process's one `SharedLine` for the stream (`for_stream`), so their bars
+interleave as whole lines rather than on one.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ class SharedLine:
         self.stream, self.live = stream, live
         self._lock = threading.Lock()
         self._line = ""  # the current line's text as it shows: a bar, as last drawn
+        self._cut = False  # not live: a log line ended the bar's line, so the bar's own newline is not repeated
 
     def write(self, text: str) -> None:
         text = text.replace("\r\n", "\n")
         with self._lock:
-            self.stream.write(text if self.live else self._as_lines(text))
+            # live: each redraw erases the line first, so a shorter bar (another stage's) leaves nothing behind
+            self.stream.write(text.replace("\r", CLEAR_LINE) if self.live else self._as_lines(text))
             self.stream.flush()
             if self.live:
                 self._line = (self._line + text).rsplit("\n", 1)[-1].rsplit("\r", 1)[-1]
@@ -44,11 +48,14 @@ class SharedLine:
                     out.append("\n")
                     self._line = ""
             elif piece == "\n":
-                out.append("\n")
+                if not (self._cut and not self._line):
+                    out.append("\n")
                 self._line = ""
             elif piece:
                 out.append(piece)
                 self._line += piece
+            if piece:
+                self._cut = False
         return "".join(out)
 
     @contextlib.contextmanager
@@ -59,6 +66,7 @@ class SharedLine:
             if self._line:
                 self.stream.write(CLEAR_LINE if self.live else "\n")
                 self.stream.flush()
+                self._cut = not self.live
             try:
                 yield
             finally:
@@ -67,3 +75,17 @@ class SharedLine:
                     self.stream.flush()
                 elif not self.live:
                     self._line = ""
+
+
+_BY_STREAM: dict[int, SharedLine] = {}
+_BY_STREAM_LOCK = threading.Lock()
+
+
+def for_stream(stream: TextIO, live: bool) -> SharedLine:
+    """The process's `SharedLine` for `stream` (made on first use): every stage the process launches writes its bars
+    and log lines through it."""
+    with _BY_STREAM_LOCK:
+        shared = _BY_STREAM.get(id(stream))
+        if shared is None or shared.stream is not stream:
+            shared = _BY_STREAM[id(stream)] = SharedLine(stream, live)
+        return shared

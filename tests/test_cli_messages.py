@@ -78,11 +78,11 @@ def test_on_a_terminal_a_log_line_clears_the_progress_bar_and_the_bar_is_drawn_a
     shared.write("\rsft:   8%| | 11/150 loss=5.3")
     shared.write("\rsft: 100%|#| 150/150\n")
     _log(shared, stream, "[sft] stage done")
-    assert stream.getvalue() == (
-        "\rsft:   5%| | 8/150\rsft:   7%| | 10/150 loss=5.3"
-        "\r\x1b[K[sft] step 10 loss=5.3\n"  # the bar erased, the log line in its place
+    assert stream.getvalue().replace("\r\x1b[K", "<clear>") == (
+        "<clear>sft:   5%| | 8/150<clear>sft:   7%| | 10/150 loss=5.3"  # each redraw erases the line first
+        "<clear>[sft] step 10 loss=5.3\n"  # the bar erased, the log line in its place
         "sft:   7%| | 10/150 loss=5.3"  # the bar again, under it
-        "\rsft:   8%| | 11/150 loss=5.3\rsft: 100%|#| 150/150\n"
+        "<clear>sft:   8%| | 11/150 loss=5.3<clear>sft: 100%|#| 150/150\n"
         "[sft] stage done\n"  # after a finished bar's newline: nothing to clear or redraw
     )
 
@@ -92,6 +92,9 @@ def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_l
     shared.write("\rsft:   0%| | 0/150")
     shared.write("\rsft:   7%| | 10/150 loss=5.3")
     _log(shared, stream, "[sft] step 10 loss=5.3")
+    shared.write("\rsft:  12%| | 19/150 loss=5.3")
+    _log(shared, stream, "[sft] eval loss=4.9")
+    shared.write("\n")  # the bar's own line end, after a log line already ended it: no blank line
     shared.write("\rsft:  13%| | 20/150 loss=3.5\r")
     shared.write("sft: 100%|#| 150/150\r\n")
     shared.write("Traceback (most recent call last):\n\n  File ...\n")
@@ -100,6 +103,8 @@ def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_l
         "sft:   0%| | 0/150",
         "sft:   7%| | 10/150 loss=5.3",
         "[sft] step 10 loss=5.3",
+        "sft:  12%| | 19/150 loss=5.3",
+        "[sft] eval loss=4.9",
         "sft:  13%| | 20/150 loss=3.5",
         "sft: 100%|#| 150/150",
         "Traceback (most recent call last):",
@@ -123,3 +128,25 @@ def test_mlflow_s_transfer_bars_stay_out_of_a_stage_s_log_unless_its_bars_are_li
             monkeypatch.setenv(key, user)
         stage._quiet_libraries()
         assert os.environ.get(key) == want, (tty, user)
+
+
+def test_stages_running_side_by_side_share_one_line_so_their_bars_never_run_together():
+    """Two stages of a recipe's parallel branches, launched by one process: their bars go through the process's one
+    `SharedLine` for stderr, and in a log file each update is a whole line."""
+    from alignpipe.shared_line import for_stream
+
+    stream = io.StringIO()
+    rm, dpo = for_stream(stream, live=False), for_stream(stream, live=False)
+    assert rm is dpo and for_stream(io.StringIO(), live=False) is not rm
+    rm.write("\rreward:   0%| | 0/60")
+    dpo.write("\rdpo:   0%| | 0/60")
+    _log(rm, stream, "[rm] reward step 10/60")
+    dpo.write("\rdpo:  17%| | 10/60")
+    rm.write("\rreward: 100%| | 60/60\n")
+    assert stream.getvalue().splitlines() == [
+        "reward:   0%| | 0/60",
+        "dpo:   0%| | 0/60",
+        "[rm] reward step 10/60",
+        "dpo:  17%| | 10/60",
+        "reward: 100%| | 60/60",
+    ]
