@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
             impls = ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
             runs: dict[str, list] = {impl: [] for impl in impls}
             phys[(case, label)] = physics(case, model, assets, peaks)  # before the runs: a cut-short call keeps them
-            if args.attention not in (None, "varlen"):  # the counts are of the default kernels' work
+            # the counts are of the default attention's and LM head's work
+            if args.attention not in (None, "varlen") or "unfused" in chosen_variants(args):
                 phys[(case, label)] = replace(phys[(case, label)], counted=None)
             for _ in range(warmup):
                 for impl in impls:
