@@ -177,6 +177,7 @@ def _run_stage_process(
 ) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     shared = shared_line.for_stream(sys.stderr, live=sys.stderr.isatty())
+    shared.guard_log_handlers()  # the log lines `on_line` makes go above (on a terminal) or between the bars
     if shared.live:  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -184,7 +185,7 @@ def _run_stage_process(
     proc = _start(spec_path, processes, accelerate_config, env, extra_env)
     # stderr (progress bars, tracebacks from before logging starts) goes to our stderr as it comes, and its
     # last lines are kept for the error message.
-    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail, shared), daemon=True)
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, err_tail, shared, spec.stage_id), daemon=True)
     pump.start()
     # A timer, not a check per output line: a stage that hangs silently (a stuck collective, a scorer that never
     # answers) is killed on time too.
@@ -202,8 +203,7 @@ def _run_stage_process(
     for line in proc.stdout:
         line = line.rstrip("\n")
         tail.append(line)
-        with shared.apart():  # a bar on stderr's last line gives way to the log line
-            on_line(line)
+        on_line(line)
     code = proc.wait()
     if timer is not None:
         timer.cancel()
@@ -254,9 +254,9 @@ def die_with_parent():
     return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _pump_stderr(stream, keep: collections.deque, shared: shared_line.SharedLine) -> None:
+def _pump_stderr(stream, keep: collections.deque, shared: shared_line.SharedLine, stage_id: str) -> None:
     """Forward the stage's stderr as it comes (chunks, not lines, so `\\r` progress redraws stay live) through the
-    line its bars share with the log, and keep its last lines for an error message."""
+    lines its bars share with the log and other stages' bars, and keep its last lines for an error message."""
     import codecs
 
     fd = stream.fileno()
@@ -267,7 +267,7 @@ def _pump_stderr(stream, keep: collections.deque, shared: shared_line.SharedLine
         if not chunk:
             break
         text = decoder.decode(chunk)
-        shared.write(text)
+        shared.write(text, stage_id)
         pending += text.replace("\r", "\n")
         *lines, pending = pending.split("\n")
         keep.extend(line for line in lines if line.strip())

@@ -62,24 +62,24 @@ def _shared(live: bool):
     from alignpipe.shared_line import SharedLine
 
     stream = io.StringIO()
-    return SharedLine(stream, live), stream
+    shared = SharedLine(stream, live)
+    return shared, stream, shared.log_stream()
 
 
-def _log(shared, stream, text: str) -> None:
-    with shared.apart():
-        stream.write(text + "\n")  # as Prefect's console handler writes a record, on the same stream
+def _log(log, text: str) -> None:
+    log.write(text + "\n")  # as a console handler writes a record: one call, its newline included
 
 
 def test_on_a_terminal_a_log_line_clears_the_progress_bar_and_the_bar_is_drawn_again_below_it():
-    shared, stream = _shared(live=True)
+    shared, stream, log = _shared(live=True)
     shared.write("\rsft:   5%| | 8/150")
     shared.write("\rsft:   7%| | 10/150 loss=5.3")
-    _log(shared, stream, "[sft] step 10 loss=5.3")
+    _log(log, "[sft] step 10 loss=5.3")
     shared.write("\rsft:   8%| | 11/150 loss=5.3")
     shared.write("\rsft: 100%|#| 150/150\n")
-    _log(shared, stream, "[sft] stage done")
+    _log(log, "[sft] stage done")
     assert stream.getvalue().replace("\r\x1b[K", "<clear>") == (
-        "<clear>sft:   5%| | 8/150<clear>sft:   7%| | 10/150 loss=5.3"  # each redraw erases the line first
+        "sft:   5%| | 8/150<clear>sft:   7%| | 10/150 loss=5.3"  # each redraw erases the line first
         "<clear>[sft] step 10 loss=5.3\n"  # the bar erased, the log line in its place
         "sft:   7%| | 10/150 loss=5.3"  # the bar again, under it
         "<clear>sft:   8%| | 11/150 loss=5.3<clear>sft: 100%|#| 150/150\n"
@@ -87,18 +87,48 @@ def test_on_a_terminal_a_log_line_clears_the_progress_bar_and_the_bar_is_drawn_a
     )
 
 
+def test_on_a_terminal_side_by_side_stages_keep_a_line_each_and_log_lines_go_above_them():
+    """A recipe's parallel branches (tiny-dpo's `rm` and `dpo`): their bars are a block of lines at the bottom, one
+    per stage, where they took turns on one line; a log line, or a stage's finished bar, goes above the block."""
+    shared, stream, log = _shared(live=True)
+    up = "\x1b[A\x1b[K"
+    shared.write("\rreward:   0%| | 0/60", "rm")
+    shared.write("\rdpo:   0%| | 0/60", "dpo")
+    shared.write("\rreward:  17%| | 10/60", "rm")
+    log.write("[rm] reward step 10")  # a record's text, its newline in a second write: held until the line ends
+    log.write("/60\n")
+    shared.write("\rreward: 100%| | 60/60\n", "rm")
+    shared.write("\rdpo:  17%| | 10/60", "dpo")
+    assert stream.getvalue().replace("\r\x1b[K", "<clear>").replace(up, "<up>") == (
+        "reward:   0%| | 0/60"
+        "<clear>reward:   0%| | 0/60\ndpo:   0%| | 0/60"  # a second stage: a second line
+        "<clear><up>reward:  17%| | 10/60\ndpo:   0%| | 0/60"  # back to the block's first line, both drawn again
+        "<clear><up>[rm] reward step 10/60\nreward:  17%| | 10/60\ndpo:   0%| | 0/60"  # the log line above them
+        "<clear><up>reward: 100%| | 60/60\ndpo:   0%| | 0/60"  # rm's finished bar stays above
+        "<clear>dpo:  17%| | 10/60"  # the block is dpo's line alone
+    )
+
+
+def test_on_a_terminal_a_bar_is_cut_to_the_terminal_s_width(monkeypatch):
+    """A line wider than the terminal wraps to two screen lines, and erasing the block would go up one too few."""
+    monkeypatch.setenv("COLUMNS", "12")
+    shared, stream, _ = _shared(live=True)
+    shared.write("\rsft:  7%|#         | 10/150", "sft")
+    assert stream.getvalue() == "sft:  7%|# "  # 11 characters: the last column left free, as tqdm leaves it
+
+
 def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_line():
-    shared, stream = _shared(live=False)
+    shared, stream, log = _shared(live=False)
     shared.write("\rsft:   0%| | 0/150")
     shared.write("\rsft:   7%| | 10/150 loss=5.3")
-    _log(shared, stream, "[sft] step 10 loss=5.3")
+    _log(log, "[sft] step 10 loss=5.3")
     shared.write("\rsft:  12%| | 19/150 loss=5.3")
-    _log(shared, stream, "[sft] eval loss=4.9")
+    _log(log, "[sft] eval loss=4.9")
     shared.write("\n")  # the bar's own line end, after a log line already ended it: no blank line
     shared.write("\rsft:  13%| | 20/150 loss=3.5\r")
     shared.write("sft: 100%|#| 150/150\r\n")
     shared.write("Traceback (most recent call last):\n\n  File ...\n")
-    _log(shared, stream, "[sft] stage done")
+    _log(log, "[sft] stage done")
     assert stream.getvalue().splitlines() == [
         "sft:   0%| | 0/150",
         "sft:   7%| | 10/150 loss=5.3",
@@ -113,6 +143,36 @@ def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_l
         "[sft] stage done",
     ]
     assert "\r" not in stream.getvalue()
+
+
+def test_in_a_log_file_a_bar_drawn_again_unchanged_as_it_closes_is_not_repeated():
+    """tqdm draws its last state again as it closes; in a file that was the same line twice, around the log line of
+    the last step. A line the stage repeats on purpose (not a redrawn bar) stays."""
+    shared, stream, log = _shared(live=False)
+    bar = "sft: 100%|#| 150/150 [00:07<00:00, 19.17it/s, loss=0.8445]"
+    shared.write("\rsft:  93%|#| 140/150 [00:07<00:00, 19.01it/s, loss=0.8422]", "sft")
+    shared.write("\r" + bar, "sft")
+    _log(log, "[sft] sft step 150/150 loss=0.8445")
+    shared.write("\r" + bar[:20], "sft")  # the close's redraw, read in two chunks
+    shared.write(bar[20:] + "\n", "sft")
+    shared.write("\rjudge:   0%| | 0/96", "judge")
+    shared.write("\rjudge: 100%| | 96/96", "judge")
+    shared.write("\rjudge: 100%| | 96/96\n", "judge")  # drawn again with no log line between
+    shared.write("\rjudge: 100%| | 9", "judge")  # begins as the last bar did, then differs
+    shared.write("7/97\n", "judge")
+    shared.write("warning: slow\nwarning: slow\n", "judge")
+    _log(log, "[judge] done")
+    assert stream.getvalue().splitlines() == [
+        "sft:  93%|#| 140/150 [00:07<00:00, 19.01it/s, loss=0.8422]",
+        bar,
+        "[sft] sft step 150/150 loss=0.8445",
+        "judge:   0%| | 0/96",
+        "judge: 100%| | 96/96",
+        "judge: 100%| | 97/97",
+        "warning: slow",
+        "warning: slow",
+        "[judge] done",
+    ]
 
 
 def test_mlflow_s_transfer_bars_stay_out_of_a_stage_s_log_unless_its_bars_are_live_or_the_user_asks(monkeypatch):
@@ -138,15 +198,51 @@ def test_stages_running_side_by_side_share_one_line_so_their_bars_never_run_toge
     stream = io.StringIO()
     rm, dpo = for_stream(stream, live=False), for_stream(stream, live=False)
     assert rm is dpo and for_stream(io.StringIO(), live=False) is not rm
-    rm.write("\rreward:   0%| | 0/60")
-    dpo.write("\rdpo:   0%| | 0/60")
-    _log(rm, stream, "[rm] reward step 10/60")
-    dpo.write("\rdpo:  17%| | 10/60")
-    rm.write("\rreward: 100%| | 60/60\n")
+    log = rm.log_stream()
+    rm.write("\rreward:   0%| | 0/60", "rm")
+    dpo.write("\rdpo:   0%| | 0/60", "dpo")
+    _log(log, "[rm] reward step 10/60")
+    dpo.write("\rdpo:  17%| | 10", "dpo")
+    rm.write("\rreward: 100%| | 60/60\n", "rm")  # rm's line begins while dpo's is unfinished
+    dpo.write("/60", "dpo")
     assert stream.getvalue().splitlines() == [
         "reward:   0%| | 0/60",
         "dpo:   0%| | 0/60",
         "[rm] reward step 10/60",
-        "dpo:  17%| | 10/60",
+        "dpo:  17%| | 10",
         "reward: 100%| | 60/60",
+        "/60",
     ]
+
+
+def test_the_launcher_s_log_handlers_on_stderr_write_through_the_shared_line(monkeypatch):
+    """Every handler writing to the stream (a plain `StreamHandler`; Prefect's console handler, whose rich Console
+    holds the stream too) is pointed at `log_stream()`, so a record logged from any thread (Prefect's own "Finished
+    in state" lines too, not only the stage's) starts a line of its own."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from alignpipe.shared_line import SharedLine
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    shared = SharedLine(stream, live=False)
+    plain, console = logging.StreamHandler(stream), PrefectConsoleHandler(stream=stream)
+    elsewhere = logging.StreamHandler(io.StringIO())
+    last_resort = type(logging.lastResort)(logging.CRITICAL)  # its stream is whatever sys.stderr is: left alone
+    logger = logging.getLogger("alignpipe.test.shared_line")
+    logger.propagate = False
+    for handler in (plain, console, elsewhere, last_resort):
+        logger.addHandler(handler)
+    try:
+        assert shared.guard_log_handlers() == 2
+        assert shared.guard_log_handlers() == 0  # already pointed at it
+        assert console.console.file is not stream and elsewhere.stream is not stream
+        shared.write("\rsft:   7%| | 10/150", "sft")
+        logger.warning("step 10")
+        shared.write("\rsft:   8%| | 11/150\n", "sft")
+    finally:
+        for handler in (plain, console, elsewhere, last_resort):
+            logger.removeHandler(handler)
+    assert stream.getvalue().splitlines() == ["sft:   7%| | 10/150", "step 10", "step 10", "sft:   8%| | 11/150"]
