@@ -208,6 +208,7 @@ def _run_stage_process(
     if timer is not None:
         timer.cancel()
     pump.join(timeout=5)
+    shared.finish(spec.stage_id)  # a bar the stage left half drawn (killed, crashed) is no longer redrawn
     if timed_out.is_set():
         errors = [line for line in err_tail if line.strip() and "it/s]" not in line and "s/it]" not in line]
         raise StageTimedOut(spec.stage_id, code, float(timeout_s), list(tail) + errors[-10:])

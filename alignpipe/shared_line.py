@@ -56,6 +56,24 @@ class SharedLine:
                 self.stream.write(out)
                 self.stream.flush()
 
+    def finish(self, source: Hashable) -> None:
+        """`source`'s stream has ended (its stage exited, or was killed with a bar half drawn): its last line stays as
+        it was, on a line of its own (on a terminal, above the bars still running), and no longer redrawn."""
+        with self._lock:
+            out: list[str] = []
+            if self.live:
+                bar = self._bars.pop(source, "")
+                if bar:
+                    out.append(self._erase() + self._below(bar + "\n" + self._block()))
+            else:
+                self._held.pop(source, None)
+                if self._line and self._owner == source:
+                    self._end_line(out, bar=False)
+                self._last_bar.pop(source, None)
+            if out:
+                self.stream.write("".join(out))
+                self.stream.flush()
+
     # -- on a terminal
 
     def _draw(self, text: str, source: Hashable) -> str:

@@ -109,6 +109,28 @@ def test_on_a_terminal_side_by_side_stages_keep_a_line_each_and_log_lines_go_abo
     )
 
 
+def test_a_stage_that_ends_with_its_bar_half_drawn_leaves_it_behind_and_the_others_go_on():
+    """A stage killed mid-step (its timeout, the OOM killer) never ends its bar's line: the launcher says its stream
+    ended (`finish`), and the bar stays as it was, on a line of its own, no longer redrawn under the others."""
+    shared, stream, _ = _shared(live=True)
+    up = "\x1b[A\x1b[K"
+    shared.write("\rreward:  40%| | 24/60", "rm")
+    shared.write("\rdpo:  17%| | 10/60", "dpo")
+    shared.finish("rm")
+    shared.finish("judge")  # a stage that drew nothing: nothing to do
+    shared.write("\rdpo:  18%| | 11/60", "dpo")
+    assert stream.getvalue().replace("\r\x1b[K", "<clear>").replace(up, "<up>") == (
+        "reward:  40%| | 24/60<clear>reward:  40%| | 24/60\ndpo:  17%| | 10/60"
+        "<clear><up>reward:  40%| | 24/60\ndpo:  17%| | 10/60"  # rm's last state above, dpo's block under it
+        "<clear>dpo:  18%| | 11/60"
+    )
+    shared, stream, _ = _shared(live=False)
+    shared.write("\rreward:  40%| | 24/60", "rm")
+    shared.finish("rm")
+    shared.write("\rdpo:  17%| | 10/60", "dpo")
+    assert stream.getvalue().splitlines() == ["reward:  40%| | 24/60", "dpo:  17%| | 10/60"]
+
+
 def test_on_a_terminal_a_bar_is_cut_to_the_terminal_s_width(monkeypatch):
     """A line wider than the terminal wraps to two screen lines, and erasing the block would go up one too few."""
     monkeypatch.setenv("COLUMNS", "12")
