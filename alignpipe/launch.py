@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from alignpipe import shared_line
+from alignpipe import progress, shared_line
 from alignpipe.manifest import Manifest
 from alignpipe.plan import read_spec
 from alignpipe.recipe.schema import Recipe
@@ -108,8 +108,11 @@ def launch(
     extra_env: dict[str, str] | None = None,
     accelerate_config: str | None = None,
     storage_options: dict | None = None,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> Manifest:
-    """Run the stage process, streaming its log lines to `on_line`; its manifest, or StageFailed.
+    """Run the stage process, streaming its log lines to `on_line` and, where `on_progress` is given, its bars' states
+    to it (`alignpipe.progress.parse_report`'s dicts, every few seconds and at each bar's end); its manifest, or
+    StageFailed.
     `extra_env` (e.g. a token from a secret store) reaches the process through its environment only.
     `spec_path` may be a URL in the recipe's storage root: the stage then runs on this machine's working
     copy, fetching its inputs first and uploading its folder as it goes (see `alignpipe.storage`)."""
@@ -119,7 +122,7 @@ def launch(
             if done is not None:
                 return done
             return _run_stage_process(
-                Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config
+                Path(spec_path), spec, on_line, processes, timeout_s, extra_env, accelerate_config, on_progress
             )
     recipe = Recipe.model_validate(spec.recipe)
     store = recipe.remote_store()
@@ -146,6 +149,7 @@ def launch(
             timeout_s,
             extra_env,
             accelerate_config,
+            on_progress,
         )
     sent = store.upload_folder(local, f"stages/{folder}")
     on_line(f"storage: {sent} file(s) uploaded to {store.url_of(f'stages/{folder}')}")
@@ -173,13 +177,15 @@ def one_writer(stage_dir: Path, spec: StageSpec, on_line):
 
 
 def _run_stage_process(
-    spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config
+    spec_path: Path, spec: StageSpec, on_line, processes, timeout_s, extra_env, accelerate_config, on_progress=None
 ) -> Manifest:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     shared = shared_line.for_stream(sys.stderr, live=sys.stderr.isatty())
     shared.guard_log_handlers()  # the log lines `on_line` makes go above (on a terminal) or between the bars
     if shared.live:  # the stage's stderr is a pipe, but it ends up on this terminal: draw live bars
         env["ALIGNPIPE_TTY"] = "1"
+    if on_progress is not None:
+        env[progress.REPORT_ENV] = "1"
     tail: collections.deque[str] = collections.deque(maxlen=60)
     err_tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = _start(spec_path, processes, accelerate_config, env, extra_env)
@@ -202,6 +208,11 @@ def _run_stage_process(
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip("\n")
+        report = progress.parse_report(line)
+        if report is not None:
+            if on_progress is not None:
+                on_progress(report)
+            continue
         tail.append(line)
         on_line(line)
     code = proc.wait()

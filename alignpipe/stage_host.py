@@ -57,9 +57,9 @@ PRELOAD = (
 """What the host imports before it serves: what every stage imports (a module that a stage kind does not need costs
 the host's start only)."""
 
-LATE_READ = frozenset({"HF_TOKEN", "ALIGNPIPE_TTY", "PYTHONUNBUFFERED"})
+LATE_READ = frozenset({"HF_TOKEN", "ALIGNPIPE_TTY", "ALIGNPIPE_PROGRESS", "PYTHONUNBUFFERED"})
 """Variables a stage may have that its host does not: read when used (the token when the push uploads, the bars' TTY
-flag when a bar starts), never by an import, so a fork of the host sees them as a fresh process would."""
+and report flags when a bar starts), never by an import, so a fork of the host sees them as a fresh process would."""
 
 STAGE_TARGET = "alignpipe.stage:hosted_main"
 HOST_TITLE = "alignpipe stage host"

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 
 from alignpipe.launch import launch
 from alignpipe.plan import read_spec
-from tasks.hooks import hooks_for, stage_entry, stage_env
+from tasks.hooks import StageProgress, hooks_for, stage_entry, stage_env
 
 
 @flow(name="alignpipe-stage", flow_run_name="{stage_id}")
@@ -32,6 +32,7 @@ def stage(
         extra_env=stage_env(spec),
         accelerate_config=accelerate_config,
         storage_options=storage_options,
+        on_progress=StageProgress(spec, logger),
     )
     on_done = hooks_for(stage_entry(spec)["kind"]).on_done
     if on_done is not None:

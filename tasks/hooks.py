@@ -1,13 +1,14 @@
 """What differs between stage kinds on the Prefect side, in one table that both the local stage task
 (`tasks.stage_task`) and the work-pool flow (`flows.stage`) read: environment for the stage process
 (secrets resolved from Prefect blocks, never written to the spec), what runs after a stage succeeds
-(Prefect artifacts), and default retries."""
+(Prefect artifacts), and default retries; and the progress artifact every stage's run keeps (`StageProgress`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
+from uuid import UUID
 
 from alignpipe.manifest import Manifest
 from alignpipe.stage import StageSpec
@@ -85,3 +86,36 @@ def stage_env(spec: StageSpec) -> dict[str, str] | None:
     """The extra environment of the spec's stage process, per its kind's hooks."""
     hooks = hooks_for(stage_entry(spec)["kind"])
     return hooks.env(spec) if hooks.env else None
+
+
+class StageProgress:
+    """A stage's bars as one Prefect progress artifact of its run (task run locally, flow run on a pool), keyed
+    `<pipeline>-<stage>-progress`: the percentage of the bar running now, and which bar with its figures
+    ("sft 40/150 (loss=1.7)"), updated as the stage reports (`launch`'s `on_progress`). The artifact is the UI's view
+    only: if Prefect's API refuses it, one warning, and the stage runs on."""
+
+    def __init__(self, spec: StageSpec, logger):
+        self.key = artifact_key(spec.recipe.get("name", "pipeline"), spec.stage_id, "progress")
+        self.logger = logger
+        self.artifact_id: UUID | None = None
+        self.broken = False
+
+    def __call__(self, report: dict) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        if self.broken:
+            return
+        n, total = report.get("n", 0), report.get("total")
+        percent = min(100.0, 100.0 * n / total) if total else 0.0
+        described = f"{report.get('desc', '')} {n}/{total if total else '?'}"
+        if report.get("postfix"):
+            described += f" ({report['postfix']})"
+        try:
+            if self.artifact_id is None:
+                # called outside an event loop, it returns the id itself
+                self.artifact_id = cast(UUID, create_progress_artifact(percent, key=self.key, description=described))
+            else:
+                update_progress_artifact(self.artifact_id, percent, description=described)
+        except Exception as e:  # any API failure: the training matters, its progress view does not
+            self.broken = True
+            self.logger.warning("progress artifact %s not updated (%s); the stage runs on", self.key, e)

@@ -9,7 +9,7 @@ from prefect.cache_policies import NONE
 
 from alignpipe.launch import launch
 from alignpipe.plan import read_spec
-from tasks.hooks import hooks_for, stage_env
+from tasks.hooks import StageProgress, hooks_for, stage_env
 
 
 def stage_task(kind: str):
@@ -32,17 +32,19 @@ def stage_task(kind: str):
         storage_options: dict | None = None,
     ) -> dict:
         logger = get_run_logger()
+        spec = read_spec(spec_path, storage_options)
         manifest = launch(
             spec_path,
             on_line=lambda line: logger.info("[%s] %s", stage_id, line),
             processes=processes,
             timeout_s=timeout_s,
-            extra_env=stage_env(read_spec(spec_path, storage_options)),
+            extra_env=stage_env(spec),
             accelerate_config=accelerate_config,
             storage_options=storage_options,
+            on_progress=StageProgress(spec, logger),
         )
         if hooks.on_done is not None:
-            hooks.on_done(manifest, read_spec(spec_path, storage_options))
+            hooks.on_done(manifest, spec)
         return manifest.model_dump(mode="json")
 
     return run_stage

@@ -268,3 +268,57 @@ def test_the_launcher_s_log_handlers_on_stderr_write_through_the_shared_line(mon
         for handler in (plain, console, elsewhere, last_resort):
             logger.removeHandler(handler)
     assert stream.getvalue().splitlines() == ["sft:   7%| | 10/150", "step 10", "step 10", "sft:   8%| | 11/150"]
+
+
+def test_under_the_launcher_a_bar_reports_its_state_on_stdout_at_its_start_every_few_seconds_and_at_its_end(
+    monkeypatch, capsys
+):
+    from alignpipe import progress
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    for asked in ("0", "1"):
+        monkeypatch.setenv(progress.REPORT_ENV, asked)
+        with progress.progress(20, "sft") as bar:
+            for step in range(20):
+                bar.update(1)
+                if step == 9:
+                    bar.set_postfix({"loss": 1.7})
+        with progress.progress(8, "judge", enabled=False) as bar:  # another process's bar: drawn by rank 0 alone
+            bar.update(8)
+    lines = capsys.readouterr().out.splitlines()
+    reports = [progress.parse_report(line) for line in lines]
+    assert all(r is not None for r in reports), lines  # none while nobody asked (ALIGNPIPE_PROGRESS=0)
+    assert reports == [  # the first update, the end (steps 2 to 19 came within REPORT_EVERY_S); none twice
+        {"n": 1, "total": 20, "desc": "sft", "postfix": ""},
+        {"n": 20, "total": 20, "desc": "sft", "postfix": "loss=1.7"},
+    ]
+    assert progress.parse_report("sft step 10/150 loss=5.3") is None
+    assert progress.parse_report(progress.PROGRESS_MARK + "not json") is None
+
+
+def test_the_launcher_hands_a_stage_s_reports_to_on_progress_and_never_logs_them(tiny, tmp_path):
+    """`launch` with `on_progress`: the stage's bars report (an SFT stage here), the reports reach the callback in
+    order, end at the bar's total, and no report line reaches `on_line`."""
+    from alignpipe.launch import launch
+    from alignpipe.pipeline_run import start_pipeline_run
+    from alignpipe.plan import plan, write_spec
+    from alignpipe.recipe import parse_recipe
+
+    recipe = parse_recipe(
+        f"name: reports\nworkdir: {tmp_path / 'runs'}\nmodel: {{path: {tiny / 'model'}}}\n"
+        f"datasets:\n  reviews: {{path: {tiny / 'data' / 'sentiment_sft.jsonl'}}}\n"
+        "stages:\n  - {id: data, kind: format, dataset: reviews, format: prompt_completion, max_rows: 200}\n"
+        "  - {id: sft, kind: sft, data: data, max_steps: 20, batch_size: 8, logging_every: 5}\n"
+    )
+    plans = plan(recipe)
+    tracking = start_pipeline_run(recipe, "reports")
+    data = launch(write_spec(recipe, plans["data"], {}, tracking, "a"), on_line=lambda line: None)
+    lines: list[str] = []
+    reports: list[dict] = []
+    spec = write_spec(recipe, plans["sft"], {"data": data}, tracking, "a")
+    launch(spec, on_line=lines.append, on_progress=reports.append)
+    assert reports and reports[-1]["n"] == reports[-1]["total"] == 20 and reports[-1]["desc"] == "sft", reports
+    assert reports[-1]["postfix"].startswith("loss=")
+    assert [r["n"] for r in reports] == sorted(r["n"] for r in reports)
+    assert any("sft step 20/20" in line for line in lines)
+    assert not any("alignpipe-progress" in line for line in lines)

@@ -205,6 +205,12 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
         f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["tiny-demo-judge-win-rates"]}}}
     ).json()
     assert any(a["flow_run_id"] == judge_run and a["type"] == "table" for a in artifacts), artifacts
+    progress = httpx.post(
+        f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["tiny-demo-sft-progress"]}}}
+    ).json()
+    assert any(a["flow_run_id"] == sft_flow_run and a["type"] == "progress" and a["data"] == 100.0 for a in progress), (
+        progress
+    )  # the stage's bar, as the pool's flow run shows it in the UI
 
 
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):

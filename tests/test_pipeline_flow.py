@@ -133,6 +133,27 @@ def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     assert "?workflowType=machine_learning" in str(link[0].data), "opens MLflow's model-training view, not GenAI"
 
 
+def test_each_stage_s_progress_is_a_prefect_progress_artifact_of_its_task_run(demo_run):
+    """A run launched from Prefect's UI shows each stage's bar there: a progress artifact of the stage's task run,
+    ending at 100% with the bar's last figures; the stage's report lines never reach its log."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+
+    _, state = demo_run
+    with get_client(sync_client=True) as client:
+        keys = ["tiny-demo-sft-progress", "tiny-demo-judge-progress"]
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        runs = {a.key: client.read_task_run(a.task_run_id) for a in found if a.task_run_id}
+    latest = {a.key: a for a in sorted(found, key=lambda a: a.created)}
+    assert sorted(latest) == sorted(keys)
+    sft, judge = latest["tiny-demo-sft-progress"], latest["tiny-demo-judge-progress"]
+    assert sft.type == judge.type == "progress" and float(sft.data) == float(judge.data) == 100.0
+    assert sft.description.startswith("sft 100/100 (loss=") and judge.description.endswith(" 64/64"), (sft, judge)
+    assert runs[sft.key].name == "sft" and runs[judge.key].name == "judge"
+    assert logs and not any("alignpipe-progress" in entry.message for entry in logs)
+
+
 def test_local_push_writes_model_and_card_with_lineage(demo_run):
     path, state = demo_run
     recipe = load_recipe(path, FAST)
