@@ -47,11 +47,13 @@ def progress(total: int, desc: str, enabled: bool = True, initial: int = 0):
 
 
 def parse_report(line: str) -> dict | None:
-    """A `PROGRESS_MARK` line's report (n, total, desc, postfix); None for any other line."""
-    if not line.startswith(PROGRESS_MARK):
+    """A `PROGRESS_MARK` line's report (n, total, desc, postfix); None for any other line. The mark may follow a
+    prefix a rank launcher puts on its ranks' lines (torchrun's `--tee`: `[rank0]:`)."""
+    at = line.find(PROGRESS_MARK)
+    if at < 0:
         return None
     try:
-        report = json.loads(line[len(PROGRESS_MARK) :])
+        report = json.loads(line[at + len(PROGRESS_MARK) :])
     except ValueError:
         return None
     return report if isinstance(report, dict) else None

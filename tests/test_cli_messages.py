@@ -293,6 +293,7 @@ def test_under_the_launcher_a_bar_reports_its_state_on_stdout_at_its_start_every
         {"n": 20, "total": 20, "desc": "sft", "postfix": "loss=1.7"},
     ]
     assert progress.parse_report("sft step 10/150 loss=5.3") is None
+    assert progress.parse_report("[rank0]:" + lines[0]) == reports[0]
     assert progress.parse_report(progress.PROGRESS_MARK + "not json") is None
 
 
