@@ -6,6 +6,7 @@ failure resumes at the failed stage. A failed stage marks its dependents "not ru
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import uuid
@@ -53,6 +54,35 @@ def link_mlflow_run(recipe, tracking: tuple[str, str, str]) -> None:
         link_text=f"MLflow run {run_id[:8]} of {recipe.name}",
         key=artifact_key(recipe.name, "mlflow-run"),
         description=f"the pipeline's MLflow parent run{how}",
+    )
+
+
+def publish_summary(recipe, outcomes: list[StageOutcome]) -> None:
+    """The end-of-run table `alignpipe run` prints, as a table artifact of this flow run (`<pipeline>-summary`), for
+    a run launched from Prefect's UI: a row a stage, with its status, duration, key metric, output and MLflow run."""
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.hooks import artifact_key
+
+    rows = [
+        {
+            "stage": o.stage_id,
+            "kind": o.kind,
+            "status": o.status,
+            "duration_s": round(o.duration_s, 1) if o.duration_s else None,
+            "key_metric": o.key_metric or "",
+            "value": round(o.value, 4) if o.value is not None else None,
+            "output": o.output,
+            "mlflow_run": o.mlflow_run_id or "",
+            "message": o.message[:300],
+        }
+        for o in outcomes
+    ]
+    counts = collections.Counter(o.status for o in outcomes)
+    create_table_artifact(
+        table=rows,
+        key=artifact_key(recipe.name, "summary"),
+        description=f"{recipe.name}, {len(outcomes)} stages: " + ", ".join(f"{n} {st}" for st, n in counts.items()),
     )
 
 
@@ -237,6 +267,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
         "recipe_text": recipe_text,
     }
     summary_path = write_summary(recipe, run_id, ordered, tracking[2], request)
+    publish_summary(recipe, ordered)
     failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
     if failed:
         raise PipelineFailed(

@@ -133,6 +133,25 @@ def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     assert "?workflowType=machine_learning" in str(link[0].data), "opens MLflow's model-training view, not GenAI"
 
 
+def test_the_run_s_summary_table_is_a_prefect_table_artifact_of_its_flow_run(demo_run):
+    """What `alignpipe run` prints at the end, for a run launched from Prefect's UI: a row a stage."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    path, state = demo_run
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-demo-summary"])))
+    mine = [a for a in found if a.flow_run_id == state.state_details.flow_run_id]
+    assert len(mine) == 1 and mine[0].type == "table" and mine[0].description == "tiny-demo, 5 stages: 5 done"
+    rows = json.loads(mine[0].data) if isinstance(mine[0].data, str) else mine[0].data
+    summary = summary_of(path, state, FAST)
+    assert [(r["stage"], r["status"], r["output"]) for r in rows] == [
+        (s["stage_id"], s["status"], s["output"]) for s in summary["stages"]
+    ]
+    judge = next(r for r in rows if r["stage"] == "judge")
+    assert judge["key_metric"] == "judge/win_rate" and 0 < judge["value"] <= 1 and judge["mlflow_run"]
+
+
 def test_each_stage_s_progress_is_a_prefect_progress_artifact_of_its_task_run(demo_run):
     """A run launched from Prefect's UI shows each stage's bar there: a progress artifact of the stage's task run,
     ending at 100% with the bar's last figures; the stage's report lines never reach its log."""
@@ -239,6 +258,19 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
         "judge": "failed",
         "publish": "not run",
     }
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:  # the failed run's table says which stage failed, and why
+        (table,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["tiny-demo-summary"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
+    assert table.description == "tiny-demo, 5 stages: 3 cached, 1 failed, 1 not run", table.description
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert "no_such_module" in next(r for r in rows if r["status"] == "failed")["message"]
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, fixed)["stages"]}
