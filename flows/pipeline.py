@@ -221,9 +221,21 @@ def run_name() -> str:
     return f"{name}-{str(flow_run.id)[:8]}"
 
 
-@flow(name="alignpipe-pipeline", flow_run_name=run_name, log_prints=True)
+@flow(
+    name="alignpipe-pipeline",
+    flow_run_name=run_name,
+    log_prints=True,
+    description="Run a recipe as a DAG of stages; finished stages with unchanged inputs are reused.",
+)
 def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
-    """Run a recipe. `overrides` are `key=value` edits (`--set`), `force` stage ids to re-run."""
+    """Run a recipe as a DAG of stages; finished stages with unchanged inputs are reused.
+
+    Args:
+        recipe_path: The recipe's YAML file, as the worker running this flow sees it (e.g. pipelines/tiny-demo.yaml).
+        overrides: Edits to the recipe, one `key=value` each, as `alignpipe run --set` takes them (e.g.
+            stages.sft.max_steps=200, or model.path=Qwen/Qwen2.5-0.5B).
+        force: Ids of stages to run again even where a finished output with the same inputs exists.
+    """
     logger = get_run_logger()
     recipe_text = Path(recipe_path).read_text() if Path(recipe_path).is_file() else None
     recipe = load_recipe(recipe_path, overrides or [])  # validated again: UI-launched runs skip the CLI

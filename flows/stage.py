@@ -11,7 +11,11 @@ from alignpipe.plan import read_spec
 from tasks.hooks import StageProgress, hooks_for, stage_entry, stage_env
 
 
-@flow(name="alignpipe-stage", flow_run_name="{stage_id}")
+@flow(
+    name="alignpipe-stage",
+    flow_run_name="{stage_id}",
+    description="Run one stage of a pipeline on this pool's worker (the pipeline flow dispatches it).",
+)
 def stage(
     spec_path: str,
     stage_id: str,
@@ -21,7 +25,18 @@ def stage(
     storage_options: dict | None = None,
 ) -> dict:
     """Run one stage from its spec file (a shared path or a URL in the recipe's storage root) and return
-    its manifest."""
+    its manifest.
+
+    Args:
+        spec_path: The stage's spec.json, which the pipeline flow wrote: a path every worker of the pool reaches, or
+            a URL in the recipe's storage root.
+        stage_id: The stage's id in its recipe (names the flow run).
+        processes: Data-parallel ranks to launch (`resources.processes`).
+        timeout_s: Seconds after which the stage is killed (`resources.timeout_s`); none: no limit.
+        accelerate_config: An `accelerate` config file for its ranks (FSDP, DeepSpeed; `resources.accelerate_config`).
+        storage_options: The recipe's `storage.options` (fsspec's, never credentials: those come from the worker's
+            environment).
+    """
     logger = get_run_logger()
     spec = read_spec(spec_path, storage_options)
     manifest = launch(

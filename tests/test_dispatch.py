@@ -279,6 +279,7 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
     )
     props = dep["parameter_openapi_schema"]["properties"]
     assert {"recipe_path", "overrides", "force"} <= set(props), "the UI form has the flow's typed parameters"
+    assert all(props[p].get("description") for p in ("recipe_path", "overrides", "force")), "and says what each takes"
 
 
 def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server, tiny, tmp_path):

@@ -453,3 +453,20 @@ def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_pat
     path.write_text(spec.model_dump_json())
     assert hub_token_env(spec) == {"HF_TOKEN": "hf_from_block"}
     assert "hf_from_block" not in path.read_text(), "only the block's name is in the spec"
+
+
+def test_the_flows_parameters_are_described_in_the_form_prefect_s_ui_shows():
+    """A run launched from Prefect's UI is set up in a form built from the flow's parameter schema: each field says
+    what it takes (from the flows' docstrings), and the flows' descriptions are a line each."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline
+    from flows.stage import stage
+
+    for flow_ in (pipeline, stage):
+        schema = parameter_schema(flow_.fn).model_dump()
+        missing = [name for name, field in schema["properties"].items() if not field.get("description")]
+        assert not missing, (flow_.name, missing)
+        assert flow_.description and "\n" not in flow_.description
+    overrides = parameter_schema(pipeline.fn).model_dump()["properties"]["overrides"]["description"]
+    assert "key=value" in overrides and "--set" in overrides
