@@ -300,23 +300,17 @@ def test_under_the_launcher_a_bar_reports_its_state_on_stdout_at_its_start_every
 def test_the_launcher_hands_a_stage_s_reports_to_on_progress_and_never_logs_them(tiny, tmp_path):
     """`launch` with `on_progress`: the stage's bars report (an SFT stage here), the reports reach the callback in
     order, end at the bar's total, and no report line reaches `on_line`."""
-    from alignpipe.launch import launch
-    from alignpipe.pipeline_run import start_pipeline_run
-    from alignpipe.plan import plan, write_spec
-    from alignpipe.recipe import parse_recipe
+    from support import sft_spec_after_format
 
-    recipe = parse_recipe(
-        f"name: reports\nworkdir: {tmp_path / 'runs'}\nmodel: {{path: {tiny / 'model'}}}\n"
-        f"datasets:\n  reviews: {{path: {tiny / 'data' / 'sentiment_sft.jsonl'}}}\n"
-        "stages:\n  - {id: data, kind: format, dataset: reviews, format: prompt_completion, max_rows: 200}\n"
-        "  - {id: sft, kind: sft, data: data, max_steps: 20, batch_size: 8, logging_every: 5}\n"
-    )
-    plans = plan(recipe)
-    tracking = start_pipeline_run(recipe, "reports")
-    data = launch(write_spec(recipe, plans["data"], {}, tracking, "a"), on_line=lambda line: None)
+    from alignpipe.launch import launch
+    from alignpipe.recipe import load_recipe
+
+    recipe_path = tmp_path / "demo.yaml"
+    recipe_path.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    recipe = load_recipe(recipe_path, ["stages.sft.max_steps=20", "stages.sft.eval_every=null"])
+    _, spec, _ = sft_spec_after_format(recipe)
     lines: list[str] = []
     reports: list[dict] = []
-    spec = write_spec(recipe, plans["sft"], {"data": data}, tracking, "a")
     launch(spec, on_line=lines.append, on_progress=reports.append)
     assert reports and reports[-1]["n"] == reports[-1]["total"] == 20 and reports[-1]["desc"] == "sft", reports
     assert reports[-1]["postfix"].startswith("loss=")
