@@ -110,6 +110,7 @@ def submit_stage(recipe, s, spec: str, wait_for: list):
         task = dispatch_task.with_options(retries=hooks.retries, retry_delay_seconds=hooks.retry_delay_seconds)
     if s.resources.retries:
         task = task.with_options(retries=s.resources.retries)
+    task = task.with_options(tags={"alignpipe", s.kind, *s.resources.tags})
     where: dict[str, Any] = {"pool": s.resources.pool} if s.resources.pool else {}
     if recipe.storage:
         where["storage_options"] = recipe.storage.options

@@ -18,6 +18,7 @@ FAST = [
     "stages.sft.eval_every=null",
     "stages.judge.num_prompts=64",
     "tracking.system_metrics_every=0.5",
+    "stages.judge.resources.tags=[llm-judge]",  # outside the cache key
 ]
 
 
@@ -170,6 +171,9 @@ def test_each_stage_s_progress_is_a_prefect_progress_artifact_of_its_task_run(de
     assert sft.type == judge.type == "progress" and float(sft.data) == float(judge.data) == 100.0
     assert sft.description.startswith("sft 100/100 (loss=") and judge.description.endswith(" 64/64"), (sft, judge)
     assert runs[sft.key].name == "sft" and runs[judge.key].name == "judge"
+    # tags to find stages by, and for Prefect's tag concurrency limits: `alignpipe`, the kind, the recipe's own
+    assert set(runs[sft.key].tags) == {"alignpipe", "sft"}
+    assert set(runs[judge.key].tags) == {"alignpipe", "judge", "llm-judge"}
     assert logs and not any("alignpipe-progress" in entry.message for entry in logs)
 
 
@@ -453,6 +457,33 @@ def test_hub_token_can_come_from_a_prefect_secret_block(prefect_harness, tmp_pat
     path.write_text(spec.model_dump_json())
     assert hub_token_env(spec) == {"HF_TOKEN": "hf_from_block"}
     assert "hf_from_block" not in path.read_text(), "only the block's name is in the spec"
+
+
+def test_a_tag_concurrency_limit_holds_back_a_tagged_stage_while_another_runs(prefect_harness, tiny, tmp_path):
+    """`resources.tags` with Prefect's tag concurrency limits: the demo's two format stages run side by side unless
+    both carry a tag limited to one run at a time, as here, where the second starts after the first ends."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from support import demo_recipe
+
+    path = tmp_path / "tiny-demo.yaml"
+    path.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    tagged = [f"stages.{sid}.resources.tags=[one-format]" for sid in ("sft-data", "eval-prompts")]
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag="one-format", concurrency_limit=1)
+    try:
+        state = run_flow(path, FAST + tagged + ["stages.sft.max_steps=5", "stages.judge.num_prompts=8"])
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_concurrency_limit_by_tag("one-format")
+    assert state.is_completed(), state.message
+    first, second = sorted((r for r in runs if "one-format" in r.tags), key=lambda r: r.start_time)
+    assert {first.name, second.name} == {"sft-data", "eval-prompts"}
+    assert second.start_time >= first.end_time, (first, second)
 
 
 def test_the_flows_parameters_are_described_in_the_form_prefect_s_ui_shows():

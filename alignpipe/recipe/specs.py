@@ -164,3 +164,16 @@ class Resources(Strict):
     timeout_s: int | None = Field(None, gt=0)
     """Kill the stage after this many seconds of wall time, whether or not it is printing (a silent hang too); the
     stage fails with an error naming the timeout, and `retries` then resumes it from its last checkpoint."""
+    tags: list[str] = Field(default_factory=list)
+    """Prefect tags for the stage's task run, besides `alignpipe` and its kind (both always there): runs are found by
+    them in Prefect's UI, and a tag concurrency limit caps how many tagged stages run at once across every pipeline
+    on the server (`prefect concurrency-limit create llm-judge 2`: at most two stages tagged `llm-judge` at a time,
+    the others wait). Not part of the stage's cache key."""
+
+    @field_validator("tags")
+    @classmethod
+    def _words(cls, value: list[str]) -> list[str]:
+        bad = [t for t in value if not t or t != t.strip()]
+        if bad:
+            raise ValueError(f"a tag is a non-empty string without surrounding spaces (got {bad})")
+        return value
