@@ -39,16 +39,17 @@ def stage(
     """
     logger = get_run_logger()
     spec = read_spec(spec_path, storage_options)
-    manifest = launch(
-        spec_path,
-        on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-        processes=processes,
-        timeout_s=timeout_s,
-        extra_env=stage_env(spec),
-        accelerate_config=accelerate_config,
-        storage_options=storage_options,
-        on_progress=StageProgress(spec, logger),
-    )
+    with StageProgress(spec, logger) as on_progress:
+        manifest = launch(
+            spec_path,
+            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+            processes=processes,
+            timeout_s=timeout_s,
+            extra_env=stage_env(spec),
+            accelerate_config=accelerate_config,
+            storage_options=storage_options,
+            on_progress=on_progress,
+        )
     on_done = hooks_for(stage_entry(spec)["kind"]).on_done
     if on_done is not None:
         on_done(manifest, spec)

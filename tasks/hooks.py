@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -91,20 +93,55 @@ def stage_env(spec: StageSpec) -> dict[str, str] | None:
 class StageProgress:
     """A stage's bars as one Prefect progress artifact of its run (task run locally, flow run on a pool), keyed
     `<pipeline>-<stage>-progress`: the percentage of the bar running now, and which bar with its figures
-    ("sft 40/150 (loss=1.7)"), updated as the stage reports (`launch`'s `on_progress`). The artifact is the UI's view
-    only: if Prefect's API refuses it, one warning, and the stage runs on."""
+    ("sft 40/150 (loss=1.7)"), updated as the stage reports (`launch`'s `on_progress`). A thread of its own sends the
+    latest report (in the run's context, copied), so the launcher reading the stage's log never waits on Prefect's
+    API; leaving the `with` block sends the last one. The artifact is the UI's view only: if Prefect's API refuses it,
+    one warning, and the stage runs on."""
 
-    def __init__(self, spec: StageSpec, logger):
+    def __init__(self, spec: StageSpec, logger, close_timeout_s: float = 30.0):
         self.key = artifact_key(spec.recipe.get("name", "pipeline"), spec.stage_id, "progress")
         self.logger = logger
+        self.close_timeout_s = close_timeout_s
         self.artifact_id: UUID | None = None
         self.broken = False
+        self._latest: dict | None = None
+        self._closed = False
+        self._ready = threading.Condition()
+        self._sender = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._send_each,),
+            name=f"progress-{spec.stage_id}",
+            daemon=True,
+        )
+
+    def __enter__(self) -> StageProgress:
+        self._sender.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._sender.join(self.close_timeout_s)
 
     def __call__(self, report: dict) -> None:
+        with self._ready:
+            self._latest = report  # a report not sent yet is replaced: only the latest state matters
+            self._ready.notify()
+
+    def _send_each(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._latest is not None or self._closed)
+                report, self._latest = self._latest, None
+            if report is not None and not self.broken:
+                self._send(report)
+            elif report is None:
+                return  # closed, and everything reported was sent
+
+    def _send(self, report: dict) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-        if self.broken:
-            return
         n, total = report.get("n", 0), report.get("total")
         percent = min(100.0, 100.0 * n / total) if total else 0.0
         described = f"{report.get('desc', '')} {n}/{total if total else '?'}"

@@ -33,16 +33,17 @@ def stage_task(kind: str):
     ) -> dict:
         logger = get_run_logger()
         spec = read_spec(spec_path, storage_options)
-        manifest = launch(
-            spec_path,
-            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-            processes=processes,
-            timeout_s=timeout_s,
-            extra_env=stage_env(spec),
-            accelerate_config=accelerate_config,
-            storage_options=storage_options,
-            on_progress=StageProgress(spec, logger),
-        )
+        with StageProgress(spec, logger) as on_progress:
+            manifest = launch(
+                spec_path,
+                on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+                processes=processes,
+                timeout_s=timeout_s,
+                extra_env=stage_env(spec),
+                accelerate_config=accelerate_config,
+                storage_options=storage_options,
+                on_progress=on_progress,
+            )
         if hooks.on_done is not None:
             hooks.on_done(manifest, spec)
         return manifest.model_dump(mode="json")

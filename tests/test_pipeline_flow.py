@@ -134,6 +134,34 @@ def test_judge_publishes_prefect_table_and_markdown_artifacts(demo_run):
     assert "?workflowType=machine_learning" in str(link[0].data), "opens MLflow's model-training view, not GenAI"
 
 
+def test_a_slow_prefect_api_never_holds_up_the_launcher_reading_the_stage_s_log():
+    """`StageProgress` sends from a thread of its own: the launcher's call returns at once however long the API takes,
+    reports waiting meanwhile give way to the latest, and leaving the `with` block sends the last one."""
+    import logging
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tasks.hooks import StageProgress
+
+    sent, api_answers = [], threading.Event()
+
+    def slow_api(report: dict) -> None:
+        api_answers.wait(10)
+        sent.append(report["n"])
+
+    progress = StageProgress(SimpleNamespace(recipe={"name": "demo"}, stage_id="sft"), logging.getLogger("test"))
+    assert progress.key == "demo-sft-progress"
+    progress._send = slow_api  # type: ignore[method-assign]
+    with progress:
+        start = time.monotonic()
+        for n in range(1, 101):
+            progress({"n": n, "total": 100, "desc": "sft", "postfix": ""})
+        assert time.monotonic() - start < 1.0
+        api_answers.set()
+    assert sent[-1] == 100 and len(sent) < 100 and sent == sorted(sent)
+
+
 def test_the_run_s_summary_table_is_a_prefect_table_artifact_of_its_flow_run(demo_run):
     """What `alignpipe run` prints at the end, for a run launched from Prefect's UI: a row a stage."""
     from prefect.client.orchestration import get_client
