@@ -4,11 +4,9 @@ stage kind's hooks (secrets from Prefect blocks, artifacts after success) apply 
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
-from alignpipe.launch import launch
-from alignpipe.plan import read_spec
-from tasks.hooks import StageProgress, hooks_for, stage_entry, stage_env
+from tasks.hooks import launch_in_run
 
 
 @flow(
@@ -37,20 +35,4 @@ def stage(
         storage_options: The recipe's `storage.options` (fsspec's, never credentials: those come from the worker's
             environment).
     """
-    logger = get_run_logger()
-    spec = read_spec(spec_path, storage_options)
-    with StageProgress(spec, logger) as on_progress:
-        manifest = launch(
-            spec_path,
-            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-            processes=processes,
-            timeout_s=timeout_s,
-            extra_env=stage_env(spec),
-            accelerate_config=accelerate_config,
-            storage_options=storage_options,
-            on_progress=on_progress,
-        )
-    on_done = hooks_for(stage_entry(spec)["kind"]).on_done
-    if on_done is not None:
-        on_done(manifest, spec)
-    return manifest.model_dump(mode="json")
+    return launch_in_run(spec_path, stage_id, processes, timeout_s, accelerate_config, storage_options)

@@ -156,3 +156,38 @@ class StageProgress:
         except Exception as e:  # any API failure: the training matters, its progress view does not
             self.broken = True
             self.logger.warning("progress artifact %s not updated (%s); the stage runs on", self.key, e)
+
+
+def launch_in_run(
+    spec_path: str,
+    stage_id: str,
+    processes: int = 1,
+    timeout_s: float | None = None,
+    accelerate_config: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
+    """What the local stage task and the pool's stage flow both do, inside their Prefect run: launch the stage with
+    its kind's environment, its log lines to the run's log and its bars to the run's progress artifact, run the
+    kind's after-success hook, and return the manifest as JSON."""
+    from prefect import get_run_logger
+
+    from alignpipe.launch import launch
+    from alignpipe.plan import read_spec
+
+    logger = get_run_logger()
+    spec = read_spec(spec_path, storage_options)
+    with StageProgress(spec, logger) as on_progress:
+        manifest = launch(
+            spec_path,
+            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+            processes=processes,
+            timeout_s=timeout_s,
+            extra_env=stage_env(spec),
+            accelerate_config=accelerate_config,
+            storage_options=storage_options,
+            on_progress=on_progress,
+        )
+    on_done = hooks_for(stage_entry(spec)["kind"]).on_done
+    if on_done is not None:
+        on_done(manifest, spec)
+    return manifest.model_dump(mode="json")

@@ -4,12 +4,10 @@ kinds (secrets, after-success hooks, retries) comes from `tasks.hooks`, which th
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NONE
 
-from alignpipe.launch import launch
-from alignpipe.plan import read_spec
-from tasks.hooks import StageProgress, hooks_for, stage_env
+from tasks.hooks import hooks_for, launch_in_run
 
 
 def stage_task(kind: str):
@@ -31,21 +29,6 @@ def stage_task(kind: str):
         accelerate_config: str | None = None,
         storage_options: dict | None = None,
     ) -> dict:
-        logger = get_run_logger()
-        spec = read_spec(spec_path, storage_options)
-        with StageProgress(spec, logger) as on_progress:
-            manifest = launch(
-                spec_path,
-                on_line=lambda line: logger.info("[%s] %s", stage_id, line),
-                processes=processes,
-                timeout_s=timeout_s,
-                extra_env=stage_env(spec),
-                accelerate_config=accelerate_config,
-                storage_options=storage_options,
-                on_progress=on_progress,
-            )
-        if hooks.on_done is not None:
-            hooks.on_done(manifest, spec)
-        return manifest.model_dump(mode="json")
+        return launch_in_run(spec_path, stage_id, processes, timeout_s, accelerate_config, storage_options)
 
     return run_stage
