@@ -466,7 +466,9 @@ def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_la
     16-byte boundary and holds a multiple of 8 values, and for no other: with a slice of 17 values, or one that starts
     a value into its buffer (as a gradient can in DDP's bucket), every slice goes a value at a time. (On a GPU a
     vector load from an unaligned address faults.) Either way the step is the eager step's: weights and moments equal,
-    the compensation within a rounding step."""
+    the compensation within a rounding step, and no more than 1% of a launch's compensations off by that step (counted
+    over the launch: a slice of 24 values with one off is 4%; where one off happens hangs on the CPU's vector width,
+    which decides where torch's CPU kernels fuse a multiply-add)."""
     from types import SimpleNamespace
 
     from alignpipe.low_precision_adamw import _scalars, kahan_update
@@ -499,5 +501,7 @@ def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_la
         assert told[-1] is aligned, at
         for (w, _, m, v, c), (w0, _, m0, v0, c0) in zip(got, want, strict=True):
             assert torch.equal(w, w0) and torch.equal(m, m0) and torch.equal(v, v0)
-            assert (c != c0).float().mean() <= 0.01 and (c.float() - c0.float()).abs().max() <= ULP * c0.abs().max()
+            assert (c.float() - c0.float()).abs().max() <= ULP * c0.abs().max()
+        off = sum(int((c != c0).sum()) for (*_, c), (*_, c0) in zip(got, want, strict=True))
+        assert off <= 0.01 * sum(c.numel() for *_, c in want), (at, off)
     assert told == [True, False, False]
