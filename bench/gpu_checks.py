@@ -546,7 +546,12 @@ def check_activation_offloading(setup: Setup) -> Callable[[], None]:
             def measured(model):
                 if setup.cuda:
                     torch.cuda.reset_peak_memory_stats()
-                return (*_loss_and_grads(model, batch), torch.cuda.max_memory_allocated() if setup.cuda else 0)
+                loss, grads, took = _loss_and_grads(model, batch)
+                peak = torch.cuda.max_memory_allocated() if setup.cuda else 0
+                # the gradients' copies wait on the host: the next step's peak must not hold them (until session 63 the
+                # offloaded step's peak held the plain one's, 0.33 GB on the GPU's model: the checkpointed case then
+                # read as 0.26 GB of growth where offloading had freed the 73 MB it moved)
+                return loss, [g.cpu() for g in grads], took, peak
 
             plain = measured(model)
             off = ActivationOffload(setup.device.type).attach(model)
@@ -560,9 +565,9 @@ def check_activation_offloading(setup: Setup) -> Callable[[], None]:
             loss_gap = abs(off_loss - loss) / abs(loss)
             grad_gap = max(relative(a, b) for a, b in zip(off_grads, grads, strict=True))
             ok = ok and loss_gap < setup.loss_tol and grad_gap < setup.grad_tol and moved > 0
-            # checkpointed, 2 layers save ~70 MB (their inputs) beside the LM head's GBs of logits, which set the peak:
-            # there the peak must not grow by more than what moved (it grew 0.26 GB in session 42's lease, cold)
-            ok = ok and (not setup.cuda or off_peak < peak or (checkpointed and off_peak - peak <= moved))
+            # checkpointed, what moves is ~73 MB (the two layers' inputs, 29 MB, and the final norm's saved tensors,
+            # 44) beside the LM head's GBs of logits, which set the peak: there the peak must not grow
+            ok = ok and (not setup.cuda or off_peak < peak or (checkpointed and off_peak <= peak))
             extra = off_took - took
             figures.append(
                 f"{'checkpointed' if checkpointed else 'plain'}: loss gap {loss_gap:.1e}, gradient gap {grad_gap:.1e}, "
