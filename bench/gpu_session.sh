@@ -87,7 +87,7 @@
 #   l  gpu_checks' AdamW line (session 63 mended the check: it stepped the hand-written optimizer once more than the
 #      eager one it compared with) and offloading line, then reward 8×1024 against TRL + Liger with room for three
 #      rounds (f's 140 s held two), then GRPO 8×8×256 against TRL + Liger (its row has never run) for L_LIMIT seconds
-#      (default 160) (timeout_s 520)
+#      (default 150) (timeout_s 530)
 #   m  at once: GRPO 8×8×256 against plain TRL (a third run a side) and PPO 64×256 against TRL 1.12 (TRL's third run),
 #      M_LIMIT seconds each (default 150), the lease's remaining seconds less a margin, halved
 set -uo pipefail
@@ -188,8 +188,8 @@ k)
   ;;
 l)
   timeout 110 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
-  bench 220 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
-  bench "${L_LIMIT:-160}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
+  bench 240 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench "${L_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
   ;;
 m)
   bench "${M_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
