@@ -91,7 +91,7 @@
 #   m  at once: GRPO 8×8×256 against plain TRL (a third run a side) and PPO 64×256 against TRL 1.12 (TRL's third run),
 #      M_LIMIT seconds each (default 150), the lease's remaining seconds less a margin, halved
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to j)"}
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to m)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m) ;; *)
   echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g or k, l then m, or e, h, i or j, for a 15-minute lease)" >&2
   exit 2

@@ -467,8 +467,9 @@ def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_la
     a value into its buffer (as a gradient can in DDP's bucket), every slice goes a value at a time. (On a GPU a
     vector load from an unaligned address faults.) Either way the step is the eager step's: weights and moments equal,
     the compensation within a rounding step, and no more than 1% of a launch's compensations off by that step (counted
-    over the launch: a slice of 24 values with one off is 4%; where one off happens hangs on the CPU's vector width,
-    which decides where torch's CPU kernels fuse a multiply-add)."""
+    over the launch: a slice of 24 values with one off is 4%, which session 63's machine gave where earlier ones gave
+    none; which values land a step off can hang on the CPU, whose vector width decides where torch's CPU kernels fuse
+    a multiply-add)."""
     from types import SimpleNamespace
 
     from alignpipe.low_precision_adamw import _scalars, kahan_update
