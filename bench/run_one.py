@@ -96,6 +96,16 @@ class StepClock:
         n = len(self.times) - 1 - WARMUP_STEPS
         return per_step * n / (self.times[-1] - self.times[WARMUP_STEPS]) if n > 0 else None
 
+    def ends(self, begin: float, end: float) -> dict[str, float]:
+        """Where a run's fixed cost lies, its timed part having run from `begin` to `end` (host clock; `begin` is
+        the trainer's start, after the imports the end-to-end figure leaves out, as `seconds` does): the seconds
+        to the first step's end (data preparation, the trainer's set-up, compiles and the first step) and after the
+        last step's (saving). On a GPU the steps' ends are the device's events placed on the host clock at the first
+        tick, so both are within the host's lead over the device at that tick. Nothing where no step ended."""
+        if not self.times:
+            return {}
+        return {"to_first_step_s": self.times[0] - begin, "after_last_step_s": max(0.0, end - self.times[-1])}
+
     def step_ms(self) -> list[int]:
         """Each optimizer step's wall time in ms, from the first step's end (the first step holds the set-up)."""
         return [round(1000 * (b - a)) for a, b in zip(self.times, self.times[1:])]
@@ -703,6 +713,7 @@ def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=
                 out = ours(c, model, tok, data, steps, kind, clock)
             else:
                 out = trl_run(c, model, tok, data, steps, kind, clock, liger=impl == "trl+liger")
+            end = time.perf_counter()
         finally:
             clock.finish()
     per_step = c.shape.per_step
@@ -715,6 +726,7 @@ def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=
         "samples_per_s": steps * per_step / out["seconds"],
         "steady_samples_per_s": clock.steady(per_step) if c.shape.log_every else None,
         "step_ms": clock.step_ms(),
+        **clock.ends(end - out["seconds"], end),
         "steady_compile_steps": clock.steady_graphs(),
         "peak_mb": peak_mb(gpu),
         "compiled_graphs": graphs_after - graphs,

@@ -156,6 +156,10 @@ def test_each_run_counts_what_it_compiled_and_its_line_says_so(tiny, tmp_path, m
     assert after[0] == graphs + 1 and after[1] > seconds
     run = case("ours", "sft/8x64", "tiny", 2, str(tiny))
     assert run["compiled_graphs"] == 0 and run["compile_s"] == 0.0  # on a CPU our stages compile nothing
+    # the fixed cost split: before the first step's end, after the last's; with the steps between, the whole
+    between = sum(run["step_ms"]) / 1e3
+    assert run["to_first_step_s"] > 0 and run["after_last_step_s"] >= 0
+    assert run["to_first_step_s"] + between + run["after_last_step_s"] == pytest.approx(run["seconds"], abs=0.1)
 
     def fake(impl, key, model, steps, assets, *_):
         compiled = {"compiled_graphs": 6, "compile_s": 4.25} if impl == "ours" else {"compiled_graphs": 0}
@@ -199,6 +203,8 @@ def test_a_run_line_says_its_step_times_steady_compiles_syncs_and_warnings():
         "; step ms 900 190 2500; compiled in steady steps 8; warned: alignpipe.x: fell back | torch: y"
     )
     assert step_detail({"step_ms": []}) == step_detail({}) == ""
+    ends = {"step_ms": [900], "to_first_step_s": 7.25, "after_last_step_s": 1.5}
+    assert step_detail(ends) == "; step ms 900; first step done 7.2 s in, the run 1.5 s after the last"
     synced = {"steady_syncs": {"per_step": [0, 0, 0], "sites": []}}
     assert step_detail(synced) == "; synchronising calls in 3 steady steps: 0"
     synced = {"steady_syncs": {"per_step": [2, 0, 1], "sites": ["trl/trainer/dpo_trainer.py:900 ×3"]}}
