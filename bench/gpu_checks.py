@@ -295,6 +295,21 @@ def elementwise(which: str):
         fused_kernels.ELEMENTWISE = before
 
 
+def queued(fn: Callable, cuda: bool, calls: int = 10):
+    """(the last call's result, seconds a call of `fn` takes when `calls` of them are queued back to back), the queue
+    drained before and after. The host then runs ahead of the device, as in a training step, so this is the device's
+    time a call unless issuing a call takes the host longer (`host_us` says). A single call timed from a drained
+    queue (`timed`) adds each kernel's launch latency to it: a kernel of tens of µs then reads as a millisecond."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, (time.perf_counter() - start) / calls
+
+
 def host_us(fn: Callable, cuda: bool, calls: int = 50) -> float:
     """Microseconds of host time a call of `fn` takes to issue (its kernels queued, not waited for), over `calls`
     calls after a warm one: what a step whose host cannot stay ahead of its GPU pays per call."""
@@ -346,8 +361,8 @@ def check_fused_silu(setup: Setup) -> Callable[[], None]:
                 return y, torch.autograd.grad(y, (gate, up, weight), g)
 
             with elementwise(side):
-                for _ in range(3):  # the last timed: the first compiles
-                    (y, grads), took[name] = timed(forward_backward, setup.cuda)
+                forward_backward()  # the first call compiles
+                (y, grads), took[name] = queued(forward_backward, setup.cuda)
                 out[name] = (y.detach(), *grads)
                 kept[name] = kept_bytes(fn, (gate, up, weight))
                 if name in _kernel_sides(setup):  # a 16-token product forward: the call's host cost alone
@@ -361,7 +376,8 @@ def check_fused_silu(setup: Setup) -> Callable[[], None]:
         held = ", ".join(f"{name} {b / 1e6:.1f} MB" for name, b in kept.items())
         calls = ", ".join(f"{name} {us:.0f} µs" for name, us in host.items())
         return ok, (
-            f"{tokens} × {inner} → {hidden}: value and gradient gaps {max(gaps):.1e}; forward+backward {times}; "
+            f"{tokens} × {inner} → {hidden}: value and gradient gaps {max(gaps):.1e}; forward+backward, a call of 10 "
+            f"queued: {times}; "
             f"kept for backward beyond the inputs: {held}; host time a product call: {calls}"
         )
 
@@ -398,8 +414,8 @@ def check_fused_rotary(setup: Setup) -> Callable[[], None]:
                 return y, torch.autograd.grad(y, (q, k), grads)
 
             with elementwise(side):
-                for _ in range(3):  # the last timed: the first compiles
-                    (y, g), took[name] = timed(forward_backward, setup.cuda)
+                forward_backward()  # the first call compiles
+                (y, g), took[name] = queued(forward_backward, setup.cuda)
                 out[name] = (*(t.detach() for t in y), *g)
                 if fn is not original:  # a 16-token forward: the call's host cost alone
                     host[name] = host_us(lambda: fused_kernels.rotary(*small), setup.cuda)
@@ -410,7 +426,8 @@ def check_fused_rotary(setup: Setup) -> Callable[[], None]:
         calls = ", ".join(f"{name} {us:.0f} µs" for name, us in host.items())
         ok = gap < (1e-2 if setup.cuda else 1e-5)
         return ok, (
-            f"{tokens} tokens × {heads} + 2 heads: value and gradient gaps {gap:.1e}; forward+backward {times}; "
+            f"{tokens} tokens × {heads} + 2 heads: value and gradient gaps {gap:.1e}; forward+backward, a call of 10 "
+            f"queued: {times}; "
             f"host time a forward call: {calls}"
         )
 
