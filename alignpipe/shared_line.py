@@ -7,7 +7,8 @@ as they come, each log line lands after the bar's text, on the bar's line. `Shar
   branches each keep a line, rather than taking turns on one); a log line, or a line a stage finishes, is written
   above the block, which is drawn again under it;
 - in a file or a pipe (CI's output, a pool worker's log), each bar update becomes a line of its own, a log line always
-  starts a line, and a bar drawn again unchanged (tqdm draws its last state again as it closes) is not repeated.
+  starts a line, and a bar drawn again unchanged but for its timings (tqdm draws its last state again as it closes, its rate read
+  again) is not repeated.
 Stages that run side by side share the process's one `SharedLine` for the stream (`for_stream`).
 """
 
@@ -21,6 +22,9 @@ from collections.abc import Hashable
 from typing import TextIO
 
 CLEAR_LINE = "\r\x1b[K"  # to the line's start, then erase to its end
+# a bar's timings (tqdm's `[elapsed<remaining, rate, postfix]`, closed or cut off at the line's end so far): a bar
+# drawn again as it closes reads its clock again, so its rate may differ in the last digit
+_TIMINGS = re.compile(r"\[[^\]]*(?:\]|$)")
 UP_CLEAR = "\x1b[A\x1b[K"  # up a line, then erase it
 
 
@@ -126,7 +130,8 @@ class SharedLine:
                 continue
             last = self._last_bar.get(source)
             if piece in "\r\n" and held:
-                if held == last:  # the bar drawn again as it was: not repeated (nor the newline that ends it)
+                if last is not None and _untimed(held) == _untimed(last):
+                    # the bar drawn again as it was (its timings aside): not repeated (nor the newline that ends it)
                     held = ""
                     self._cut = piece == "\r"
                     continue
@@ -139,7 +144,7 @@ class SharedLine:
                 if self._line or not self._cut:
                     self._end_line(out, bar=False)
                 self._cut = False
-            elif not self._line and last is not None and last.startswith(held + piece):
+            elif not self._line and last is not None and _untimed(last).startswith(_untimed(held + piece)):
                 held += piece
             else:
                 self._put(out, held + piece, source)
@@ -256,3 +261,8 @@ def for_stream(stream: TextIO, live: bool) -> SharedLine:
         if shared is None or shared.stream is not stream:
             shared = _BY_STREAM[id(stream)] = SharedLine(stream, live)
         return shared
+
+
+def _untimed(line: str) -> str:
+    """`line` with each bracketed part (a bar's timings) emptied: two draws of one bar at one count read alike."""
+    return _TIMINGS.sub("[]", line)

@@ -169,19 +169,23 @@ def test_in_a_log_file_each_bar_update_is_a_line_and_log_lines_never_start_mid_l
 
 def test_in_a_log_file_a_bar_drawn_again_unchanged_as_it_closes_is_not_repeated():
     """tqdm draws its last state again as it closes; in a file that was the same line twice, around the log line of
-    the last step. A line the stage repeats on purpose (not a redrawn bar) stays."""
+    the last step, its rate read again (the demo's log: 14.53it/s, then 14.52). A line the stage repeats on purpose
+    (not a redrawn bar) stays, as does a bar that differs outside its timings."""
     shared, stream, log = _shared(live=False)
     bar = "sft: 100%|#| 150/150 [00:07<00:00, 19.17it/s, loss=0.8445]"
     shared.write("\rsft:  93%|#| 140/150 [00:07<00:00, 19.01it/s, loss=0.8422]", "sft")
     shared.write("\r" + bar, "sft")
     _log(log, "[sft] sft step 150/150 loss=0.8445")
-    shared.write("\r" + bar[:20], "sft")  # the close's redraw, read in two chunks
-    shared.write(bar[20:] + "\n", "sft")
+    closing = bar.replace("19.17", "19.16")
+    shared.write("\r" + closing[:40], "sft")  # the close's redraw, read in two chunks, the second inside its timings
+    shared.write(closing[40:] + "\n", "sft")
     shared.write("\rjudge:   0%| | 0/96", "judge")
     shared.write("\rjudge: 100%| | 96/96", "judge")
     shared.write("\rjudge: 100%| | 96/96\n", "judge")  # drawn again with no log line between
     shared.write("\rjudge: 100%| | 9", "judge")  # begins as the last bar did, then differs
     shared.write("7/97\n", "judge")
+    shared.write("\rjudge: 100%| | 97/97 [00:01<00:00]", "judge")
+    shared.write("\rjudge: 100%| | 97/97 [00:01<00:00] done\n", "judge")  # alike in its timings, not after them
     shared.write("warning: slow\nwarning: slow\n", "judge")
     _log(log, "[judge] done")
     assert stream.getvalue().splitlines() == [
@@ -191,6 +195,8 @@ def test_in_a_log_file_a_bar_drawn_again_unchanged_as_it_closes_is_not_repeated(
         "judge:   0%| | 0/96",
         "judge: 100%| | 96/96",
         "judge: 100%| | 97/97",
+        "judge: 100%| | 97/97 [00:01<00:00]",
+        "judge: 100%| | 97/97 [00:01<00:00] done",
         "warning: slow",
         "warning: slow",
         "[judge] done",
