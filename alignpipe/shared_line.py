@@ -7,8 +7,8 @@ as they come, each log line lands after the bar's text, on the bar's line. `Shar
   branches each keep a line, rather than taking turns on one); a log line, or a line a stage finishes, is written
   above the block, which is drawn again under it;
 - in a file or a pipe (CI's output, a pool worker's log), each bar update becomes a line of its own, a log line always
-  starts a line, and a bar drawn again unchanged but for its timings (tqdm draws its last state again as it closes, its rate read
-  again) is not repeated.
+  starts a line, and a bar drawn again unchanged but for its timings (tqdm draws its last state again as it closes,
+  its rate read again) is not repeated.
 Stages that run side by side share the process's one `SharedLine` for the stream (`for_stream`).
 """
 
