@@ -83,17 +83,23 @@
 # rate a FLOP, which g's profiles then place.
 # Session 63's lease (15 minutes) ran f, then at once k (timeout_s 425, 365 s): both SFT shapes against TRL + Liger,
 # the rows the SFT target needs, in place of g's profiles (no longer needed: DPO met its target in f). What it left
-# owed sets the next lease's two calls, l then m, back to back:
-#   l  gpu_checks' AdamW line (session 63 mended the check: it stepped the hand-written optimizer once more than the
-#      eager one it compared with) and offloading line, then reward 8×1024 against TRL + Liger with room for three
-#      rounds (f's 140 s held two), then GRPO 8×8×256 against TRL + Liger (its row has never run) for L_LIMIT seconds
-#      (default 150) (timeout_s 530)
-#   m  at once: GRPO 8×8×256 against plain TRL (a third run a side) and PPO 64×256 against TRL 1.12 (TRL's third run),
-#      M_LIMIT seconds each (default 150), the lease's remaining seconds less a margin, halved
+# owed sets the next leases' calls. A row comes from one call's runs (a call's table stands alone), and the online
+# trainers' rounds are long (GRPO ~140 s a round of ours and TRL's, PPO against TRL 1.12 ~120 s), so a case's three
+# rounds must fit in one call:
+#   l  GRPO 8×8×256 against TRL, three rounds (session 29's row had two) for L_LIMIT seconds (default 450)
+#      (timeout_s 480)
+#   m  at once: PPO 64×256 against TRL 1.12 (session 42's row had two of TRL's runs), 4 steps a run, steady after 2,
+#      for M_LIMIT seconds (default 300), the lease's remaining seconds less a margin: three rounds take ~360 s, so
+#      where l leaves less, m goes first in the lease after, before n
+#   n  the lease after: gpu_checks' AdamW line (session 63 mended the check: it stepped the hand-written optimizer once
+#      more than the eager one it compared with) and offloading line (mended: it held the plain step's gradient copies
+#      on the device), then reward 8×1024 against TRL + Liger with room for three rounds (f's 140 s held two), then
+#      GRPO 8×8×256 against TRL + Liger (its row has never run; one round) for N_LIMIT seconds (default 150)
+#      (timeout_s 530)
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to m)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g or k, l then m, or e, h, i or j, for a 15-minute lease)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to n)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m | n) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (1 to 5; a then b, c then d, f then g or k, l then m, or e, h, i, j or n, for a 15-minute lease)" >&2
   exit 2
   ;;
 esac
@@ -187,13 +193,15 @@ k)
   bench 205 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 l)
-  timeout 110 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
-  bench 240 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
-  bench "${L_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
+  bench "${L_LIMIT:-450}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
   ;;
 m)
-  bench "${M_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl --steps 7 --out "$out/gpu.md"
-  bench "${M_LIMIT:-150}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
+  bench "${M_LIMIT:-300}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
+  ;;
+n)
+  timeout 110 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading 2>&1 | tee "$out/checks"
+  bench 240 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
+  bench "${N_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
