@@ -22,10 +22,10 @@ from collections.abc import Hashable
 from typing import TextIO
 
 CLEAR_LINE = "\r\x1b[K"  # to the line's start, then erase to its end
+UP_CLEAR = "\x1b[A\x1b[K"  # up a line, then erase it
 # a bar's timings (tqdm's `[elapsed<remaining, rate, postfix]`, closed or cut off at the line's end so far): a bar
 # drawn again as it closes reads its clock again, so its rate may differ in the last digit
 _TIMINGS = re.compile(r"\[[^\]]*(?:\]|$)")
-UP_CLEAR = "\x1b[A\x1b[K"  # up a line, then erase it
 
 
 class SharedLine:

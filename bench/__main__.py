@@ -574,9 +574,10 @@ def step_detail(r: dict) -> str:
     """A run's step times (ms, each step from the one before it), when its first step ended and how long after its
     last the run ended (data preparation and set-up; saving: where an end-to-end ratio's fixed cost lies), the steady
     steps in which `torch.compile` built a graph, the synchronising CUDA calls of its steady steps
-    (`run_one.SteadySyncs`, on a GPU) and the warnings it logged: a slow steady rate made of a few long steps (compiles, a JIT cache filled) reads differently from one
-    made of uniformly slow steps (a step that waits on its host, or whose host waits on the device), and a fallback
-    taken on the GPU alone (`run_one.Warnings`) says itself."""
+    (`run_one.SteadySyncs`, on a GPU) and the warnings it logged: a slow steady rate made of a few long steps
+    (compiles, a JIT cache filled) reads differently from one made of uniformly slow steps (a step that waits on its
+    host, or whose host waits on the device), and a fallback taken on the GPU alone (`run_one.Warnings`) says
+    itself."""
     out = f"; step ms {' '.join(map(str, ms))}" if (ms := r.get("step_ms")) else ""
     if (first := r.get("to_first_step_s")) is not None:
         out += f"; first step done {first:.1f} s in, the run {r['after_last_step_s']:.1f} s after the last"

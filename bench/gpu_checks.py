@@ -300,14 +300,14 @@ def queued(fn: Callable, cuda: bool, calls: int = 10):
     drained before and after. The host then runs ahead of the device, as in a training step, so this is the device's
     time a call unless issuing a call takes the host longer (`host_us` says). A single call timed from a drained
     queue (`timed`) adds each kernel's launch latency to it: a kernel of tens of µs then reads as a millisecond."""
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - start) / calls
+
+    def back_to_back():
+        for _ in range(calls):
+            out = fn()  # each call's result freed by the next: the allocator reuses its blocks, as a step's do
+        return out
+
+    out, took = timed(back_to_back, cuda)
+    return out, took / calls
 
 
 def host_us(fn: Callable, cuda: bool, calls: int = 50) -> float:
