@@ -185,11 +185,22 @@ def test_reward_loss_and_metrics_equal_trl(tiny, rows, margin, center):
     assert float(stats["margin"]) == pytest.approx(trl_metrics["margin"], abs=TOL)
 
 
-def _trajectories(tiny, task: str, steps: int = 6, model_dir=None, moe: dict | None = None):
+def _trajectories(
+    tiny,
+    task: str,
+    steps: int = 6,
+    model_dir=None,
+    moe: dict | None = None,
+    lr: float = 1e-3,
+    dtype: torch.dtype | None = None,
+    ours_only: dict | None = None,
+):
     """(ours, TRL's) per-step (loss, grad norm, MoE aux loss or None) of `steps` optimizer steps from the same
     weights on one batch of 8 rows: with a single batch every step sees the same data whatever order each side's
     sampler draws, so the optimizer, schedule, clipping and loss normalisation are compared, not the luck of the
-    shuffle. `model_dir`: another model with the tiny tokenizer; `moe`: both sides' `router_aux_loss_coef`."""
+    shuffle. `model_dir`: another model with the tiny tokenizer; `moe`: both sides' `router_aux_loss_coef`; `dtype`:
+    both sides' weights cast to it (bf16: trained in it, as a bf16-loaded model is); `ours_only`: our config's
+    other fields (`low_precision_updates`)."""
     import copy
 
     from alignpipe.modeling import load_sequence_scorer
@@ -201,25 +212,28 @@ def _trajectories(tiny, task: str, steps: int = 6, model_dir=None, moe: dict | N
     name = "sentiment_sft" if task.startswith("sft") else "sentiment_preferences"
     loss_type = "dft" if task == "sft_dft" else "nll"
     data = [json.loads(line) for line in (tiny / "data" / f"{name}.jsonl").read_text().splitlines()[:8]]
-    lr, max_length = 1e-3, 64
+    max_length = 64
 
     def model():
         torch.manual_seed(0)  # the reward model's score head starts random: the same on both sides
         if task == "reward":
-            return load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
-        return load_causal_lm(str(model_dir or tiny / "model"))
+            m = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id)
+        else:
+            m = load_causal_lm(str(model_dir or tiny / "model"))
+        return m if dtype is None else m.to(dtype)
 
     common = dict(
         learning_rate=lr, max_steps=steps, batch_size=8, max_length=max_length, logging_every=1, lr_scheduler="linear"
     )
     common |= moe or {}
+    ours_common = common | (ours_only or {})
     tracker, m = Tracker(), model()
     if task.startswith("sft"):
-        sft.train(SFTConfig(**common, loss_type=loss_type), m, tok, data, [], tracker, tempfile.mkdtemp())
+        sft.train(SFTConfig(**ours_common, loss_type=loss_type), m, tok, data, [], tracker, tempfile.mkdtemp())
     elif task == "dpo":
-        dpo.train(DPOConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp(), ref_model=copy.deepcopy(m))
+        dpo.train(DPOConfig(**ours_common), m, tok, data, [], tracker, tempfile.mkdtemp(), ref_model=copy.deepcopy(m))
     else:
-        reward.train(RewardConfig(**common), m, tok, data, [], tracker, tempfile.mkdtemp())
+        reward.train(RewardConfig(**ours_common), m, tok, data, [], tracker, tempfile.mkdtemp())
     ours = [
         (d["train/loss"], d["train/grad_norm"], d.get("train/aux_loss"))
         for _, d in tracker.history
@@ -287,3 +301,23 @@ def test_an_moe_model_trains_with_trl_s_load_balancing_loss(tiny, tmp_path, task
         assert aux == pytest.approx(trl_aux, rel=1e-4), f"step {step} aux loss"
         assert loss == pytest.approx(trl_loss, rel=1e-4), f"step {step} loss"
         assert gn == pytest.approx(trl_gn, rel=1e-3), f"step {step} grad norm"
+
+
+def test_in_bf16_rounded_updates_give_trl_s_trajectory_and_kahan_s_follow_float32(tiny):
+    """Weights trained in bf16, as a bf16-loaded model is on a GPU (`python -m bench`'s rows): with
+    `low_precision_updates: nearest` (torch's AdamW, each new weight rounded to bf16) every step's loss and gradient
+    norm equal TRL's; with the default `kahan` the updates that rounding drops are kept, and the losses follow the
+    float32 run's where TRL's fall behind it. So the last-step losses of the GPU table differ by more than the batch
+    order: ours' are lower by what TRL's bf16 rounding loses."""
+    steps, lr = 20, 1e-4  # an update of ~lr a weight: about one bf16 rounding step at the tiny model's ~0.016
+    bf16 = dict(steps=steps, lr=lr, dtype=torch.bfloat16)
+    nearest, theirs = _trajectories(tiny, "sft", ours_only={"low_precision_updates": "nearest"}, **bf16)
+    kahan, _ = _trajectories(tiny, "sft", **bf16)
+    float32, _ = _trajectories(tiny, "sft", steps=steps, lr=lr)
+    assert len(nearest) == len(kahan) == len(float32) == len(theirs) == steps
+    for step, ((loss, gn, _), (trl_loss, trl_gn, _)) in enumerate(zip(nearest, theirs), 1):
+        assert loss == pytest.approx(trl_loss, rel=1e-3), f"step {step} loss"
+        assert gn == pytest.approx(trl_gn, rel=1e-2), f"step {step} grad norm"
+    # session 64, this machine: last-step losses float32 4.7771, kahan 4.7772, nearest 4.9162, TRL 4.9156
+    assert abs(kahan[-1][0] - float32[-1][0]) < 0.01
+    assert theirs[-1][0] - float32[-1][0] > 0.1
