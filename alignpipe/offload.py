@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ class ActivationOffload:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._bytes = 0
 
-    def attach(self, model: nn.Module) -> ActivationOffload:
+    def attach(self, model: nn.Module) -> Self:
         bodies = decoder_bodies(model)
         if not bodies:
             raise ValueError(
@@ -98,7 +99,7 @@ class ActivationOffload:
         moved, self._bytes = self._bytes, 0
         return moved
 
-    def __enter__(self) -> ActivationOffload:
+    def __enter__(self) -> Self:
         """Offload what autograd saves from here on (the outermost of nested entries; not where no gradient is
         recorded, since nothing is saved there)."""
         push = not self._open and torch.is_grad_enabled()

@@ -8,6 +8,7 @@ import json
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 @contextmanager
@@ -49,7 +50,7 @@ def serve(handler_fn):
     class Endpoint(str):
         pass
 
-    url = Endpoint(f"http://127.0.0.1:{server.server_address[1]}")
+    url: Any = Endpoint(f"http://127.0.0.1:{server.server_address[1]}")  # its requests attached below
     url.requests = requests
     try:
         yield url

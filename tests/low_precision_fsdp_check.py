@@ -6,11 +6,13 @@ then exits without teardown (a gloo group's teardown can wait forever on its thr
 import copy
 import json
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from alignpipe.low_precision_adamw import LowPrecisionAdamW
 
@@ -29,7 +31,7 @@ for _ in range(5):
         opt.step()
         opt.zero_grad()
 gap = max(
-    (a.detach().float() - b.full_tensor().float()).abs().max().item()
+    (a.detach().float() - cast(DTensor, b).full_tensor().float()).abs().max().item()
     for a, b in zip(plain.parameters(), sharded.parameters())
 )
 comp_gap = max(
@@ -40,7 +42,7 @@ comp_gap = max(
     for a, b in zip(plain.parameters(), sharded.parameters())
 )
 state = get_optimizer_state_dict(sharded, optimizers[1], options=StateDictOptions(full_state_dict=True))
-saved = sorted({key for per_param in state["state"].values() for key in per_param})
+saved = sorted({key for per_param in cast(dict, state["state"]).values() for key in per_param})
 sharded_states = all(hasattr(optimizers[1].state[p]["kahan_comp"], "full_tensor") for p in sharded.parameters())
 if int(os.environ["RANK"]) == 0:
     print(json.dumps({"gap": gap, "comp_gap": comp_gap, "saved": saved, "sharded_states": sharded_states}), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,16 +19,17 @@ def moe_model(kind: str, vocab: int, **ids):
         Qwen3MoeForCausalLM,
     )
 
-    shape = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2)
+    shape: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2
+    )
     if kind == "qwen3_moe":
-        config = Qwen3MoeConfig(
-            **shape, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_key_value_heads=2, head_dim=8,
-            **ids,
-        )  # fmt: skip
-        return Qwen3MoeForCausalLM(config)
+        qwen3: dict[str, Any] = dict(
+            intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_key_value_heads=2, head_dim=8
+        )
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **qwen3, **ids))
     if kind == "mixtral":
-        config = MixtralConfig(**shape, intermediate_size=32, num_local_experts=4, num_key_value_heads=2, **ids)
-        return MixtralForCausalLM(config)
+        mixtral = MixtralConfig(**shape, intermediate_size=32, num_local_experts=4, num_key_value_heads=2, **ids)
+        return MixtralForCausalLM(mixtral)
     return OlmoeForCausalLM(OlmoeConfig(**shape, intermediate_size=16, num_experts=4, num_key_value_heads=4, **ids))
 
 

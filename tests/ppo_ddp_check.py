@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from support import run_ppo  # tests/ is the script's folder, first on sys.path
@@ -18,7 +19,7 @@ from support import run_ppo  # tests/ is the script's folder, first on sys.path
 from alignpipe.trainers import ppo
 
 assets, out = Path(sys.argv[1]), Path(sys.argv[2])
-made: dict[str, list] = {"models": [], "kl": [], "moments": [], "prompts": []}
+made: dict[str, Any] = {"models": [], "kl": [], "moments": [], "prompts": []}
 
 
 def digest(module) -> str:
@@ -70,7 +71,7 @@ def recorded_stop(policy_kl, target_kl):
 
 
 rank = int(os.environ["RANK"])
-ppo.PolicyAndValue, ppo.KLController, ppo.RunningMoments = Recorded, RecordedKL, RecordedMoments
+ppo.PolicyAndValue, ppo.KLController, ppo.RunningMoments = Recorded, RecordedKL, RecordedMoments  # type: ignore[misc]
 ppo.prompt_ids, ppo.should_stop_early = recorded_prompts, recorded_stop
 # rank 1 finds every micro-batch over the threshold and rank 0 none: both must still take each optimizer step
 ppo.ratio_exceeds = lambda ratio, mask, threshold: threshold is not None and rank == 1

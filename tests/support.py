@@ -6,6 +6,17 @@ from __future__ import annotations
 import contextvars
 import tempfile
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def known(value: T | None) -> T:
+    """`value`, which must be there: a function that may answer None (a metric not logged, a rate with no steady
+    window) answered in a case where the test needs it, and the type checker sees it is set."""
+    assert value is not None
+    return value
+
 
 # A short GRPO/RLOO run on the tiny model: 2 updates of 8 completions (2 prompts × 4), a KL term and 2 iterations
 # per rollout, so the old-policy and reference passes both run.
@@ -249,3 +260,8 @@ def counted_calls(monkeypatch, module, *names: str) -> dict[str, int]:
 
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of the MLflow experiment `name`, which the run under test made (`client`: an `MlflowClient`)."""
+    return known(client.get_experiment_by_name(name)).experiment_id

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import demo_recipe
+from support import demo_recipe, known
 
 BIN = Path(sys.executable).parent
 
@@ -258,7 +258,7 @@ def test_the_launcher_s_log_handlers_on_stderr_write_through_the_shared_line(mon
     shared = SharedLine(stream, live=False)
     plain, console = logging.StreamHandler(stream), PrefectConsoleHandler(stream=stream)
     elsewhere = logging.StreamHandler(io.StringIO())
-    last_resort = type(logging.lastResort)(logging.CRITICAL)  # its stream is whatever sys.stderr is: left alone
+    last_resort = type(known(logging.lastResort))(logging.CRITICAL)  # its stream is whatever sys.stderr is: left alone
     logger = logging.getLogger("alignpipe.test.shared_line")
     logger.propagate = False
     for handler in (plain, console, elsewhere, last_resort):

@@ -118,7 +118,7 @@ def test_a_compiled_dpo_run_trains_as_the_eager_one(tiny, tmp_path, attention):
     for compiled in (False, True):
         model = load_causal_lm(str(tiny / "model"), attention=attention)
         ref = copy.deepcopy(model)
-        tracker, graphs = Graphs(), []
+        tracker, graphs = Graphs(), list[int]()
         cfg = DPOConfig(
             learning_rate=1e-3, max_steps=3, batch_size=4, logging_every=1, compile=compiled, fused_loss=False
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
+from support import known
 
 from alignpipe.launch import free_port
 
@@ -131,7 +132,7 @@ SECRET = "hf_pool_token_from_block"
 
 
 @pytest.fixture(scope="module")
-def pool_run(server, tiny, tmp_path_factory) -> Path:
+def pool_run(server, tiny, tmp_path_factory) -> tuple[Path, Path]:
     """One pipeline run with SFT, judge and push dispatched to the pool (the push to the loopback Hub with the token
     of a Prefect Secret block); the tests below read it, none changes it. Returns the run's folder and summary file."""
     _api, env, root = server
@@ -191,7 +192,7 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
     assert deployment["name"] == POOL and run["work_pool_name"] == POOL and run["state"]["type"] == "COMPLETED"
     assert run["parent_task_run_id"], "the stage flow run is a subflow of the pipeline run"
     client = MlflowClient(summary["tracking_uri"])
-    child = client.get_run(manifests["sft"].mlflow_run_id)
+    child = client.get_run(known(manifests["sft"].mlflow_run_id))
     assert child.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"] and child.info.status == "FINISHED"
 
     commits = [c for c in hub.fake.commits if c["repo"] == "me/pool-demo"]
@@ -391,7 +392,7 @@ def test_worker_job_killed_mid_stage_fails_with_its_exit_code_and_the_retry_resu
     out, _ = run.communicate(timeout=540)
     assert run.returncode == 0, out[-4000:] + (root / "worker.log").read_text()[-3000:]
     assert "exit code -9" in out, "the failed attempt reports the worker job's exit code"
-    manifest = Manifest.read(stage_dir)
+    manifest = known(Manifest.read(stage_dir))
     assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
     assert manifest.info["prefect_flow_run_id"], "the retry ran on the pool again"
 

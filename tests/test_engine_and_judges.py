@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from support import known
 
 from alignpipe.engine.hf import HFEngine, _takes_padding_mask
 from alignpipe.engine.sampling import SamplingParams
 from alignpipe.judges.rewards import RewardFunctionError, exact_match, load_reward_fn, score, sentiment_lexicon
 from alignpipe.judges.winrate import wilson_interval, win_rate
 from alignpipe.modeling import load_causal_lm, load_tokenizer
+from alignpipe.recipe.stages import FormatStage
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,7 @@ def test_sampling_filters_match_transformers_warpers(params):
 
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 3
-    warpers = [TemperatureLogitsWarper(params["temperature"])]
+    warpers: list[Any] = [TemperatureLogitsWarper(params["temperature"])]
     if params.get("top_k"):
         warpers.append(TopKLogitsWarper(params["top_k"]))
     if params.get("top_p"):
@@ -338,10 +341,10 @@ def _fake_vllm(monkeypatch, built: list):
     class EngineArgs:
         logprobs_mode: str = "raw_logprobs"
 
-    vllm = types.ModuleType("vllm")
+    vllm: Any = types.ModuleType("vllm")
     vllm.LLM = LLM
     engine = types.ModuleType("vllm.engine")
-    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils: Any = types.ModuleType("vllm.engine.arg_utils")
     arg_utils.EngineArgs = EngineArgs
     for name, module in (("vllm", vllm), ("vllm.engine", engine), ("vllm.engine.arg_utils", arg_utils)):
         monkeypatch.setitem(sys.modules, name, module)
@@ -398,7 +401,6 @@ def test_a_vllm_colocate_engine_is_sized_for_the_stages_longest_rollout(tiny, mo
 
     from alignpipe.engine import factory
     from alignpipe.positions import rollout_window
-    from alignpipe.recipe.stages import FormatStage
     from alignpipe.special_tokens import encode
     from alignpipe.stages.online import _vllm_window
     from alignpipe.trainers.configs import RolloutSpec
@@ -414,7 +416,9 @@ def test_a_vllm_colocate_engine_is_sized_for_the_stages_longest_rollout(tiny, mo
     assert rollout_window(tok, prompts, None, 48, SimpleNamespace()) == longest + 48
 
     def ctx(rollout, tools=()):
-        data = FormatStage.model_construct(tools=list(tools))
+        # the data stage, built unvalidated with the one field read (no id, dataset or format)
+        data = FormatStage.model_construct(tools=list(tools))  # type: ignore[call-arg]
+
         stage = SimpleNamespace(rollout=rollout, data="d", max_prompt_length=None, max_completion_length=48)
         return SimpleNamespace(stage=stage, recipe=SimpleNamespace(stage=lambda _: data))
 
@@ -570,7 +574,8 @@ def test_compiled_decode_steps_give_the_same_tokens(trained):
         compiled = engine.generate(prompts, n, sampling, seed=3)
         assert [g.completion_ids for g in compiled] == [g.completion_ids for g in eager], (n, temperature)
     assert engine.step is not None and len(engine.step.caches) == 2, "one static cache per rows × length, reused"
-    assert engine.step.failed is None and min(engine.step.calls.values()) >= CHECK_CALL, "checked, never given up"
+    step: Any = engine.step  # the test's stand-in counts its calls
+    assert step.failed is None and min(step.calls.values()) >= CHECK_CALL, "checked, never given up"
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     with torch.no_grad():
         for p in model.parameters():  # an optimizer step, in place
@@ -621,17 +626,19 @@ def test_a_compiled_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eager
 
     from alignpipe.engine import decode_steps
 
-    engine.step.fn = broken
+    step: Any = known(engine.step)  # the compiled step's function, replaced
+    step.fn = broken
+
     with caplog.at_level(logging.WARNING, logger="alignpipe.engine.decode_steps"):
         got = engine.generate(prompts, 1, greedy)
         engine.generate(prompts, 1, greedy)
     assert len(caplog.records) == 1 and "the eager static-cache step runs instead" in caplog.text
     if how == "not compiling":
-        assert calls == [1] and "did not compile (TorchDynamoException: no Triton here)" in engine.step.failed
+        assert calls == [1] and "did not compile (TorchDynamoException: no Triton here)" in str(step.failed)
         want = HFEngine(model, tok, 8).generate(prompts, 1, greedy)
         assert [g.completion_ids for g in got] == [g.completion_ids for g in want]
     else:
-        assert len(calls) == decode_steps.CHECK_CALL and "logits are off from the eager step's" in engine.step.failed
+        assert len(calls) == decode_steps.CHECK_CALL and "logits are off from the eager step's" in str(step.failed)
 
 
 def test_cuda_graph_decode_steps_give_the_same_tokens(trained):
@@ -773,9 +780,9 @@ def test_a_cuda_graph_decode_step_that_fails_or_is_wrong_is_given_up_for_the_eag
     assert len(caplog.records) == 1 and "`rollout: {cuda_graphs: false}`" in caplog.text
     assert calls == [1] and not engine.step.recordings
     if how == "not recording":
-        assert "could not be recorded (RuntimeError: CUDA error: operation not permitted" in engine.step.failed
+        assert "could not be recorded (RuntimeError: CUDA error: operation not permitted" in str(engine.step.failed)
     else:
-        assert "logits are off from the eager step's" in engine.step.failed
+        assert "logits are off from the eager step's" in str(engine.step.failed)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
@@ -859,6 +866,8 @@ def test_a_static_cache_s_layers_work_out_where_to_write_once_a_step(trained):
         assert layers > 1 and len({id(layer.cumulative_length) for layer in shared.layers}) == 1
         assert fill(plain) == [2 * layers] * steps and fill(shared) == [2] * steps, "arange and add_ once a step"
         for _ in range(2):
+            mine: Any
+            theirs: Any  # static layers: keys, values and the shared length
             for mine, theirs in zip(shared.layers, plain.layers, strict=True):
                 assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
                 assert int(mine.cumulative_length) == int(theirs.cumulative_length) == width + steps
@@ -890,7 +899,8 @@ def test_decode_steps_hand_sdpa_a_bias_it_takes_as_it_is(trained, monkeypatch, s
 
     model, tok = trained
     enc = HFEngine(model, tok)._encode(["The film", "I watched it and", "A"])
-    masks, converted = [], []
+    masks: list[Any] = []
+    converted: list[Any] = []
     original = model.forward
 
     def forward(*args, **kwargs):
@@ -1055,7 +1065,8 @@ def test_sampling_logprobs_are_those_of_the_distribution_each_token_was_drawn_fr
     assert [g.completion_ids for g in gens] == [g.completion_ids for g in plain] and plain[0].logprobs is None
     assert {g.finish_reason for g in gens} == {"stop", "length"}
     for g in gens:
-        assert len(g.logprobs) == len(g.completion_ids)
+        assert len(known(g.logprobs)) == len(g.completion_ids)
+
         prompt = tok(prompts[g.prompt_index])["input_ids"]
         ids = torch.tensor([prompt + g.completion_ids])
         with torch.no_grad():

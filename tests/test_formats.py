@@ -4,6 +4,7 @@ import pytest
 
 from alignpipe.data.formats import ConversationError, format_rows
 from alignpipe.modeling import load_tokenizer
+from alignpipe.recipe.stages import FormatStage
 
 
 def test_plain_prompt_completion_split_is_deterministic(tiny):
@@ -139,7 +140,7 @@ def test_a_row_without_a_column_its_format_needs_names_row_column_and_mapping(ti
         "stages:\n  - {id: pc, kind: format, dataset: pairs, format: prompt_completion, shuffle: false}\n"
     )
     with pytest.raises(ValueError) as err:
-        format_stage.run(StageContext(recipe, recipe.stages[0], tmp_path / "pc", {}, Tracker()))
+        format_stage.run(StageContext(recipe, recipe.stage("pc", FormatStage), tmp_path / "pc", {}, Tracker()))
     assert str(err.value) == (
         "stage 'pc' formats dataset 'pairs' as prompt_completion, but row 1 has no 'completion' (its columns with a "
         "value: prompt). Map the column in the recipe: datasets.pairs.columns: {completion: <your column>}"
@@ -164,7 +165,9 @@ def test_a_format_stage_without_eval_rows_is_readable_by_the_stages_after_it(tin
         "  - {id: sft, kind: sft, data: all-train, max_steps: 1}\n"
     )
     recipe = parse_recipe(text)
-    result = format_stage.run(StageContext(recipe, recipe.stage("all-train"), tmp_path / "fmt", {}, Tracker()))
+    result = format_stage.run(
+        StageContext(recipe, recipe.stage("all-train", FormatStage), tmp_path / "fmt", {}, Tracker())
+    )
     assert result.metrics["rows_eval"] == 0
     written = Manifest(stage_id="all-train", kind="format", cache_key="k", outputs=result.outputs)
     reader = StageContext(recipe, recipe.stage("sft"), tmp_path / "sft", {"all-train": written}, Tracker())

@@ -4,6 +4,8 @@ as the eager kernels do."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from support import SHORT_GROUPS, counted_calls, tiny_split
@@ -104,7 +106,8 @@ def test_only_a_plain_trained_projection_recomputes_the_product(tiny):
     down.weight.requires_grad_(False)
     assert not recomputes_product(down)
     lora = get_peft_model(load_causal_lm(str(tiny / "model")), LoraConfig(r=4, target_modules=["down_proj"]))
-    assert not recomputes_product(lora.base_model.model.model.layers[0].mlp.down_proj)
+    peft_model: Any = lora.base_model.model
+    assert not recomputes_product(peft_model.model.layers[0].mlp.down_proj)
 
 
 def rotary_and_grads(fn, q, k, cos, sin, grads):
@@ -495,7 +498,7 @@ def test_add_norm_adds_as_eager_and_normalises_in_float32_rounding_once():
 
     g = torch.Generator().manual_seed(0)
     residual, delta = (torch.randn(4, 1, 96, generator=g).to(torch.bfloat16) for _ in range(2))
-    norm = torch.nn.Module()
+    norm: Any = torch.nn.Module()  # a stand-in norm: its weight and epsilon
     norm.weight = torch.nn.Parameter(torch.rand(96, generator=g).to(torch.bfloat16) + 0.5)
     norm.variance_epsilon = 1e-6
     total, normed = add_norm(residual, delta, norm)
@@ -559,7 +562,7 @@ def test_a_recording_adds_each_residual_in_the_kernel_of_the_norm_after_it(tiny,
     prompts = ["The film", "I watched it and", "A"]
     for n in (1, 3):
         want = _decoded(HFEngine(model, tok, 8, static_cache=True), prompts, n)
-        replayed = []
+        replayed: list[Any] = []
 
         def capture(step, replayed=replayed):  # the stand-in, counting each replay's fused adds
             replay, out = replayed_on_cpu(step)

@@ -3,6 +3,8 @@ on its own part, in TRL's order, with TRL's dapo normaliser, against log-probs t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from support import tiny_split
@@ -10,6 +12,7 @@ from support import tiny_split
 from alignpipe.judges.reward_set import LoadedReward, RewardSet
 from alignpipe.modeling import load_causal_lm
 from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.recipe.stages import GRPOStage
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import grpo, rloo
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
@@ -29,7 +32,8 @@ def run(tiny, prompts, tmp_path, monkeypatch, module, config, **overrides):
     """A run whose rollouts and trained micro-batches (per step, the row slices the update ran) are recorded: its
     tracker, the rollouts and the slices."""
     tok, rows = prompts
-    rollouts, trained = [], []
+    rollouts: list[Any] = []
+    trained: list[Any] = []
     original, micro_logps = module.rollout, grpo.GRPORun.micro_logps
 
     def recorded(run_, batch_rows):
@@ -117,7 +121,10 @@ def test_the_recipe_names_the_stage(tiny):
 
     text = (Path(__file__).parents[1] / "pipelines" / "tiny-grpo.yaml").read_text().replace("assets/tiny", str(tiny))
     recipe = parse_recipe(text, ["stages.grpo.steps_per_generation=4"])
-    assert recipe.stage("grpo").steps_per_rollout == 4 // recipe.stage("grpo").gradient_accumulation_steps
+    assert (
+        recipe.stage("grpo", GRPOStage).steps_per_rollout
+        == 4 // recipe.stage("grpo", GRPOStage).gradient_accumulation_steps
+    )
     with pytest.raises(RecipeError) as e:
         parse_recipe(text, ["stages.grpo.generation_batch_size=7"])
     assert "(stage 'grpo')" in str(e.value) and "must be a multiple of batch_size" in str(e.value)

@@ -9,6 +9,7 @@ import pytest
 from loopback import FakeHub, serve
 
 from alignpipe.hub import push_to_hub
+from alignpipe.recipe.stages import PushStage
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +94,7 @@ stages:
   - {{id: publish, kind: push, model: sft, target: local, path: {tmp_path / "out"}, merge_adapter: true}}
 datasets: {{d: {{path: {tiny / "data" / "sentiment_sft.jsonl"}}}}}
 """)
-    ctx = StageContext(recipe, recipe.stage("publish"), tmp_path / "publish", {"sft": adapter}, Tracker())
+    ctx = StageContext(recipe, recipe.stage("publish", PushStage), tmp_path / "publish", {"sft": adapter}, Tracker())
     (tmp_path / "publish").mkdir()
     out = push_stage.run(ctx)
     published = tmp_path / "out"

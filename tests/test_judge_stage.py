@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from loopback import serve
+from support import known
 
 from alignpipe.judges.pairwise import combine, parse_verdict
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix
@@ -96,8 +97,8 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
         if path == "/v1/models":
             return 200, {"data": [{"id": "judge-llm"}]}
         text = body["messages"][0]["content"]
-        a = re.search(r"Response A:\n(.*)\n\nResponse B:", text, re.S).group(1)
-        b = re.search(r"Response B:\n(.*)\n\nWhich", text, re.S).group(1)
+        a = known(re.search(r"Response A:\n(.*)\n\nResponse B:", text, re.S)).group(1)
+        b = known(re.search(r"Response B:\n(.*)\n\nWhich", text, re.S)).group(1)
         return 200, {
             "choices": [{"message": {"content": "A" if len(a) > len(b) else "B" if len(b) > len(a) else "tie?"}}]
         }
@@ -168,7 +169,7 @@ def test_a_local_judge_is_asked_through_its_chat_template(tiny):
 
     for chat in (True, False):
         judge = LocalJudge(model, tok, chat_template=chat)
-        judge.engine.generate = generate
+        judge.engine.generate = generate  # type: ignore[method-assign,assignment]
         assert judge(["Which is better? A or B."]) == ["A"]
     assert sent == ["<|user|>Which is better? A or B.<|end|><|assistant|>", "Which is better? A or B."]
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from alignpipe.data.formats import format_rows
 from alignpipe.losses import kto_loss
 from alignpipe.modeling import load_causal_lm, load_tokenizer
 from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.recipe.stages import FormatStage
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import kto
 from alignpipe.trainers.configs import KTOConfig, LoraSpec
@@ -146,7 +148,7 @@ def test_format_stage_rejects_a_string_label_naming_columns_and_mapping(tiny, tm
         "stages:\n  - {id: thumbs, kind: format, dataset: reviews, format: unpaired}\n"
     )
     recipe = parse_recipe(text)
-    ctx = StageContext(recipe, recipe.stages[0], tmp_path, {}, Tracker())
+    ctx = StageContext(recipe, recipe.stage("thumbs", FormatStage), tmp_path, {}, Tracker())
     with pytest.raises(ValueError) as err:
         format_stage.run(ctx)
     msg = str(err.value)
@@ -267,7 +269,8 @@ def test_precomputed_reference_log_probs_give_the_live_losses_and_are_cached(tin
     from alignpipe.distributed import make_accelerator
 
     losses = kto.Losses(cfg, make_accelerator(), lambda: (reference, contextlib.nullcontext()))
-    sums_cached, sums_live = {}, {}
+    sums_cached: dict[Any, Any] = {}
+    sums_live: dict[Any, Any] = {}
     policy.eval()
     with torch.no_grad():
         a = losses(policy, batch, sums_cached, {})

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support import known
 
 from alignpipe.recipe import load_recipe
 
@@ -37,7 +38,7 @@ def run_recipe(name: str, tiny: Path, tmp_path: Path, edits: dict[str, str] | No
 
 def child_metrics(recipe, summary) -> dict[str, dict[str, float]]:
     client = MlflowClient(recipe.tracking_uri)
-    exp = client.get_experiment_by_name(recipe.experiment_name)
+    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     runs = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
     return {r.data.tags["alignpipe.stage_id"]: r.data.metrics for r in runs}
 
@@ -135,7 +136,7 @@ def test_tiny_ppo_raises_rlhf_reward_and_beats_sft(prefect_harness, tiny, tmp_pa
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path)
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
-    exp = client.get_experiment_by_name(recipe.experiment_name)
+    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     ppo_run = client.search_runs(
         [exp.experiment_id],
         f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",
@@ -162,7 +163,7 @@ def test_tiny_ppo_adaptive_kl_holds_the_target_and_beats_sft(prefect_harness, ti
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path, edits)
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
-    exp = client.get_experiment_by_name(recipe.experiment_name)
+    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     ppo_run = client.search_runs(
         [exp.experiment_id],
         f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",

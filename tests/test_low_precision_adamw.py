@@ -4,6 +4,7 @@ unbiased stochastic rounding), equals torch's AdamW where rounding does not matt
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -177,7 +178,8 @@ def test_the_stage_picks_it_for_bf16_weights_only_and_fp16_ones_keep_a_buffer(ti
     AdamW. Under `stochastic`, fp16 weights (whose rounding this does not implement) take Kahan's buffer."""
     bf16 = load_causal_lm(str(tiny / "model"), dtype="bfloat16")
     assert type(build_optimizer(bf16, SFTConfig())) is LowPrecisionAdamW
-    assert build_optimizer(bf16, SFTConfig(low_precision_updates="stochastic")).updates == "stochastic"
+    stochastic = build_optimizer(bf16, SFTConfig(low_precision_updates="stochastic"))
+    assert isinstance(stochastic, LowPrecisionAdamW) and stochastic.updates == "stochastic"
     assert type(build_optimizer(bf16, SFTConfig(low_precision_updates="nearest"))) is torch.optim.AdamW
     assert type(build_optimizer(load_causal_lm(str(tiny / "model")), SFTConfig())) is torch.optim.AdamW
     half = torch.nn.Parameter(torch.randn(64, 64).half())
@@ -338,7 +340,7 @@ def test_fp16_weights_take_the_eager_step_where_bf16_ones_are_compiled(monkeypat
     eagerly under `fused_kernels` too, with the eager step's result; bf16 ones in the same optimizer are compiled."""
     from alignpipe import fused_kernels
 
-    compiled_dtypes = []
+    compiled_dtypes: list[Any] = []
 
     def recording(stochastic):
         def step(pieces, scalars, salts):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from mlflow.tracking import MlflowClient
 
@@ -56,7 +57,8 @@ def test_two_launches_of_one_stage_train_it_once_and_both_get_its_manifest(tiny,
     tracking = start_pipeline_run(recipe, "overlap")
     data = launch(write_spec(recipe, plans["data"], {}, tracking, "a"), on_line=lambda line: None)
     spec = write_spec(recipe, plans["sft"], {"data": data}, tracking, "a")
-    results, lines = {}, {"a": [], "b": []}
+    results: dict[str, Any] = {}
+    lines: dict[str, list[str]] = {"a": [], "b": []}
 
     def run(name: str) -> None:
         results[name] = launch(spec, on_line=lines[name].append)

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 from accelerate import Accelerator
-from support import SHORT_GROUPS, tiny_split
+from support import SHORT_GROUPS, known, tiny_split
 
 from alignpipe import attention as varlen
 from alignpipe import last_layer, logprobs
@@ -316,7 +316,7 @@ def test_documents_counted_on_the_host_leave_transformers_nothing_to_search(tiny
         torch.testing.assert_close(hidden[0, offsets[i] : offsets[i + 1]], want, rtol=1e-5, atol=1e-5)
     # the marker is told by its shape: a wrapper that moves inputs to the device hands over a copy
     marker = varlen.documents_mask(model, None, "cpu")
-    assert varlen.is_documents_mask(marker.clone()) and not varlen.is_documents_mask(torch.ones(1, 1, 2, 2))
+    assert varlen.is_documents_mask(known(marker).clone()) and not varlen.is_documents_mask(torch.ones(1, 1, 2, 2))
     padded = torch.ones(2, 4, dtype=torch.long)
     assert varlen.documents_mask(model, padded, "cpu") is padded
     assert varlen.documents_mask(alone, None, "cpu") is None

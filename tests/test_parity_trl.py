@@ -310,9 +310,9 @@ def test_in_bf16_rounded_updates_give_trl_s_trajectory_and_kahan_s_follow_float3
     float32 run's where TRL's fall behind it. So the last-step losses of the GPU table differ by more than the batch
     order: ours' are lower by what TRL's bf16 rounding loses."""
     steps, lr = 20, 1e-4  # an update of ~lr a weight: about one bf16 rounding step at the tiny model's ~0.016
-    bf16 = dict(steps=steps, lr=lr, dtype=torch.bfloat16)
-    nearest, theirs = _trajectories(tiny, "sft", ours_only={"low_precision_updates": "nearest"}, **bf16)
-    kahan, _ = _trajectories(tiny, "sft", **bf16)
+    rounded = {"low_precision_updates": "nearest"}
+    nearest, theirs = _trajectories(tiny, "sft", steps=steps, lr=lr, dtype=torch.bfloat16, ours_only=rounded)
+    kahan, _ = _trajectories(tiny, "sft", steps=steps, lr=lr, dtype=torch.bfloat16)
     float32, _ = _trajectories(tiny, "sft", steps=steps, lr=lr)
     assert len(nearest) == len(kahan) == len(float32) == len(theirs) == steps
     for step, ((loss, gn, _), (trl_loss, trl_gn, _)) in enumerate(zip(nearest, theirs), 1):

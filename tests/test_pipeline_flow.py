@@ -4,7 +4,9 @@ a model card from the local push, re-runs that reuse finished stages, and resume
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -26,6 +28,12 @@ def run_flow(recipe_path: Path, overrides=(), force=()):
     from flows.pipeline import pipeline
 
     return pipeline(recipe_path=str(recipe_path), overrides=list(overrides), force=list(force), return_state=True)
+
+
+def _when(t: datetime | None) -> datetime:
+    """A Prefect object's timestamp (`created`, `start_time`), which the server has set on every one read here."""
+    assert t is not None
+    return t
 
 
 def summary_of(recipe_path: Path, state, overrides=()) -> dict:
@@ -57,6 +65,7 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     assert parent.data.params["seed"] == "0" and parent.data.params["name"] == "tiny-demo"
     assert "recipe.resolved.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
     exp = client.get_experiment_by_name("tiny-demo")
+    assert exp is not None
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(c.data.tags["alignpipe.stage_id"] for c in children) == sorted(s.id for s in recipe.stages)
     assert all(c.info.status == "FINISHED" for c in children)
@@ -150,7 +159,8 @@ def test_a_slow_prefect_api_never_holds_up_the_launcher_reading_the_stage_s_log(
         api_answers.wait(10)
         sent.append(report["n"])
 
-    progress = StageProgress(SimpleNamespace(recipe={"name": "demo"}, stage_id="sft"), logging.getLogger("test"))
+    spec: Any = SimpleNamespace(recipe={"name": "demo"}, stage_id="sft")  # the two fields StageProgress reads
+    progress = StageProgress(spec, logging.getLogger("test"))
     assert progress.key == "demo-sft-progress"
     progress._send = slow_api  # type: ignore[method-assign]
     with progress:
@@ -173,6 +183,7 @@ def test_the_run_s_summary_table_is_a_prefect_table_artifact_of_its_flow_run(dem
     mine = [a for a in found if a.flow_run_id == state.state_details.flow_run_id]
     assert len(mine) == 1 and mine[0].type == "table" and mine[0].description == "tiny-demo, 5 stages: 5 done"
     rows = json.loads(mine[0].data) if isinstance(mine[0].data, str) else mine[0].data
+    assert isinstance(rows, list)
     summary = summary_of(path, state, FAST)
     assert [(r["stage"], r["status"], r["output"]) for r in rows] == [
         (s["stage_id"], s["status"], s["output"]) for s in summary["stages"]
@@ -193,10 +204,11 @@ def test_each_stage_s_progress_is_a_prefect_progress_artifact_of_its_task_run(de
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
         runs = {a.key: client.read_task_run(a.task_run_id) for a in found if a.task_run_id}
-    latest = {a.key: a for a in sorted(found, key=lambda a: a.created)}
-    assert sorted(latest) == sorted(keys)
+    latest = {a.key: a for a in sorted(found, key=lambda a: _when(a.created))}
+    assert sorted(str(k) for k in latest) == sorted(keys)
     sft, judge = latest["tiny-demo-sft-progress"], latest["tiny-demo-judge-progress"]
-    assert sft.type == judge.type == "progress" and float(sft.data) == float(judge.data) == 100.0
+    assert sft.description is not None and judge.description is not None
+    assert sft.type == judge.type == "progress" and float(str(sft.data)) == float(str(judge.data)) == 100.0
     assert sft.description.startswith("sft 100/100 (loss=") and judge.description.endswith(" 64/64"), (sft, judge)
     assert runs[sft.key].name == "sft" and runs[judge.key].name == "judge"
     # tags to find stages by, and for Prefect's tag concurrency limits: `alignpipe`, the kind, the recipe's own
@@ -216,9 +228,9 @@ def test_local_push_writes_model_and_card_with_lineage(demo_run):
     assert card.startswith("---\nlicense: apache-2.0\nbase_model: " + recipe.model.path)
     assert "\n# tiny-demo-sft\n" in card, "titled with the model's registry name, not the stage id"
     client = MlflowClient(recipe.tracking_uri)
-    push_run = client.search_runs(
-        [client.get_experiment_by_name("tiny-demo").experiment_id], "tags.`alignpipe.stage_id` = 'publish'"
-    )[0]
+    experiment = client.get_experiment_by_name("tiny-demo")
+    assert experiment is not None
+    push_run = client.search_runs([experiment.experiment_id], "tags.`alignpipe.stage_id` = 'publish'")[0]
     shown = Path(client.download_artifacts(push_run.info.run_id, "model_card/README.md")).read_text()
     assert shown.startswith("# tiny-demo-sft\n") and "| license | apache-2.0 |" in shown, "no raw YAML header in MLflow"
     assert fmt.info["fingerprint"] in card
@@ -243,7 +255,7 @@ def test_rerun_reuses_every_finished_stage(demo_run):
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
         )
     assert sorted(r.name for r in runs) == sorted(s["stage_id"] for s in summary["stages"])
-    assert all(r.state.is_completed() and r.state.name == "Cached" for r in runs)
+    assert all(r.state is not None and r.state.is_completed() and r.state.name == "Cached" for r in runs)
     recipe = load_recipe(path, FAST)
     mlflow = MlflowClient(recipe.tracking_uri)
     parent = mlflow.get_run(summary["mlflow_run_id"])
@@ -268,7 +280,7 @@ def test_task_runs_record_their_upstream_stages(demo_run):
 
     def parents(name: str) -> set[str]:
         inputs = by_name[name].task_inputs
-        return {str(ref.id) for refs in inputs.values() for ref in refs if getattr(ref, "id", None)}
+        return {str(ref_id) for refs in inputs.values() for ref in refs if (ref_id := getattr(ref, "id", None))}
 
     assert parents("sft") >= {ids["sft-data"]}
     assert parents("judge") >= {ids["sft"], ids["eval-prompts"]}
@@ -302,6 +314,7 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
         )
     assert table.description == "tiny-demo, 5 stages: 3 cached, 1 failed, 1 not run", table.description
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert isinstance(rows, list)
     assert "no_such_module" in next(r for r in rows if r["status"] == "failed")["message"]
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
@@ -394,7 +407,8 @@ def test_untrained_candidate_fails_the_gate_and_publish_is_skipped(demo_run):
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
         )
     skipped = [r for r in runs if r.name == "publish"]
-    assert skipped and skipped[0].state.name == "Skipped" and "is false" in skipped[0].state.message
+    state_ = skipped[0].state if skipped else None
+    assert state_ is not None and state_.name == "Skipped" and "is false" in (state_.message or "")
 
 
 def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness, tiny, tmp_path, monkeypatch):
@@ -438,7 +452,9 @@ def test_hub_push_through_the_real_client_never_leaks_the_token(prefect_harness,
     assert not leaks, leaks
     from prefect.settings import get_current_settings
 
-    db = get_current_settings().server.database.connection_url.get_secret_value()
+    url = get_current_settings().server.database.connection_url
+    assert url is not None
+    db = url.get_secret_value()
     db_path = Path(db.split("///", 1)[1].split("?")[0])
     assert db_path.exists()
     assert token.encode() not in db_path.read_bytes(), "token in Prefect's database (logs, parameters, artifacts)"
@@ -509,8 +525,10 @@ def test_a_tag_concurrency_limit_holds_back_a_tagged_stage_while_another_runs(pr
         with get_client(sync_client=True) as client:
             client.delete_concurrency_limit_by_tag("one-format")
     assert state.is_completed(), state.message
-    first, second = sorted((r for r in runs if "one-format" in r.tags), key=lambda r: r.start_time)
+    first, second = sorted((r for r in runs if "one-format" in r.tags), key=lambda r: _when(r.start_time))
+
     assert {first.name, second.name} == {"sft-data", "eval-prompts"}
+    assert first.end_time is not None and second.start_time is not None
     assert second.start_time >= first.end_time, (first, second)
 
 

@@ -4,6 +4,7 @@ or before the first step, with the fields to change; rotary models have no such 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +21,10 @@ from transformers import (
 
 from alignpipe.positions import check_model_window, config_position_limit, model_position_limit, stage_window
 from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.recipe.stages import GRPOStage, SFTStage
 from alignpipe.trainers.configs import DPOConfig, GRPOConfig, SFTConfig
 
-SMALL = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64}
+SMALL: dict[str, Any] = {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 64}
 
 
 @pytest.fixture
@@ -62,7 +64,7 @@ def test_validate_rejects_a_window_longer_than_the_position_table(tiny, tmp_path
     assert "stages[2].max_length (stage 'sft')" in msg
     assert f"max_length is 128 tokens, but {gpt2_dir}'s learned position table holds 64 positions" in msg
     assert "fix: lower max_length so the window is at most 64 tokens" in msg
-    assert parse_recipe(text, ["stages.sft.max_length=64"]).stage("sft").max_length == 64
+    assert parse_recipe(text, ["stages.sft.max_length=64"]).stage("sft", SFTStage).max_length == 64
 
 
 def test_validate_counts_prompt_and_completion_in_rl_stages(tiny, gpt2_dir):
@@ -75,11 +77,11 @@ def test_validate_counts_prompt_and_completion_in_rl_stages(tiny, gpt2_dir):
     assert "max_prompt_length + max_completion_length is 266 tokens" in msg
     assert "stage 'sft'" not in msg
     fits = parse_recipe(text, ["stages.sft.max_length=64", "stages.grpo.max_prompt_length=54"])
-    assert fits.stage("grpo").max_prompt_length == 54
+    assert fits.stage("grpo", GRPOStage).max_prompt_length == 54
 
 
 def test_rotary_base_models_have_no_window_limit(demo_text):
-    assert parse_recipe(demo_text, ["stages.sft.max_length=100000"]).stage("sft").max_length == 100000
+    assert parse_recipe(demo_text, ["stages.sft.max_length=100000"]).stage("sft", SFTStage).max_length == 100000
 
 
 def test_a_loaded_model_is_checked_before_training(demo_text):
@@ -104,7 +106,7 @@ def test_a_hub_model_in_the_local_cache_is_checked_without_a_download(tiny, tmp_
     with pytest.raises(RecipeError, match=r"128 tokens, but openai-community/gpt2's learned position table holds 64"):
         parse_recipe(text, ["stages.sft.max_length=128"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))  # not cached: checked at stage start
-    assert parse_recipe(text, ["stages.sft.max_length=128"]).stage("sft").max_length == 128
+    assert parse_recipe(text, ["stages.sft.max_length=128"]).stage("sft", SFTStage).max_length == 128
 
 
 def test_a_judge_checks_its_prompts_against_each_model_it_generates_from(tiny):

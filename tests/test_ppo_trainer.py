@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -78,7 +79,9 @@ def test_early_stopping_ends_the_epochs_of_a_batch(tiny, tmp_path):
 
 def test_resume_keeps_the_adapted_kl_coefficient(tiny, tmp_path):
     """A killed adaptive-KL run resumes with the coefficient it had reached, not the initial one."""
-    args = dict(learning_rate=3e-3, max_steps=3, kl_coef=0.2, adap_kl_ctrl=True, target=0.5, horizon=32, save_every=1)
+    args: dict[str, Any] = dict(
+        learning_rate=3e-3, max_steps=3, kl_coef=0.2, adap_kl_ctrl=True, target=0.5, horizon=32, save_every=1
+    )
     _, whole, _ = run_ppo(tiny, tmp_path / "whole", **args)
     run_ppo(tiny, tmp_path / "again", **{**args, "max_steps": 2})
     # the 2-update run left step-1 (the final update saves no checkpoint); a 3-update run resumes from it

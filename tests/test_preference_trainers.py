@@ -7,6 +7,7 @@ import torch
 from support import tiny_split
 
 from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
+from alignpipe.recipe.stages import FormatStage, RewardStage
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import dpo, reward
 from alignpipe.trainers.configs import DPOConfig, LoraSpec, RewardConfig
@@ -203,10 +204,12 @@ stages:
   - {{id: rm, kind: reward, data: pref-data, max_steps: 2, batch_size: 8}}
 """)
         root = tmp_path / name
-        data = format_stage.run(StageContext(recipe, recipe.stage("pref-data"), root / "data", {}, Tracker()))
+        data = format_stage.run(
+            StageContext(recipe, recipe.stage("pref-data", FormatStage), root / "data", {}, Tracker())
+        )
         inputs = {"pref-data": Manifest(stage_id="pref-data", kind="format", cache_key="k", outputs=data.outputs)}
         torch.manual_seed(1000 + len(name))  # whatever the process did before: the stage must not depend on it
-        out = reward_stage.run(StageContext(recipe, recipe.stage("rm"), root / "rm", inputs, Tracker()))
+        out = reward_stage.run(StageContext(recipe, recipe.stage("rm", RewardStage), root / "rm", inputs, Tracker()))
         return load_file(f"{out.outputs['model']}/model.safetensors")
 
     first, second, other = run("a", 0), run("bb", 0), run("c", 1)

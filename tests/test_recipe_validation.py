@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.recipe.stages import DPOStage, GRPOStage, JudgeStage, PPOStage, SFTStage
 
 
 def problems_of(text: str, overrides=()) -> str:
@@ -21,7 +23,7 @@ def problems_of(text: str, overrides=()) -> str:
 def test_demo_recipe_is_valid(demo_text):
     recipe = parse_recipe(demo_text)
     assert [s.id for s in recipe.topological_order()] == ["sft-data", "eval-prompts", "sft", "judge", "publish"]
-    assert recipe.stage("sft").learning_rate == 1e-3
+    assert recipe.stage("sft", SFTStage).learning_rate == 1e-3
     assert recipe.ancestors("publish") == ["sft-data", "eval-prompts", "sft", "judge"]
 
 
@@ -165,10 +167,15 @@ def test_yaml_syntax_error_has_a_line(demo_text):
 
 def test_overrides_address_stages_by_id(demo_text):
     recipe = parse_recipe(demo_text, ["stages.sft.max_steps=7", "stages.judge.sampling.temperature=0", "seed=3"])
-    assert recipe.stage("sft").max_steps == 7
-    assert recipe.stage("judge").sampling.greedy
+    assert recipe.stage("sft", SFTStage).max_steps == 7
+    assert recipe.stage("judge", JudgeStage).sampling.greedy
     assert recipe.seed == 3
+    with pytest.raises(TypeError, match="stage 'sft' is a sft stage, not a DPOStage"):
+        recipe.stage("sft", DPOStage)  # a kind's fields, asked of a stage of another kind
+    with pytest.raises(KeyError):
+        recipe.stage("nope")
     msg = problems_of(demo_text, ["stages.nope.max_steps=7"])
+
     assert "no list item 'nope'" in msg and "sft-data" in msg
 
 
@@ -177,7 +184,8 @@ def test_every_field_is_documented():
     from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Resources, Tracking
     from alignpipe.recipe.stages import STAGE_TYPES
 
-    for model in (Recipe, ModelSpec, DatasetSpec, Tracking, Resources, *STAGE_TYPES):
+    models: list[type[BaseModel]] = [Recipe, ModelSpec, DatasetSpec, Tracking, Resources, *STAGE_TYPES]
+    for model in models:
         undocumented = [name for name, f in model.model_fields.items() if name != "kind" and not f.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
 
@@ -242,7 +250,7 @@ def dpo_recipe(tiny) -> str:
 
 def test_dpo_recipe_is_valid(tiny):
     recipe = parse_recipe(dpo_recipe(tiny))
-    assert recipe.stage("dpo").beta == 0.1 and recipe.stage("rm").kind == "reward"
+    assert recipe.stage("dpo", DPOStage).beta == 0.1 and recipe.stage("rm").kind == "reward"
 
 
 @pytest.mark.parametrize(
@@ -344,7 +352,7 @@ def test_a_judge_reward_is_a_built_in_or_module_function_not_imported_at_validat
     text = rl_recipe(tiny, "tiny-grpo.yaml").replace("reward: exact_match ", f"reward: '{value}' ")
     assert f"'{value}'" in text
     if ok:
-        assert parse_recipe(text).stage("judge").reward == value
+        assert parse_recipe(text).stage("judge", JudgeStage).reward == value
     else:
         assert "is not `package.module:function`" in problems_of(text)
 
@@ -374,7 +382,7 @@ def test_a_built_in_reward_s_kwargs_are_checked(tiny, entry, says):
 def test_built_in_reward_kwargs_that_fit_validate(tiny):
     entries = "{function: keyword, kwargs: {words: [great], case_sensitive: true}}\n      - {function: length_penalty}"
     recipe = parse_recipe(rl_recipe(tiny, "tiny-grpo.yaml").replace("{function: exact_match}", entries))
-    assert [r.label for r in recipe.stage("grpo").rewards] == ["keyword", "length_penalty"]
+    assert [r.label for r in recipe.stage("grpo", GRPOStage).rewards] == ["keyword", "length_penalty"]
 
 
 def test_two_rewards_logged_under_one_name_are_an_error(tiny):
@@ -403,7 +411,7 @@ def test_greedy_ppo_rollouts_validate(tiny):
     text = rl_recipe(tiny, "tiny-ppo.yaml").replace(
         "    sampling: {temperature: 0.7}\n", "    sampling: {temperature: 0}\n"
     )
-    assert parse_recipe(text).stage("ppo").sampling.greedy
+    assert parse_recipe(text).stage("ppo", PPOStage).sampling.greedy
 
 
 def test_a_sampling_length_rollouts_would_ignore_is_an_error(tiny):
@@ -413,7 +421,7 @@ def test_a_sampling_length_rollouts_would_ignore_is_an_error(tiny):
     same = parse_recipe(
         text.replace("sampling: {temperature: 1.0}", "sampling: {temperature: 1.0, max_new_tokens: 10}")
     )
-    assert same.stage("grpo").sampling.max_new_tokens == 10
+    assert same.stage("grpo", GRPOStage).sampling.max_new_tokens == 10
 
 
 def test_reward_model_entry_must_name_a_reward_stage(tiny):
@@ -497,7 +505,7 @@ def test_ppo_controls_of_trl07_validate(tiny):
             "score_clip: 3",
             "ratio_threshold: 10",
         ).replace("kl_penalty: kl", "kl_penalty: full")
-    ).stage("ppo")
+    ).stage("ppo", PPOStage)
     assert (stage.adap_kl_ctrl, stage.target, stage.horizon, stage.score_clip, stage.ratio_threshold) == (
         True,
         4,

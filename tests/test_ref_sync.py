@@ -14,6 +14,7 @@ from support import tiny_split
 from alignpipe.judges.reward_set import LoadedReward, RewardSet
 from alignpipe.modeling import load_causal_lm
 from alignpipe.recipe import RecipeError, parse_recipe
+from alignpipe.recipe.stages import DPOStage
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import dpo, grpo, rloo
 from alignpipe.trainers.configs import DPOConfig, GRPOConfig, LoraSpec, RLOOConfig
@@ -143,7 +144,7 @@ def test_a_stage_without_a_reference_copy_cannot_sync_one(config, kwargs, why):
 def test_the_recipe_error_names_the_stage_and_the_fix(tiny):
     text = (Path(__file__).parents[1] / "pipelines" / "tiny-dpo.yaml").read_text().replace("assets/tiny", str(tiny))
     good = text.replace("    # sync_ref_model: true", "    sync_ref_model: true\n    ref_model_sync_steps: 16", 1)
-    assert good != text and parse_recipe(good).stage("dpo").sync_ref_model
+    assert good != text and parse_recipe(good).stage("dpo", DPOStage).sync_ref_model
     with pytest.raises(RecipeError) as e:
         parse_recipe(good.replace("ref_model_sync_steps: 16", "ref_model_sync_steps: 16\n    reference_free: true"))
     assert "(stage 'dpo')" in str(e.value) and "reference_free is set" in str(e.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ def run_all(text: str, workdir: Path, overrides: list[str]):
     recipe = parse_recipe(text.replace("./runs", str(workdir)), overrides)
     plans = plan(recipe)
     tracking = start_pipeline_run(recipe, "repro")
-    done = {}
+    done: dict[str, Any] = {}
     for s in recipe.topological_order():
         inputs = {a: done[a] for a in recipe.ancestors(s.id)}
         done[s.id] = launch(write_spec(recipe, plans[s.id], inputs, tracking, "repro"), on_line=lambda line: None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from mlflow.tracking import MlflowClient
+from support import known
 
 from alignpipe.launch import launch, stage_command
 from alignpipe.plan import plan, write_spec
@@ -32,7 +33,7 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
     assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
 
     client = MlflowClient(recipe.tracking_uri)
-    exp = client.get_experiment_by_name(recipe.experiment_name)
+    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     runs = client.search_runs(
         [exp.experiment_id], f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'"
     )

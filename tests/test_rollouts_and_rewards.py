@@ -6,7 +6,7 @@ import math
 
 import pytest
 from loopback import completions_handler, serve
-from support import run_ppo, tiny_split
+from support import known, run_ppo, tiny_split
 
 from alignpipe.engine.hf import HFEngine
 from alignpipe.engine.sampling import SamplingParams
@@ -129,7 +129,8 @@ def accuracy(model, tok, rows) -> float:
     gens = HFEngine(model, tok, 64).generate(
         [r["prompt"] for r in rows], 1, SamplingParams(temperature=0, max_new_tokens=10)
     )
-    return sum(exact_match(None, [g.completion], answer=[r["answer"]])[0] for g, r in zip(gens, rows)) / len(rows)
+    hits = [known(exact_match(None, [g.completion], answer=[r["answer"]])[0]) for g, r in zip(gens, rows)]
+    return sum(hits) / len(rows)
 
 
 def test_grpo_raises_held_out_accuracy_by_40_points(reversal_sft, tmp_path):

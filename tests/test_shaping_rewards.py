@@ -17,6 +17,7 @@ from alignpipe.judges.rewards import (
     score,
     think_format,
 )
+from alignpipe.recipe.stages import GRPOStage
 
 trl_rewards = pytest.importorskip("trl.rewards")
 
@@ -131,4 +132,4 @@ def test_a_judge_refuses_a_token_reward_and_an_rl_stage_takes_it(tiny, tmp_path)
     line = "      - {function: exact_match}        # compares the completion with the `answer` column\n"
     extra = "      - {function: overlong_penalty, kwargs: {max_length: 16, cache: 4}, weight: 0.5}\n"
     recipe = parse_recipe(grpo_text.replace(line, line + extra))
-    assert [r.function for r in recipe.stage("grpo").rewards] == ["exact_match", "overlong_penalty"]
+    assert [r.function for r in recipe.stage("grpo", GRPOStage).rewards] == ["exact_match", "overlong_penalty"]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import known
 
 from alignpipe import stage_host
 from alignpipe.stage_host import StageHost, StageHosts
@@ -67,7 +68,7 @@ def test_hosted_stages_get_their_arguments_environment_streams_and_exit_code(tmp
     assert seen[0]["title"] == "stage one", "`ps` shows the stage's own command line"
     assert seen[1]["title"] == seen[0]["monitor_title"] == stage_host.MONITOR_TITLE
     assert Path(f"/proc/{host.pid}/cmdline").read_bytes().rstrip(b"\0").decode() == stage_host.HOST_TITLE
-    host.process.wait(timeout=30)  # closed, with no stage left: the host leaves
+    known(host.process).wait(timeout=30)  # closed, with no stage left: the host leaves
 
 
 def test_a_killed_or_crashing_stage_reports_like_a_process_of_its_own(tmp_path):
@@ -146,7 +147,7 @@ def test_the_host_and_its_stages_die_with_the_launcher(tmp_path):
     )
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        host_pid = int(launcher.stdout.readline())
+        host_pid = int(known(launcher.stdout).readline())
         stage_pid = _pid_in(tmp_path / "pid")
         assert _alive(host_pid) and _alive(stage_pid)
     finally:
@@ -169,7 +170,7 @@ def test_a_changed_environment_gets_a_new_host_and_the_old_one_finishes_its_stag
     new = hosts.get(_env(HF_HOME=str(tmp_path / "hf")))  # read by huggingface_hub when it is imported
     assert new is not old
     assert running.wait() == 0 and (tmp_path / "pid").read_text() == "done", "the replaced host's stage ran on"
-    old.process.wait(timeout=30)
+    known(old.process).wait(timeout=30)
     new.close()
 
 
@@ -179,7 +180,7 @@ def test_a_host_whose_preload_initialised_cuda_refuses_and_the_stage_runs_as_a_p
     host = StageHost(_env(), str(tmp_path), ("host_poison",))
     with pytest.raises(stage_host.HostGone, match="unfit to fork: a preload initialised CUDA"):
         host.start(["stage.py", "0"], _env(), target="host_targets:report")
-    host.process.wait(timeout=30)
+    known(host.process).wait(timeout=30)
 
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setattr(stage_host, "HOSTS", StageHosts(("host_poison",)))

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any, Literal
 
 import pytest
 import torch
+from support import experiment_id, known
 
 from alignpipe.data.formats import format_rows
 from alignpipe.engine.base import Generation
@@ -111,7 +114,7 @@ class Scripted:
                     text = self.first or call_text("add", a=2, b=3 + (i * n + j) % 2)
                 ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
                 ids = ids[: sampling.max_new_tokens]
-                reason = "stop" if ids[-1] == self.tok.eos_token_id else "length"
+                reason: Literal["stop", "length"] = "stop" if ids[-1] == self.tok.eos_token_id else "length"
                 text = self.tok.decode(ids, skip_special_tokens=True)
                 out.append(Generation(i, text, ids, reason, [-0.5] * len(ids) if logprobs else None))
         return out
@@ -186,7 +189,7 @@ def test_calls_run_as_trls_do():
     def call(name, **args):
         return {"type": "function", "function": {"name": name, "arguments": args}}
 
-    tools = {"add": add, "slow_double": slow_double, "broken": broken}
+    tools: dict[str, Callable[..., Any]] = {"add": add, "slow_double": slow_double, "broken": broken}
     calls = [
         call("add", a=1, b=2),
         call("slow_double", x=4),
@@ -320,22 +323,23 @@ def test_sampled_rollouts_mask_the_tool_answers(tiny, tok, tool_rows):
         step=1, unwrapped=None, count=lambda *a: None, count_generation=lambda *a: generated.append(a)
     )
     engine = Scripted(tok)
-    run = SimpleNamespace(cfg=cfg, loop=loop, tokenizer=tok, engine=engine, seed=0,
+    run: Any = SimpleNamespace(cfg=cfg, loop=loop, tokenizer=tok, engine=engine, seed=0,
                           encode_prompts=lambda rows: grpo.prompt_ids(tok, rows, None),
                           tools=ToolRunner([add], ToolCallParser(tok), 160))  # fmt: skip
     sm = grpo.sample(run, tool_rows[:2], logprobs=True)
     assert sm.tool_mask is not None and sm.messages is not None
+    tools, sampling_logps = known(sm.tools), known(sm.sampling_logps)
     for i in range(4):
         n = int(sm.lengths[i])
-        expected = torch.tensor(sm.tools.tool_mask[i], dtype=torch.float)
+        expected = torch.tensor(tools.tool_mask[i], dtype=torch.float)
         assert torch.equal(sm.mask[i, :n], expected)
         assert sm.mask[i, n:].sum() == 0
-        assert torch.equal(sm.sampling_logps[i, :n], torch.tensor(sm.tools.logprobs[i]))
+        assert torch.equal(sampling_logps[i, :n], torch.tensor(known(tools.logprobs)[i]))
     assert sm.completions == ["sum 5", "sum 6", "sum 5", "sum 6"]
     fields = sm.tool_fields()
     assert fields["tool_stats"] == {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0}
     [(seconds, sampled)] = generated  # one rollout: its rounds' wall time and the sampled tokens, tool answers not
-    assert seconds > 0 and sampled == sum(map(sum, sm.tools.tool_mask)) < int(sm.lengths.sum())
+    assert seconds > 0 and sampled == sum(sum(row) for row in tools.tool_mask) < int(sm.lengths.sum())
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])
@@ -424,13 +428,9 @@ def test_a_recipe_offers_tools_through_its_format_stage(prefect_harness, tiny, t
     assert state.is_completed(), state.message
     recipe = load_recipe(path)
     client = MlflowClient(recipe.tracking_uri)
-    (run,) = client.search_runs(
-        [client.get_experiment_by_name("tools").experiment_id], "tags.alignpipe.stage_id = 'rl'"
-    )
+    (run,) = client.search_runs([experiment_id(client, "tools")], "tags.alignpipe.stage_id = 'rl'")
     assert "train/tools/call_frequency" in run.data.metrics  # the random model rarely calls; the path ran
-    (judge,) = client.search_runs(
-        [client.get_experiment_by_name("tools").experiment_id], "tags.alignpipe.stage_id = 'judge'"
-    )
+    (judge,) = client.search_runs([experiment_id(client, "tools")], "tags.alignpipe.stage_id = 'judge'")
     assert "judge/win_rate" in judge.data.metrics
     rows = (recipe.run_root / "stages").rglob("*.arrow")
     assert any(b'"name": "add"' in p.read_bytes() for p in rows), "the prompts carry the tool's schema"

@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ pairs = [
 ]
 dpo_batch = dpo.collate(pairs, 0, 16, packed="shared" if attention == "varlen" else None)
 refs = (torch.tensor([-40.0, -35.0, -30.0]), torch.tensor([-30.0, -33.0, -36.0]))
-fused_calls = []
+fused_calls: list[Any] = []
 fused_pair_loss = dpo.fused_pair_loss
 dpo.fused_pair_loss = lambda *a: fused_calls.append(fused_pair_loss(*a)) or fused_calls[-1]
 plain.zero_grad()

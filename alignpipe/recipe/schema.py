@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TypeVar, overload
 
 from pydantic import Field
 
 from alignpipe.recipe.specs import DatasetSpec, ModelSpec, Storage, Tracking
 from alignpipe.recipe.stages import Stage, StageBase
 from alignpipe.strict import Strict
+
+S = TypeVar("S", bound=StageBase)
 
 
 class Recipe(Strict):
@@ -37,9 +40,17 @@ class Recipe(Strict):
     stages: list[Stage] = Field(min_length=1)
     """The stages; order does not matter, dependencies do."""
 
-    def stage(self, stage_id: str) -> StageBase:
+    @overload
+    def stage(self, stage_id: str) -> StageBase: ...
+    @overload
+    def stage(self, stage_id: str, kind: type[S]) -> S: ...
+    def stage(self, stage_id: str, kind: type[StageBase] = StageBase) -> StageBase:
+        """The stage named `stage_id`; with `kind` (`SFTStage`, `GRPOStage`, ...), typed as that kind, a stage of
+        another kind being a `TypeError`."""
         for s in self.stages:
             if s.id == stage_id:
+                if not isinstance(s, kind):
+                    raise TypeError(f"stage {stage_id!r} is a {s.kind} stage, not a {kind.__name__}")
                 return s
         raise KeyError(stage_id)
 
