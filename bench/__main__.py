@@ -661,7 +661,12 @@ def report(rows: list[str], suite: str, gpu: bool, warmup: int, peaks: dict | No
             "'generating' after it: the rollouts' generation alone, as our trainers log it. Memory: peak RSS of the "
             "process, imports included. "
         )
-        + ("Rows of earlier invocations (`--merge`) are kept with their own runs × steps. " if merged else "")
+        + (
+            "Rows of earlier invocations (`--merge`) are kept with their own runs × steps, their MFU and bounds "
+            "against the limits their own invocation measured. "
+            if merged
+            else ""
+        )
         + "Absolute numbers swing between runs on shared machines; ratios from one run are what count."
     )
     reproduce = (
