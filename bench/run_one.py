@@ -305,11 +305,11 @@ def ours(case: Case, model, tok, data, steps: int, kind: str, clock: StepClock) 
     by_logs = task in ONLINE  # an online step is several optimizer steps (PPO's epochs): timed by its log
     # Logged once at the end (the CPU shapes) its one tick would read as the first step's end: no ticks then, so the
     # run reports no step times and no split of its fixed cost rather than wrong ones.
-    ticking = not by_logs or shape.log_every == 1
+    ticks_at_logs = by_logs and shape.log_every == 1
 
     class ClockedTracker(Tracker):
         def log_metrics(self, metrics: dict, step: int) -> None:
-            if by_logs and ticking and (not self.history or self.history[-1][0] != step):
+            if ticks_at_logs and (not self.history or self.history[-1][0] != step):
                 clock.tick()
             super().log_metrics(metrics, step)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from support import known
+from support import experiment_id
 
 from alignpipe.recipe import load_recipe
 
@@ -38,8 +38,9 @@ def run_recipe(name: str, tiny: Path, tmp_path: Path, edits: dict[str, str] | No
 
 def child_metrics(recipe, summary) -> dict[str, dict[str, float]]:
     client = MlflowClient(recipe.tracking_uri)
-    exp = known(client.get_experiment_by_name(recipe.experiment_name))
-    runs = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
+    runs = client.search_runs(
+        [experiment_id(client, recipe.experiment_name)], f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'"
+    )
     return {r.data.tags["alignpipe.stage_id"]: r.data.metrics for r in runs}
 
 
@@ -136,9 +137,8 @@ def test_tiny_ppo_raises_rlhf_reward_and_beats_sft(prefect_harness, tiny, tmp_pa
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path)
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
-    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     ppo_run = client.search_runs(
-        [exp.experiment_id],
+        [experiment_id(client, recipe.experiment_name)],
         f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",
     )[0]
     history = [m.value for m in client.get_metric_history(ppo_run.info.run_id, "objective/rlhf_reward")]
@@ -163,9 +163,8 @@ def test_tiny_ppo_adaptive_kl_holds_the_target_and_beats_sft(prefect_harness, ti
     recipe, summary = run_recipe("tiny-ppo.yaml", tiny, tmp_path, edits)
     metrics = child_metrics(recipe, summary)
     client = MlflowClient(recipe.tracking_uri)
-    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     ppo_run = client.search_runs(
-        [exp.experiment_id],
+        [experiment_id(client, recipe.experiment_name)],
         f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}' and tags.`alignpipe.stage_id` = 'ppo'",
     )[0]
 

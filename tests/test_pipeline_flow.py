@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from support import experiment_id
 
 from alignpipe.manifest import Manifest
 from alignpipe.recipe import load_recipe
@@ -64,9 +65,9 @@ def test_demo_flow_completes_with_mlflow_parent_and_children(demo_run):
     assert parent.data.params["recipe_hash"] == recipe.fingerprint()
     assert parent.data.params["seed"] == "0" and parent.data.params["name"] == "tiny-demo"
     assert "recipe.resolved.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
-    exp = client.get_experiment_by_name("tiny-demo")
-    assert exp is not None
-    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    children = client.search_runs(
+        [experiment_id(client, "tiny-demo")], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
     assert sorted(c.data.tags["alignpipe.stage_id"] for c in children) == sorted(s.id for s in recipe.stages)
     assert all(c.info.status == "FINISHED" for c in children)
     sft_run = next(c for c in children if c.data.tags["alignpipe.stage_id"] == "sft")
@@ -228,9 +229,7 @@ def test_local_push_writes_model_and_card_with_lineage(demo_run):
     assert card.startswith("---\nlicense: apache-2.0\nbase_model: " + recipe.model.path)
     assert "\n# tiny-demo-sft\n" in card, "titled with the model's registry name, not the stage id"
     client = MlflowClient(recipe.tracking_uri)
-    experiment = client.get_experiment_by_name("tiny-demo")
-    assert experiment is not None
-    push_run = client.search_runs([experiment.experiment_id], "tags.`alignpipe.stage_id` = 'publish'")[0]
+    push_run = client.search_runs([experiment_id(client, "tiny-demo")], "tags.`alignpipe.stage_id` = 'publish'")[0]
     shown = Path(client.download_artifacts(push_run.info.run_id, "model_card/README.md")).read_text()
     assert shown.startswith("# tiny-demo-sft\n") and "| license | apache-2.0 |" in shown, "no raw YAML header in MLflow"
     assert fmt.info["fingerprint"] in card

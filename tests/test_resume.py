@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from mlflow.tracking import MlflowClient
-from support import known
+from support import experiment_id
 
 from alignpipe.launch import launch, stage_command
 from alignpipe.plan import plan, write_spec
@@ -33,9 +33,9 @@ def test_sigkilled_sft_resumes_and_continues_its_mlflow_run(tiny, tmp_path):
     assert manifest.info["resumed_from"] >= 20 and manifest.metrics["steps"] == 60
 
     client = MlflowClient(recipe.tracking_uri)
-    exp = known(client.get_experiment_by_name(recipe.experiment_name))
     runs = client.search_runs(
-        [exp.experiment_id], f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'"
+        [experiment_id(client, recipe.experiment_name)],
+        f"tags.`alignpipe.stage_id` = 'sft' and tags.mlflow.parentRunId = '{tracking[2]}'",
     )
     assert len(runs) == 1 and runs[0].info.run_id == manifest.mlflow_run_id
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["alignpipe.resumed"] == "true"
