@@ -571,8 +571,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def step_detail(r: dict) -> str:
-    """A run's step times (ms, each step from the one before it), when its first step ended and how long after its
-    last the run ended (data preparation and set-up; saving: where an end-to-end ratio's fixed cost lies), the steady
+    """A run's step times (ms, each step from the one before it), when its trained model's first forward began and
+    its first step ended and how long after its last the run ended (data preparation and set-up; the first step's
+    compiles and first allocations; saving: where an end-to-end ratio's fixed cost lies), the steady
     steps in which `torch.compile` built a graph, the synchronising CUDA calls of its steady steps
     (`run_one.SteadySyncs`, on a GPU) and the warnings it logged: a slow steady rate made of a few long steps
     (compiles, a JIT cache filled) reads differently from one made of uniformly slow steps (a step that waits on its
@@ -580,6 +581,8 @@ def step_detail(r: dict) -> str:
     itself."""
     out = f"; step ms {' '.join(map(str, ms))}" if (ms := r.get("step_ms")) else ""
     if (first := r.get("to_first_step_s")) is not None:
+        if (forward := r.get("to_first_forward_s")) is not None:
+            out += f"; first forward {forward:.1f} s in"
         out += f"; first step done {first:.1f} s in, the run {r['after_last_step_s']:.1f} s after the last"
     if steps := r.get("steady_compile_steps"):
         out += f"; compiled in steady steps {', '.join(map(str, steps))}"

@@ -96,15 +96,21 @@ class StepClock:
         n = len(self.times) - 1 - WARMUP_STEPS
         return per_step * n / (self.times[-1] - self.times[WARMUP_STEPS]) if n > 0 else None
 
-    def ends(self, begin: float, end: float) -> dict[str, float]:
+    def ends(self, begin: float, end: float, first_forward: float | None = None) -> dict[str, float]:
         """Where a run's fixed cost lies, its timed part having run from `begin` to `end` (host clock; `begin` is
         the trainer's start, after the imports the end-to-end figure leaves out, as `seconds` does): the seconds
         to the first step's end (data preparation, the trainer's set-up, compiles and the first step) and after the
-        last step's (saving). On a GPU the steps' ends are the device's events placed on the host clock at the first
-        tick, so both are within the host's lead over the device at that tick. Nothing where no step ended."""
+        last step's (saving); with the host time of the trained model's `first_forward` call (`FirstForward`), the
+        seconds to it too, which part the set-up (data preparation included) and the first step (compiles, kernels
+        loaded, memory first allocated). On a GPU the steps' ends are the device's events placed on the host clock
+        at the first tick, so both are within the host's lead over the device at that tick. Nothing where no step
+        ended."""
         if not self.times:
             return {}
-        return {"to_first_step_s": self.times[0] - begin, "after_last_step_s": max(0.0, end - self.times[-1])}
+        out = {"to_first_step_s": self.times[0] - begin, "after_last_step_s": max(0.0, end - self.times[-1])}
+        if first_forward is not None and begin <= first_forward <= self.times[0]:
+            out["to_first_forward_s"] = first_forward - begin
+        return out
 
     def step_ms(self) -> list[int]:
         """Each optimizer step's wall time in ms, from the first step's end (the first step holds the set-up)."""
@@ -113,6 +119,26 @@ class StepClock:
     def steady_graphs(self) -> list[int]:
         """The steps of the steady window (tick k ends step k + 1) in which `torch.compile` built a graph."""
         return [k + 1 for k in range(WARMUP_STEPS + 1, len(self.graphs)) if self.graphs[k] > self.graphs[k - 1]]
+
+
+class FirstForward:
+    """The host time at which `model` first runs a forward (`at`; None until then): a forward pre-hook on its input
+    embedding, which every forward of every side begins with (ours calls the decoder stack under its own LM head, not
+    the top-level module; it compiles decoder layers, not the embedding; TRL + Liger patches methods, not the call).
+    A copy made after the hook is set (a reference model) carries it, so `at` is the first forward of either: the
+    end of the set-up all the same. `remove()` after the run."""
+
+    def __init__(self, model):
+        self.at: float | None = None
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self._handle = (embedding if embedding is not None else model).register_forward_pre_hook(self._seen)
+
+    def _seen(self, *_) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 class SteadySyncs:
@@ -710,6 +736,7 @@ def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=
         torch.cuda.reset_peak_memory_stats()
     clock = StepClock(steps, event=torch.cuda.Event if gpu else None)
     graphs, compile_s = compilations()
+    forward = FirstForward(model)
     with around(), Warnings() as warned:
         try:
             if impl == "ours":
@@ -719,6 +746,7 @@ def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=
             end = time.perf_counter()
         finally:
             clock.finish()
+            forward.remove()
     per_step = c.shape.per_step
     graphs_after, compile_s_after = compilations()
     return {
@@ -729,7 +757,7 @@ def case(impl: str, key: str | Case, kind: str, steps: int, assets: str, around=
         "samples_per_s": steps * per_step / out["seconds"],
         "steady_samples_per_s": clock.steady(per_step) if c.shape.log_every else None,
         "step_ms": clock.step_ms(),
-        **clock.ends(end - out["seconds"], end),
+        **clock.ends(end - out["seconds"], end, forward.at),
         "steady_compile_steps": clock.steady_graphs(),
         "peak_mb": peak_mb(gpu),
         "compiled_graphs": graphs_after - graphs,

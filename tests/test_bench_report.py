@@ -161,6 +161,8 @@ def test_each_run_counts_what_it_compiled_and_its_line_says_so(tiny, tmp_path, m
     between = sum(run["step_ms"]) / 1e3
     assert run["to_first_step_s"] > 0 and run["after_last_step_s"] >= 0
     assert run["to_first_step_s"] + between + run["after_last_step_s"] == pytest.approx(run["seconds"], abs=0.1)
+    # the set-up (tokenizing, packing, the loop) ends where the model's first forward begins, inside the first step
+    assert 0 < run["to_first_forward_s"] < run["to_first_step_s"]
 
     def fake(impl, key, model, steps, assets, *_):
         compiled = {"compiled_graphs": 6, "compile_s": 4.25} if impl == "ours" else {"compiled_graphs": 0}
@@ -191,6 +193,33 @@ def test_an_online_run_logged_once_reports_no_step_times_and_one_logged_every_st
     assert len(run["step_ms"]) == 1 and run["to_first_step_s"] > 0
     whole = run["to_first_step_s"] + run["step_ms"][0] / 1e3 + run["after_last_step_s"]
     assert whole == pytest.approx(run["seconds"], abs=0.1)
+
+
+def test_the_split_names_the_first_forward_only_inside_the_first_step():
+    """`to_first_forward_s` is said where the first forward came after the trainer's start and by the first step's
+    end; a forward outside that (none seen, or one before the timed part) says nothing rather than a wrong split."""
+    clock = StepClock()
+    clock.times = [14.0, 15.0]
+    assert clock.ends(10.0, 16.5, 12.5) == {"to_first_step_s": 4.0, "after_last_step_s": 1.5, "to_first_forward_s": 2.5}
+    assert "to_first_forward_s" not in clock.ends(10.0, 16.5, None)
+    assert "to_first_forward_s" not in clock.ends(10.0, 16.5, 9.0)
+    assert StepClock().ends(10.0, 16.5, 12.5) == {}
+
+
+def test_the_first_forward_hook_keeps_the_first_call_and_leaves_nothing_behind():
+    import torch
+
+    from bench.run_one import FirstForward
+
+    model = torch.nn.Linear(2, 2)
+    seen = FirstForward(model)
+    assert seen.at is None
+    model(torch.ones(1, 2))
+    first = seen.at
+    model(torch.ones(1, 2))
+    assert first is not None and seen.at == first
+    seen.remove()
+    assert not model._forward_pre_hooks
 
 
 def test_steady_rate_leaves_out_the_warm_up_steps():
@@ -226,6 +255,9 @@ def test_a_run_line_says_its_step_times_steady_compiles_syncs_and_warnings():
     assert step_detail({"step_ms": []}) == step_detail({}) == ""
     ends = {"step_ms": [900], "to_first_step_s": 7.25, "after_last_step_s": 1.5}
     assert step_detail(ends) == "; step ms 900; first step done 7.2 s in, the run 1.5 s after the last"
+    assert step_detail(ends | {"to_first_forward_s": 3.04}) == (
+        "; step ms 900; first forward 3.0 s in; first step done 7.2 s in, the run 1.5 s after the last"
+    )
     synced: dict[str, typing.Any] = {"steady_syncs": {"per_step": [0, 0, 0], "sites": []}}
     assert step_detail(synced) == "; synchronising calls in 3 steady steps: 0"
     synced = {"steady_syncs": {"per_step": [2, 0, 1], "sites": ["trl/trainer/dpo_trainer.py:900 ×3"]}}
