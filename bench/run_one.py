@@ -125,17 +125,20 @@ class FirstForward:
     """The host time at which `model` first runs a forward (`at`; None until then): a forward pre-hook on its input
     embedding, which every forward of every side begins with (ours calls the decoder stack under its own LM head, not
     the top-level module; it compiles decoder layers, not the embedding; TRL + Liger patches methods, not the call).
-    A copy made after the hook is set (a reference model) carries it, so `at` is the first forward of either: the
-    end of the set-up all the same. `remove()` after the run."""
+    The hook takes itself off at its first call, so the steps after carry no hook. It is a plain function, which
+    `copy.deepcopy` shares rather than copies: a copy made after it is set (a reference model) calls this same hook,
+    so `at` is the first forward of either, the end of the set-up all the same. `remove()` after the run."""
 
     def __init__(self, model):
         self.at: float | None = None
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self._handle = (embedding if embedding is not None else model).register_forward_pre_hook(self._seen)
+        target = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
 
-    def _seen(self, *_) -> None:
-        if self.at is None:
-            self.at = time.perf_counter()
+        def seen(module, _args) -> None:
+            if self.at is None:
+                self.at = time.perf_counter()
+            module._forward_pre_hooks.pop(self._handle.id, None)  # a copy's too: each module drops it once seen
+
+        self._handle = target.register_forward_pre_hook(seen)
 
     def remove(self) -> None:
         self._handle.remove()
