@@ -26,7 +26,8 @@ Elsewhere there (`stochastic`, a strided parameter, Triton failing its probe, `f
 "compiled"`) it is compiled: one kernel a slice of at most 16M values, up to `MAX_PIECES` slices a call. A call
 costs ~0.1-0.3 ms of host time whatever it holds, so one a parameter, 290 for Qwen2-0.5B, took 54 ms a step on an
 H200 against torch's fused 3.4 ms (session 42's lease). The eager form, on CPU and for fp16 weights, makes ~25
-passes. The moments stay in the weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its
+passes; on a CPU it takes a slice in cache-sized parts (`EAGER_CPU_PART`): Qwen2-0.5B's step on CI's 2-core Xeon
+went from 5.8-7.7 s to 2.1 s (its first, which also fills the states, from 13.4 to 5.0 s). The moments stay in the weights' dtype, as torch's AdamW keeps them; the arithmetic is float32, as in its
 fused kernel. Float32 parameters (LoRA adapters, which peft keeps in float32) take torch's fused AdamW unchanged.
 """
 
@@ -52,6 +53,14 @@ STATES = ("exp_avg", "exp_avg_sq", "kahan_comp")
 CHUNK = 1 << 24
 """Values per slice of the element-wise passes: the float32 temporaries of a step stay under ~0.5 GB however large
 a parameter (an embedding) is."""
+
+EAGER_CPU_PART = 1 << 18
+"""Values per call of the eager step on a CPU: its ~25 element-wise passes then go over float32 temporaries of 1 MB,
+which stay in the cache, rather than over a `CHUNK` slice's 64 MB in memory. On CI's 2-core Xeon (4 MiB of L2) a
+64M-value bf16 tensor's Kahan step took 16.5 ns a value in 16M-value slices and 4.1 in these (5.2 at 1M values, 4.9
+at 64K, where the calls' host time starts to weigh). A multiple of 64 values, so that a part adds no values to those
+torch's element-wise kernels run outside their vector code (`tests/test_low_precision_adamw.py` checks the values
+are the slice's stepped whole)."""
 
 MAX_PIECES = 8
 """Slices a compiled call updates (fewer where that many would pass `CHUNK` values). A call's host time is nearly all
@@ -308,11 +317,17 @@ def _scalars(group: dict, step: int) -> tuple[float, ...]:
 
 
 def _update(piece: tuple[torch.Tensor, ...], scalars: tuple[float, ...], salt: int | None) -> None:
-    """One slice's eager update, rounded stochastically where it has a `salt`."""
-    if salt is None:
-        kahan_update(*piece, *scalars)
-    else:
-        stochastic_update(*piece, *scalars, salt)
+    """One slice's eager update, rounded stochastically where it has a `salt`; on a CPU in parts of
+    `EAGER_CPU_PART` values (the same values: every pass is element-wise, and each part's random bits are those of
+    its positions in the slice)."""
+    weight = piece[0]
+    part = EAGER_CPU_PART if weight.device.type == "cpu" and weight.dim() == 1 else weight.numel()
+    for start in range(0, weight.numel(), max(part, 1)):
+        parts = piece if part >= weight.numel() else tuple(t[start : start + part] for t in piece)
+        if salt is None:
+            kahan_update(*parts, *scalars)
+        else:
+            stochastic_update(*parts, *scalars, salt, offset=start)
 
 
 def _buckets(batch: list) -> list[list]:
@@ -380,19 +395,20 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), x, rounded)
 
 
-def stochastic_update(weight, grad, exp_avg, exp_avg_sq, *scalars) -> None:
+def stochastic_update(weight, grad, exp_avg, exp_avg_sq, *scalars, offset: int = 0) -> None:
     """weight (bf16) ← weight + step, rounded up or down at random in proportion to its distance from each (the last
-    scalar: the salt of the random bits)."""
+    scalar: the salt of the random bits; `offset`: where `weight` starts in the slice the salt is for)."""
     w, update = _adamw_step(weight, grad, exp_avg, exp_avg_sq, *scalars[:-1])
-    weight.copy_(round_stochastically(w.add_(update), scalars[-1]))
+    weight.copy_(round_stochastically(w.add_(update), scalars[-1], offset))
 
 
-def round_stochastically(x: torch.Tensor, salt: int) -> torch.Tensor:
+def round_stochastically(x: torch.Tensor, salt: int, offset: int = 0) -> torch.Tensor:
     """float32 → bf16, rounding away from zero with probability (the 16 bits bf16 drops) / 2^16: a float's bits are
     sign and magnitude, so adding uniform noise below the kept bits and truncating is unbiased for either sign. The
-    noise is a hash of each value's position and `salt` (so the same on every process), not a generator's draw."""
+    noise is a hash of each value's position (counted from `offset`) and `salt` (so the same on every process), not a
+    generator's draw."""
     bits = x.view(torch.int32)
-    position = torch.arange(bits.numel(), device=x.device, dtype=torch.int64).view(bits.shape)
+    position = torch.arange(offset, offset + bits.numel(), device=x.device, dtype=torch.int64).view(bits.shape)
     noise = (_lowbias32(position ^ salt) >> 16).to(torch.int32)
     return (bits + noise).bitwise_and_(-(1 << 16)).view(torch.float32).to(torch.bfloat16)
 

@@ -173,6 +173,46 @@ def test_slices_strided_parameters_and_a_resumed_state_give_the_same_steps(monke
     assert torch.equal(whole.state[whole_params[0]]["kahan_comp"], resumed.state[resumed_params[0]]["kahan_comp"])
 
 
+@pytest.mark.parametrize(
+    ("updates", "dtype"), [("kahan", torch.bfloat16), ("stochastic", torch.bfloat16), ("kahan", torch.float16)]
+)
+def test_the_eager_step_in_cache_sized_parts_gives_the_values_of_the_whole_slice(monkeypatch, updates, dtype):
+    """On a CPU the eager step goes over each slice in parts (`EAGER_CPU_PART` values; here 1,024, so the last part
+    is short): weights and states equal, to the bit, those of the slice stepped whole, stochastic rounding's random
+    bits included (each part hashes its positions in the slice, not from 0). A strided parameter is stepped whole.
+    The parts are a multiple of 64 values, as `EAGER_CPU_PART` is, so that they run the same values through torch's
+    vector code as the whole slice does (its last n mod 64 values take the scalar code either way): the two codes
+    may round a multiply-add differently."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [
+        torch.randn(10_000, generator=gen) * 0.02,
+        torch.randn(50, 70, generator=gen),
+        torch.randn(40, 30, generator=gen),
+    ]
+    grads = [[torch.randn(w.shape, generator=gen) * 1e-3 for w in weights] for _ in range(4)]
+
+    def run(part: int):
+        monkeypatch.setattr(low_precision_adamw, "EAGER_CPU_PART", part)
+        params = [torch.nn.Parameter(w.to(dtype)) for w in weights[:2]]
+        params.append(torch.nn.Parameter(weights[2].t().to(dtype).t()))  # strided: no flat view
+        opt = LowPrecisionAdamW(params, lr=1e-4, weight_decay=0.01, updates=updates)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.to(dtype)
+            opt.step()
+        return params, opt
+
+    whole_params, whole = run(1 << 30)
+    part_params, parted = run(1024)
+    for a, b in zip(whole_params, part_params, strict=True):
+        assert not torch.equal(a, a.new_zeros(a.shape))
+        assert torch.equal(a, b)
+        for name in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+            if name in whole.state[a]:
+                assert torch.equal(whole.state[a][name], parted.state[b][name]), name
+    assert ("kahan_comp" in parted.state[part_params[0]]) == (updates == "kahan")
+
+
 def test_the_stage_picks_it_for_bf16_weights_only_and_fp16_ones_keep_a_buffer(tiny):
     """bf16 weights get `LowPrecisionAdamW` unless `low_precision_updates: nearest`; a float32 model keeps torch's
     AdamW. Under `stochastic`, fp16 weights (whose rounding this does not implement) take Kahan's buffer."""
