@@ -12,7 +12,7 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   backward's kernel writes it again (`silu_mul_down`, one pass more, a quarter of a layer's kept bytes less).
 - the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
   5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
-  (`linear_ce._nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`). The scoring
+  (`linear_ce._nll_and_grad_by_hand` or `_nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`). The scoring
   passes without gradients (reference and old-policy log-probs) run each chunk's log-softmax and gather as one
   kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers' `compiled=` argument).
 
@@ -25,8 +25,10 @@ a DPO step calls them ~144 times on a 24-layer model, and a hand-written kernel'
 function's call also runs dynamo's guards and AOT autograd's and inductor's wrappers (~0.2–0.4 ms of host time
 each on this project's CPUs). Otherwise inductor writes them from the same expressions the CPU path runs; each then
 compiles with symbolic sizes, on token rows (`_rows`), a few seconds in the first step: once per process and
-direction. The LM head's loss kernels are always inductor's (`compiled_function`). The passes without gradients
-that take them (a frozen reference's log-probs, a recorded rollout's prefill) run under `no_grad` rather than
+direction. The LM heads' softmax, scores and gradients (SFT's `linear_ce`, DPO's and KTO's
+`linear_sequence_loss`, the scoring passes' `logprobs`) are hand-written too (`triton_kernels.token_scores` and
+`token_grads`, where `triton_kernels.head_usable`), inductor's otherwise. The passes without gradients
+that take inductor's (a frozen reference's log-probs, a recorded rollout's prefill) run under `no_grad` rather than
 inference mode to share those graphs (`without_grad`); a recorded decode step's merged projections hand it strided
 rows, one graph more. `compile: true` goes further (whole layers, norms and rotary included) at
 the price of compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from alignpipe import fused_kernels, triton_kernels
 from alignpipe.compiled import chunk_bounds, compiled_function
 
 
@@ -57,6 +58,29 @@ def _nll_and_grad_fusable(logits: torch.Tensor, labels: torch.Tensor, precise: t
     return nll.sum(), grad.to(logits.dtype)
 
 
+def _nll_and_grad_by_hand(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype, dft: bool = False):
+    """`_nll_and_grad_fusable` on `triton_kernels`' hand-written head kernels (DPO's): the log-sum-exp and label
+    log-prob in one read of the logits (`token_scores`), then coef · (one-hot − softmax) with coef = −1 (with `dft`,
+    −p) in one read and one write (`token_grads`). The same passes as inductor's kernels, without a compiled
+    function's guards and wrappers at each chunk, or the compiler in the process (`fused_kernels.available`)."""
+    lse, label_lp = triton_kernels.token_scores(logits, labels)
+    if dft:
+        weight = torch.exp(label_lp)
+        return -(weight * label_lp).sum().to(precise), triton_kernels.token_grads(logits, lse, labels, -weight)
+    coef = torch.full_like(label_lp, -1.0)
+    return -label_lp.sum().to(precise), triton_kernels.token_grads(logits, lse, labels, coef)
+
+
+def _chunk_kernels(logits: torch.Tensor, compiled: bool):
+    """The kernels of a chunk's softmax and gradient: eager, or (`compiled`) the hand-written ones where
+    `fused_kernels.by_hand` takes the head, inductor's otherwise."""
+    if not compiled:
+        return _nll_and_grad
+    if fused_kernels.by_hand(logits, head=True):
+        return _nll_and_grad_by_hand
+    return compiled_function(_nll_and_grad_fusable)
+
+
 class _LinearNLLSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, rows_per_chunk: int, compiled: bool, grads: bool, dft: bool):
@@ -67,7 +91,7 @@ class _LinearNLLSum(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
-        nll_and_grad = compiled_function(_nll_and_grad_fusable) if compiled else _nll_and_grad
+        nll_and_grad = None
         for s, e in chunk_bounds(hidden.size(0), rows_per_chunk):
             h, y = hidden[s:e], labels[s:e]
             logits = F.linear(h, weight, bias)
@@ -75,6 +99,7 @@ class _LinearNLLSum(torch.autograd.Function):
                 x = logits.to(precise)
                 total += _nll_sum(x, torch.logsumexp(x, -1), y, dft)
                 continue
+            nll_and_grad = nll_and_grad or _chunk_kernels(logits, compiled)
             nll, grad = nll_and_grad(logits, y, precise, dft)
             total += nll
             if grad_b is not None:

@@ -406,6 +406,46 @@ def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dft", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sft_s_fused_head_takes_the_head_kernels_and_compiles_nothing(interpreted, monkeypatch, dtype, dft):
+    """SFT's head with its gradients formed in the forward (`linear_ce.linear_nll_sum`, `compiled`: the gate open)
+    runs each chunk on `token_scores` and `token_grads`, as DPO's does, and builds no compiled function: its loss and
+    the hidden states', head's and bias's gradients equal the eager chunks' (float32: to float32 ordering; bf16: the
+    compiled kernels' expressions, the same float32 arithmetic rounded once), plain and `dft`."""
+    from alignpipe import linear_ce
+
+    assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launched = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads")
+    compiled = []
+    monkeypatch.setattr(linear_ce, "compiled_function", lambda fn: compiled.append(fn) or fn)
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 11, triton_kernels.VOCAB_BLOCK + 50
+    hidden = torch.randn(rows, 16, generator=g).to(dtype)
+    weight = (torch.randn(vocab, 16, generator=g) / 2).to(dtype)
+    bias = (torch.randn(vocab, generator=g) / 4).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[0], labels[1] = 0, vocab - 1
+
+    def run(kernels: bool):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        loss = linear_ce.linear_nll_sum(h, w, b, labels, 4, compiled=kernels, dft=dft)
+        return (loss.detach(), *torch.autograd.grad(loss * 0.5, (h, w, b)))
+
+    got = run(True)
+    assert launched == {"token_scores": 3, "token_grads": 3} and compiled == [], "3 chunks of 4, 4 and 3 rows"
+    if dtype == torch.float32:
+        for a, b in zip(got, run(False), strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+        return
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "compiled")  # the expressions inductor compiles, run as they are
+    fusable = run(True)
+    assert compiled == [linear_ce._nll_and_grad_fusable]
+    assert torch.allclose(got[0], fusable[0], rtol=1e-5)
+    for a, b in zip(got[1:], fusable[1:], strict=True):
+        close(a, b)
+
+
 GPUS = {80: "A100", 90: "H100 and H200", 100: "B200"}
 
 
