@@ -16,8 +16,11 @@ are sharded (the order torchtitan uses). The loss kernels of the LM head's chunk
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -42,8 +45,45 @@ def compile_layers(model: torch.nn.Module) -> int:
 @functools.cache
 def compiled_function(fn):
     """`fn` through `torch.compile` with dynamic shapes, compiled once per process (chunks of an LM head differ in
-    rows): the loss kernels `compile: true` fuses (`linear_ce`, `logprobs`)."""
-    return torch.compile(fn, dynamic=True)
+    rows): the loss kernels `compile: true` fuses (`linear_ce`, `logprobs`) and `fused_kernels`' compiled ones.
+
+    Nothing is compiled, or imported from the compiler, before the first call. Where the compiler fails on this
+    device (no working Triton, an unsupported operator), the failure is said once and `fn` runs eagerly from then
+    on: `fused_kernels.available` no longer tries the compiler in a process whose element-wise kernels are the
+    hand-written ones, so a kernel compiled later (a rollout's fused residuals, a head in a dtype Triton's kernels
+    do not take) is the first to meet it."""
+    return _CompiledOrEager(fn)
+
+
+class _CompiledOrEager:
+    """`torch.compile(fn, dynamic=True)`, built at the first call; `fn` itself once compiling it has failed."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+        self.failed = False
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if self.failed:
+            return self.fn(*args, **kwargs)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True)
+        try:
+            return self.compiled(*args, **kwargs)
+        except _compiler_errors() as err:
+            self.failed = True
+            log.warning("compiled: torch.compile cannot build %s (%s); it runs eagerly", self.fn.__name__, err)
+            return self.fn(*args, **kwargs)
+
+
+def _compiler_errors() -> type[BaseException]:
+    """The errors of dynamo and inductor (`InductorError` and `BackendCompilerFailed` among them), looked up only as
+    an exception is matched: the compiler stays unimported in a process that compiles nothing. Not RuntimeError: a
+    compiled kernel's own failure at run time (out of memory, a device fault) is no reason to run eagerly."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return TorchDynamoException
 
 
 def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:

@@ -34,8 +34,9 @@ rows, one graph more. `compile: true` goes further (whole layers, norms and rota
 the price of compiling the layers and keeping to their graph. On a CPU nothing changes: the eager kernels are already what the
 tests compare against, and inductor's CPU code would buy little for what it costs to compile.
 
-If the device cannot compile (no Triton, say), `available` finds it on its first call, says so once, and the eager
-kernels run."""
+If the device cannot run them (no Triton, say), `available` finds it on its first call, says so once, and the eager
+kernels run; where it passed on the hand-written kernels alone, a kernel compiled later that fails to compile says so
+once and runs eagerly (`compiled_function`)."""
 
 from __future__ import annotations
 
@@ -54,13 +55,19 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def available(device: torch.device) -> bool:
-    """Whether `torch.compile` can build and run a kernel on `device` (tried once per device and process).
+    """Whether the fused kernels run on `device`: Triton's hand-written ones, or `torch.compile`'s (tried once per
+    device and process).
 
     The kernel it tries is the SwiGLU product's forward as a bf16 training step calls it (two distinct row-major
     token-row tensors, gradients off, as inside an autograd function), so where the MLPs take the compiled kernels
     (`ELEMENTWISE`), the graph compiled here is the one the first MLP runs: the probe costs no compilation of its
-    own. Where they take the hand-written ones, it costs one (~0.5 s on a GPU from a warm cache) before the first
-    step: the LM head's loss kernels need the compiler either way."""
+    own. Where they take the hand-written ones and Triton runs them (`triton_kernels.usable`, whose probe checks
+    them against the eager expressions), nothing is compiled: a default SFT, DPO, reward or KTO step then calls no
+    compiled kernel, and the process spares the first compilation, its most expensive (3.1 s on this project's
+    2-core CPU; on a GPU ~0.5 s from a warm cache, seconds cold; transformers imports the compiler either way). A
+    kernel that is still compiled there (`compiled_function`) runs eagerly if the compiler fails."""
+    if ELEMENTWISE == "triton" and triton_kernels.usable(device):
+        return True
     try:
         dtype = torch.bfloat16 if torch.device(device).type != "cuda" or torch.cuda.is_bf16_supported() else None
         with torch.no_grad():

@@ -3,11 +3,13 @@ speed it buys is a GPU figure, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from support import tiny_split
 
-from alignpipe.compiled import compile_layers, decoder_layers
+from alignpipe.compiled import compile_layers, compiled_function, decoder_layers
 from alignpipe.modeling import load_causal_lm
 from alignpipe.tracking import Tracker
 from alignpipe.trainers import sft
@@ -142,3 +144,44 @@ def test_batches_of_new_lengths_and_document_counts_do_not_recompile(tiny, tmp_p
     with torch._dynamo.config.patch(error_on_recompile=True):
         losses, _ = packed_sft_series(tiny, tmp_path, attention, True, 5)
     assert len(losses) == 5
+
+
+def test_a_kernel_the_compiler_cannot_build_runs_eagerly_and_says_so_once(monkeypatch, caplog):
+    """Where `fused_kernels.available` passed on the hand-written kernels alone, the compiler is first met by a
+    kernel compiled later; if it fails there (a device with no working Triton), the kernel runs eagerly, said once,
+    and is not compiled again at every call."""
+    real = torch.compile
+    tries = []
+
+    def no_triton(graph, example_inputs):
+        tries.append(graph)
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=no_triton, **kw))
+
+    def scaled_shift(x):
+        return x * 2 + 1
+
+    kernel = compiled_function(scaled_shift)
+    assert not tries, "nothing is compiled before the first call"
+    x = torch.arange(6.0)
+    with caplog.at_level(logging.WARNING, logger="alignpipe.compiled"):
+        assert torch.equal(kernel(x), x * 2 + 1)
+        assert torch.equal(kernel(x + 1), x * 2 + 3)
+    assert len(tries) == 1, "tried once, then eager"
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.compiled"]
+    assert len(said) == 1 and "scaled_shift" in said[0] and "working triton" in said[0], said
+
+
+def test_a_compiled_kernel_compiles_at_its_first_call_and_keeps_its_graph():
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+
+    def halved(x):
+        return x / 2
+
+    kernel = compiled_function(halved)
+    before = stats["unique_graphs"]
+    for n in (5, 7, 9):
+        assert torch.equal(kernel(torch.arange(float(n))), torch.arange(float(n)) / 2)
+    assert stats["unique_graphs"] == before + 1 and compiled_function(halved) is kernel

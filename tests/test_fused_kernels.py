@@ -629,6 +629,30 @@ def test_the_availability_probe_compiles_the_graph_a_bf16_step_runs_first():
     assert torch.allclose(got.float(), eager(gate, up).float(), rtol=1e-2, atol=1e-2)
 
 
+def test_where_the_hand_written_kernels_run_a_default_sft_run_compiles_nothing(
+    tiny, tmp_path, monkeypatch, interpreted
+):
+    """With Triton's kernels usable, `available` opens the gate without trying the compiler, and an SFT run (its
+    MLPs, rotary and head on the hand-written kernels) builds no graph: no first compilation in its fixed
+    cost. Under `ELEMENTWISE = "compiled"` the probe still compiles the SwiGLU forward it tries."""
+    device = torch.device("cpu")
+    # the gate as on CUDA, through `available`
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, dev: enabled and fused_kernels.available(device))
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    fused_kernels.available.cache_clear()
+    assert fused_kernels.available(device) and stats["unique_graphs"] == before
+    launches = counted_calls(monkeypatch, triton_kernels, "silu_mul_grads", "rotary", "token_scores", "token_grads")
+    sft_series(tiny, tmp_path, True)
+    assert all(launches.values()), launches
+    assert stats["unique_graphs"] == before, "a default SFT step compiled a kernel"
+    monkeypatch.setattr(fused_kernels, "ELEMENTWISE", "compiled")
+    fused_kernels.available.cache_clear()
+    assert fused_kernels.available(device) and stats["unique_graphs"] == before + 1
+    fused_kernels.available.cache_clear()
+
+
 KERNELS = (fused_kernels._rotary_forward, fused_kernels._silu_mul_forward, logprobs._chunk_logprobs)
 
 
