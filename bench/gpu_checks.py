@@ -477,14 +477,18 @@ def _against(setup: Setup, want: torch.Tensor, inputs: tuple, fused: Callable[[b
 
 
 def check_sft_head(setup: Setup) -> Callable[[], None]:
-    @check("SFT's fused head (eager and compiled) equals autograd through float32 logits")
+    @check("SFT's fused head (eager, compiled and hand-written) equals autograd through float32 logits")
     def run():
         from alignpipe.linear_ce import linear_nll_sum
 
         hidden, weight, labels = _head_inputs(setup, 2)
         want = -_full_logits_token_lp(hidden, weight, labels).sum()
         ok, text = _against(
-            setup, want, (hidden, weight), lambda compiled: linear_nll_sum(hidden, weight, None, labels, 441, compiled)
+            setup,
+            want,
+            (hidden, weight),
+            lambda compiled: linear_nll_sum(hidden, weight, None, labels, 441, compiled),
+            by_hand=True,
         )
         return ok, f"{setup.head_tokens} tokens × {weight.size(0)} vocabulary in {setup.dtype}: {text}"
 
