@@ -12,9 +12,10 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   backward's kernel writes it again (`silu_mul_down`, one pass more, a quarter of a layer's kept bytes less).
 - the LM head's softmax and gradient per chunk, over (positions × vocabulary) logits (16k × 151,936 per SFT step:
   5 GB in bf16). Eagerly that is a float32 log-softmax and its exp, ~24 bytes of traffic per logit; fused, ~6
-  (`linear_ce._nll_and_grad_by_hand` or `_nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and `_grad_fusable`). The scoring
-  passes without gradients (reference and old-policy log-probs) run each chunk's log-softmax and gather as one
-  kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers' `compiled=` argument).
+  (`linear_ce._nll_and_grad_by_hand` or `_nll_and_grad_fusable`, `linear_sequence_loss._scores_fusable` and
+  `_grad_fusable`). The scoring passes without gradients (reference and old-policy log-probs) run each chunk's
+  log-softmax and gather as one kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers'
+  `compiled=` argument).
 
 - the rotary embedding of each attention module's queries and keys (`rotary`): eagerly ~10 kernels forward
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.

@@ -71,12 +71,13 @@ def _nll_and_grad_by_hand(logits: torch.Tensor, labels: torch.Tensor, precise: t
     return -label_lp.sum().to(precise), triton_kernels.token_grads(logits, lse, labels, coef)
 
 
-def _chunk_kernels(logits: torch.Tensor, compiled: bool):
-    """The kernels of a chunk's softmax and gradient: eager, or (`compiled`) the hand-written ones where
-    `fused_kernels.by_hand` takes the head, inductor's otherwise."""
+def _chunk_kernels(hidden: torch.Tensor, compiled: bool):
+    """The kernels of each chunk's softmax and gradient: eager, or (`compiled`) the hand-written ones where
+    `fused_kernels.by_hand` takes the head (decided on `hidden`: its logits share its device, and the kernels take
+    every floating dtype the head runs in), inductor's otherwise (compiled at their first call)."""
     if not compiled:
         return _nll_and_grad
-    if fused_kernels.by_hand(logits, head=True):
+    if fused_kernels.by_hand(hidden, head=True):
         return _nll_and_grad_by_hand
     return compiled_function(_nll_and_grad_fusable)
 
@@ -91,7 +92,7 @@ class _LinearNLLSum(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=precise, device=bias.device) if want_b else None
-        nll_and_grad = None
+        nll_and_grad = _chunk_kernels(hidden, compiled)
         for s, e in chunk_bounds(hidden.size(0), rows_per_chunk):
             h, y = hidden[s:e], labels[s:e]
             logits = F.linear(h, weight, bias)
@@ -99,7 +100,6 @@ class _LinearNLLSum(torch.autograd.Function):
                 x = logits.to(precise)
                 total += _nll_sum(x, torch.logsumexp(x, -1), y, dft)
                 continue
-            nll_and_grad = nll_and_grad or _chunk_kernels(logits, compiled)
             nll, grad = nll_and_grad(logits, y, precise, dft)
             total += nll
             if grad_b is not None:
