@@ -40,12 +40,51 @@ def _chunk_logprobs(
     return token, _second_statistic(logp, second)
 
 
-def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: None):
-    """`_chunk_logprobs` without a second statistic, the log-softmax and gather as `triton_kernels.token_scores` after
-    the head's matmul: a pass that needs no gradient."""
-    logits = F.linear(hidden.to(head_weight.dtype), head_weight, head_bias)
-    _, token = triton_kernels.token_scores(logits.flatten(0, -2), labels.clamp(min=0).flatten(), temperature)
-    return token.view(labels.shape), token.new_zeros(())
+def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: str | None):
+    """`_chunk_logprobs` on `triton_kernels`' head kernels, for no second statistic or a detached entropy: the
+    log-softmax, gather and entropy as one read of the head's logits (`token_scores`), and, where gradients are on,
+    their backward as `_HandScored`'s."""
+    entropy = second == "entropy"
+    h = hidden.to(head_weight.dtype)
+    token, spread = _HandScored.apply(h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, entropy)
+    return token.view(labels.shape), spread.view(labels.shape) if entropy else spread
+
+
+class _HandScored(torch.autograd.Function):
+    """A chunk's label log-probs at a temperature (and, detached, its entropies) from the head's matmul and
+    `token_scores`, keeping for backward the chunk's hidden states and log-sum-exps alone: backward forms the
+    logits again (one head matmul) and their gradient in one pass (`token_grads`, with coef = the log-probs'
+    upstream gradient / temperature). Activation checkpointing of the eager chunk (`_chunk_logprobs`) keeps as
+    little but recomputes its float32 log-softmax and entropy, and its backward makes several float32 passes over
+    the chunk's logits where this makes one read and one write in their dtype."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, entropy: bool):
+        # the matmul on the chunk as it comes (a strided slice of positions), as the eager chunk's: the same logits
+        logits = F.linear(hidden, weight, bias).flatten(0, -2)
+        lse, token, *spread = triton_kernels.token_scores(logits, labels, temperature, entropy)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.temperature = temperature
+        spread_out = spread[0] if entropy else token.new_zeros(())
+        ctx.mark_non_differentiable(spread_out)
+        return token, spread_out
+
+    @staticmethod
+    def backward(ctx, grad_token, _):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        t = ctx.temperature
+        logits = F.linear(hidden, weight, bias).flatten(0, -2)
+        coef = (grad_token.float() / t).contiguous()
+        grad = triton_kernels.token_grads(logits, lse, labels, coef, t)
+        return (
+            (grad @ weight).view(hidden.shape) if want_h else None,
+            grad.t() @ hidden.flatten(0, -2) if want_w else None,
+            grad.float().sum(0).to(bias.dtype) if want_b else None,
+            None,
+            None,
+            None,
+        )
 
 
 def _second_statistic(logp: torch.Tensor, second: str) -> torch.Tensor:
@@ -472,13 +511,16 @@ def _head_logprobs(
 ):
     B, T, _ = hidden.shape
     V = weight.shape[0]
-    # compiled: with grad, the chunk's forward and backward (under `compile: true`); without, one inference kernel
-    # after the head's matmul (`fused_kernels`' scoring passes: reference and old-policy log-probs)
-    chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if not torch.is_grad_enabled():  # dynamo guards requires_grad: the policy's head and a frozen one, one graph
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
-        if compiled and not with_entropy and fused_kernels.by_hand(hidden, weight, head=True):
-            chunk_logprobs = _chunk_logprobs_by_hand
+    # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise (and for
+    # an entropy with its gradient, a bonus's, or WPO's statistic) the chunk compiled, forward and backward with
+    # gradients, else one inference kernel after the head's matmul
+    by_hand = compiled and with_entropy in (False, True) and fused_kernels.by_hand(hidden, weight, head=True)
+    if by_hand:
+        chunk_logprobs = _chunk_logprobs_by_hand
+    else:
+        chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
         lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, _second(with_entropy))
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp
@@ -486,7 +528,7 @@ def _head_logprobs(
     logps, entropies = [], []
     for s, e in chunk_bounds(T, step):
         args = (hidden[:, s:e], weight, bias, labels[:, s:e], temperature, _second(with_entropy))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not by_hand:  # the hand-written chunk keeps no logits either
             lp, ent = checkpoint(chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = chunk_logprobs(*args)

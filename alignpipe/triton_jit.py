@@ -204,36 +204,62 @@ def kahan_adamw(
 
 
 @triton.jit
-def token_scores(logits, labels, lse_out, token_out, stride, temperature, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+def weighted_gaps(e, x, high):
+    """Σ e · (x − high) over a block; a column of −inf (past the vocabulary, or a masked logit) weighs 0, where its
+    0 · −inf would be NaN."""
+    return tl.sum(e * tl.where(x > -float("inf"), x - high, 0.0), 0)
+
+
+@triton.jit
+def token_scores(
+    logits, labels, lse_out, token_out, entropy_out, stride, temperature,
+    VOCAB: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
     """One position's log-sum-exp of its logits / temperature (float32, read once in blocks, the running maximum
-    rescaling the running sum) and its label's log-prob. The vocabulary is a constant (one compile a model): the
-    loop's bound then needs no runtime value, which Triton's interpreter cannot take with NumPy 2."""
+    rescaling the running sum) and its label's log-prob; with `ENTROPY`, also the entropy of that softmax, from a
+    second running sum of exp(x − max) · (x − max), rescaled with the first: H = log Σ − (Σ e·(x − max)) / Σ. The
+    vocabulary is a constant (one compile a model): the loop's bound then needs no runtime value, which Triton's
+    interpreter cannot take with NumPy 2."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     cols = tl.arange(0, BLOCK)
-    x = tl.div_rn(tl.load(base + cols, mask=cols < VOCAB, other=-float("inf")).to(tl.float32), temperature)
+    keep = cols < VOCAB
+    x = tl.div_rn(tl.load(base + cols, mask=keep, other=-float("inf")).to(tl.float32), temperature)
     high = tl.max(x, 0)
-    total = tl.sum(tl.exp(x - high), 0)
+    e = tl.exp(x - high)
+    total = tl.sum(e, 0)
+    weighted = 0.0
+    if ENTROPY:
+        weighted = weighted_gaps(e, x, high)
     for start in range(BLOCK, VOCAB, BLOCK):
         at = start + cols
-        x = tl.div_rn(tl.load(base + at, mask=at < VOCAB, other=-float("inf")).to(tl.float32), temperature)
+        keep = at < VOCAB
+        x = tl.div_rn(tl.load(base + at, mask=keep, other=-float("inf")).to(tl.float32), temperature)
         new_high = tl.maximum(high, tl.max(x, 0))
-        total = total * tl.exp(high - new_high) + tl.sum(tl.exp(x - new_high), 0)
+        shift = high - new_high
+        scale = tl.exp(shift)
+        e = tl.exp(x - new_high)
+        if ENTROPY:  # Σ e·(x − max) about the new maximum: each old term gains `shift` times its old weight
+            weighted = scale * (weighted + shift * total) + weighted_gaps(e, x, new_high)
+        total = total * scale + tl.sum(e, 0)
         high = new_high
     lse = high + tl.log(total)
     label = tl.load(labels + row)
     picked = tl.div_rn(tl.load(base + label).to(tl.float32), temperature)
     tl.store(lse_out + row, lse)
     tl.store(token_out + row, picked - lse)
+    if ENTROPY:
+        tl.store(entropy_out + row, tl.log(total) - weighted / total)
 
 
 @triton.jit
-def token_grads(logits, lse, labels, coef, grad, vocab, stride, BLOCK: tl.constexpr):
-    """coef · (one-hot(label) − softmax) of one block of one position's logits, written in the gradient's dtype."""
+def token_grads(logits, lse, labels, coef, grad, vocab, stride, temperature, BLOCK: tl.constexpr):
+    """coef · (one-hot(label) − softmax(logits / temperature)) of one block of one position's logits, written in the
+    gradient's dtype."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = cols < vocab
-    x = tl.load(logits + row * stride + cols, mask=keep, other=0.0).to(tl.float32)
+    x = tl.div_rn(tl.load(logits + row * stride + cols, mask=keep, other=0.0).to(tl.float32), temperature)
     p = tl.exp(x - tl.load(lse + row))
     hit = (cols == tl.load(labels + row)).to(tl.float32)
     g = tl.load(coef + row) * (hit - p)

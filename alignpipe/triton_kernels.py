@@ -140,33 +140,40 @@ VOCAB_BLOCK = 2048
 
 
 def token_scores(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = False
+) -> tuple[torch.Tensor, ...]:
     """(log-sum-exp, the label's log-prob) per position of (positions, vocabulary) `logits` divided by `temperature`,
-    in float32, the logits read once: `linear_sequence_loss._scores_fusable` and `logprobs._chunk_logprobs`
-    (without a second statistic). `labels`: (positions,) in the vocabulary."""
+    in float32, the logits read once: `linear_sequence_loss._scores_fusable` and `logprobs._chunk_logprobs`; with
+    `entropy`, also each position's entropy −Σ p log p of that softmax, from the same read (the trainers' logged
+    entropy). `labels`: (positions,) in the vocabulary."""
     logits = _row_major(logits)
     rows, vocab = logits.shape
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     token = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    spread = torch.empty(rows if entropy else 0, dtype=torch.float32, device=logits.device)
     if rows:
         _kernels().token_scores[(rows,)](
-            logits, labels, lse, token, logits.stride(0), float(temperature), VOCAB=vocab, BLOCK=VOCAB_BLOCK,
-            num_warps=8,
+            logits, labels, lse, token, spread if entropy else lse, logits.stride(0), float(temperature),
+            VOCAB=vocab, BLOCK=VOCAB_BLOCK, ENTROPY=entropy, num_warps=8,
         )  # fmt: skip
-    return lse, token
+    return (lse, token, spread) if entropy else (lse, token)
 
 
-def token_grads(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """coef · (one-hot(label) − softmax(logits)) per position, computed in float32 from `token_scores`' `lse`, written
-    in the logits' dtype as a contiguous (positions, vocabulary) tensor: `linear_sequence_loss._grad_fusable`."""
+def token_grads(
+    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """coef · (one-hot(label) − softmax(logits / temperature)) per position, computed in float32 from `token_scores`'
+    `lse` (at the same temperature), written in the logits' dtype as a contiguous (positions, vocabulary) tensor:
+    `linear_sequence_loss._grad_fusable`. The gradient of the label's log-prob with respect to the logits is this
+    with coef = (its upstream gradient) / temperature."""
     logits = _row_major(logits)
     rows, vocab = logits.shape
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
     if grad.numel():
         _kernels().token_grads[(rows, _cdiv(vocab, VOCAB_BLOCK))](
-            logits, lse, labels, coef, grad, vocab, logits.stride(0), BLOCK=VOCAB_BLOCK, num_warps=8
-        )
+            logits, lse, labels, coef, grad, vocab, logits.stride(0), float(temperature), BLOCK=VOCAB_BLOCK,
+            num_warps=8,
+        )  # fmt: skip
     return grad
 
 

@@ -2,14 +2,13 @@
 
 The CPU tests run every function below through its CPU branch; what they cannot run is the CUDA one: PyTorch's
 variable-length flash kernel behind `model.attention: varlen` (packed SFT rows, and padding-free DPO pairs whose
-prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads in bf16 with their
-compiled kernels on Triton (with the SwiGLU product, its down projection keeping no product, and the rotary
-embedding, what `fused_kernels` compiles; each timed eager and compiled), the loss watch's pinned copies and events,
-activation offloading's side-stream copies (with the peak memory they free and the time they cost), whether a
-training step really leaves the
-device alone, and the hf engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against
-its eager loop, with rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound and the kernels one
-decode step runs there.
+prompt runs once), torch's fused RMSNorm kernel behind `lean_activations`, the fused LM heads and GRPO's and PPO's
+trained head in bf16 with their compiled and hand-written kernels on Triton (with the SwiGLU product, its down
+projection keeping no product, and the rotary embedding, what `fused_kernels` compiles; each timed eager and
+compiled), the loss watch's pinned copies and events, activation offloading's side-stream copies (with the peak
+memory they free and the time they cost), whether a training step really leaves the device alone, and the hf
+engine's replayed decode steps (compiled, and the eager step recorded as a CUDA graph) against its eager loop, with
+rollout tokens/s at GRPO's user shape beside the memory-bandwidth bound and the kernels one decode step runs there.
 Each check prints one line (PASS/FAIL, what was compared, by how much); the exit status is 1 if any failed. Run it
 first in a GPU session: a failure here makes the benchmark's figures for that path meaningless.
 
@@ -524,6 +523,52 @@ def check_dpo_head(setup: Setup) -> Callable[[], None]:
             by_hand=True,
         )
         return ok, f"{B} pairs, {N} answer tokens in {setup.dtype}: {text}"
+
+    return run
+
+
+def check_rl_head(setup: Setup) -> Callable[[], None]:
+    @check("GRPO's and PPO's trained head (eager, compiled and hand-written) equals autograd through float32 logits")
+    def run():
+        from alignpipe import logprobs, triton_kernels
+
+        hidden, weight, labels = _head_inputs(setup, 4)
+        temperature = 0.9
+        advantages = torch.linspace(-1, 1, labels.numel(), device=setup.device)
+        x = torch.nn.functional.linear(hidden, weight).float() / temperature  # the reference: whole float32 logits
+        logp = torch.log_softmax(x, -1)
+        want_entropy = -(logp.exp() * logp).sum(-1).detach()
+        want = (logp.gather(-1, labels[:, None]).squeeze(-1) * advantages).sum()
+        want_grads = torch.autograd.grad(want, (hidden, weight))
+        want = want.detach()
+        del x, logp
+        sides = [("eager", False, "compiled"), ("compiled", True, "compiled")]
+        if triton_kernels.head_usable(setup.device):
+            sides.append(("hand-written", True, "triton"))
+        gaps, texts = [], []
+        for name, compiled, kernels in sides:
+
+            def forward_backward(compiled=compiled):
+                lp, entropy = logprobs._head_logprobs(
+                    hidden[None], weight, None, labels[None], temperature, 4096, True, compiled=compiled
+                )
+                loss = (lp[0] * advantages).sum()
+                return loss.detach(), entropy[0], torch.autograd.grad(loss, (hidden, weight))
+
+            with elementwise(kernels):
+                for _ in range(2):  # the second timed: the first compiles
+                    (loss, entropy, grads), took = timed(forward_backward, setup.cuda)
+            gap = (
+                abs(float(loss) - float(want)) / abs(float(want)),
+                relative(entropy, want_entropy),
+                max(map(relative, grads, want_grads)),
+            )
+            gaps.append(gap)
+            texts.append(
+                f"{name}: loss {gap[0]:.1e}, entropy {gap[1]:.1e}, gradients {gap[2]:.1e}, {took * 1e3:.1f} ms"
+            )
+        ok = all(a < setup.loss_tol and b < setup.loss_tol and c < setup.grad_tol for a, b, c in gaps)
+        return ok, f"{labels.numel()} tokens × {weight.size(0)} vocabulary in {setup.dtype}: {', '.join(texts)}"
 
     return run
 
@@ -1121,6 +1166,7 @@ CHECKS = (
     check_fused_rotary,
     check_sft_head,
     check_dpo_head,
+    check_rl_head,
     check_loss_watch,
     check_activation_offloading,
     check_low_precision_adamw,

@@ -156,7 +156,7 @@ def gpu_paths():
         silu_mul_backward=_NoLaunch("silu_mul_backward", 3, 4, 5),
         rotary=_NoLaunch("rotary", 2, 3),
         kahan_adamw=_NoLaunch("kahan_adamw"),  # updates the weights in place, by address
-        token_scores=_NoLaunch("token_scores", 2, 3),
+        token_scores=_NoLaunch("token_scores", 2, 3, 4),
         token_grads=_NoLaunch("token_grads", 4),
     )
     patches = {

@@ -653,6 +653,61 @@ def test_where_the_hand_written_kernels_run_a_default_sft_run_compiles_nothing(
     fused_kernels.available.cache_clear()
 
 
+def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerly(
+    tiny, tmp_path, monkeypatch, interpreted
+):
+    """Where Triton's kernels run, GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the
+    entropy GRPO and PPO log) takes `token_scores` and `token_grads`, and each logs the eager run's losses and metrics;
+    the eager runs launch neither."""
+    import copy
+
+    from support import run_ppo
+
+    from alignpipe.judges.reward_set import LoadedReward, RewardSet
+    from alignpipe.modeling import load_tokenizer
+    from alignpipe.trainers import grpo, online_dpo
+    from alignpipe.trainers.configs import GRPOConfig, OnlineDPOConfig
+
+    monkeypatch.setattr(fused_kernels, "wanted", lambda enabled, device: enabled)
+    by_hand = fused_kernels.by_hand  # the head's kernels interpreted; the layers' compiled (faster here)
+    monkeypatch.setattr(fused_kernels, "by_hand", lambda *t, head=False: head and by_hand(*t, head=True))
+    tok = load_tokenizer(str(tiny / "model"))
+    _, prompts, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=16)
+    rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
+    launches = counted_calls(monkeypatch, triton_kernels, "token_grads")
+    rows = [{"prompt": r["prompt"]} for r in prompts]
+
+    def grpo_run(fused: bool, out) -> list[float]:
+        tracker, policy = Tracker(), load_causal_lm(str(tiny / "model"))
+        cfg = GRPOConfig(**SHORT_GROUPS, fused_kernels=fused)
+        grpo.train(cfg, policy, tok, rows, rewards, tracker, out, ref_model=copy.deepcopy(policy))
+        return tracker.series("train/loss") + tracker.series("train/entropy")
+
+    def ppo_run(fused: bool, out) -> list[float]:
+        torch.manual_seed(0)  # the value model's new head is drawn before the run seeds itself
+        _, tracker, _ = run_ppo(tiny, out, max_steps=2, fused_kernels=fused)
+        return tracker.series("loss/policy_avg") + tracker.series("policy/entropy_avg")
+
+    def online_dpo_run(fused: bool, out) -> list[float]:
+        tracker, policy = Tracker(), load_causal_lm(str(tiny / "model"))
+        cfg = OnlineDPOConfig(max_steps=2, batch_size=4, max_completion_length=6, logging_every=1, fused_kernels=fused)
+        ranker = online_dpo.RewardRanker(rewards, 1.0)
+        online_dpo.train(cfg, policy, tok, rows, ranker, tracker, out, ref_model=copy.deepcopy(policy))
+        return tracker.series("train/loss") + tracker.series("train/rewards/margins")
+
+    series: dict[tuple[str, bool], list[float]] = {}
+    grads: dict[tuple[str, bool], int] = {}
+    for fused in (False, True):
+        for run in (grpo_run, ppo_run, online_dpo_run):
+            before = launches["token_grads"]
+            series[run.__name__, fused] = run(fused, tmp_path / f"{run.__name__}-{fused}")
+            grads[run.__name__, fused] = launches["token_grads"] - before
+    for name in ("grpo_run", "ppo_run", "online_dpo_run"):
+        assert grads[name, False] == 0 and grads[name, True] > 0, (name, grads)
+        eager = series[name, False]
+        assert len(eager) >= 4 and series[name, True] == pytest.approx(eager, rel=1e-4, abs=1e-6), name
+
+
 KERNELS = (fused_kernels._rotary_forward, fused_kernels._silu_mul_forward, logprobs._chunk_logprobs)
 
 
@@ -693,7 +748,8 @@ def test_rollouts_and_scoring_passes_run_the_graphs_the_training_step_compiled(t
     no_grad and shares the training step's forward graphs; the recorded steps read their merged projections' outputs
     (strided views), one graph more per kernel, where inference mode made it two. The old policy's and reference's
     scoring passes share one chunk kernel: the trained head and the frozen one differed in the requires_grad that
-    dynamo guards."""
+    dynamo guards. The training step's head (with gradients and its entropy) is the chunk kernel's second graph, as
+    where Triton cannot run the hand-written head kernels on a GPU."""
     import copy
 
     from support import replayed_on_cpu
@@ -716,7 +772,7 @@ def test_rollouts_and_scoring_passes_run_the_graphs_the_training_step_compiled(t
     cfg = GRPOConfig(**SHORT_GROUPS)
     grpo.train(cfg, policy, tok, rows, rewards, Tracker(), tmp_path / "grpo", ref_model=reference, engine=engine)
     assert step.fused and step.failed is None, "the recordings took the fused kernels"
-    assert [graphs_of(fn) for fn in KERNELS] == [2, 2, 1]
+    assert [graphs_of(fn) for fn in KERNELS] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("updates", ["kahan", "stochastic"])

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import counted_calls
 
 from alignpipe import fused_kernels, triton_kernels
@@ -346,7 +347,9 @@ def test_a_run_counts_the_kernel_variants_triton_compiled_beside_torch_compile_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_head_kernels_compute_the_compiled_kernels_eager_expressions(interpreted, dtype):
     """`token_scores` over a vocabulary of two blocks and a part (its running maximum and sum), on strided rows, at
-    temperatures 1 and 0.7, and `token_grads`: the eager expressions `linear_sequence_loss` and `logprobs` compile."""
+    temperatures 1 and 0.7, and `token_grads`: the eager expressions `linear_sequence_loss` and `logprobs` compile;
+    with the entropy (its running sum rescaled with the maximum), and the gradients at a temperature, the eager
+    log-softmax's."""
     from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
 
     g = torch.Generator().manual_seed(5)
@@ -363,11 +366,21 @@ def test_the_head_kernels_compute_the_compiled_kernels_eager_expressions(interpr
     close(grad, _grad_fusable(logits, lse, labels, coef, torch.float32))
     assert triton_kernels.head_disagreement(torch.device("cpu")) is None
 
+    logits[0, 5] = float("-inf")  # a masked logit weighs nothing in the entropy (its 0 · −inf is not a NaN)
+    for t in (1.0, 0.7):
+        lse, token, spread = triton_kernels.token_scores(logits, labels, t, entropy=True)
+        logp = (logits.float() / t).log_softmax(-1)
+        want_spread = -(logp.exp() * logp.clamp(min=torch.finfo(torch.float32).min)).sum(-1)
+        assert torch.allclose(spread, want_spread, rtol=1e-5, atol=1e-5), (spread - want_spread).abs().max()
+        assert torch.allclose(token, logp.gather(-1, labels[:, None]).squeeze(-1), atol=1e-5)
+        grad = triton_kernels.token_grads(logits, lse, labels, coef, t)
+        close(grad, (coef[:, None] * (F.one_hot(labels, vocab) - logp.exp())).to(dtype))
+
 
 def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_is_open(interpreted, monkeypatch):
     """A pass without gradients (a frozen reference's log-probs, an old policy's) scores its chunks with
-    `token_scores` after the head's matmul, equal to the eager log-softmax; with gradients, and where an entropy is
-    asked for, the compiled chunk runs as before (recorded here). DPO's fused head (`linear_sequence_loss`) takes
+    `token_scores` after the head's matmul, equal to the eager log-softmax; where WPO's statistic is asked for, the
+    compiled chunk runs as before (recorded here). DPO's fused head (`linear_sequence_loss`) takes
     `token_scores` and `token_grads` and gives the eager head's loss and gradients."""
     from alignpipe import linear_sequence_loss, logprobs
 
@@ -384,8 +397,8 @@ def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_
         got = logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, False, compiled=True)
         assert torch.allclose(got, want, atol=1e-5) and launched["token_scores"] >= 1
         before = launched["token_scores"]
-        logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, True, compiled=True)
-    assert launched["token_scores"] == before, "an entropy asked for: the compiled chunk"
+        logprobs._head_logprobs(hidden, weight, None, labels, 0.9, 4, "log_sum_sq", compiled=True)
+    assert launched["token_scores"] == before, "WPO's statistic asked for: the compiled chunk"
 
     rows = [5, 4, 6, 3]
     h = torch.randn(sum(rows), 16, generator=g, requires_grad=True)
@@ -404,6 +417,60 @@ def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_
     assert launched["token_scores"] == before + 2 and launched["token_grads"] == 2
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["chunked", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_entropies(
+    interpreted, monkeypatch, dtype, whole
+):
+    """GRPO's, PPO's and online DPO's trained head (`logprobs._head_logprobs` with gradients, `compiled`: the gate
+    open) on `token_scores` (with the entropy) and, in backward, `token_grads`: no compiled function and no
+    activation checkpointing, one launch of each a chunk. Its log-probs, detached entropies and the hidden states',
+    head's and bias's gradients at a temperature are the eager chunks' (float32: to float32 ordering; bf16: the
+    logits are the same bf16 matmul's, the gradients round once, so within a rounding step of the logits'). An
+    entropy with its gradient (a bonus's) still takes the compiled chunk."""
+    from alignpipe import logprobs
+
+    assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launched = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads")
+    compiled, checkpointed = [], []
+    monkeypatch.setattr(logprobs, "compiled_function", lambda fn: compiled.append(fn) or fn)
+    checkpoint = logprobs.checkpoint
+    monkeypatch.setattr(logprobs, "checkpoint", lambda *a, **k: checkpointed.append(a[0]) or checkpoint(*a, **k))
+    vocab = triton_kernels.VOCAB_BLOCK + 50
+    monkeypatch.setattr(logprobs, "WHOLE_LOGITS_MAX", 10**9 if whole else 8 * vocab)
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 9, 16, generator=g).to(dtype)
+    weight = (torch.randn(vocab, 16, generator=g) / 2).to(dtype)
+    bias = (torch.randn(vocab, generator=g) / 4).to(dtype)
+    labels = torch.randint(0, vocab, (2, 9), generator=g)
+    labels[0, 0], labels[1, 8] = 0, vocab - 1
+    upstream = torch.linspace(-1, 2, 18).view(2, 9)
+
+    def run(kernels: bool, with_entropy=True):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        lp, ent = logprobs._head_logprobs(h, w, b, labels, 0.8, 4, with_entropy, compiled=kernels)
+        assert lp.dtype == ent.dtype == torch.float32 and ent.requires_grad == (with_entropy == "grad")
+        return (lp.detach(), ent, *torch.autograd.grad((lp * upstream).sum(), (h, w, b)))
+
+    got = run(True)
+    chunks = 1 if whole else 4  # 2 rows × 2 positions within 8 × V values, the last position alone joining: 2, 2, 2, 3
+    assert launched == {"token_scores": chunks, "token_grads": chunks}
+    assert compiled == [] and checkpointed == []
+    want = run(False)
+    for a, b in zip(got[:2], want[:2], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()
+    for a, b in zip(got[2:], want[2:], strict=True):
+        assert a.dtype == b.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+        else:
+            assert float((a.float() - b.float()).norm() / b.float().norm()) < ULP, (a - b).abs().max()
+
+    before = dict(launched)
+    run(True, with_entropy="grad")
+    assert launched == before and compiled == [logprobs._chunk_logprobs]
 
 
 @pytest.mark.parametrize("dft", [False, True])
@@ -476,7 +543,7 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
     by = {(b["kernel"], b["variant"], b["capability"]): b for b in builds}
     kernels = {"silu_mul_forward", "silu_mul_backward", "rotary", "token_scores", "token_grads", "kahan_adamw"}
     assert {b["kernel"] for b in builds} == kernels and {b["capability"] for b in builds} == set(GPUS)
-    assert len(by) == len(builds) == 16 * len(GPUS)  # 7 launches in each of 2 dtypes, the AdamW step 2 ways
+    assert len(by) == len(builds) == 18 * len(GPUS)  # 8 launches in each of 2 dtypes, the AdamW step 2 ways
     assert all(b["local"] == 0 for b in builds), [b for b in builds if b["local"]]
 
     for capability in GPUS:
@@ -497,6 +564,9 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
         for direction in ("forward", "backward"):
             rotary = by[("rotary", f"bfloat16, {direction}", capability)]["memory"]
             assert rotary.get("ld.global.v4.b32", 0) >= 4 and rotary.get("ld.global.b16", 0) <= 8, rotary
+        for variant in ("bfloat16", "bfloat16, with the entropy"):  # the second running sum keeps the 16-byte loads
+            scores = by[("token_scores", variant, capability)]["memory"]
+            assert scores.get("ld.global.v4.b32", 0) == 2 and scores.get("ld.global.b16", 0) == 1, scores
 
 
 def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_launch_allows_it(

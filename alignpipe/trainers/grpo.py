@@ -337,8 +337,9 @@ class GRPORun:
     def micro_logps(self, batch: GRPORollout, sl: slice, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trained policy's log-probs and entropies of one micro-batch of `batch`, with grad, on the device (an
         MoE policy's routers recorded for its load-balancing loss; `mask`: the micro-batch's completion mask, on the
-        device already)."""
+        device already); the LM head's chunks on the hand-written head kernels under `fused_kernels` on a GPU."""
         device = self.loop.accelerator.device
+        kernels = fused_kernels.wanted(self.cfg.fused_kernels, device)
         masks: tuple = ()
         if self.router is not None:
             rows = torch.arange(mask.size(0), device=device)
@@ -356,6 +357,7 @@ class GRPORun:
                 device=device,
                 mask=batch.mask[sl],
                 rollout=batch.facts(sl, self.cfg.num_generations),
+                compiled=kernels,
             )
 
 

@@ -163,7 +163,8 @@ class OnlineDPORun:
     packed: str | None
     """`packed_rows.layout` of the policy: its pairs run padding-free on a document-separating attention kernel."""
     kernels: bool
-    """The reference pass's LM head compiled (`fused_kernels`)."""
+    """The LM head's chunks on the fused kernels (`fused_kernels`): the policy's, hand-written where Triton runs them,
+    and the reference pass's."""
     seed: int
 
     def encode(self, batch_rows: list[dict]) -> list[list[int]]:
@@ -237,7 +238,7 @@ def update(run: OnlineDPORun, pairs: RankedPairs) -> dict:
         sl = slice(j * cfg.batch_size, (j + 1) * cfg.batch_size)
         batch = to_device(host_batch, acc.device)
         with loop.no_sync_unless(j == len(pairs.batches) - 1):
-            logps, _, _ = dpo.completion_logps(loop.model, batch)
+            logps, _, _ = dpo.completion_logps(loop.model, batch, compiled=run.kernels)
             ref_model, context = run.reference()
             with fused_kernels.without_grad(run.kernels, ref_model), context:
                 ref_logps = dpo.completion_logps(ref_model, batch, compiled=run.kernels)[0]

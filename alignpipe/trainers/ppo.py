@@ -440,11 +440,12 @@ def _passes(
     run: PPORun, b: Rollout, ix, mask, count: int, packed, m: PolicyAndValue
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro-batch's (log-probs, entropies, values) of episodes `ix`, by the unwrapped module `m`: the LM head runs on
-    the `mask`ed response tokens alone (`count` of them), not on the padding after short responses."""
+    the `mask`ed response tokens alone (`count` of them), not on the padding after short responses; on the
+    hand-written head kernels under `fused_kernels` on a GPU."""
     q, qm, r = b.query[ix], b.query_mask[ix], b.response[ix]
     lp, entropy = response_logprobs(
         m.policy, q, qm, r, run.temperature, run.cfg.logprob_chunk_tokens, with_entropy=True, only=mask, count=count,
-        packed=packed,
+        packed=packed, compiled=fused_kernels.wanted(run.cfg.fused_kernels, q.device),
     )  # fmt: skip
     vpred = response_values(m.value_model, q, qm, r, packed)
     return lp.float().masked_fill(~mask, INVALID_LOGPROB), entropy, vpred.masked_fill(~mask, 0)
