@@ -41,9 +41,9 @@ def _chunk_logprobs(
 
 
 def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: str | None):
-    """`_chunk_logprobs` on `triton_kernels`' head kernels, for no second statistic or a detached entropy: the
-    log-softmax, gather and entropy as one read of the head's logits (`token_scores`), and, where gradients are on,
-    their backward as `_HandScored`'s."""
+    """`_chunk_logprobs` on `triton_kernels`' head kernels, for no second statistic or the entropy: the log-softmax,
+    gather and entropy as one read of the head's logits (`token_scores`), and, where gradients are on, their
+    backward as `_HandScored`'s."""
     entropy = second == "entropy"
     h = hidden.to(head_weight.dtype)
     token, spread = _HandScored.apply(h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, entropy)
@@ -51,32 +51,34 @@ def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature:
 
 
 class _HandScored(torch.autograd.Function):
-    """A chunk's label log-probs at a temperature (and, detached, its entropies) from the head's matmul and
-    `token_scores`, keeping for backward the chunk's hidden states and log-sum-exps alone: backward forms the
-    logits again (one head matmul) and their gradient in one pass (`token_grads`, with coef = the log-probs'
-    upstream gradient / temperature). Activation checkpointing of the eager chunk (`_chunk_logprobs`) keeps as
-    little but recomputes its float32 log-softmax and entropy, and its backward makes several float32 passes over
-    the chunk's logits where this makes one read and one write in their dtype."""
+    """A chunk's label log-probs at a temperature (and its entropies) from the head's matmul and `token_scores`,
+    keeping for backward the chunk's hidden states, log-sum-exps and entropies alone: backward forms the logits
+    again (one head matmul) and their gradient in one pass (`token_grads`, with coefficients = the log-probs' and
+    the entropies' upstream gradients / temperature). Activation checkpointing of the eager chunk
+    (`_chunk_logprobs`) keeps as little but recomputes its float32 log-softmax and entropy, and its backward makes
+    several float32 passes over the chunk's logits where this makes one read and one write in their dtype."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, entropy: bool):
         # the matmul on the chunk as it comes (a strided slice of positions), as the eager chunk's: the same logits
         logits = F.linear(hidden, weight, bias).flatten(0, -2)
         lse, token, *spread = triton_kernels.token_scores(logits, labels, temperature, entropy)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.temperature = temperature
         spread_out = spread[0] if entropy else token.new_zeros(())
-        ctx.mark_non_differentiable(spread_out)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, spread_out)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # a detached entropy's upstream gradient is None, not a tensor of zeros
         return token, spread_out
 
     @staticmethod
-    def backward(ctx, grad_token, _):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_token, grad_spread):
+        hidden, weight, bias, labels, lse, spread = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         t = ctx.temperature
         logits = F.linear(hidden, weight, bias).flatten(0, -2)
-        coef = (grad_token.float() / t).contiguous()
-        grad = triton_kernels.token_grads(logits, lse, labels, coef, t)
+        coef = (grad_token.float() / t).contiguous() if grad_token is not None else torch.zeros_like(lse)
+        # an entropy that reaches the loss (a bonus) adds its gradient
+        with_spread = (spread, (grad_spread.float() / t).contiguous()) if grad_spread is not None else None
+        grad = triton_kernels.token_grads(logits, lse, labels, coef, t, with_spread)
         return (
             (grad @ weight).view(hidden.shape) if want_h else None,
             grad.t() @ hidden.flatten(0, -2) if want_w else None,
@@ -141,9 +143,11 @@ def token_logprobs(
     computed in one piece.
     Packed rows: give `position_ids` restarting at every row and no `attention_mask`; the model then attends
     within each row only.
-    `compiled`: each chunk of the head runs compiled (`compiled.compiled_function`): with gradients on, its
-    forward and backward (a stage's `compile: true`); without, its log-softmax and gather as one kernel after the
-    matmul (`fused_kernels` on a GPU: the reference's and the old policy's scoring passes). `count`: the number of
+    `compiled` (a stage's `compile: true`, or `fused_kernels` on a GPU): each chunk of the head after its matmul
+    runs on `triton_kernels`' hand-written head kernels where Triton runs them (`_HandScored`: one read of the
+    logits forward, one read and one write in backward, no checkpointing), otherwise compiled
+    (`compiled.compiled_function`): with gradients on, its forward and backward; without, its log-softmax and
+    gather as one kernel. `count`: the number of
     true positions in `only`, where the caller knows it on the host (no wait for the device to count them).
     Returns `logps` (and `entropy` when `with_entropy`: detached, or with its gradient for `with_entropy="grad"`, an
     entropy bonus's). Position t scores input_ids[:, start+t+1].
@@ -514,9 +518,9 @@ def _head_logprobs(
     if not torch.is_grad_enabled():  # dynamo guards requires_grad: the policy's head and a frozen one, one graph
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
     # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise (and for
-    # an entropy with its gradient, a bonus's, or WPO's statistic) the chunk compiled, forward and backward with
-    # gradients, else one inference kernel after the head's matmul
-    by_hand = compiled and with_entropy in (False, True) and fused_kernels.by_hand(hidden, weight, head=True)
+    # WPO's statistic) the chunk compiled, forward and backward with gradients, else one inference kernel after the
+    # head's matmul
+    by_hand = compiled and with_entropy != "log_sum_sq" and fused_kernels.by_hand(hidden, weight, head=True)
     if by_hand:
         chunk_logprobs = _chunk_logprobs_by_hand
     else:

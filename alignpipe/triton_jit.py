@@ -253,14 +253,21 @@ def token_scores(
 
 
 @triton.jit
-def token_grads(logits, lse, labels, coef, grad, vocab, stride, temperature, BLOCK: tl.constexpr):
-    """coef · (one-hot(label) − softmax(logits / temperature)) of one block of one position's logits, written in the
-    gradient's dtype."""
+def token_grads(
+    logits, lse, labels, coef, spread, spread_coef, grad, vocab, stride, temperature,
+    BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """coef · (one-hot(label) − p) of one block of one position's logits, p = softmax(logits / temperature), written
+    in the gradient's dtype; with `ENTROPY`, minus spread_coef · p · (log p + H), H the position's entropy (`spread`):
+    the entropy's gradient with respect to the scaled logits, −p (log p + H), times its coefficient."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = cols < vocab
     x = tl.div_rn(tl.load(logits + row * stride + cols, mask=keep, other=0.0).to(tl.float32), temperature)
-    p = tl.exp(x - tl.load(lse + row))
+    logp = x - tl.load(lse + row)
+    p = tl.exp(logp)
     hit = (cols == tl.load(labels + row)).to(tl.float32)
     g = tl.load(coef + row) * (hit - p)
+    if ENTROPY:  # a logit of −inf (p = 0) adds nothing, where its 0 · −inf would be NaN
+        g -= tl.load(spread_coef + row) * p * (tl.where(p > 0, logp, 0.0) + tl.load(spread + row))
     tl.store(grad + row * vocab + cols, g.to(grad.dtype.element_ty), mask=keep)

@@ -160,19 +160,27 @@ def token_scores(
 
 
 def token_grads(
-    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    coef: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """coef · (one-hot(label) − softmax(logits / temperature)) per position, computed in float32 from `token_scores`'
     `lse` (at the same temperature), written in the logits' dtype as a contiguous (positions, vocabulary) tensor:
     `linear_sequence_loss._grad_fusable`. The gradient of the label's log-prob with respect to the logits is this
-    with coef = (its upstream gradient) / temperature."""
+    with coef = (its upstream gradient) / temperature. `entropy`: (H, c), each position's entropy from `token_scores`
+    and a coefficient, adds c · ∂H/∂(logits / temperature) = −c · p (log p + H): with c = (the entropy's upstream
+    gradient) / temperature, its gradient with respect to the logits."""
     logits = _row_major(logits)
     rows, vocab = logits.shape
     grad = torch.empty((rows, vocab), dtype=logits.dtype, device=logits.device)
+    spread, spread_coef = entropy if entropy is not None else (lse, coef)
     if grad.numel():
         _kernels().token_grads[(rows, _cdiv(vocab, VOCAB_BLOCK))](
-            logits, lse, labels, coef, grad, vocab, logits.stride(0), float(temperature), BLOCK=VOCAB_BLOCK,
-            num_warps=8,
+            logits, lse, labels, coef, spread, spread_coef, grad, vocab, logits.stride(0), float(temperature),
+            BLOCK=VOCAB_BLOCK, ENTROPY=entropy is not None, num_warps=8,
         )  # fmt: skip
     return grad
 

@@ -157,7 +157,7 @@ def gpu_paths():
         rotary=_NoLaunch("rotary", 2, 3),
         kahan_adamw=_NoLaunch("kahan_adamw"),  # updates the weights in place, by address
         token_scores=_NoLaunch("token_scores", 2, 3, 4),
-        token_grads=_NoLaunch("token_grads", 4),
+        token_grads=_NoLaunch("token_grads", 6),
     )
     patches = {
         (fused_kernels, "wanted"): lambda enabled, device: bool(enabled),

@@ -657,8 +657,8 @@ def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerl
     tiny, tmp_path, monkeypatch, interpreted
 ):
     """Where Triton's kernels run, GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the
-    entropy GRPO and PPO log) takes `token_scores` and `token_grads`, and each logs the eager run's losses and metrics;
-    the eager runs launch neither."""
+    entropy GRPO and PPO log, or that GRPO's entropy bonus trains through) takes `token_scores` and `token_grads`,
+    and each logs the eager run's losses and metrics; the eager runs launch neither."""
     import copy
 
     from support import run_ppo
@@ -677,11 +677,14 @@ def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerl
     launches = counted_calls(monkeypatch, triton_kernels, "token_grads")
     rows = [{"prompt": r["prompt"]} for r in prompts]
 
-    def grpo_run(fused: bool, out) -> list[float]:
+    def grpo_run(fused: bool, out, **bonus) -> list[float]:
         tracker, policy = Tracker(), load_causal_lm(str(tiny / "model"))
-        cfg = GRPOConfig(**SHORT_GROUPS, fused_kernels=fused)
+        cfg = GRPOConfig(**SHORT_GROUPS, fused_kernels=fused, **bonus)
         grpo.train(cfg, policy, tok, rows, rewards, tracker, out, ref_model=copy.deepcopy(policy))
         return tracker.series("train/loss") + tracker.series("train/entropy")
+
+    def grpo_entropy_bonus_run(fused: bool, out) -> list[float]:  # the entropy's gradient through the kernels
+        return grpo_run(fused, out, entropy_coef=0.5)
 
     def ppo_run(fused: bool, out) -> list[float]:
         torch.manual_seed(0)  # the value model's new head is drawn before the run seeds itself
@@ -698,11 +701,12 @@ def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerl
     series: dict[tuple[str, bool], list[float]] = {}
     grads: dict[tuple[str, bool], int] = {}
     for fused in (False, True):
-        for run in (grpo_run, ppo_run, online_dpo_run):
+        for run in (grpo_run, grpo_entropy_bonus_run, ppo_run, online_dpo_run):
             before = launches["token_grads"]
             series[run.__name__, fused] = run(fused, tmp_path / f"{run.__name__}-{fused}")
             grads[run.__name__, fused] = launches["token_grads"] - before
-    for name in ("grpo_run", "ppo_run", "online_dpo_run"):
+    assert series["grpo_entropy_bonus_run", False] != series["grpo_run", False], "the bonus is in the loss"
+    for name in ("grpo_run", "grpo_entropy_bonus_run", "ppo_run", "online_dpo_run"):
         assert grads[name, False] == 0 and grads[name, True] > 0, (name, grads)
         eager = series[name, False]
         assert len(eager) >= 4 and series[name, True] == pytest.approx(eager, rel=1e-4, abs=1e-6), name

@@ -348,8 +348,8 @@ def test_a_run_counts_the_kernel_variants_triton_compiled_beside_torch_compile_s
 def test_the_head_kernels_compute_the_compiled_kernels_eager_expressions(interpreted, dtype):
     """`token_scores` over a vocabulary of two blocks and a part (its running maximum and sum), on strided rows, at
     temperatures 1 and 0.7, and `token_grads`: the eager expressions `linear_sequence_loss` and `logprobs` compile;
-    with the entropy (its running sum rescaled with the maximum), and the gradients at a temperature, the eager
-    log-softmax's."""
+    with the entropy (its running sum rescaled with the maximum), and the gradients at a temperature (the entropy's
+    too), the eager log-softmax's and autograd's."""
     from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
 
     g = torch.Generator().manual_seed(5)
@@ -375,6 +375,13 @@ def test_the_head_kernels_compute_the_compiled_kernels_eager_expressions(interpr
         assert torch.allclose(token, logp.gather(-1, labels[:, None]).squeeze(-1), atol=1e-5)
         grad = triton_kernels.token_grads(logits, lse, labels, coef, t)
         close(grad, (coef[:, None] * (F.one_hot(labels, vocab) - logp.exp())).to(dtype))
+        # with the entropy: the gradient of Σ coef · log p(label) + Σ c · H with respect to the scaled logits
+        c = torch.tensor([0.5, -2.0, 1.0, 3.0])
+        z = (logits.float() / t).requires_grad_()
+        lp = z.log_softmax(-1)
+        h = -(lp.exp() * lp.clamp(min=torch.finfo(torch.float32).min)).sum(-1)
+        (want,) = torch.autograd.grad((coef * lp.gather(-1, labels[:, None]).squeeze(-1)).sum() + (c * h).sum(), z)
+        close(triton_kernels.token_grads(logits, lse, labels, coef, t, (spread, c)), want.to(dtype))
 
 
 def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_is_open(interpreted, monkeypatch):
@@ -419,17 +426,18 @@ def test_scoring_passes_and_the_fused_head_take_the_head_kernels_where_the_gate_
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("with_entropy", [True, "grad"], ids=["entropy", "entropy bonus"])
 @pytest.mark.parametrize("whole", [False, True], ids=["chunked", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_entropies(
-    interpreted, monkeypatch, dtype, whole
+    interpreted, monkeypatch, dtype, whole, with_entropy
 ):
     """GRPO's, PPO's and online DPO's trained head (`logprobs._head_logprobs` with gradients, `compiled`: the gate
     open) on `token_scores` (with the entropy) and, in backward, `token_grads`: no compiled function and no
-    activation checkpointing, one launch of each a chunk. Its log-probs, detached entropies and the hidden states',
-    head's and bias's gradients at a temperature are the eager chunks' (float32: to float32 ordering; bf16: the
-    logits are the same bf16 matmul's, the gradients round once, so within a rounding step of the logits'). An
-    entropy with its gradient (a bonus's) still takes the compiled chunk."""
+    activation checkpointing, one launch of each a chunk. Its log-probs, entropies (detached, or with their gradient
+    where an entropy bonus trains through them) and the hidden states', head's and bias's gradients at a temperature
+    are the eager chunks' (float32: to float32 ordering; bf16: the logits are the same bf16 matmul's, the gradients
+    round once, so within a rounding step of the logits'). WPO's statistic takes the compiled chunk."""
     from alignpipe import logprobs
 
     assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
@@ -447,12 +455,14 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
     labels = torch.randint(0, vocab, (2, 9), generator=g)
     labels[0, 0], labels[1, 8] = 0, vocab - 1
     upstream = torch.linspace(-1, 2, 18).view(2, 9)
+    bonus = torch.linspace(0.5, -3, 18).view(2, 9) if with_entropy == "grad" else torch.zeros(2, 9)
 
-    def run(kernels: bool, with_entropy=True):
+    def run(kernels: bool):
         h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
         lp, ent = logprobs._head_logprobs(h, w, b, labels, 0.8, 4, with_entropy, compiled=kernels)
         assert lp.dtype == ent.dtype == torch.float32 and ent.requires_grad == (with_entropy == "grad")
-        return (lp.detach(), ent, *torch.autograd.grad((lp * upstream).sum(), (h, w, b)))
+        loss = (lp * upstream).sum() + (ent * bonus).sum() if ent.requires_grad else (lp * upstream).sum()
+        return (lp.detach(), ent.detach(), *torch.autograd.grad(loss, (h, w, b)))
 
     got = run(True)
     chunks = 1 if whole else 4  # 2 rows × 2 positions within 8 × V values, the last position alone joining: 2, 2, 2, 3
@@ -469,7 +479,8 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
             assert float((a.float() - b.float()).norm() / b.float().norm()) < ULP, (a - b).abs().max()
 
     before = dict(launched)
-    run(True, with_entropy="grad")
+    with torch.no_grad():
+        logprobs._head_logprobs(hidden, weight, bias, labels, 0.8, 4, "log_sum_sq", compiled=True)
     assert launched == before and compiled == [logprobs._chunk_logprobs]
 
 
@@ -543,7 +554,7 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
     by = {(b["kernel"], b["variant"], b["capability"]): b for b in builds}
     kernels = {"silu_mul_forward", "silu_mul_backward", "rotary", "token_scores", "token_grads", "kahan_adamw"}
     assert {b["kernel"] for b in builds} == kernels and {b["capability"] for b in builds} == set(GPUS)
-    assert len(by) == len(builds) == 18 * len(GPUS)  # 8 launches in each of 2 dtypes, the AdamW step 2 ways
+    assert len(by) == len(builds) == 20 * len(GPUS)  # 9 launches in each of 2 dtypes, the AdamW step 2 ways
     assert all(b["local"] == 0 for b in builds), [b for b in builds if b["local"]]
 
     for capability in GPUS:

@@ -69,7 +69,8 @@ for dtype in (torch.bfloat16, torch.float32):
     lse, _ = triton_kernels.token_scores(logits, labels, 0.7)
     triton_kernels.token_grads(logits, lse, labels, torch.ones(4), 0.7)
     variant[0] = f"{kind}, with the entropy"
-    triton_kernels.token_scores(logits, labels, 0.7, entropy=True)
+    _, _, spread = triton_kernels.token_scores(logits, labels, 0.7, entropy=True)
+    triton_kernels.token_grads(logits, lse, labels, torch.ones(4), 0.7, (spread, torch.ones(4)))
 
 scalars = (0.9, 0.999, 1e-3, 0.5, 1e-5, 1e-8)
 for variant[0], sizes in (("aligned slices", (HIDDEN * 64, INTERMEDIATE)), ("a slice of 17 values", (HIDDEN, 17))):
