@@ -16,8 +16,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   `_grad_fusable`). The scoring passes without gradients (reference and old-policy log-probs) run each chunk's
   log-softmax and gather as one kernel after the matmul (`logprobs._chunk_logprobs`, through the trainers'
   `compiled=` argument). GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the entropy
-  they log or an entropy bonus trains through) reads each chunk's logits once forward (`token_scores` with the
-  entropy) and once more in backward, writing their gradient once (`token_grads`): ~6 bytes of traffic per bf16 logit besides the matmuls, where the
+  they log or an entropy bonus trains through), and DPO's and KTO's chunked head where their fused one cannot run
+  (WPO's weights, LD-DPO), read each chunk's logits once forward (`token_scores` with the entropy or log Σp²) and
+  once more in backward, writing their gradient once (`token_grads`): ~6 bytes of traffic per bf16 logit besides the matmuls, where the
   eager chunk under activation checkpointing makes over 100 (a float32 copy, log-softmax and entropy, formed
   twice, and their backward).
 

@@ -41,33 +41,33 @@ def _chunk_logprobs(
 
 
 def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: str | None):
-    """`_chunk_logprobs` on `triton_kernels`' head kernels, for no second statistic or the entropy: the log-softmax,
-    gather and entropy as one read of the head's logits (`token_scores`), and, where gradients are on, their
-    backward as `_HandScored`'s."""
-    entropy = second == "entropy"
+    """`_chunk_logprobs` on `triton_kernels`' head kernels: the log-softmax, gather and `second` statistic as one
+    read of the head's logits (`token_scores`), and, where gradients are on, their backward as `_HandScored`'s."""
     h = hidden.to(head_weight.dtype)
-    token, spread = _HandScored.apply(h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, entropy)
-    return token.view(labels.shape), spread.view(labels.shape) if entropy else spread
+    token, statistic = _HandScored.apply(h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, second)
+    return token.view(labels.shape), statistic.view(labels.shape) if second else statistic
 
 
 class _HandScored(torch.autograd.Function):
-    """A chunk's label log-probs at a temperature (and its entropies) from the head's matmul and `token_scores`,
-    keeping for backward the chunk's hidden states, log-sum-exps and entropies alone: backward forms the logits
-    again (one head matmul) and their gradient in one pass (`token_grads`, with coefficients = the log-probs' and
-    the entropies' upstream gradients / temperature). Activation checkpointing of the eager chunk
+    """A chunk's label log-probs at a temperature (and its second statistic: entropies, or WPO's log Σp², which has
+    no gradient here) from the head's matmul and `token_scores`, keeping for backward the chunk's hidden states,
+    log-sum-exps and statistic alone: backward forms the logits again (one head matmul) and their gradient in one
+    pass (`token_grads`, with coefficients = the log-probs' and the entropies' upstream gradients / temperature). Activation checkpointing of the eager chunk
     (`_chunk_logprobs`) keeps as little but recomputes its float32 log-softmax and entropy, and its backward makes
     several float32 passes over the chunk's logits where this makes one read and one write in their dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, entropy: bool):
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, second: str | None):
         # the matmul on the chunk as it comes (a strided slice of positions), as the eager chunk's: the same logits
         logits = F.linear(hidden, weight, bias).flatten(0, -2)
-        lse, token, *spread = triton_kernels.token_scores(logits, labels, temperature, entropy)
-        spread_out = spread[0] if entropy else token.new_zeros(())
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, spread_out)
+        lse, token, *statistic = triton_kernels.token_scores(logits, labels, temperature, second)
+        spread = statistic[0] if second else token.new_zeros(())
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, spread)
         ctx.temperature = temperature
+        if second != "entropy":
+            ctx.mark_non_differentiable(spread)
         ctx.set_materialize_grads(False)  # a detached entropy's upstream gradient is None, not a tensor of zeros
-        return token, spread_out
+        return token, spread
 
     @staticmethod
     def backward(ctx, grad_token, grad_spread):
@@ -517,10 +517,9 @@ def _head_logprobs(
     V = weight.shape[0]
     if not torch.is_grad_enabled():  # dynamo guards requires_grad: the policy's head and a frozen one, one graph
         weight, bias = weight.detach(), bias.detach() if bias is not None else None
-    # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise (and for
-    # WPO's statistic) the chunk compiled, forward and backward with gradients, else one inference kernel after the
-    # head's matmul
-    by_hand = compiled and with_entropy != "log_sum_sq" and fused_kernels.by_hand(hidden, weight, head=True)
+    # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise the chunk
+    # compiled, forward and backward with gradients, else one inference kernel after the head's matmul
+    by_hand = compiled and fused_kernels.by_hand(hidden, weight, head=True)
     if by_hand:
         chunk_logprobs = _chunk_logprobs_by_hand
     else:

@@ -212,35 +212,37 @@ def weighted_gaps(e, x, high):
 
 @triton.jit
 def token_scores(
-    logits, labels, lse_out, token_out, entropy_out, stride, temperature,
-    VOCAB: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
+    logits, labels, lse_out, token_out, second_out, stride, temperature,
+    VOCAB: tl.constexpr, BLOCK: tl.constexpr, SECOND: tl.constexpr,
 ):  # fmt: skip
-    """One position's log-sum-exp of its logits / temperature (float32, read once in blocks, the running maximum
-    rescaling the running sum) and its label's log-prob; with `ENTROPY`, also the entropy of that softmax, from a
-    second running sum of exp(x − max) · (x − max), rescaled with the first: H = log Σ − (Σ e·(x − max)) / Σ. The
-    vocabulary is a constant (one compile a model): the loop's bound then needs no runtime value, which Triton's
-    interpreter cannot take with NumPy 2."""
+    """One position's log-sum-exp of its logits / temperature (float32, read once in blocks, the running maximum m
+    rescaling the running sum Σe, e = exp(x − m)) and its label's log-prob; and its `SECOND` statistic of that
+    softmax, from a second running sum rescaled with the first: 1, the entropy, H = log Σe − Σe·(x − m) / Σe;
+    2, log Σ p² = log Σe² − 2 log Σe (DPO's WPO weights). The vocabulary is a constant (one compile a model): the
+    loop's bound then needs no runtime value, which Triton's interpreter cannot take with NumPy 2."""
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     cols = tl.arange(0, BLOCK)
-    keep = cols < VOCAB
-    x = tl.div_rn(tl.load(base + cols, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+    x = tl.div_rn(tl.load(base + cols, mask=cols < VOCAB, other=-float("inf")).to(tl.float32), temperature)
     high = tl.max(x, 0)
     e = tl.exp(x - high)
     total = tl.sum(e, 0)
-    weighted = 0.0
-    if ENTROPY:
-        weighted = weighted_gaps(e, x, high)
+    second = 0.0
+    if SECOND == 1:
+        second = weighted_gaps(e, x, high)
+    if SECOND == 2:
+        second = tl.sum(e * e, 0)
     for start in range(BLOCK, VOCAB, BLOCK):
         at = start + cols
-        keep = at < VOCAB
-        x = tl.div_rn(tl.load(base + at, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+        x = tl.div_rn(tl.load(base + at, mask=at < VOCAB, other=-float("inf")).to(tl.float32), temperature)
         new_high = tl.maximum(high, tl.max(x, 0))
         shift = high - new_high
         scale = tl.exp(shift)
         e = tl.exp(x - new_high)
-        if ENTROPY:  # Σ e·(x − max) about the new maximum: each old term gains `shift` times its old weight
-            weighted = scale * (weighted + shift * total) + weighted_gaps(e, x, new_high)
+        if SECOND == 1:  # Σ e·(x − m) about the new maximum: each old term gains `shift` times its old weight
+            second = scale * (second + shift * total) + weighted_gaps(e, x, new_high)
+        if SECOND == 2:
+            second = scale * scale * second + tl.sum(e * e, 0)
         total = total * scale + tl.sum(e, 0)
         high = new_high
     lse = high + tl.log(total)
@@ -248,8 +250,10 @@ def token_scores(
     picked = tl.div_rn(tl.load(base + label).to(tl.float32), temperature)
     tl.store(lse_out + row, lse)
     tl.store(token_out + row, picked - lse)
-    if ENTROPY:
-        tl.store(entropy_out + row, tl.log(total) - weighted / total)
+    if SECOND == 1:
+        tl.store(second_out + row, tl.log(total) - second / total)
+    if SECOND == 2:
+        tl.store(second_out + row, tl.log(second) - 2 * tl.log(total))
 
 
 @triton.jit

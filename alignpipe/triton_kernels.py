@@ -1,6 +1,6 @@
 """Kernels of `fused_kernels`, `low_precision_adamw` and the LM head's losses written in Triton by hand: the SwiGLU
 product and its gradients, the rotary embedding of queries and keys and its gradient, the Kahan AdamW step of bf16
-weights, and the head's per-position log-sum-exp, label log-prob and softmax gradient.
+weights, and the head's per-position log-sum-exp, label log-prob, entropy (or log Σp²) and their gradient.
 
 Why by hand, where inductor writes the same kernels from the eager expressions (the compiled path, which stays as
 the fallback): a compiled function's call goes through dynamo's guards, AOT autograd's runtime wrappers and
@@ -139,24 +139,30 @@ VOCAB_BLOCK = 2048
 """Logits a program of the head's kernels reads at a time (the scores' loop, the gradients' blocks)."""
 
 
+SECOND_STATISTICS = {"entropy": 1, "log_sum_sq": 2}
+"""The second statistics `token_scores` computes beside the log-probs (`logprobs._second_statistic`'s), by the
+number its kernel is compiled for."""
+
+
 def token_scores(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, entropy: bool = False
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, second: str | None = None
 ) -> tuple[torch.Tensor, ...]:
     """(log-sum-exp, the label's log-prob) per position of (positions, vocabulary) `logits` divided by `temperature`,
     in float32, the logits read once: `linear_sequence_loss._scores_fusable` and `logprobs._chunk_logprobs`; with
-    `entropy`, also each position's entropy −Σ p log p of that softmax, from the same read (the trainers' logged
-    entropy). `labels`: (positions,) in the vocabulary."""
+    `second`, also each position's `second` statistic of that softmax from the same read: "entropy", −Σ p log p (the
+    RL trainers' logged entropy or bonus), or "log_sum_sq", log Σ p² (DPO's WPO weights). `labels`: (positions,) in
+    the vocabulary."""
     logits = _row_major(logits)
     rows, vocab = logits.shape
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     token = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    spread = torch.empty(rows if entropy else 0, dtype=torch.float32, device=logits.device)
+    statistic = torch.empty(rows if second else 0, dtype=torch.float32, device=logits.device)
     if rows:
         _kernels().token_scores[(rows,)](
-            logits, labels, lse, token, spread if entropy else lse, logits.stride(0), float(temperature),
-            VOCAB=vocab, BLOCK=VOCAB_BLOCK, ENTROPY=entropy, num_warps=8,
+            logits, labels, lse, token, statistic if second else lse, logits.stride(0), float(temperature),
+            VOCAB=vocab, BLOCK=VOCAB_BLOCK, SECOND=SECOND_STATISTICS[second] if second else 0, num_warps=8,
         )  # fmt: skip
-    return (lse, token, spread) if entropy else (lse, token)
+    return (lse, token, statistic) if second else (lse, token)
 
 
 def token_grads(

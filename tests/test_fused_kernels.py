@@ -653,12 +653,11 @@ def test_where_the_hand_written_kernels_run_a_default_sft_run_compiles_nothing(
     fused_kernels.available.cache_clear()
 
 
-def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerly(
-    tiny, tmp_path, monkeypatch, interpreted
-):
+def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(tiny, tmp_path, monkeypatch, interpreted):
     """Where Triton's kernels run, GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the
-    entropy GRPO and PPO log, or that GRPO's entropy bonus trains through) takes `token_scores` and `token_grads`,
-    and each logs the eager run's losses and metrics; the eager runs launch neither."""
+    entropy GRPO and PPO log, or that GRPO's entropy bonus trains through), and DPO's chunked head where its fused
+    one cannot run (WPO's weights with their log Σp², LD-DPO) take `token_scores` and `token_grads`, and each run
+    logs the eager run's losses and metrics; the eager runs launch neither."""
     import copy
 
     from support import run_ppo
@@ -700,13 +699,28 @@ def test_the_rl_trainers_train_their_heads_on_the_hand_written_kernels_as_eagerl
 
     series: dict[tuple[str, bool], list[float]] = {}
     grads: dict[tuple[str, bool], int] = {}
+    _, prefs, _ = tiny_split(tiny, "sentiment_preferences", "preference", rows=24)
+
+    def dpo_run(fused: bool, out, **options) -> list[float]:  # the chunked head: WPO's weights, LD-DPO's tokens
+        tracker, policy = Tracker(), load_causal_lm(str(tiny / "model"))
+        cfg = DPOConfig(learning_rate=5e-4, max_steps=2, batch_size=8, logging_every=1, fused_kernels=fused, **options)
+        dpo.train(cfg, policy, tok, prefs, [], tracker, out, ref_model=copy.deepcopy(policy))
+        return tracker.series("train/loss") + tracker.series("train/rewards/margins")
+
+    def wpo_run(fused: bool, out) -> list[float]:
+        return dpo_run(fused, out, use_weighting=True)
+
+    def ld_dpo_run(fused: bool, out) -> list[float]:
+        return dpo_run(fused, out, ld_alpha=0.5)
+
+    runs = (grpo_run, grpo_entropy_bonus_run, ppo_run, online_dpo_run, wpo_run, ld_dpo_run)
     for fused in (False, True):
-        for run in (grpo_run, grpo_entropy_bonus_run, ppo_run, online_dpo_run):
+        for run in runs:
             before = launches["token_grads"]
             series[run.__name__, fused] = run(fused, tmp_path / f"{run.__name__}-{fused}")
             grads[run.__name__, fused] = launches["token_grads"] - before
     assert series["grpo_entropy_bonus_run", False] != series["grpo_run", False], "the bonus is in the loss"
-    for name in ("grpo_run", "grpo_entropy_bonus_run", "ppo_run", "online_dpo_run"):
+    for name in (run.__name__ for run in runs):
         assert grads[name, False] == 0 and grads[name, True] > 0, (name, grads)
         eager = series[name, False]
         assert len(eager) >= 4 and series[name, True] == pytest.approx(eager, rel=1e-4, abs=1e-6), name

@@ -355,11 +355,12 @@ def batch_loss(model, batch: dict, reference_logps, cfg: DPOConfig) -> tuple[tor
         _, r_c, r_r = losses_of(chosen, rejected, slice(None))
     else:
         weights = None
+        kernels = loss_kernels(cfg, batch["prompt_ids"].device)  # the chunked head's kernels (`token_logprobs`)
         if cfg.use_weighting:
-            per_token, mask, weights = wpo_weights(model, batch, compiled=cfg.compile)
+            per_token, mask, weights = wpo_weights(model, batch, compiled=kernels)
             logps = (per_token * mask).sum(1)
         else:
-            logps, per_token, mask = completion_logps(model, batch, compiled=cfg.compile)
+            logps, per_token, mask = completion_logps(model, batch, compiled=kernels)
         if cfg.ld_alpha is not None:
             logps = length_desensitized(per_token, mask, cfg.ld_alpha)
         chosen, rejected = logps.chunk(2)

@@ -194,18 +194,15 @@ class Losses:
     def _policy_loss(self, model, own: dict, main: slice, losses_of) -> tuple[torch.Tensor, ...]:
         """(loss, summed log-probs, rewards) of the policy's pass over the batch's own completions."""
         cfg, B = self.cfg, main.stop
+        kernels = loss_kernels(cfg, own["prompt_ids"].device)
         if cfg.fused_loss:  # each completion its own unit: its loss (a mean over the batch) reads its sum alone
             fused = dpo.fused_answers_loss(
-                model,
-                own,
-                [[i] for i in range(B)],
-                lambda s, rows: losses_of(s, rows)[0] * len(rows) / B,
-                loss_kernels(cfg, own["prompt_ids"].device),
+                model, own, [[i] for i in range(B)], lambda s, rows: losses_of(s, rows)[0] * len(rows) / B, kernels
             )
             if fused is not None:
                 loss, logps = fused
                 return loss, logps, losses_of(logps, main)[1]
-        logps, _, _ = dpo.completion_logps(model, own, compiled=cfg.compile)
+        logps, _, _ = dpo.completion_logps(model, own, compiled=kernels)
         loss, rewards = losses_of(logps, main)
         return loss, logps, rewards
 
