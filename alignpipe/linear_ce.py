@@ -71,6 +71,17 @@ def _nll_and_grad_by_hand(logits: torch.Tensor, labels: torch.Tensor, precise: t
     return -label_lp.sum().to(precise), triton_kernels.token_grads(logits, lse, labels, coef)
 
 
+def _nll_sum_only(logits: torch.Tensor, labels: torch.Tensor, precise: torch.dtype, dft: bool, by_hand: bool):
+    """A chunk's summed NLL without its gradient (an evaluation pass): one read of the logits by `token_scores` where
+    the hand-written kernels run, else the log-sum-exp of a `precise` copy."""
+    if by_hand:
+        _, label_lp = triton_kernels.token_scores(logits, labels)
+        weighted = label_lp * torch.exp(label_lp) if dft else label_lp
+        return -weighted.sum().to(precise)
+    x = logits.to(precise)
+    return _nll_sum(x, torch.logsumexp(x, -1), labels, dft)
+
+
 def _chunk_kernels(hidden: torch.Tensor, compiled: bool):
     """The kernels of each chunk's softmax and gradient: eager, or (`compiled`) the hand-written ones where
     `fused_kernels.by_hand` takes the head (decided on `hidden`: its logits share its device, and the kernels take
@@ -97,8 +108,7 @@ class _LinearNLLSum(torch.autograd.Function):
             h, y = hidden[s:e], labels[s:e]
             logits = F.linear(h, weight, bias)
             if not (want_h or want_w or want_b):
-                x = logits.to(precise)
-                total += _nll_sum(x, torch.logsumexp(x, -1), y, dft)
+                total += _nll_sum_only(logits, y, precise, dft, by_hand=nll_and_grad is _nll_and_grad_by_hand)
                 continue
             nll, grad = nll_and_grad(logits, y, precise, dft)
             total += nll

@@ -657,7 +657,8 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
     """Where Triton's kernels run, GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the
     entropy GRPO and PPO log, or that GRPO's entropy bonus trains through), and DPO's chunked head where its fused
     one cannot run (WPO's weights with their log Σp², LD-DPO) take `token_scores` and `token_grads`, and each run
-    logs the eager run's losses and metrics; the eager runs launch neither."""
+    logs the eager run's losses and metrics; the eager runs launch neither. SFT's evaluation scores its chunks with
+    `token_scores` alone, to the eager eval loss."""
     import copy
 
     from support import run_ppo
@@ -673,7 +674,7 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
     tok = load_tokenizer(str(tiny / "model"))
     _, prompts, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=16)
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
-    launches = counted_calls(monkeypatch, triton_kernels, "token_grads")
+    launches = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads")
     rows = [{"prompt": r["prompt"]} for r in prompts]
 
     def grpo_run(fused: bool, out, **bonus) -> list[float]:
@@ -714,6 +715,26 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
         return dpo_run(fused, out, ld_alpha=0.5)
 
     runs = (grpo_run, grpo_entropy_bonus_run, ppo_run, online_dpo_run, wpo_run, ld_dpo_run)
+    evaluate, scored = sft.evaluate, []
+
+    def counted_evaluate(*a, **k):
+        before = launches["token_scores"]
+        try:
+            return evaluate(*a, **k)
+        finally:
+            scored.append(launches["token_scores"] - before)
+
+    monkeypatch.setattr(sft, "evaluate", counted_evaluate)
+    _, sft_train, sft_eval = tiny_split(tiny, "sentiment_sft", "prompt_completion", rows=60, max_length=64)
+    eval_losses = {}
+    for fused in (False, True):  # SFT's evaluation (no gradients): each chunk's scores alone
+        scored.clear()
+        tracker, model = Tracker(), load_causal_lm(str(tiny / "model"))
+        cfg = SFTConfig(learning_rate=1e-3, max_steps=2, batch_size=4, eval_every=1, fused_kernels=fused)
+        sft.train(cfg, model, tok, sft_train, sft_eval, tracker, tmp_path / f"sft-{fused}")
+        eval_losses[fused] = tracker.series("eval/loss"), sum(scored)
+    assert len(eval_losses[False][0]) >= 2 and eval_losses[False][1] == 0 and eval_losses[True][1] > 0, eval_losses
+    assert eval_losses[True][0] == pytest.approx(eval_losses[False][0], rel=1e-5)
     for fused in (False, True):
         for run in runs:
             before = launches["token_grads"]

@@ -490,7 +490,8 @@ def test_sft_s_fused_head_takes_the_head_kernels_and_compiles_nothing(interprete
     """SFT's head with its gradients formed in the forward (`linear_ce.linear_nll_sum`, `compiled`: the gate open)
     runs each chunk on `token_scores` and `token_grads`, as DPO's does, and builds no compiled function: its loss and
     the hidden states', head's and bias's gradients equal the eager chunks' (float32: to float32 ordering; bf16: the
-    compiled kernels' expressions, the same float32 arithmetic rounded once), plain and `dft`."""
+    compiled kernels' expressions, the same float32 arithmetic rounded once), plain and `dft`. Without gradients (an
+    evaluation pass) each chunk takes `token_scores` alone, and the eager value."""
     from alignpipe import linear_ce
 
     assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
@@ -512,6 +513,11 @@ def test_sft_s_fused_head_takes_the_head_kernels_and_compiles_nothing(interprete
 
     got = run(True)
     assert launched == {"token_scores": 3, "token_grads": 3} and compiled == [], "3 chunks of 4, 4 and 3 rows"
+    with torch.no_grad():  # an evaluation pass: the scores alone, one read of each chunk's logits
+        evaluated = linear_ce.linear_nll_sum(hidden, weight, bias, labels, 4, compiled=True, dft=dft)
+        eager = linear_ce.linear_nll_sum(hidden, weight, bias, labels, 4, compiled=False, dft=dft)
+    assert launched == {"token_scores": 6, "token_grads": 3} and compiled == []
+    assert torch.allclose(evaluated, eager, rtol=1e-5) and torch.allclose(evaluated, got[0], rtol=1e-5)
     if dtype == torch.float32:
         for a, b in zip(got, run(False), strict=True):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()

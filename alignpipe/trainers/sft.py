@@ -220,15 +220,17 @@ def evaluate(
     pad_id: int,
     padding_free: bool = False,
     dft: bool = False,
+    compiled: bool = False,
 ) -> float:
-    """Token-averaged eval loss over all processes (`padding_free` as `collate`'s)."""
+    """Token-averaged eval loss over all processes (`padding_free` as `collate`'s; `compiled`: the head's chunks on
+    the stage's kernels, as its training steps')."""
     model.eval()
     shard = examples[accelerator.process_index :: accelerator.num_processes]
     total = torch.zeros(2, device=accelerator.device)
     with torch.no_grad():
         for i in range(0, len(shard), batch_size):
             batch = to_device(collate(shard[i : i + batch_size], pad_id, padding_free), accelerator.device)
-            loss, n = token_loss_sum(model, batch, dft=dft)
+            loss, n = token_loss_sum(model, batch, compiled=compiled, dft=dft)
             total += torch.stack([loss.detach().float(), n.float()])
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, "sum")
@@ -285,7 +287,9 @@ def train(
         return {"loss": loss_total * scale + aux.weighted, "num_tokens": num_tokens} | aux.metrics()
 
     eval_fn = (
-        (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free, dft)}) if eval_ex else None
+        (lambda: {"loss": evaluate(loop.model, acc, eval_ex, cfg.batch_size, pad_id, free, dft, kernels)})
+        if eval_ex
+        else None
     )
     try:
         result = loop.run(step, eval_fn)
