@@ -11,6 +11,7 @@ Shapes: B = batch, T = sequence length, V = vocabulary, d = hidden size.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
@@ -40,29 +41,37 @@ def _chunk_logprobs(
     return token, _second_statistic(logp, second)
 
 
-def _chunk_logprobs_by_hand(hidden, head_weight, head_bias, labels, temperature: float, second: str | None):
+def _chunk_logprobs_by_hand(
+    hidden, head_weight, head_bias, labels, temperature: float, second: str | None, keep_logits: bool = False
+):
     """`_chunk_logprobs` on `triton_kernels`' head kernels: the log-softmax, gather and `second` statistic as one
-    read of the head's logits (`token_scores`), and, where gradients are on, their backward as `_HandScored`'s."""
+    read of the head's logits (`token_scores`), and, where gradients are on, their backward as `_HandScored`'s
+    (`keep_logits`: the logits kept for it rather than formed again)."""
     h = hidden.to(head_weight.dtype)
-    token, statistic = _HandScored.apply(h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, second)
+    token, statistic = _HandScored.apply(
+        h, head_weight, head_bias, labels.clamp(min=0).flatten(), temperature, second, keep_logits
+    )
     return token.view(labels.shape), statistic.view(labels.shape) if second else statistic
 
 
 class _HandScored(torch.autograd.Function):
     """A chunk's label log-probs at a temperature (and its second statistic: entropies, or WPO's log Σp², which has
     no gradient here) from the head's matmul and `token_scores`, keeping for backward the chunk's hidden states,
-    log-sum-exps and statistic alone: backward forms the logits again (one head matmul) and their gradient in one
-    pass (`token_grads`, with coefficients = the log-probs' and the entropies' upstream gradients / temperature). Activation checkpointing of the eager chunk
-    (`_chunk_logprobs`) keeps as little but recomputes its float32 log-softmax and entropy, and its backward makes
-    several float32 passes over the chunk's logits where this makes one read and one write in their dtype."""
+    log-sum-exps and statistic: backward forms the logits again (one head matmul; with `keep_logits`, where the head
+    runs in one piece of at most WHOLE_LOGITS_MAX logits, they are kept instead, in their dtype) and their gradient
+    in one pass (`token_grads`, with coefficients = the log-probs' and the entropies' upstream gradients /
+    temperature). Activation checkpointing of the eager chunk (`_chunk_logprobs`) keeps as little but recomputes its
+    float32 log-softmax and entropy, and its backward makes several float32 passes over the chunk's logits where
+    this makes one read and one write in their dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, second: str | None):
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, second: str | None, keep_logits: bool):
         # the matmul on the chunk as it comes (a strided slice of positions), as the eager chunk's: the same logits
         logits = F.linear(hidden, weight, bias).flatten(0, -2)
         lse, token, *statistic = triton_kernels.token_scores(logits, labels, temperature, second)
         spread = statistic[0] if second else token.new_zeros(())
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, spread)
+        kept = logits if keep_logits else None
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, spread, kept)
         ctx.temperature = temperature
         if second != "entropy":
             ctx.mark_non_differentiable(spread)
@@ -71,10 +80,10 @@ class _HandScored(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_token, grad_spread):
-        hidden, weight, bias, labels, lse, spread = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, spread, kept = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         t = ctx.temperature
-        logits = F.linear(hidden, weight, bias).flatten(0, -2)
+        logits = kept if kept is not None else F.linear(hidden, weight, bias).flatten(0, -2)
         coef = (grad_token.float() / t).contiguous() if grad_token is not None else torch.zeros_like(lse)
         # an entropy that reaches the loss (a bonus) adds its gradient
         with_spread = (spread, (grad_spread.float() / t).contiguous()) if grad_spread is not None else None
@@ -83,6 +92,7 @@ class _HandScored(torch.autograd.Function):
             (grad @ weight).view(hidden.shape) if want_h else None,
             grad.t() @ hidden.flatten(0, -2) if want_w else None,
             grad.float().sum(0).to(bias.dtype) if want_b else None,
+            None,
             None,
             None,
             None,
@@ -520,12 +530,12 @@ def _head_logprobs(
     # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise the chunk
     # compiled, forward and backward with gradients, else one inference kernel after the head's matmul
     by_hand = compiled and fused_kernels.by_hand(hidden, weight, head=True)
-    if by_hand:
-        chunk_logprobs = _chunk_logprobs_by_hand
-    else:
-        chunk_logprobs = compiled_function(_chunk_logprobs) if compiled else _chunk_logprobs
+    chunk_logprobs: Any = _chunk_logprobs_by_hand if by_hand else _chunk_logprobs
+    if compiled and not by_hand:
+        chunk_logprobs = compiled_function(_chunk_logprobs)
     if B * T * V <= WHOLE_LOGITS_MAX:
-        lp, ent = chunk_logprobs(hidden, weight, bias, labels, temperature, _second(with_entropy))
+        whole = functools.partial(chunk_logprobs, keep_logits=True) if by_hand else chunk_logprobs
+        lp, ent = whole(hidden, weight, bias, labels, temperature, _second(with_entropy))
         return (lp, _entropy_out(ent, with_entropy)) if with_entropy else lp
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
     logps, entropies = [], []

@@ -439,7 +439,8 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
 ):
     """GRPO's, PPO's and online DPO's trained head (`logprobs._head_logprobs` with gradients, `compiled`: the gate
     open) on `token_scores` (with the entropy) and, in backward, `token_grads`: no compiled function and no
-    activation checkpointing, one launch of each a chunk. Its log-probs, entropies (detached, or with their gradient
+    activation checkpointing, one launch of each a chunk (the logits formed again in backward, or kept where the head
+    runs in one piece). Its log-probs, entropies (detached, or with their gradient
     where an entropy bonus trains through them) and the hidden states', head's and bias's gradients at a temperature
     are the eager chunks' (float32: to float32 ordering; bf16: the logits are the same bf16 matmul's, the gradients
     round once, so within a rounding step of the logits')."""
@@ -469,10 +470,13 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
         loss = (lp * upstream).sum() + (ent * bonus).sum() if ent.requires_grad else (lp * upstream).sum()
         return (lp.detach(), ent.detach(), *torch.autograd.grad(loss, (h, w, b)))
 
+    heads = counted_calls(monkeypatch, logprobs.F, "linear")
     got = run(True)
     chunks = 1 if whole else 4  # 2 rows × 2 positions within 8 × V values, the last position alone joining: 2, 2, 2, 3
     assert launched == {"token_scores": chunks, "token_grads": chunks}
     assert compiled == [] and checkpointed == []
+    # a chunk's logits formed again in backward; in one piece (≤ WHOLE_LOGITS_MAX values) kept instead
+    assert heads["linear"] == (1 if whole else 2 * chunks)
     want = run(False)
     for a, b in zip(got[:2], want[:2], strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()
