@@ -18,9 +18,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   `compiled=` argument). GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the entropy
   they log or an entropy bonus trains through), and DPO's and KTO's chunked head where their fused one cannot run
   (WPO's weights, LD-DPO), read each chunk's logits once forward (`token_scores` with the entropy or log Σp²) and
-  once more in backward, writing their gradient once (`token_grads`): ~6 bytes of traffic per bf16 logit besides the matmuls, where the
-  eager chunk under activation checkpointing makes over 100 (a float32 copy, log-softmax and entropy, formed
-  twice, and their backward).
+  once more in backward, writing their gradient once (`token_grads`): ~6 bytes of traffic per bf16 logit besides
+  the matmuls, where the eager chunk under activation checkpointing makes over 100 (a float32 copy, log-softmax
+  and entropy, formed twice, and their backward).
 
 - the rotary embedding of each attention module's queries and keys (`rotary`): eagerly ~10 kernels forward
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.
@@ -32,8 +32,8 @@ function's call also runs dynamo's guards and AOT autograd's and inductor's wrap
 each on this project's CPUs). Otherwise inductor writes them from the same expressions the CPU path runs; each then
 compiles with symbolic sizes, on token rows (`_rows`), a few seconds in the first step: once per process and
 direction. The LM heads' softmax, scores and gradients (SFT's `linear_ce`, DPO's and KTO's
-`linear_sequence_loss`, the scoring passes' and the RL trainers' `logprobs`) are hand-written too (`triton_kernels.token_scores` and
-`token_grads`, where `triton_kernels.head_usable`), inductor's otherwise. The passes without gradients
+`linear_sequence_loss`, the scoring passes' and the RL trainers' `logprobs`) are hand-written too
+(`triton_kernels.token_scores` and `token_grads`, where `triton_kernels.head_usable`), inductor's otherwise. The passes without gradients
 that take inductor's (a frozen reference's log-probs, a recorded rollout's prefill) run under `no_grad` rather than
 inference mode to share those graphs (`without_grad`); a recorded decode step's merged projections hand it strided
 rows, one graph more. `compile: true` goes further (whole layers, norms and rotary included) at

@@ -530,9 +530,13 @@ def _head_logprobs(
     # compiled: the hand-written head kernels where Triton runs them, with gradients or without; otherwise the chunk
     # compiled, forward and backward with gradients, else one inference kernel after the head's matmul
     by_hand = compiled and fused_kernels.by_hand(hidden, weight, head=True)
-    chunk_logprobs: Any = _chunk_logprobs_by_hand if by_hand else _chunk_logprobs
-    if compiled and not by_hand:
+    chunk_logprobs: Any
+    if by_hand:
+        chunk_logprobs = _chunk_logprobs_by_hand
+    elif compiled:
         chunk_logprobs = compiled_function(_chunk_logprobs)
+    else:
+        chunk_logprobs = _chunk_logprobs
     if B * T * V <= WHOLE_LOGITS_MAX:
         whole = functools.partial(chunk_logprobs, keep_logits=True) if by_hand else chunk_logprobs
         lp, ent = whole(hidden, weight, bias, labels, temperature, _second(with_entropy))
