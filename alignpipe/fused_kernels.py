@@ -20,7 +20,9 @@ matmuls of a training step that is most of the memory traffic. Two places carry 
   (WPO's weights, LD-DPO), read each chunk's logits once forward (`token_scores` with the entropy or log Σp²) and
   once more in backward, writing their gradient once (`token_grads`): ~6 bytes of traffic per bf16 logit besides
   the matmuls, where the eager chunk under activation checkpointing makes over 100 (a float32 copy, log-softmax
-  and entropy, formed twice, and their backward).
+  and entropy, formed twice, and their backward). PPO's `kl_penalty: full` reads each chunk's policy and reference
+  logits once (`token_kl`: both label log-probs and Σ p (log p − log q)), where the eager chunk forms two float32
+  log-softmaxes, their exp, difference and product.
 
 - the rotary embedding of each attention module's queries and keys (`rotary`): eagerly ~10 kernels forward
   (rotate_half's negation and concatenation, two products and a sum, for each), fused one.

@@ -596,35 +596,70 @@ def full_kl(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact per-position KL of the two next-token distributions, Σ_v π(v)(log π(v) − log π_ref(v)) at
     `temperature` (TRL 0.7's `kl_penalty: full`), with both sides' log-prob of `labels`, from the hidden states and
     (weight, bias) heads of `decoder_hidden`. Runs over chunks of positions within WHOLE_LOGITS_MAX values, so the
-    two (B, T, V) float32 log-softmaxes are never held whole. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
+    two (B, T, V) float32 log-softmaxes are never held whole. `compiled` (the fused kernels' gate open): each chunk's
+    two heads' logits are read once by `triton_kernels.token_kl` where `fused_kernels.by_hand` takes them, and the
+    chunk is compiled otherwise. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
     B, T, _ = hidden.shape
     V = head[0].shape[0]
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
+    if compiled and fused_kernels.by_hand(hidden, head[0], ref_hidden, ref_head[0], head=True):
+        chunk_kl = _chunk_kl_by_hand
+    else:
+        chunk_kl = compiled_function(_chunk_kl) if compiled else _chunk_kl
+    (weight, bias), (ref_weight, ref_bias) = head, ref_head
     parts = []
     with torch.no_grad():
         for s in range(0, T, step):
             sl = slice(s, s + step)
-            logp = _scaled_log_softmax(hidden[:, sl], head, temperature)
-            ref_logp = _scaled_log_softmax(ref_hidden[:, sl], ref_head, temperature)
-            idx = labels[:, sl].clamp(min=0).unsqueeze(-1)
-            parts.append(
-                (
-                    logp.gather(-1, idx).squeeze(-1),
-                    ref_logp.gather(-1, idx).squeeze(-1),
-                    (logp.exp() * (logp - ref_logp)).sum(-1),
-                )
-            )
+            scored = (hidden[:, sl], weight, bias, ref_hidden[:, sl], ref_weight, ref_bias, labels[:, sl])
+            parts.append(chunk_kl(*scored, temperature))
     logp, ref_logp, kl = (torch.cat(cols, 1) for cols in zip(*parts))
     return logp, ref_logp, kl
 
 
-def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:
+def logits_kl(
+    logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the label's log-prob, the reference's, KL(π ‖ π_ref)) per position of two heads' logits at `temperature`, in
+    float32: the eager expression that `triton_kernels.token_kl` computes in one read."""
+    logp, ref_logp = _log_softmax_at(logits, temperature), _log_softmax_at(ref_logits, temperature)
+    idx = labels.clamp(min=0).unsqueeze(-1)
+    return (
+        logp.gather(-1, idx).squeeze(-1),
+        ref_logp.gather(-1, idx).squeeze(-1),
+        (logp.exp() * (logp - ref_logp)).sum(-1),
+    )
+
+
+def _chunk_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, labels, temperature: float):
+    return logits_kl(
+        _head_logits(hidden, weight, bias), _head_logits(ref_hidden, ref_weight, ref_bias), labels, temperature
+    )
+
+
+def _chunk_kl_by_hand(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, labels, temperature: float):
+    logits = _head_logits(hidden, weight, bias).flatten(0, -2)
+    ref_logits = _head_logits(ref_hidden, ref_weight, ref_bias).flatten(0, -2)
+    scores = triton_kernels.token_kl(logits, ref_logits, labels.clamp(min=0).flatten(), temperature)
+    return tuple(t.view(labels.shape) for t in scores)
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     # a head kept in float32 (`modeling.float32_head`) takes the decoder's output cast up, as its forward does
-    logits = F.linear(hidden.to(head[0].dtype), head[0], head[1]).float()
+    return F.linear(hidden.to(weight.dtype), weight, bias)
+
+
+def _log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.log_softmax(-1)
+
+
+def _scaled_log_softmax(hidden: torch.Tensor, head: tuple, temperature: float) -> torch.Tensor:
+    return _log_softmax_at(_head_logits(hidden, *head), temperature)

@@ -275,3 +275,42 @@ def token_grads(
     if ENTROPY:  # a logit of −inf (p = 0) adds nothing, where its 0 · −inf would be NaN
         g -= tl.load(spread_coef + row) * p * (tl.where(p > 0, logp, 0.0) + tl.load(spread + row))
     tl.store(grad + row * vocab + cols, g.to(grad.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def token_kl(
+    logits, ref_logits, labels, token_out, ref_token_out, kl_out, stride, ref_stride, temperature,
+    VOCAB: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One position's KL(π ‖ π_ref) = Σ p (log p − log q) of the softmaxes p of logits / temperature and q of
+    ref_logits / temperature, both read once in blocks, and each side's label log-prob. Each side keeps
+    `token_scores`' running maximum and sum; a third running sum, Σ e·(x − y) with e = exp(x − m) of the policy's
+    side, is rescaled with the policy's maximum, and KL = Σ e·(x − y) / Σ e − lse(x) + lse(y). A column where e is 0
+    (past the vocabulary, a masked logit) weighs 0, where its 0 · ∞ would be NaN."""
+    row = tl.program_id(0).to(tl.int64)
+    base, ref_base = logits + row * stride, ref_logits + row * ref_stride
+    cols = tl.arange(0, BLOCK)
+    keep = cols < VOCAB
+    x = tl.div_rn(tl.load(base + cols, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+    y = tl.div_rn(tl.load(ref_base + cols, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+    high, ref_high = tl.max(x, 0), tl.max(y, 0)
+    e = tl.exp(x - high)
+    total, ref_total = tl.sum(e, 0), tl.sum(tl.exp(y - ref_high), 0)
+    cross = tl.sum(tl.where(e > 0, e * (x - y), 0.0), 0)
+    for start in range(BLOCK, VOCAB, BLOCK):
+        at = start + cols
+        keep = at < VOCAB
+        x = tl.div_rn(tl.load(base + at, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+        y = tl.div_rn(tl.load(ref_base + at, mask=keep, other=-float("inf")).to(tl.float32), temperature)
+        new_high, new_ref_high = tl.maximum(high, tl.max(x, 0)), tl.maximum(ref_high, tl.max(y, 0))
+        scale = tl.exp(high - new_high)
+        e = tl.exp(x - new_high)
+        cross = cross * scale + tl.sum(tl.where(e > 0, e * (x - y), 0.0), 0)
+        total = total * scale + tl.sum(e, 0)
+        ref_total = ref_total * tl.exp(ref_high - new_ref_high) + tl.sum(tl.exp(y - new_ref_high), 0)
+        high, ref_high = new_high, new_ref_high
+    lse, ref_lse = high + tl.log(total), ref_high + tl.log(ref_total)
+    label = tl.load(labels + row)
+    tl.store(token_out + row, tl.div_rn(tl.load(base + label).to(tl.float32), temperature) - lse)
+    tl.store(ref_token_out + row, tl.div_rn(tl.load(ref_base + label).to(tl.float32), temperature) - ref_lse)
+    tl.store(kl_out + row, cross / total - lse + ref_lse)

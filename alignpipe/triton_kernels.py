@@ -191,6 +191,27 @@ def token_grads(
     return grad
 
 
+def token_kl(
+    logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the label's log-prob, the reference's, KL(π ‖ π_ref)) per position of (positions, vocabulary) `logits` and
+    `ref_logits` divided by `temperature`, in float32, each read once: PPO's `kl_penalty: full`
+    (`logprobs.full_kl`), where the eager chunk forms two float32 log-softmaxes and their difference. `labels`:
+    (positions,) in the vocabulary."""
+    if logits.shape != ref_logits.shape:
+        raise ValueError(f"token_kl: logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} differ")
+    logits, ref_logits = _row_major(logits), _row_major(ref_logits)
+    rows, vocab = logits.shape
+    out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
+    if rows:
+        _kernels().token_kl[(rows,)](
+            logits, ref_logits, labels, out[0], out[1], out[2], logits.stride(0), ref_logits.stride(0),
+            float(temperature), VOCAB=vocab, BLOCK=VOCAB_BLOCK, num_warps=8,
+        )  # fmt: skip
+    token, ref_token, kl = out.unbind(0)
+    return token, ref_token, kl
+
+
 ADAMW_BLOCK = 4096
 """Values a program of the AdamW kernel updates: 8 warps of 16 values per thread."""
 
@@ -310,9 +331,9 @@ def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
 
 
 def head_disagreement(device: torch.device) -> str | None:
-    """ "the head's scores" or "the head's gradients" where `token_scores` (at temperatures 1 and 0.7) or `token_grads`
-    on a few bf16 positions over two vocabulary blocks and a part compute otherwise than the compiled kernels' eager
-    expressions (`linear_sequence_loss`, `logprobs`); None where they agree."""
+    """ "the head's scores", "the head's gradients" or "the head's KL" where `token_scores` (at temperatures 1 and
+    0.7), `token_grads` or `token_kl` on a few bf16 positions over two vocabulary blocks and a part compute otherwise
+    than the compiled kernels' eager expressions (`linear_sequence_loss`, `logprobs`); None where they agree."""
     from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -333,6 +354,12 @@ def head_disagreement(device: torch.device) -> str | None:
         grad, _grad_fusable(logits, want_lse, labels, coef, torch.float32).float(), rtol=2**-7, atol=1e-6
     ):
         return "the head's gradients"
+    from alignpipe.logprobs import logits_kl
+
+    ref_logits = (logits.float() + torch.randn(3, vocab, generator=g, device=device)).to(torch.bfloat16)
+    got, want = token_kl(logits, ref_logits, labels, 0.7), logits_kl(logits, ref_logits, labels, 0.7)
+    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want, strict=True)):
+        return "the head's KL"
     return None
 
 

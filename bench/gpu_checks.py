@@ -573,6 +573,59 @@ def check_rl_head(setup: Setup) -> Callable[[], None]:
     return run
 
 
+def check_full_kl(setup: Setup) -> Callable[[], None]:
+    @check("PPO's full KL of two heads (eager, compiled and hand-written) equals float64 softmaxes' KL")
+    def run():
+        from alignpipe import logprobs, triton_kernels
+
+        hidden, weight, labels = (t.detach() for t in _head_inputs(setup, 5))
+        ref_hidden, ref_weight, _ = (t.detach() for t in _head_inputs(setup, 6))
+        temperature = 0.9
+        want: tuple[list[torch.Tensor], ...] = (
+            [],
+            [],
+            [],
+        )  # the reference: each side's logits (one matmul, as every side's) in float64
+        for s in range(0, labels.numel(), 1024):
+            sl = slice(s, s + 1024)
+            logp, ref_logp = (
+                (torch.nn.functional.linear(h[sl], w).double() / temperature).log_softmax(-1)
+                for h, w in ((hidden, weight), (ref_hidden, ref_weight))
+            )
+            idx = labels[sl, None]
+            want[0].append(logp.gather(-1, idx).squeeze(-1))
+            want[1].append(ref_logp.gather(-1, idx).squeeze(-1))
+            want[2].append((logp.exp() * (logp - ref_logp)).sum(-1))
+        wanted = [torch.cat(parts) for parts in want]
+        sides = [("eager", False, "compiled"), ("compiled", True, "compiled")]
+        if triton_kernels.head_usable(setup.device):
+            sides.append(("hand-written", True, "triton"))
+        gaps, texts = [], []
+        for name, compiled, kernels in sides:
+
+            def full_kl(compiled=compiled):
+                heads = (weight, None), (ref_weight, None)
+                return logprobs.full_kl(
+                    hidden[None], heads[0], ref_hidden[None], heads[1], labels[None], temperature, compiled=compiled
+                )
+
+            with elementwise(kernels):
+                for _ in range(2):  # the second timed: the first compiles
+                    got, took = timed(full_kl, setup.cuda)
+            gap = relative(got[2][0], wanted[2]), max(relative(a[0], b) for a, b in zip(got[:2], wanted[:2]))
+            gaps.append(gap)
+            texts.append(f"{name}: KL {gap[0]:.1e}, log-probs {gap[1]:.1e}, {took * 1e3:.1f} ms")
+        ok = all(a < setup.loss_tol and b < setup.loss_tol for a, b in gaps)
+        mean_kl = float(wanted[2].mean())
+        return (
+            ok,
+            f"{labels.numel()} tokens × {weight.size(0)} vocabulary in {setup.dtype}, mean KL {mean_kl:.3f}: "
+            + (", ".join(texts)),
+        )
+
+    return run
+
+
 def check_loss_watch(setup: Setup) -> Callable[[], None]:
     @check("the loss watch finds a NaN loss one step late through its pinned copies")
     def run():
@@ -1170,6 +1223,7 @@ CHECKS = (
     check_loss_watch,
     check_activation_offloading,
     check_low_precision_adamw,
+    check_full_kl,  # after the AdamW line: `gpu_session.sh n` runs these checks in this order within its limit
     check_step_syncs,
     check_batch_transfer,
     check_host_copies,

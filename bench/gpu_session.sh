@@ -95,8 +95,8 @@
 #      more than the eager one it compared with) and offloading line (mended: it held the plain step's gradient copies
 #      on the device), then reward 8×1024 against TRL + Liger with room for three rounds (f's 140 s held two), then
 #      GRPO 8×8×256 against TRL + Liger (its row has never run; one round) for N_LIMIT seconds (default 150);
-#      since session 70 the checks include SFT's head and the RL trainers' trained head on the hand-written kernels
-#      (timeout_s 560)
+#      since session 70 the checks include SFT's head and the RL trainers' trained head on the hand-written kernels,
+#      since session 71 PPO's full KL on `token_kl` (timeout_s 570)
 set -uo pipefail
 stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to n)"}
 case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m | n) ;; *)
@@ -200,7 +200,7 @@ m)
   bench "${M_LIMIT:-300}" --cases ppo/64x256 --attention varlen --steps 4 --skip-steps 2 --out "$out/gpu.md"
   ;;
 n)
-  timeout 140 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading,sft_head,rl_head 2>&1 |
+  timeout 150 python3 -m bench.gpu_checks --only low_precision_adamw,activation_offloading,sft_head,rl_head,full_kl 2>&1 |
     tee "$out/checks"
   bench 240 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench "${N_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"

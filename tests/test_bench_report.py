@@ -974,16 +974,19 @@ def test_the_gpu_checks_run_their_cpu_branches_and_pass(capsys):
     """`python -m bench.gpu_checks`, the first call of a GPU session, runs on CPU too (float32, small sizes): varlen
     attention against SDPA's mask with every layer taking the flattened path, padding-free DPO rows against padded
     ones, the compiled SwiGLU product (with its down projection) and rotary embedding against eager's, the fused
-    heads and the RL trainers' head eager and compiled against autograd; the CUDA-only checks say they were skipped (the decode step's kernel
+    heads and the RL trainers' head eager and compiled against autograd, PPO's full KL against float64's; the
+    CUDA-only checks say they were skipped (the decode step's kernel
     count runs its steps, counting operators instead). So the script a GPU session depends on cannot rot."""
     from bench import gpu_checks
 
     gpu_checks.RESULTS.clear()
     assert gpu_checks.main(["--cpu"]) == 0
     out = capsys.readouterr().out
-    want = [True, True, None, True, True, True, True, True, None, True, None, None, None, None, None, None, None, None]
+    # varlen, padding-free DPO, (norm: CUDA), SwiGLU, rotary, the SFT, DPO and RL heads, (loss watch), offloading,
+    # (AdamW), the full KL, then the CUDA-only lines
+    want = [True, True, None, True, True, True, True, True, None, True, None, True] + [None] * 7
     assert [ok for _, ok, _ in gpu_checks.RESULTS] == want
-    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 8 and out.count("\nskip ") == 10
+    assert "'documents': 4, 'flash': 0" in out and out.count("\nPASS ") == 9 and out.count("\nskip ") == 10
     kernels = gpu_checks.RESULTS[-1][2]  # the decode step's count runs its steps on CPU, operators counted
     assert "operators counted on CPU instead" in kernels and " a layer), policy " in kernels, kernels
 

@@ -657,8 +657,9 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
     """Where Triton's kernels run, GRPO's, PPO's and online DPO's trained head (log-probs with gradients, and the
     entropy GRPO and PPO log, or that GRPO's entropy bonus trains through), and DPO's chunked head where its fused
     one cannot run (WPO's weights with their log Σp², LD-DPO) take `token_scores` and `token_grads`, and each run
-    logs the eager run's losses and metrics; the eager runs launch neither. SFT's evaluation scores its chunks with
-    `token_scores` alone, to the eager eval loss."""
+    logs the eager run's losses and metrics; the eager runs launch neither. PPO with `kl_penalty: full` takes its
+    rollouts' KL from `token_kl`. SFT's evaluation scores its chunks with `token_scores` alone, to the eager eval
+    loss."""
     import copy
 
     from support import run_ppo
@@ -674,7 +675,7 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
     tok = load_tokenizer(str(tiny / "model"))
     _, prompts, _ = tiny_split(tiny, "reverse", "prompt_completion", rows=16)
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [len(x) / 10 for x in c])])
-    launches = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads")
+    launches = counted_calls(monkeypatch, triton_kernels, "token_scores", "token_grads", "token_kl")
     rows = [{"prompt": r["prompt"]} for r in prompts]
 
     def grpo_run(fused: bool, out, **bonus) -> list[float]:
@@ -690,6 +691,11 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
         torch.manual_seed(0)  # the value model's new head is drawn before the run seeds itself
         _, tracker, _ = run_ppo(tiny, out, max_steps=2, fused_kernels=fused)
         return tracker.series("loss/policy_avg") + tracker.series("policy/entropy_avg")
+
+    def ppo_full_kl_run(fused: bool, out) -> list[float]:  # the rollout's KL of the two heads: `token_kl`
+        torch.manual_seed(0)
+        _, tracker, _ = run_ppo(tiny, out, max_steps=2, fused_kernels=fused, kl_penalty="full")
+        return tracker.series("objective/kl") + tracker.series("loss/policy_avg")
 
     def online_dpo_run(fused: bool, out) -> list[float]:
         tracker, policy = Tracker(), load_causal_lm(str(tiny / "model"))
@@ -714,7 +720,7 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
     def ld_dpo_run(fused: bool, out) -> list[float]:
         return dpo_run(fused, out, ld_alpha=0.5)
 
-    runs = (grpo_run, grpo_entropy_bonus_run, ppo_run, online_dpo_run, wpo_run, ld_dpo_run)
+    runs = (grpo_run, grpo_entropy_bonus_run, ppo_run, ppo_full_kl_run, online_dpo_run, wpo_run, ld_dpo_run)
     evaluate, scored = sft.evaluate, []
 
     def counted_evaluate(*a, **k):
@@ -735,11 +741,16 @@ def test_the_trained_chunked_heads_run_on_the_hand_written_kernels_as_eagerly(ti
         eval_losses[fused] = tracker.series("eval/loss"), sum(scored)
     assert len(eval_losses[False][0]) >= 2 and eval_losses[False][1] == 0 and eval_losses[True][1] > 0, eval_losses
     assert eval_losses[True][0] == pytest.approx(eval_losses[False][0], rel=1e-5)
+    kl_launches = {}
     for fused in (False, True):
         for run in runs:
-            before = launches["token_grads"]
+            before, kl_before = launches["token_grads"], launches["token_kl"]
             series[run.__name__, fused] = run(fused, tmp_path / f"{run.__name__}-{fused}")
             grads[run.__name__, fused] = launches["token_grads"] - before
+            kl_launches[run.__name__, fused] = launches["token_kl"] - kl_before
+    # 2 updates × 2 scoring slices of 8 episodes, each slice's responses one chunk
+    assert {k: n for k, n in kl_launches.items() if n} == {("ppo_full_kl_run", True): 4}
+    assert series["ppo_full_kl_run", False][1] > 0, "the second update's policy has moved from its reference"
     assert series["grpo_entropy_bonus_run", False] != series["grpo_run", False], "the bonus is in the loss"
     for name in (run.__name__ for run in runs):
         assert grads[name, False] == 0 and grads[name, True] > 0, (name, grads)

@@ -488,6 +488,74 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
             assert float((a.float() - b.float()).norm() / b.float().norm()) < ULP, (a - b).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kl_kernel_computes_the_eager_kl_of_two_heads(interpreted, dtype):
+    """`token_kl` (PPO's `kl_penalty: full`) over a vocabulary of two blocks and a part, on strided rows, at
+    temperatures 1 and 0.7: each side's label log-prob and Σ p (log p − log q) equal the eager float32 log-softmaxes'
+    (`logprobs.logits_kl`). Identical heads give a KL of exactly 0; a policy logit of −inf weighs nothing (the eager
+    expression's 0 · −inf there is a NaN); a reference logit of −inf where the policy's is not gives ∞."""
+    from alignpipe.logprobs import logits_kl
+
+    g = torch.Generator().manual_seed(9)
+    vocab = 2 * triton_kernels.VOCAB_BLOCK + 77
+    logits = (torch.randn(5, vocab + 9, generator=g) * 3).to(dtype)[:, :vocab]
+    ref_logits = (logits.float() + torch.randn(5, vocab, generator=g)).to(dtype)
+    labels = torch.tensor([0, vocab - 1, 3, triton_kernels.VOCAB_BLOCK, 11])
+    for t in (1.0, 0.7):
+        got, want = triton_kernels.token_kl(logits, ref_logits, labels, t), logits_kl(logits, ref_logits, labels, t)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == torch.float32 and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+        assert (got[2] > 0.1).all(), "a KL of a few tenths: compared, not two zeros"
+        same = triton_kernels.token_kl(logits, logits, labels, t)
+        assert torch.equal(same[2], torch.zeros(5)) and torch.equal(same[0], same[1])
+
+    logits[0, 5] = float("-inf")
+    ref_logits[1, 6] = float("-inf")
+    _, _, kl = triton_kernels.token_kl(logits, ref_logits, labels, 0.7)
+    logp, ref_logp = ((x.float() / 0.7).log_softmax(-1) for x in (logits, ref_logits))
+    masked = torch.where(logp > float("-inf"), logp.exp() * (logp - ref_logp), 0.0).sum(-1)
+    assert kl[1] == float("inf") and masked[1] == float("inf")
+    assert torch.allclose(kl[[0, 2, 3, 4]], masked[[0, 2, 3, 4]], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="differ"):
+        triton_kernels.token_kl(logits, ref_logits[:, :-1], labels)
+
+
+def test_the_full_kl_takes_the_kl_kernel_where_the_gate_is_open_and_compiles_its_chunk_otherwise(
+    interpreted, monkeypatch
+):
+    """`logprobs.full_kl` with the fused kernels' gate open: each chunk's two heads' logits go to `token_kl` (one
+    launch a chunk, nothing compiled), with a float32 head beside a bf16 reference's; where the hand-written kernels
+    cannot run, the eager chunk is compiled. Either way the log-probs and KL are the eager run's."""
+    from alignpipe import logprobs
+
+    assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
+    launched = counted_calls(monkeypatch, triton_kernels, "token_kl")
+    compiled: list = []
+    monkeypatch.setattr(logprobs, "compiled_function", lambda fn: compiled.append(fn) or fn)
+    g = torch.Generator().manual_seed(10)
+    vocab = triton_kernels.VOCAB_BLOCK + 50
+    hidden, ref_hidden = torch.randn(2, 9, 16, generator=g), torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
+    head = (torch.randn(vocab, 16, generator=g) / 3, torch.randn(vocab, generator=g) / 4)
+    ref_head = (head[0] + torch.randn(vocab, 16, generator=g) / 10).to(torch.bfloat16), None
+    labels = torch.randint(0, vocab, (2, 9), generator=g)
+    labels[1, 8] = -100  # a padded position: scored as token 0, as the eager chunk scores it
+
+    def kl_of(compiled: bool):
+        return logprobs.full_kl(hidden, head, ref_hidden, ref_head, labels, 0.8, chunk_tokens=4, compiled=compiled)
+
+    want = kl_of(False)
+    assert launched["token_kl"] == 0 and compiled == []
+    got = kl_of(True)
+    assert launched["token_kl"] == 5 and compiled == []  # 2 rows × 2 positions a chunk over 9 positions
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == (2, 9) and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    monkeypatch.setattr(fused_kernels, "by_hand", lambda *t, head=False: False)
+    again = kl_of(True)
+    assert launched["token_kl"] == 5 and compiled == [logprobs._chunk_kl]
+    for a, b in zip(again, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dft", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sft_s_fused_head_takes_the_head_kernels_and_compiles_nothing(interpreted, monkeypatch, dtype, dft):
@@ -562,9 +630,10 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
     assert out.returncode == 0, out.stderr[-3000:]
     builds = [json.loads(line) for line in out.stdout.splitlines()]
     by = {(b["kernel"], b["variant"], b["capability"]): b for b in builds}
-    kernels = {"silu_mul_forward", "silu_mul_backward", "rotary", "token_scores", "token_grads", "kahan_adamw"}
+    kernels = {"silu_mul_forward", "silu_mul_backward", "rotary", "token_scores", "token_grads", "token_kl"}
+    kernels.add("kahan_adamw")
     assert {b["kernel"] for b in builds} == kernels and {b["capability"] for b in builds} == set(GPUS)
-    assert len(by) == len(builds) == 22 * len(GPUS)  # 10 launches in each of 2 dtypes, the AdamW step 2 ways
+    assert len(by) == len(builds) == 24 * len(GPUS)  # 11 launches in each of 2 dtypes, the AdamW step 2 ways
     assert all(b["local"] == 0 for b in builds), [b for b in builds if b["local"]]
 
     for capability in GPUS:
@@ -588,6 +657,8 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
         for variant in ("bfloat16", "bfloat16, with the entropy", "bfloat16, with log Σp²"):  # a second sum kept
             scores = by[("token_scores", variant, capability)]["memory"]
             assert scores.get("ld.global.v4.b32", 0) == 2 and scores.get("ld.global.b16", 0) == 1, scores
+        kl = by[("token_kl", "bfloat16", capability)]["memory"]  # two heads' blocks, and each one's label
+        assert kl.get("ld.global.v4.b32", 0) == 4 and kl.get("ld.global.b16", 0) == 2, kl
 
 
 def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_launch_allows_it(

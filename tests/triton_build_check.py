@@ -73,6 +73,8 @@ for dtype in (torch.bfloat16, torch.float32):
     triton_kernels.token_grads(logits, lse, labels, torch.ones(4), 0.7, (spread, torch.ones(4)))
     variant[0] = f"{kind}, with log Σp²"
     triton_kernels.token_scores(logits, labels, 0.7, "log_sum_sq")
+    variant[0] = kind
+    triton_kernels.token_kl(logits, torch.zeros(4, VOCAB, dtype=dtype), labels, 0.7)
 
 scalars = (0.9, 0.999, 1e-3, 0.5, 1e-5, 1e-8)
 for variant[0], sizes in (("aligned slices", (HIDDEN * 64, INTERMEDIATE)), ("a slice of 17 values", (HIDDEN, 17))):

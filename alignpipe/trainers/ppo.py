@@ -308,15 +308,15 @@ class PPORun:
         (`episode_layout`), for the models whose attention runs documents."""
         cfg, policy = self.cfg, self.unwrapped.policy
         ref_model, ref_ctx = self.reference()
+        chunk = cfg.logprob_chunk_tokens
+        kernels = fused_kernels.wanted(cfg.fused_kernels, q.device)  # the head's chunks by hand or compiled on a GPU
         if cfg.kl_penalty == "full":
             hidden, *head = response_hidden(policy, q, qm, r, packed)
             with ref_ctx:
                 ref_hidden, *ref_head = response_hidden(ref_model, q, qm, r, packed)
             return full_kl(
-                hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, cfg.logprob_chunk_tokens
+                hidden, tuple(head), ref_hidden, tuple(ref_head), r, self.temperature, chunk, compiled=kernels
             )
-        chunk = cfg.logprob_chunk_tokens
-        kernels = fused_kernels.wanted(cfg.fused_kernels, q.device)  # the head's chunks compiled on a GPU
         options: dict[str, Any] = dict(only=only, count=count, compiled=kernels, packed=packed)
         lp = response_logprobs(policy, q, qm, r, self.temperature, chunk, **options)
         with ref_ctx:
