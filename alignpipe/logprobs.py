@@ -602,12 +602,13 @@ def full_kl(
     `temperature` (TRL 0.7's `kl_penalty: full`), with both sides' log-prob of `labels`, from the hidden states and
     (weight, bias) heads of `decoder_hidden`. Runs over chunks of positions within WHOLE_LOGITS_MAX values, so the
     two (B, T, V) float32 log-softmaxes are never held whole. `compiled` (the fused kernels' gate open): each chunk's
-    two heads' logits are read once by `triton_kernels.token_kl` where `fused_kernels.by_hand` takes them, and the
-    chunk is compiled otherwise. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
+    two heads' logits are read once by `triton_kernels.token_kl` where `fused_kernels.by_hand` takes them (and
+    `triton_kernels.kl_usable`), and the chunk is compiled otherwise. No gradient. Returns (logp, ref_logp, kl), each (B, T)."""
     B, T, _ = hidden.shape
     V = head[0].shape[0]
     step = max(1, min(chunk_tokens, WHOLE_LOGITS_MAX // V) // max(1, B))
-    if compiled and fused_kernels.by_hand(hidden, head[0], ref_hidden, ref_head[0], head=True):
+    tensors = (hidden, head[0], ref_hidden, ref_head[0])
+    if compiled and fused_kernels.by_hand(*tensors, head=True) and triton_kernels.kl_usable(hidden.device):
         chunk_kl = _chunk_kl_by_hand
     else:
         chunk_kl = compiled_function(_chunk_kl) if compiled else _chunk_kl

@@ -317,6 +317,13 @@ def head_usable(device: torch.device) -> bool:
     return _tried(device, head_disagreement, "the compiled head kernels run")
 
 
+@functools.cache
+def kl_usable(device: torch.device) -> bool:
+    """`usable` for `token_kl` (`kl_disagreement`), tried apart from the other head kernels so that a card where it
+    fails keeps them; there PPO's full KL runs compiled."""
+    return _tried(device, kl_disagreement, "the full KL runs compiled")
+
+
 def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
     if torch.device(device).type != "cuda" and not interpreted():
         return False
@@ -331,9 +338,9 @@ def _tried(device: torch.device, disagreement_on, fallback: str) -> bool:
 
 
 def head_disagreement(device: torch.device) -> str | None:
-    """ "the head's scores", "the head's gradients" or "the head's KL" where `token_scores` (at temperatures 1 and
-    0.7), `token_grads` or `token_kl` on a few bf16 positions over two vocabulary blocks and a part compute otherwise
-    than the compiled kernels' eager expressions (`linear_sequence_loss`, `logprobs`); None where they agree."""
+    """ "the head's scores" or "the head's gradients" where `token_scores` (at temperatures 1 and 0.7) or `token_grads`
+    on a few bf16 positions over two vocabulary blocks and a part compute otherwise than the compiled kernels' eager
+    expressions (`linear_sequence_loss`, `logprobs`); None where they agree."""
     from alignpipe.linear_sequence_loss import _grad_fusable, _scores_fusable
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -354,12 +361,22 @@ def head_disagreement(device: torch.device) -> str | None:
         grad, _grad_fusable(logits, want_lse, labels, coef, torch.float32).float(), rtol=2**-7, atol=1e-6
     ):
         return "the head's gradients"
+    return None
+
+
+def kl_disagreement(device: torch.device) -> str | None:
+    """ "the heads' KL" where `token_kl` on a few bf16 positions over two vocabulary blocks and a part, at temperature
+    0.7, computes otherwise than the eager float32 log-softmaxes (`logprobs.logits_kl`); None where they agree."""
     from alignpipe.logprobs import logits_kl
 
-    ref_logits = (logits.float() + torch.randn(3, vocab, generator=g, device=device)).to(torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(1)
+    vocab = 2 * VOCAB_BLOCK + 100
+    logits = torch.randn(3, vocab, generator=g, device=device) * 4
+    ref_logits = (logits + torch.randn(3, vocab, generator=g, device=device)).to(torch.bfloat16)
+    logits, labels = logits.to(torch.bfloat16), torch.tensor([0, vocab - 1, 7], device=device)
     got, want = token_kl(logits, ref_logits, labels, 0.7), logits_kl(logits, ref_logits, labels, 0.7)
-    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want, strict=True)):
-        return "the head's KL"
+    if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want, strict=True)):
+        return "the heads' KL"
     return None
 
 

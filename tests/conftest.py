@@ -95,7 +95,13 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_trunc", fp_trunc)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", fma)
-    caches = (triton_kernels._kernels, triton_kernels.usable, triton_kernels.adamw_usable, triton_kernels.head_usable)
+    caches = (
+        triton_kernels._kernels,
+        triton_kernels.usable,
+        triton_kernels.adamw_usable,
+        triton_kernels.head_usable,
+        triton_kernels.kl_usable,
+    )
     for cache in caches:
         cache.cache_clear()
     yield

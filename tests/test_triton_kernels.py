@@ -507,6 +507,7 @@ def test_the_kl_kernel_computes_the_eager_kl_of_two_heads(interpreted, dtype):
             assert a.dtype == torch.float32 and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
         assert (got[2] > 0.1).all(), "a KL of a few tenths: compared, not two zeros"
         same = triton_kernels.token_kl(logits, logits, labels, t)
+        assert triton_kernels.kl_disagreement(torch.device("cpu")) is None
         assert torch.equal(same[2], torch.zeros(5)) and torch.equal(same[0], same[1])
 
     logits[0, 5] = float("-inf")
@@ -521,14 +522,16 @@ def test_the_kl_kernel_computes_the_eager_kl_of_two_heads(interpreted, dtype):
 
 
 def test_the_full_kl_takes_the_kl_kernel_where_the_gate_is_open_and_compiles_its_chunk_otherwise(
-    interpreted, monkeypatch
+    interpreted, monkeypatch, caplog
 ):
     """`logprobs.full_kl` with the fused kernels' gate open: each chunk's two heads' logits go to `token_kl` (one
     launch a chunk, nothing compiled), with a float32 head beside a bf16 reference's; where the hand-written kernels
-    cannot run, the eager chunk is compiled. Either way the log-probs and KL are the eager run's."""
+    cannot run, the eager chunk is compiled. Either way the log-probs and KL are the eager run's. A card whose
+    `token_kl` computes otherwise is told once and runs the compiled chunk, keeping the other head kernels."""
     from alignpipe import logprobs
 
-    assert triton_kernels.head_usable(torch.device("cpu"))  # its probe launches before the count starts
+    cpu = torch.device("cpu")
+    assert triton_kernels.head_usable(cpu) and triton_kernels.kl_usable(cpu)  # probes launch before the count
     launched = counted_calls(monkeypatch, triton_kernels, "token_kl")
     compiled: list = []
     monkeypatch.setattr(logprobs, "compiled_function", lambda fn: compiled.append(fn) or fn)
@@ -549,11 +552,23 @@ def test_the_full_kl_takes_the_kl_kernel_where_the_gate_is_open_and_compiles_its
     assert launched["token_kl"] == 5 and compiled == []  # 2 rows × 2 positions a chunk over 9 positions
     for a, b in zip(got, want, strict=True):
         assert a.shape == (2, 9) and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    by_hand = fused_kernels.by_hand
     monkeypatch.setattr(fused_kernels, "by_hand", lambda *t, head=False: False)
     again = kl_of(True)
     assert launched["token_kl"] == 5 and compiled == [logprobs._chunk_kl]
     for a, b in zip(again, want, strict=True):
         assert torch.equal(a, b)
+
+    monkeypatch.setattr(fused_kernels, "by_hand", by_hand)  # the kernels as they were; then one gets the KL wrong
+    kl = triton_kernels.token_kl
+    monkeypatch.setattr(triton_kernels, "token_kl", lambda *a: (*kl(*a)[:2], kl(*a)[2] * 1.01))
+    triton_kernels.kl_usable.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="alignpipe.triton_kernels"):
+        assert not triton_kernels.kl_usable(cpu) and triton_kernels.head_usable(cpu)
+        assert all(torch.equal(a, b) for a, b in zip(kl_of(True), want, strict=True))
+    assert compiled == [logprobs._chunk_kl] * 2 and launched["token_kl"] == 5 + 2  # the probe's, then none
+    said = [r.getMessage() for r in caplog.records if r.name == "alignpipe.triton_kernels"]
+    assert len(said) == 1 and "the heads' KL on cpu differs" in said[0] and "full KL runs compiled" in said[0], said
 
 
 @pytest.mark.parametrize("dft", [False, True])
