@@ -103,7 +103,11 @@ PPO_PROMPTS = ["The film", "I watched it and", "Critics say", "My review:"]
 
 def run_ppo(tiny: Path, tmp_path: Path, tracker=None, lora: bool = False, attention: str | None = None, **overrides):
     """A short PPO run on the tiny model (32 prompts, a length reward, 3 updates of 8 episodes unless `overrides`
-    say otherwise), every model on `attention`: (result, tracker, policy)."""
+    say otherwise), every model on `attention`: (result, tracker, policy). The value model's new score head is drawn
+    from seed 0 (before the run seeds itself), so two runs of one config are the same run wherever they come in a
+    process."""
+    import torch
+
     from alignpipe.judges.reward_set import LoadedReward, RewardSet
     from alignpipe.modeling import load_causal_lm, load_sequence_scorer, load_tokenizer
     from alignpipe.tracking import Tracker
@@ -113,6 +117,7 @@ def run_ppo(tiny: Path, tmp_path: Path, tracker=None, lora: bool = False, attent
     tok = load_tokenizer(str(tiny / "model"))
     policy = load_causal_lm(str(tiny / "model"), attention=attention)
     ref = None if lora else load_causal_lm(str(tiny / "model"), attention=attention)
+    torch.manual_seed(0)
     value = load_sequence_scorer(str(tiny / "model"), pad_token_id=tok.pad_token_id, attention=attention)
     rows = [{"prompt": p} for p in PPO_PROMPTS * 8]
     rewards = RewardSet([LoadedReward("len", lambda p, c, **_: [min(len(x.split()), 5) / 5 for x in c])])

@@ -152,7 +152,6 @@ def test_ppo_patches_its_policy_and_value_model_as_its_reference(tiny, tmp_path,
     monkeypatch.setattr(
         ppo, "lean_activations", lambda model, fused: patched.append(type(model).__name__) or real(model, fused)
     )
-    torch.manual_seed(0)  # the value model's new score head
     _, tracker, policy = run_ppo(tiny, tmp_path / "run", lean_activations=lean)
     assert patched == (["LlamaForCausalLM", "LlamaForSequenceClassification"] if lean else [])
     assert ("forward" in vars(policy.model.norm)) == lean
