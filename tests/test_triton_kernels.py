@@ -482,8 +482,9 @@ def test_the_rl_trainers_heads_take_the_head_kernels_with_their_gradients_and_en
         assert torch.allclose(a, b, rtol=1e-5, atol=2e-5), (a - b).abs().max()
     for a, b in zip(got[2:], want[2:], strict=True):
         assert a.dtype == b.dtype == dtype
-        if dtype == torch.float32:
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+        if dtype == torch.float32:  # sums over the vocabulary in another order: ~1e-6 of the largest gradient
+            scale = float(b.abs().max())
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale), ((a - b).abs().max(), scale)
         else:
             assert float((a.float() - b.float()).norm() / b.float().norm()) < ULP, (a - b).abs().max()
 
