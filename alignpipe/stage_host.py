@@ -57,9 +57,10 @@ PRELOAD = (
 """What the host imports before it serves: what every stage imports (a module that a stage kind does not need costs
 the host's start only)."""
 
-LATE_READ = frozenset({"HF_TOKEN", "ALIGNPIPE_TTY", "ALIGNPIPE_PROGRESS", "PYTHONUNBUFFERED"})
+LATE_READ = frozenset({"HF_TOKEN", "ALIGNPIPE_TTY", "ALIGNPIPE_PROGRESS", "PYTHONUNBUFFERED", "TRITON_CACHE_DIR"})
 """Variables a stage may have that its host does not: read when used (the token when the push uploads, the bars' TTY
-and report flags when a bar starts), never by an import, so a fork of the host sees them as a fresh process would."""
+and report flags when a bar starts, Triton's cache folder at a kernel's build), never by an import, so a fork of the
+host sees them as a fresh process would."""
 
 STAGE_TARGET = "alignpipe.stage:hosted_main"
 HOST_TITLE = "alignpipe stage host"

@@ -49,10 +49,32 @@ def interpreted() -> bool:
 @functools.cache
 def _kernels():
     """`triton_jit`, its kernels decorated now: under the interpreter if `TRITON_INTERPRET=1` now (tests clear this
-    cache to switch)."""
+    cache to switch). Their builds go to the compiler's cache (`share_compile_cache`)."""
+    share_compile_cache()
     from alignpipe import triton_jit
 
     return importlib.reload(triton_jit)
+
+
+def share_compile_cache() -> None:
+    """Where `TRITON_CACHE_DIR` is unset, set it to the folder `torch.compile` gives its own Triton kernels: under
+    `TORCHINDUCTOR_CACHE_DIR` (default `/tmp/torchinductor_<user>`), for the current device.
+
+    Triton keeps each build of these kernels in `TRITON_CACHE_DIR`, by default `~/.triton/cache`. Inductor sets that
+    variable to its own folder when it loads its first kernel, if nobody has. So a stage whose first Triton kernel
+    was one of these (every default SFT, DPO, reward and KTO stage on a GPU, which compiles nothing) built them into
+    the home folder, which a docker or kubernetes job loses when it ends, although the work-pool templates keep
+    `TORCHINDUCTOR_CACHE_DIR` on the shared volume for that reason: every such job built them again. And a process
+    whose first kernel was inductor's looked for them in another folder than one whose first was ours. Set before the
+    first build, the folder is the same whichever kind comes first, and lies where the compiler's cache lies."""
+    if "TRITON_CACHE_DIR" in os.environ:  # set by the user, or by inductor already
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:  # inductor's layout moved: Triton's own default stays
+        return
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device)
 
 
 def variants_compiled() -> int:

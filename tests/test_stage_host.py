@@ -167,6 +167,7 @@ def test_a_changed_environment_gets_a_new_host_and_the_old_one_finishes_its_stag
     running = old.start(["stage.py", str(tmp_path / "pid"), "2"], _env(), target="host_targets:sleep")
     _pid_in(tmp_path / "pid")
     assert hosts.get(_env(HF_TOKEN="t")) is old, "a late-read variable does not need a new host"
+    assert hosts.get(_env(TRITON_CACHE_DIR=str(tmp_path / "triton"))) is old, "read at a kernel's build"
     new = hosts.get(_env(HF_HOME=str(tmp_path / "hf")))  # read by huggingface_hub when it is imported
     assert new is not old
     assert running.wait() == 0 and (tmp_path / "pid").read_text() == "done", "the replaced host's stage ran on"

@@ -6,6 +6,7 @@ tests/test_fused_kernels.py (`kernels="triton"`)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -638,13 +639,17 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
     from pathlib import Path
 
     pytest.importorskip("triton", reason="the test extra installs Triton (Linux x86-64)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR", "TRITON_HOME")}
+    env |= {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HOME": str(tmp_path / "home")}
     script = Path(__file__).with_name("triton_build_check.py")
     out = subprocess.run(
         [sys.executable, str(script), *map(str, GPUS)], capture_output=True, text=True, timeout=600, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     builds = [json.loads(line) for line in out.stdout.splitlines()]
+    # each build went to the compiler's cache folder (on a pool's shared volume), none to the home folder
+    assert len(list((tmp_path / "inductor" / "triton" / "0").glob("*/*.cubin"))) == len(builds)
+    assert not (tmp_path / "home" / ".triton" / "cache").exists()
     by = {(b["kernel"], b["variant"], b["capability"]): b for b in builds}
     kernels = {"silu_mul_forward", "silu_mul_backward", "rotary", "token_scores", "token_grads", "token_kl"}
     kernels.add("kahan_adamw")
@@ -675,6 +680,35 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
             assert scores.get("ld.global.v4.b32", 0) == 2 and scores.get("ld.global.b16", 0) == 1, scores
         kl = by[("token_kl", "bfloat16", capability)]["memory"]  # two heads' blocks, and each one's label
         assert kl.get("ld.global.v4.b32", 0) == 4 and kl.get("ld.global.b16", 0) == 2, kl
+
+
+def test_the_kernels_builds_go_where_the_compiler_s_triton_kernels_go_unless_the_user_chose_a_folder(
+    monkeypatch, tmp_path
+):
+    """Triton caches a build of these kernels in `TRITON_CACHE_DIR`, and inductor points that variable at its own
+    folder when it loads its first kernel, if it is unset. Set at the kernels' first use to the folder inductor would
+    pick, it is one folder whichever kind of kernel a process builds first, under `TORCHINDUCTOR_CACHE_DIR`: where the
+    work-pool templates keep it on the volume that outlives a job. A folder the user set is kept."""
+    triton = pytest.importorskip("triton", reason="the test extra installs Triton (Linux x86-64)")
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored afterwards, whatever it was
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))  # Triton's home folder (`HOME` at its import)
+    assert triton.knobs.cache.dir == str(tmp_path / "home" / ".triton" / "cache"), "Triton's own default"
+    inductors = triton_cache_dir(0)  # where inductor would point Triton had its kernel come first
+    assert inductors == str(tmp_path / "inductor" / "triton" / "0")
+
+    triton_kernels._kernels.cache_clear()
+    triton_kernels._kernels()
+    triton_kernels._kernels.cache_clear()  # the next test's kernels are decorated under its own settings
+    assert os.environ["TRITON_CACHE_DIR"] == inductors
+    assert triton.knobs.cache.dir == inductors, "Triton reads the variable at each build"
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    triton_kernels.share_compile_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_the_adamw_kernel_moves_8_values_a_load_only_where_every_slice_of_its_launch_allows_it(

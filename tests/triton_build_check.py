@@ -9,6 +9,7 @@ given that target instead of a device's. No GPU is needed. Each build prints one
 - from cuobjdump's resource usage: the registers a thread takes, and the bytes of local memory (registers spilled)
   and of shared memory;
 - the global loads and stores of its PTX, counted by width.
+The builds land in Triton's cache as a training process's builds do (`triton_kernels.share_compile_cache`).
 
 On a CPU the tests run these kernels in Triton's interpreter, which checks what they compute but not that they compile,
 and ignores the compiler hints (`tl.multiple_of`, `tl.max_contiguous`) on which their vector loads depend."""
@@ -45,6 +46,7 @@ class _Recorded:
         return lambda *args, **kwargs: launches.append((self.name, variant[0], args, kwargs))
 
 
+triton_kernels._kernels()  # what a first launch does before its build: Triton's cache is chosen there
 triton_kernels._kernels = lambda: types.SimpleNamespace(  # type: ignore[assignment]
     **{name: _Recorded(name) for name, fn in vars(triton_jit).items() if isinstance(fn, triton.JITFunction)}
 )
