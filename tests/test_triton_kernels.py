@@ -633,7 +633,6 @@ def test_every_kernel_builds_for_the_gpus_users_train_on_with_vector_loads_and_n
     values a thread were 144 scalar instructions and took 212 registers a thread, so only one block of 8 warps fit
     an H100's SM."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
