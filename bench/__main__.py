@@ -425,6 +425,38 @@ def _fmt(x) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) else "–"
 
 
+def chosen_cases(
+    parser: argparse.ArgumentParser, model: str, suite: str, trainers: list[str], wanted: list[str] | None
+) -> list[Case]:
+    """The suite's cases of `trainers` for `model`, only those `wanted` if given; a wanted key the suite lacks is a
+    usage error naming the known ones."""
+    chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
+    if wanted and (missing := set(wanted) - {c.key for c in chosen}):
+        known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
+        parser.error(f"no case {', '.join(sorted(missing))} in the {suite} suite of {model}; known: {known}")
+    return chosen
+
+
+def sides(case: Case, contenders: list[str]) -> list[str]:
+    """Ours, then the contenders that run `case`: TRL 1.12's PPOTrainer (the last with PPO) has no Liger path, so PPO
+    runs against plain TRL only."""
+    return ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
+
+
+def rotated(impls: list[str], rep: int) -> list[str]:
+    """The order of round `rep`'s runs: who goes first rotates, so no side always meets a cold or a warm machine."""
+    return impls[rep % len(impls) :] + impls[: rep % len(impls)]
+
+
+def run_order(case: Case, contenders: list[str], warmup: int, repeats: int) -> list[str]:
+    """What `--dry-run` prints for a case: each run the invocation would make, a line each, in order. On a freshly
+    started GPU machine the first process of each case ran at half speed (kernels compiled and cached, clocks
+    rising): the discarded warm-up runs per side keep that out of the medians."""
+    impls = sides(case, contenders)
+    lines = [f"{impl:9} warm-up {i} (discarded)" for i in range(warmup) for impl in impls]
+    return lines + [f"{impl:9} rep {rep}" for rep in range(repeats) for impl in rotated(impls, rep)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--models", default="tiny", help="tiny,small (CPU) or qwen0.5b (GPU)")
@@ -482,6 +514,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="discarded runs per side before each case's timed ones (default: 1 on a GPU, 0 on CPU)",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the runs this invocation would make, in order, and exit without running, measuring or writing "
+        "anything: a device call's command checked before the lease",
+    )
     args = parser.parse_args(argv)
     models = args.models.split(",")
     gpu = is_gpu_model(models[0])
@@ -506,21 +544,26 @@ def main(argv: list[str] | None = None) -> None:
                 "--contenders trl+liger needs liger-kernel: pip install -e '.[bench-gpu]' (on the device tool's "
                 "machine, the wheels of `bench/device_wheels.sh`; docs/benchmarks.md, section Users' shapes on a GPU)"
             )
+    wanted = args.cases.split(",") if args.cases else None
+    planned = {model: chosen_cases(parser, model, suite, trainers, wanted) for model in models}
+    warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
+    if args.dry_run:
+        for model, chosen in planned.items():
+            for case in chosen:
+                for line in run_order(case, contenders, warmup, args.repeats):
+                    print(f"{case.key:22} {model:8} {line}")
+        return
     from alignpipe.tiny import make_tiny
 
     assets = make_tiny(args.assets)
     peaks = machine_peaks(gpu)
     print(f"peaks: {json.dumps(peaks)}", flush=True)
-    # On a freshly started GPU machine the first process of each case ran at half speed (kernels compiled and
-    # cached, clocks rising): a discarded run per side keeps that out of the medians.
-    warmup = args.warmup if args.warmup is not None else (1 if gpu else 0)
     results: dict = {}
     phys: dict = {}
     rows: list[str] = []
     default_suite = "user" if gpu else "latency"
     section = ("gpu" if gpu else "cpu") + ("" if suite == default_suite else f"-{suite}")
     old = read_table(Path(args.out), section) if args.merge else []
-    wanted = args.cases.split(",") if args.cases else None
     runs_label = f"{{runs}} × {args.steps}" + (
         f" (steady after {args.skip_steps})" if args.skip_steps is not None else ""
     )
@@ -528,13 +571,8 @@ def main(argv: list[str] | None = None) -> None:
         label = model + (f"/{args.attention}" if args.attention else "")
         label += "".join(v.suffix for v in VARIANTS if v.name in chosen_variants(args))
         label += f"+log-every-{args.log_every}" if args.log_every is not None else ""
-        chosen = [c for c in cases(model, suite, trainers) if wanted is None or c.key in wanted]
-        if wanted and (missing := set(wanted) - {c.key for c in chosen}):
-            known = ", ".join(c.key for c in cases(model, suite, list(TRAINERS)))
-            parser.error(f"no case {', '.join(sorted(missing))} in the {suite} suite of {model}; known: {known}")
-        for case in chosen:
-            # TRL 1.12's PPOTrainer (the last with PPO) has no Liger path: plain TRL only
-            impls = ["ours"] + [c for c in contenders if not (case.trainer == "ppo" and c == "trl+liger")]
+        for case in planned[model]:
+            impls = sides(case, contenders)
             runs: dict[str, list] = {impl: [] for impl in impls}
             phys[(case, label)] = physics(case, model, assets, peaks)  # before the runs: a cut-short call keeps them
             # the counts are of the default attention's and LM head's work
@@ -547,7 +585,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{case.key:22} {model:8} {impl:9} warm-up (discarded): {r['samples_per_s']:.1f}/s", flush=True
                     )
             for rep in range(args.repeats):
-                for impl in impls[rep % len(impls) :] + impls[: rep % len(impls)]:  # rotate who goes first
+                for impl in rotated(impls, rep):
                     r = measure_variant(impl, case.key, model, args, assets)
                     runs[impl].append(r)
                     print(

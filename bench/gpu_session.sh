@@ -9,6 +9,7 @@
 # finished. The log, gpu_checks' lines and the report land in $OUT, which the tool fetches. A lease has 15 minutes
 # of device time, a machine's start included: two calls, made back to back so that the second finds it warm. A row
 # comes from one call's runs, so a case's three rounds a side must fit in one call.
+# tests/test_bench_report.py runs each stage's bench steps with `--dry-run` and checks its gpu_checks names.
 #
 # What issue 18 still owes (docs/benchmarks.md, "Where the GPU targets stand"), in this order:
 #   l  GRPO 8×8×256 against TRL, three rounds (session 29's row had two; a round of ours and TRL's takes ~140 s),

@@ -1064,6 +1064,44 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     assert out.returncode == 2 and "no stage 9" in out.stderr
 
 
+def test_every_gpu_session_call_parses_and_plans_its_runs(tmp_path, capsys):
+    """Each stage's `python -m bench` steps, with the script's own leading arguments, pass the bench's checks (flags,
+    cases, contenders, Liger installed) and plan their rounds under `--dry-run`, who goes first rotating; each
+    gpu_checks step names checks that exist. A flag renamed in the bench, or a check renamed in gpu_checks, would
+    otherwise fail its step at the lease, after the machine's start."""
+    import re
+    import shlex
+
+    from bench import gpu_checks
+    from bench.__main__ import main
+
+    text = (Path(__file__).parents[1] / "bench" / "gpu_session.sh").read_text()
+    fixed = shlex.split(known(re.search(r'python3 -m bench (--models .*?) "\$@"', text)).group(1))
+    assert fixed == ["--models", "qwen0.5b", "--merge", "--warmup", "0"]
+    checks = {make.__name__.removeprefix("check_") for make in gpu_checks.CHECKS}
+    stages = dict(re.findall(r"^(\w)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
+    planned = 0
+    for stage, body in stages.items():
+        for names in re.findall(r"python3 -m bench\.gpu_checks[^\n]*?--(?:only|skip) ([\w,]+)", body):
+            assert set(names.split(",")) <= checks, (stage, names)
+        for line in re.findall(r'^\s*bench "?(?:\$\{\w+:-)?\d+\}?"? (.*)$', body, flags=re.M):
+            args = shlex.split(line.replace('"$out', f'"{tmp_path}'))
+            main([*fixed, *args, "--dry-run"])
+            runs = [" ".join(r.split()[i] for i in (0, 2, 4)) for r in capsys.readouterr().out.splitlines()]
+            contenders = args[args.index("--contenders") + 1] if "--contenders" in args else "trl,trl+liger"
+            want = []
+            for key in args[args.index("--cases") + 1].split(","):
+                sides = ["ours"] + [
+                    c for c in contenders.split(",") if not (key.startswith("ppo/") and c == "trl+liger")
+                ]
+                for rep in range(3):  # no warm-up run (`--warmup 0`); the first run of a round rotates
+                    want += [f"{key} {side} {rep}" for side in sides[rep % len(sides) :] + sides[: rep % len(sides)]]
+            assert runs == want, (stage, line)
+            planned += 1
+    assert planned >= 25
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
 def test_a_warning_is_traced_to_the_caller_outside_torch_and_the_warnings_module():
     """gpu_checks' sync check names whose call a synchronising operator came from, not torch's or warnings' line."""
     import warnings
