@@ -1098,7 +1098,7 @@ def test_every_gpu_session_call_parses_and_plans_its_runs(tmp_path, capsys):
                     want += [f"{key} {side} {rep}" for side in sides[rep % len(sides) :] + sides[: rep % len(sides)]]
             assert runs == want, (stage, line)
             planned += 1
-    assert planned >= 25
+    assert planned == len(re.findall(r"^\s+bench ", text, flags=re.M)) > 20  # every bench step was read
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
