@@ -160,6 +160,59 @@ def test_hub_push_needs_repo_id(demo_text):
     assert "repo_id" in msg
 
 
+def test_one_run_lists_bad_values_and_bad_references_together(demo_text):
+    """Bad values (a number out of range, a number of the wrong type) and the graph and data checks' problems come in
+    one error: the checks run with each bad key left out, so fixing the values does not uncover a second list. Each
+    problem is listed once, with its line."""
+    text = (
+        demo_text.replace("learning_rate: 1.0e-3", "learning_rate: -1")
+        .replace("eval_every: 50", "eval_every: often")
+        .replace("candidate: sft", "candidate: sfx")
+        .replace("sentiment_sft.jsonl", "nope.jsonl")
+    )
+    lines = text.splitlines()
+    msg = problems_of(text)
+    assert "is invalid (4 problems)" in msg
+    assert f"stages[2].learning_rate (stage 'sft'), line {lines.index('    learning_rate: -1') + 1}: " in msg
+    assert "stages[2].eval_every (stage 'sft')" in msg and "must be a whole number (got 'often')" in msg
+    assert (
+        f"stages[3].candidate (stage 'judge'), line {lines.index('    candidate: sfx') + 1}: no stage named 'sfx'"
+        in msg
+    )
+    assert "datasets.reviews.path" in msg and "does not exist" in msg
+
+
+@pytest.mark.parametrize(
+    "field_problem, says",
+    [
+        (("learning_rate: 1.0e-3", "learning_rat: 1.0e-3"), "unknown key 'learning_rat'"),  # perhaps a misspelt key
+        (("kind: sft", "kind: sfx"), "unknown stage kind 'sfx'"),  # the whole stage untyped
+        (("format: prompt_only", "format: prompt-only"), "format must be one of"),  # a data format others read
+    ],
+)
+def test_checks_wait_where_leaving_the_bad_key_out_could_change_what_they_find(demo_text, field_problem, says):
+    """Where a field problem is not a bad value alone (an unknown key, perhaps a misspelt `format:`; a stage kind or a
+    data format other stages' checks read), the checks could object to a default the user never meant: the field
+    problems come alone, and the checks' with the next run, as the fix asks."""
+    text = demo_text.replace("candidate: sft", "candidate: sft-data")
+    msg = problems_of(text.replace(*field_problem))
+    assert says in msg and "is invalid (1 problem)" in msg
+    msg = problems_of(text)
+    assert "'sft-data' is a format stage" in msg and "is invalid (1 problem)" in msg
+
+
+def test_a_stage_that_lost_a_bad_value_keeps_its_checks_for_the_next_run(demo_text):
+    """What the checks find in a stage (or top-level section) whose bad value was left out is not listed: there a
+    default the user did not write stands in, which a check could be objecting to. It comes with the next run."""
+    text = demo_text.replace("learning_rate: 1.0e-3", "learning_rate: -1").replace(
+        "data: sft-data", "data: eval-prompts"
+    )
+    msg = problems_of(text)
+    assert "stages[2].learning_rate" in msg and "is invalid (1 problem)" in msg
+    msg = problems_of(text.replace("learning_rate: -1", "learning_rate: 1.0e-3"))
+    assert "produces prompt_only data" in msg and "is invalid (1 problem)" in msg
+
+
 def test_yaml_syntax_error_has_a_line(demo_text):
     msg = problems_of(demo_text.replace("seed: 0", "seed: [0"))
     assert "not valid YAML" in msg and "line" in msg

@@ -27,6 +27,8 @@ class Problem:
     label: str = field(default="", compare=False)  # e.g. "stage 'sft'", shown next to the path
     override: str = ""
     """The `--set KEY=VALUE` that put the bad value there (then it is named instead of a line of the file)."""
+    kind: str = field(default="", compare=False)
+    """A field problem's pydantic error type (`greater_than`, `extra_forbidden`, …); empty for the graph and data checks'."""
 
     def render(self) -> str:
         where = format_path(self.path)

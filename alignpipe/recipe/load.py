@@ -40,14 +40,69 @@ def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: b
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         problems = [_problem_from_pydantic(dict(err), data, lines) for err in e.errors()]
+        problems += _checks_past(problems, data, lines, check_files)
         raise RecipeError(_name_overrides(problems, overridden), source) from None
-    problems = check_recipe(recipe, check_files=check_files)
-    for p in problems:
-        p.line = p.line or _line_for(p.path, lines)
-        p.label = p.label or _label_for(p.path, data)
+    problems = _located(check_recipe(recipe, check_files=check_files), data, lines)
     if problems:
         raise RecipeError(_name_overrides(problems, overridden), source)
     return recipe
+
+
+def _located(problems: list[Problem], data: dict, lines: dict[tuple, int]) -> list[Problem]:
+    for p in problems:
+        p.line = p.line or _line_for(p.path, lines)
+        p.label = p.label or _label_for(p.path, data)
+    return problems
+
+
+# Field errors of a value alone (a number out of range, a number or a switch of the wrong type): leaving such a key
+# out changes no stage's kind, data format or references, which the graph and data checks read.
+_VALUE_ERRORS = {
+    *("greater_than", "greater_than_equal", "less_than", "less_than_equal"),
+    *("int_parsing", "int_type", "int_from_float", "float_parsing", "float_type", "bool_parsing", "bool_type"),
+}
+
+
+def _checks_past(
+    field_problems: list[Problem], data: dict, lines: dict[tuple, int], check_files: bool
+) -> list[Problem]:
+    """The graph and data checks' problems of a recipe whose fields failed, so that one run lists both kinds where
+    that is safe: where every field problem is a bad value (`_VALUE_ERRORS`), the checks run on a copy with those
+    keys left out (their defaults in their place), and what they find in a stage or section that lost a key is not
+    listed (a default the user did not write could be what a check there objects to). Otherwise (an unknown key,
+    perhaps a misspelt `format:`; a wrong kind, reference or text) the checks wait for the next run, as before."""
+    import copy
+
+    repaired = copy.deepcopy(data)
+    for problem in field_problems:
+        *parent, key = problem.path or (None,)
+        holder = _child_at(repaired, parent)
+        if problem.kind not in _VALUE_ERRORS or not isinstance(holder, dict) or key not in holder:
+            return []
+        del holder[key]
+    try:
+        recipe = Recipe.model_validate(repaired)
+    except ValidationError:
+        return []
+    touched = {_owner(p.path) for p in field_problems}
+    found = check_recipe(recipe, check_files=check_files)
+    return _located([p for p in found if _owner(p.path) not in touched], data, lines)
+
+
+def _owner(path: tuple) -> tuple:
+    """The stage (`stages[i]`) or top-level section a path lies in."""
+    return tuple(path[:2]) if path[:1] == ("stages",) else tuple(path[:1])
+
+
+def _child_at(data: Any, path: list) -> Any:
+    """The value at a validation error's path (list items by index), None where there is none."""
+    node = data
+    for part in path:
+        in_list = isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node)
+        if not (in_list or (isinstance(node, dict) and part in node)):
+            return None
+        node = node[part]
+    return node
 
 
 def _name_overrides(problems: list[Problem], overridden: dict[tuple, str]) -> list[Problem]:
@@ -275,7 +330,7 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
             msg = f"{msg} (got {got!r})"
         if desc:
             hint = f"this field is: {desc}"
-    return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data))
+    return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data), kind=kind)
 
 
 _TYPES = {
