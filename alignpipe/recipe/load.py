@@ -6,7 +6,9 @@ all of them are raised together as one `RecipeError`. Nothing is written while l
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import json
 import re
 import types
@@ -55,14 +57,6 @@ def _located(problems: list[Problem], data: dict, lines: dict[tuple, int]) -> li
     return problems
 
 
-# Field errors of a value alone (a number out of range, a number or a switch of the wrong type): leaving such a key
-# out changes no stage's kind, data format or references, which the graph and data checks read.
-_VALUE_ERRORS = {
-    *("greater_than", "greater_than_equal", "less_than", "less_than_equal"),
-    *("int_parsing", "int_type", "int_from_float", "float_parsing", "float_type", "bool_parsing", "bool_type"),
-}
-
-
 def _checks_past(
     field_problems: list[Problem], data: dict, lines: dict[tuple, int], check_files: bool
 ) -> list[Problem]:
@@ -71,12 +65,10 @@ def _checks_past(
     keys left out (their defaults in their place), and what they find in a stage or section that lost a key is not
     listed (a default the user did not write could be what a check there objects to). Otherwise (an unknown key,
     perhaps a misspelt `format:`; a wrong kind, reference or text) the checks wait for the next run, as before."""
-    import copy
-
     repaired = copy.deepcopy(data)
     for problem in field_problems:
         *parent, key = problem.path or (None,)
-        holder = _child_at(repaired, parent)
+        holder = functools.reduce(_child, parent, repaired)
         if problem.kind not in _VALUE_ERRORS or not isinstance(holder, dict) or key not in holder:
             return []
         del holder[key]
@@ -92,17 +84,6 @@ def _checks_past(
 def _owner(path: tuple) -> tuple:
     """The stage (`stages[i]`) or top-level section a path lies in."""
     return tuple(path[:2]) if path[:1] == ("stages",) else tuple(path[:1])
-
-
-def _child_at(data: Any, path: list) -> Any:
-    """The value at a validation error's path (list items by index), None where there is none."""
-    node = data
-    for part in path:
-        in_list = isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node)
-        if not (in_list or (isinstance(node, dict) and part in node)):
-            return None
-        node = node[part]
-    return node
 
 
 def _name_overrides(problems: list[Problem], overridden: dict[tuple, str]) -> list[Problem]:
@@ -360,6 +341,13 @@ _BOUNDS = {
     "greater_than_equal": ("at least", "ge"),
     "less_than": ("less than", "lt"),
     "less_than_equal": ("at most", "le"),
+}
+
+# Field errors of a value alone (a number out of range, a number or a switch of the wrong type): leaving such a key
+# out changes no stage's kind, data format or references, which the graph and data checks read (`_checks_past`).
+_VALUE_ERRORS = {
+    *_BOUNDS,
+    *("int_parsing", "int_type", "int_from_float", "float_parsing", "float_type", "bool_parsing", "bool_type"),
 }
 
 
