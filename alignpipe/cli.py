@@ -9,6 +9,11 @@ from pathlib import Path
 
 from alignpipe.recipe import RecipeError, load_recipe
 
+PIPELINE_POOL = "alignpipe-process"  # `alignpipe deploy`'s default pool for the pipeline flow (infra/README.md)
+
+
+SET_HELP = "override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)"
+
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="path of a YAML recipe")
@@ -18,7 +23,7 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)",
+        help=SET_HELP,
     )
 
 
@@ -41,7 +46,7 @@ def cmd_show(args) -> int:
         print(json.dumps(Recipe.model_json_schema(), indent=1))
         return 0
     if not args.recipe:
-        print("show needs a RECIPE (or --schema)", file=sys.stderr)
+        print("error: show needs a RECIPE (or --schema for the recipe JSON schema)", file=sys.stderr)
         return 2
     recipe = load_recipe(args.recipe, args.overrides)
     print(dag_text(recipe, plan(recipe)))
@@ -151,8 +156,13 @@ def cmd_deploy(args) -> int:
     from flows.deploy import deploy_pipeline, deploy_problems, deploy_stage_flow
     from tasks.dispatch import STAGE_FLOW
 
+    usage = deploy_usage_problems(args)
+    if usage:  # before Prefect's server is asked anything (a temporary one would start for nothing)
+        print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in usage), file=sys.stderr)
+        return 2
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None  # a bad one fails before any deploy
-    problems = deploy_problems(args.pool + ([args.pipeline_pool] if args.recipe else []), args.cron)
+    pipeline_pool = args.pipeline_pool or PIPELINE_POOL
+    problems = deploy_problems(args.pool + ([pipeline_pool] if args.recipe else []), args.cron)
     if problems:
         print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
@@ -161,12 +171,33 @@ def cmd_deploy(args) -> int:
         print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")
     if recipe is not None:
         name = args.name or recipe.name
-        deploy_pipeline(args.recipe, name, args.pipeline_pool, args.overrides, args.cron)
+        deploy_pipeline(args.recipe, name, pipeline_pool, args.overrides, args.cron)
         print(
-            f"deployed alignpipe-pipeline/{name} on work pool {args.pipeline_pool!r}"
+            f"deployed alignpipe-pipeline/{name} on work pool {pipeline_pool!r}"
             + (f" (cron {args.cron})" if args.cron else "")
         )
     return 0
+
+
+def deploy_usage_problems(args) -> list[str]:
+    """What `alignpipe deploy`'s arguments ask that it cannot do: nothing to deploy, or pipeline options (`--cron`,
+    `--name`, `--set`, `--pipeline-pool`) without the `--recipe` they belong to, which would be dropped unseen."""
+    problems = []
+    if not args.pool and not args.recipe:
+        problems.append(
+            "nothing to deploy: pass --pool POOL (the stage flow that pool's workers run; repeatable) and/or "
+            "--recipe RECIPE (the pipeline flow, scheduled with --cron)"
+        )
+    if not args.recipe:
+        given = {"--cron": args.cron, "--name": args.name, "--set": args.overrides or None}
+        given["--pipeline-pool"] = args.pipeline_pool
+        problems += [
+            f"{flag} belongs to the pipeline deployment, which only --recipe RECIPE makes; add --recipe, or leave "
+            f"{flag} out"
+            for flag, value in given.items()
+            if value is not None
+        ]
+    return problems
 
 
 def cmd_make_tiny(args) -> int:
@@ -184,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("show", help="print the stage DAG (and which stages are cached)")
-    p.add_argument("recipe", nargs="?")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("recipe", nargs="?", help="path of a YAML recipe (not with --schema)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     p.add_argument("--schema", action="store_true", help="print the recipe JSON schema instead")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("run", help="run a recipe as a Prefect flow")
@@ -210,14 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)"
     )
     p.add_argument("--recipe", help="also deploy the pipeline flow for this recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--name", help="pipeline deployment name (default: the recipe name)")
-    p.add_argument("--pipeline-pool", default="alignpipe-process", help="work pool that runs the pipeline flow itself")
-    p.add_argument("--cron", help="schedule, e.g. '0 3 * * 1' for Mondays 03:00")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of --recipe in every scheduled run, e.g. --set stages.sft.max_steps=50 (repeatable)",
+    )
+    p.add_argument("--name", help="pipeline deployment name (default: the recipe name; needs --recipe)")
+    p.add_argument(
+        "--pipeline-pool",
+        help=f"work pool that runs the pipeline flow itself (default {PIPELINE_POOL}; needs --recipe)",
+    )
+    p.add_argument("--cron", help="schedule of the pipeline, e.g. '0 3 * * 1' for Mondays 03:00 (needs --recipe)")
     p.set_defaults(fn=cmd_deploy)
     p = sub.add_parser("make-tiny", help="write the tiny local model, tokenizer and synthetic datasets")
-    p.add_argument("dir", type=Path)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", type=Path, help="folder to write model/ and data/ into (created if missing)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data (default 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     p.set_defaults(fn=cmd_make_tiny)
     return parser

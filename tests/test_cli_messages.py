@@ -36,6 +36,48 @@ def test_show_schema_into_a_closed_pipe_exits_quietly():
     assert out.stdout.strip() == "{" and "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr
 
 
+def test_every_command_is_in_the_readme_and_every_option_says_what_it_does():
+    """The README's command block lists each subcommand `alignpipe --help` offers, and each option and argument of
+    each has its own help text (`--set` of `show` and `deploy`, `make-tiny`'s arguments once had none)."""
+    import argparse
+    import re
+
+    from alignpipe.cli import build_parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = known(re.search(r"## Command line\n\n```\n(.*?)```", readme, flags=re.S)).group(1)
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {line.split()[1] for line in block.splitlines() if line.startswith("alignpipe ")} == set(subparsers.choices)
+    for name, parser in subparsers.choices.items():
+        for action in parser._actions:
+            assert action.help, (name, action.dest)
+
+
+def test_deploy_with_nothing_to_deploy_or_a_pipeline_option_without_its_recipe_stops_before_prefect(
+    monkeypatch, capsys
+):
+    """`alignpipe deploy` alone once started a temporary Prefect server, deployed nothing and exited 0; `--cron`
+    without `--recipe` was dropped unseen. Both exit 2 with the fix, before any server is asked."""
+    import flows.deploy
+    from alignpipe.cli import main
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("Prefect's server was asked")
+
+    monkeypatch.setattr(flows.deploy, "deploy_problems", no_server)
+    assert main(["deploy"]) == 2
+    err = capsys.readouterr().err
+    assert "error: nothing was deployed" in err and "pass --pool POOL" in err and "--recipe RECIPE" in err
+    assert main(["deploy", "--pool", "gpu", "--cron", "0 3 * * 1", "--name", "weekly"]) == 2
+    err = capsys.readouterr().err
+    assert "--cron belongs to the pipeline deployment" in err and "--name belongs" in err and "--set" not in err
+    assert main(["deploy", "--pipeline-pool", "cpu", "--set", "seed=1"]) == 2
+    err = capsys.readouterr().err
+    assert "--pipeline-pool belongs" in err and "--set belongs" in err
+    assert main(["show"]) == 2
+    assert "error: show needs a RECIPE" in capsys.readouterr().err
+
+
 def test_importing_alignpipe_turns_mlflow_telemetry_off_unless_the_user_set_it():
     """MLflow reads MLFLOW_DISABLE_TELEMETRY (and DO_NOT_TRACK only when "true"). With telemetry on, its client
     fetches a config from a background thread that, offline, removes an environment variable while the stage may be
