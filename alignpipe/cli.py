@@ -153,13 +153,13 @@ def find_run_summary(run_id: str, workdir: str, storage: str | None = None) -> t
 
 def cmd_deploy(args) -> int:
     """Deploy the single-stage flow on each work pool (and, with --recipe, the pipeline flow for it)."""
+    usage = deploy_usage_problems(args)
+    if usage:  # before Prefect is imported or its server asked anything (a temporary one would start for nothing)
+        print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in usage), file=sys.stderr)
+        return 2
     from flows.deploy import deploy_pipeline, deploy_problems, deploy_stage_flow
     from tasks.dispatch import STAGE_FLOW
 
-    usage = deploy_usage_problems(args)
-    if usage:  # before Prefect's server is asked anything (a temporary one would start for nothing)
-        print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in usage), file=sys.stderr)
-        return 2
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None  # a bad one fails before any deploy
     pipeline_pool = args.pipeline_pool or PIPELINE_POOL
     problems = deploy_problems(args.pool + ([pipeline_pool] if args.recipe else []), args.cron)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from alignpipe import progress, shared_line
+from alignpipe.log_levels import level_of
 from alignpipe.manifest import Manifest
 from alignpipe.plan import read_spec
 from alignpipe.recipe.schema import Recipe
@@ -213,7 +214,7 @@ def _run_stage_process(
             if on_progress is not None:
                 on_progress(report)
             continue
-        tail.append(line)
+        tail.append(level_of(line)[1])
         on_line(line)
     code = proc.wait()
     if timer is not None:

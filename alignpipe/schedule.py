@@ -79,7 +79,9 @@ class Schedule:
             self.manifests[stage_id] = Manifest.model_validate(result)
             outcome = StageOutcome.from_manifest(self.manifests[stage_id], STATUS_DONE)
         else:
-            outcome = StageOutcome(stage_id, kind, STATUS_FAILED, message=str(result).split("\n")[0])
+            outcome = StageOutcome(
+                stage_id, kind, STATUS_FAILED, message=str(result).split("\n")[0].removesuffix(" Last output:")
+            )
         self.outcomes[stage_id] = outcome
         return outcome
 

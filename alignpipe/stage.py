@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from alignpipe import progress
+from alignpipe.log_levels import LevelMarks
 from alignpipe.manifest import Manifest, write_whole
 
 log = logging.getLogger("alignpipe.stage")
@@ -44,6 +45,14 @@ def quiet_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def log_to_launcher() -> None:
+    """The stage's log records as lines on stdout, which the launcher logs to the Prefect run: INFO and up, warnings
+    and errors marked with their level (`alignpipe.log_levels`), each library's once."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True)
+    logging.getLogger().handlers[0].setFormatter(LevelMarks())
+    _quiet_libraries()
+
+
 def _quiet_libraries() -> None:
     quiet_environment()
     if not progress.live():  # MLflow's bar for each artifact transfer: a log line per file, in a file
@@ -56,6 +65,21 @@ def _quiet_libraries() -> None:
     transformers.logging.set_verbosity_error()
     for name in ("mlflow", "alembic", "urllib3", "httpx", "filelock"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _library_records_once()
+
+
+def _library_records_once() -> None:
+    """huggingface_hub and datasets each give their logger a stderr handler at import and let it propagate too: a
+    stage's Hub retries and dataset notes reached the launcher twice, raw on stderr and through the root logger's
+    stdout, which the launcher logs to Prefect. They keep the root's path only: once, in the stage's Prefect log (and
+    its UI), on the console and in the error's last lines."""
+    import datasets  # noqa: F401  (its handler is added when it is imported; every stage reads data through it)
+
+    for name in ("huggingface_hub", "datasets"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler and logger.propagate:
+                logger.removeHandler(handler)
 
 
 def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
@@ -159,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _die_with_launcher()
     spec = StageSpec.model_validate_json(Path(argv[0]).read_text())
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
-    _quiet_libraries()
+    log_to_launcher()
 
     from alignpipe.distributed import select_strategy, use_rank_device
     from alignpipe.recipe.schema import Recipe

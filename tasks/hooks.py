@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from uuid import UUID
 
+from alignpipe.log_levels import level_of
 from alignpipe.manifest import Manifest
 from alignpipe.stage import StageSpec
 
@@ -158,6 +160,12 @@ class StageProgress:
             self.logger.warning("progress artifact %s not updated (%s); the stage runs on", self.key, e)
 
 
+def log_stage_line(logger, stage_id: str, line: str) -> None:
+    """A line of the stage's log into the run's log, at the level the stage logged it (`alignpipe.log_levels`)."""
+    level, text = level_of(line)
+    logger.log(level, "[%s] %s", stage_id, text)
+
+
 def launch_in_run(
     spec_path: str,
     stage_id: str,
@@ -179,7 +187,7 @@ def launch_in_run(
     with StageProgress(spec, logger) as on_progress:
         manifest = launch(
             spec_path,
-            on_line=lambda line: logger.info("[%s] %s", stage_id, line),
+            on_line=functools.partial(log_stage_line, logger, stage_id),
             processes=processes,
             timeout_s=timeout_s,
             extra_env=stage_env(spec),

@@ -58,13 +58,12 @@ def test_deploy_with_nothing_to_deploy_or_a_pipeline_option_without_its_recipe_s
 ):
     """`alignpipe deploy` alone once started a temporary Prefect server, deployed nothing and exited 0; `--cron`
     without `--recipe` was dropped unseen. Both exit 2 with the fix, before any server is asked."""
-    import flows.deploy
+    import types
+
     from alignpipe.cli import main
 
-    def no_server(*args, **kwargs):
-        raise AssertionError("Prefect's server was asked")
-
-    monkeypatch.setattr(flows.deploy, "deploy_problems", no_server)
+    # Prefect stays unimported: imported here, its console handler would keep capsys's stream, closed after this test
+    monkeypatch.setitem(sys.modules, "flows.deploy", types.ModuleType("flows.deploy"))  # any use of it fails
     assert main(["deploy"]) == 2
     err = capsys.readouterr().err
     assert "error: nothing was deployed" in err and "pass --pool POOL" in err and "--recipe RECIPE" in err
@@ -258,6 +257,49 @@ def test_mlflow_s_transfer_bars_stay_out_of_a_stage_s_log_unless_its_bars_are_li
             monkeypatch.setenv(key, user)
         stage._quiet_libraries()
         assert os.environ.get(key) == want, (tty, user)
+
+
+def test_a_stage_s_library_warnings_reach_the_launcher_once_marked_with_their_level():
+    """A stage process logs on stdout for the launcher. huggingface_hub and datasets also give their loggers a
+    stderr handler of their own, so their records (the Hub's retries) once reached the launcher twice, raw on stderr
+    and through the root logger; now once, on stdout, each line of a warning or an error marked with its level."""
+    code = """
+import logging
+from alignpipe.stage import log_to_launcher
+log_to_launcher()
+from huggingface_hub.utils import logging as hub_logging
+from datasets.utils import logging as datasets_logging
+hub_logging.get_logger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+datasets_logging.get_logger("datasets.load").warning("using the cache")
+logging.getLogger("alignpipe.stage").info("stage s (format) started")
+try:
+    raise ValueError("no such column")
+except ValueError:
+    logging.getLogger("alignpipe.stage").exception("stage s failed: no such column")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:4] == [
+        "WARNING: Retrying in 1s [Retry 1/5].",
+        "WARNING: using the cache",
+        "stage s (format) started",
+        "ERROR: stage s failed: no such column",
+    ]
+    assert lines[4] == "ERROR: Traceback (most recent call last):" and lines[-1] == "ERROR: ValueError: no such column"
+    assert all(line.startswith("ERROR: ") for line in lines[4:])
+
+
+def test_the_launcher_reads_a_stage_line_s_level_and_logs_it_there():
+    import logging
+
+    from alignpipe.log_levels import level_of
+
+    assert level_of("WARNING: Retrying in 1s") == (logging.WARNING, "Retrying in 1s")
+    assert level_of("ERROR: stage s failed: x") == (logging.ERROR, "stage s failed: x")
+    assert level_of("CRITICAL: out of memory") == (logging.CRITICAL, "out of memory")
+    for plain in ("sft step 10/150 loss=5.3", "Warning: not a mark", "INFO: not marked", "ERROR:no space"):
+        assert level_of(plain) == (logging.INFO, plain)
 
 
 def test_stages_running_side_by_side_share_one_line_so_their_bars_never_run_together():

@@ -4,6 +4,7 @@ a model card from the local push, re-runs that reuse finished stages, and resume
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,13 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
     assert table.description == "tiny-demo, 5 stages: 3 cached, 1 failed, 1 not run", table.description
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert isinstance(rows, list)
-    assert "no_such_module" in next(r for r in rows if r["status"] == "failed")["message"]
+    failed = next(r for r in rows if r["status"] == "failed")["message"]
+    assert "no_such_module" in failed and not failed.endswith("Last output:"), failed
+    # the stage's failure and its traceback are errors in the task run's log, where Prefect's level filter finds them
+    levels = stage_log_levels(state.state_details.flow_run_id, "[judge] ")
+    said = next(text for text in levels if text.startswith("[judge] stage judge failed: "))
+    assert levels[said] == logging.ERROR and levels["[judge] Traceback (most recent call last):"] == logging.ERROR
+    assert levels[next(text for text in levels if text.startswith("[judge] stage judge (judge) → "))] == logging.INFO
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, fixed)["stages"]}
@@ -325,6 +332,24 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
         "judge": "done",
         "publish": "done",
     }
+
+
+def stage_log_levels(flow_run_id, prefix: str) -> dict[str, int]:
+    """The level of each line starting with `prefix` in a flow run's log (its task runs' included), once the run's
+    log has reached the server (it is sent in batches)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        for _ in range(40):
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            levels = {log.message: log.level for log in logs if log.message.startswith(prefix)}
+            if any("Traceback" in text for text in levels):
+                return levels
+            time.sleep(0.25)
+    raise AssertionError(f"no {prefix}traceback in the run's log: {sorted(levels)}")
 
 
 def test_force_reruns_one_stage(demo_run):
