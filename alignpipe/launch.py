@@ -31,7 +31,13 @@ class StageFailed(RuntimeError):
             said = f"stage {stage_id} failed: "
             cause = next((line[len(said) :] for line in reversed(tail) if line.startswith(said)), None)
             headline = f"stage {stage_id!r} failed (exit code {returncode})" + (f": {cause}" if cause else "")
+        self.headline = headline
         super().__init__(f"{headline}. Last output:\n{last}")
+
+    def __repr__(self) -> str:
+        # Prefect's "Task run failed with exception: {exc!r}" line: the headline, where the message's last lines would
+        # be one long line of escaped newlines (its traceback, just after, prints them as lines)
+        return f"{type(self).__name__}({self.headline!r})"
 
 
 class StageTimedOut(StageFailed):

@@ -103,3 +103,8 @@ def test_a_failed_stage_leads_with_the_cause_its_process_logged():
         "Last output:"
     )
     assert str(StageFailed("sft", -9, ["sft step 2/6"])).startswith("stage 'sft' failed (exit code -9). Last output:")
+    # Prefect logs the exception's repr on one line: the headline, not the last lines' escaped newlines
+    assert repr(StageFailed("sft", 1, tail)) == (
+        "StageFailed(\"stage 'sft' failed (exit code 1): saving checkpoint /w/step-4 failed: [Errno 28] No space left "
+        'on device")'
+    )
