@@ -15,6 +15,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.states import Failed, State
 
 from alignpipe.pipeline_run import (
     STATUS_CACHED,
@@ -149,10 +150,6 @@ def log_outcome(logger, outcome: StageOutcome, folder: str) -> None:
         logger.error("stage %s: %s", outcome.stage_id, outcome.message)
 
 
-class PipelineFailed(RuntimeError):
-    pass
-
-
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)  # type: ignore[union-attr]  # a flow run's context
@@ -228,7 +225,7 @@ def run_name() -> str:
     log_prints=True,
     description="Run a recipe as a DAG of stages; finished stages with unchanged inputs are reused.",
 )
-def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict:
+def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> dict | State:
     """Run a recipe as a DAG of stages; finished stages with unchanged inputs are reused.
 
     Args:
@@ -283,7 +280,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     publish_summary(recipe, ordered)
     failed = [o.stage_id for o in ordered if o.status == STATUS_FAILED]
     if failed:
-        raise PipelineFailed(
-            f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}"
+        # A Failed state, not an exception: the stages' own errors are logged already, and Prefect would print an
+        # exception's traceback through its engine, which says nothing of the run
+        return Failed(
+            message=f"stage(s) {failed} failed; finished stages are kept and a re-run resumes. Summary: {summary_path}"
         )
     return {"summary": str(summary_path), "mlflow_run_id": tracking[2]}

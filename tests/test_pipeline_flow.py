@@ -294,6 +294,8 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
     broken = FAST + ["stages.judge.reward=no_such_module:score"]
     state = run_flow(path, broken)
     assert state.is_failed()
+    # the flow ends Failed with the run's verdict, no exception of its own (whose traceback would be the engine's)
+    assert state.message.startswith("stage(s) ['judge'] failed; finished stages are kept and a re-run resumes")
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, broken)["stages"]}
     assert statuses == {
         "sft-data": "cached",
