@@ -12,19 +12,20 @@ from alignpipe.recipe import RecipeError, load_recipe
 PIPELINE_POOL = "alignpipe-process"  # `alignpipe deploy`'s default pool for the pipeline flow (infra/README.md)
 
 
-SET_HELP = "override a recipe field, e.g. --set stages.sft.max_steps=50 (repeatable)"
-
-
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="path of a YAML recipe")
+def _set_arg(p: argparse.ArgumentParser, what: str = "a recipe field") -> None:
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help=SET_HELP,
+        help=f"override {what}, e.g. --set stages.sft.max_steps=50 (repeatable)",
     )
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="path of a YAML recipe")
+    _set_arg(p)
 
 
 def cmd_validate(args) -> int:
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("show", help="print the stage DAG (and which stages are cached)")
     p.add_argument("recipe", nargs="?", help="path of a YAML recipe (not with --schema)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    _set_arg(p)
     p.add_argument("--schema", action="store_true", help="print the recipe JSON schema instead")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("run", help="run a recipe as a Prefect flow")
@@ -241,14 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool", action="append", default=[], help="work pool to deploy the single-stage flow on (repeatable)"
     )
     p.add_argument("--recipe", help="also deploy the pipeline flow for this recipe")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field of --recipe in every scheduled run, e.g. --set stages.sft.max_steps=50 (repeatable)",
-    )
+    _set_arg(p, "a field of --recipe in every run of the deployment")
     p.add_argument("--name", help="pipeline deployment name (default: the recipe name; needs --recipe)")
     p.add_argument(
         "--pipeline-pool",
