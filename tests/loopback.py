@@ -13,8 +13,8 @@ from typing import Any
 
 @contextmanager
 def serve(handler_fn):
-    """Run `handler_fn(method, path, body, headers) -> (status, dict)` on a free loopback port; yields the
-    base URL, with every request recorded in `.requests` (body = parsed JSON when it is JSON)."""
+    """Run `handler_fn(method, path, body, headers) -> (status, dict[, response headers])` on a free loopback port;
+    yields the base URL, with every request recorded in `.requests` (body = parsed JSON when it is JSON)."""
     requests: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -26,10 +26,12 @@ def serve(handler_fn):
             except ValueError:
                 body = raw
             requests.append({"method": method, "path": self.path, "body": body, "headers": dict(self.headers)})
-            status, payload = handler_fn(method, self.path, body, dict(self.headers))
+            status, payload, *extra = handler_fn(method, self.path, body, dict(self.headers))
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            for name, value in (extra[0] if extra else {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

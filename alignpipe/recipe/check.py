@@ -1,4 +1,4 @@
-"""Checks a typed recipe can't express: the stage graph, references, and the data on disk."""
+"""Checks a typed recipe can't express: the stage graph, references, the data on disk and the Hub ids."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from alignpipe.data.sources import is_hub_id, peek_columns, source_type
 from alignpipe.positions import config_position_limit, local_config, stage_window, window_problem
 from alignpipe.recipe.errors import Problem
+from alignpipe.recipe.hub_refs import check_hub_refs
 from alignpipe.recipe.stages import (
     BASE,
     CAUSAL_LM,
@@ -61,6 +62,8 @@ def check_recipe(recipe, check_files: bool = True) -> list[Problem]:
         problems += _check_position_windows(recipe)
         problems += _check_router_loss(recipe)
         problems += _check_datasets(recipe)
+        if not problems:  # the Hub is asked only about an otherwise valid recipe
+            problems += check_hub_refs(recipe)
     return problems
 
 
