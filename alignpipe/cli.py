@@ -31,7 +31,7 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 def cmd_validate(args) -> int:
     from alignpipe.summary import dag_text
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, to_run=True)
     print(f"ok: {args.recipe} is valid")
     print(dag_text(recipe))
     return 0
@@ -59,7 +59,7 @@ def cmd_run(args) -> int:
 
     from alignpipe.summary import print_summary
 
-    recipe = load_recipe(args.recipe, args.overrides)  # exit 2 before anything is written
+    recipe = load_recipe(args.recipe, args.overrides, to_run=True)  # exit 2 before anything is written
     unknown = [f for f in args.force if f not in {s.id for s in recipe.stages}]
     if unknown:
         from alignpipe.recipe.errors import Problem

@@ -124,3 +124,50 @@ def test_offline_mode_asks_nothing(demo_text, fake_hub, monkeypatch):
 def test_a_recipe_with_local_paths_only_asks_nothing(demo_text, fake_hub):
     parse_recipe(demo_text)
     assert fake_hub.requests == []
+
+
+PUSH_TO_HUB = ["stages.publish.target=hub", "stages.publish.repo_id=org/tiny-demo"]
+
+
+@pytest.fixture
+def no_token(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+
+
+def test_a_push_to_the_hub_from_a_machine_without_a_token_is_refused_before_the_run(demo_text, no_token, monkeypatch):
+    """validate, run and the flow (`to_run`) refuse it; `show` and other readers of the recipe do not ask."""
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(demo_text, PUSH_TO_HUB, to_run=True)
+    text = str(e.value)
+    assert "stages[4].target (stage 'publish'), from --set stages.publish.target=hub" in text, text
+    assert "stage 'publish' pushes to the Hub (org/tiny-demo), and this machine has no Hub token" in text
+    assert "export HF_TOKEN=" in text and "token_secret" in text and "target: local" in text
+    parse_recipe(demo_text, PUSH_TO_HUB)  # not asked to run
+    # a token in the environment, a Prefect Secret block, or a pool's workers: the push has one where it runs
+    parse_recipe(demo_text, [*PUSH_TO_HUB, "stages.publish.token_secret=hf-token"], to_run=True)
+    parse_recipe(demo_text, [*PUSH_TO_HUB, "stages.publish.resources.pool=gpu"], to_run=True)
+    parse_recipe(demo_text, PUSH_TO_HUB + ["stages.publish.target=local"], to_run=True)
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    parse_recipe(demo_text, PUSH_TO_HUB, to_run=True)
+
+
+def test_validate_says_a_push_has_no_token_and_exits_2(demo_text, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text(demo_text)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")  # no saved login
+    cli = str(Path(sys.executable).parent / "alignpipe")
+    sets = [arg for kv in PUSH_TO_HUB for arg in ("--set", kv)]
+    out = subprocess.run([cli, "validate", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "this machine has no Hub token" in out.stderr, out.stderr
+    out = subprocess.run([cli, "show", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

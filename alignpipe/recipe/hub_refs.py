@@ -147,3 +147,33 @@ def _note(endpoint: str, why: str, ids: tuple[str, ...]) -> None:
         why,
         ", ".join(ids),
     )
+
+
+def push_token_problems(recipe) -> list[Problem]:
+    """A `push` stage to the Hub that runs on this machine needs a token, which huggingface_hub reads from HF_TOKEN
+    or the login's token file; without one the push fails at the pipeline's end, after its training. A stage that
+    names a Prefect Secret block (`token_secret`) or runs on a work pool (whose workers have their own environment)
+    gets its token there, and is not checked here."""
+    from alignpipe.recipe.stages import PushStage
+
+    pushes = [
+        (i, s)
+        for i, s in enumerate(recipe.stages)
+        if isinstance(s, PushStage) and s.target == "hub" and not s.token_secret and not s.resources.pool
+    ]
+    if not pushes:
+        return []
+    from huggingface_hub import get_token
+
+    if get_token():
+        return []
+    return [
+        Problem(
+            ("stages", i, "target"),
+            f"stage {s.id!r} pushes to the Hub ({s.repo_id}), and this machine has no Hub token: HF_TOKEN is not set "
+            "and no `hf auth login` token is saved",
+            "export HF_TOKEN=<a token with write access> (https://huggingface.co/settings/tokens), or set "
+            "`token_secret:` to a Prefect Secret block holding one, or `target: local`",
+        )
+        for i, s in pushes
+    ]

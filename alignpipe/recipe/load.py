@@ -21,19 +21,25 @@ from pydantic import BaseModel, ValidationError
 
 from alignpipe.recipe.check import check_recipe
 from alignpipe.recipe.errors import Problem, RecipeError
+from alignpipe.recipe.hub_refs import push_token_problems
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import STAGE_KINDS
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True) -> Recipe:
-    """Read, override, validate and check a recipe file. Raises `RecipeError`."""
+def load_recipe(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True, to_run: bool = False
+) -> Recipe:
+    """Read, override, validate and check a recipe file. Raises `RecipeError`. `to_run`: also what running it from
+    this machine needs of the machine (a Hub token for a push that runs here: `validate`, `run` and the flow)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError([Problem((), f"recipe file {str(path)!r} not found", "pass the path of a .yaml recipe")])
-    return parse_recipe(path.read_text(), overrides, source=str(path), check_files=check_files)
+    return parse_recipe(path.read_text(), overrides, source=str(path), check_files=check_files, to_run=to_run)
 
 
-def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: bool = True) -> Recipe:
+def parse_recipe(
+    text: str, overrides=(), source: str = "recipe", check_files: bool = True, to_run: bool = False
+) -> Recipe:
     """Like `load_recipe`, from YAML text."""
     data, lines = _read_yaml(text, source)
     overridden: dict[tuple, str] = {}
@@ -44,7 +50,10 @@ def parse_recipe(text: str, overrides=(), source: str = "recipe", check_files: b
         problems = [_problem_from_pydantic(dict(err), data, lines) for err in e.errors()]
         problems += _checks_past(problems, data, lines, check_files)
         raise RecipeError(_name_overrides(problems, overridden), source) from None
-    problems = _located(check_recipe(recipe, check_files=check_files), data, lines)
+    problems = check_recipe(recipe, check_files=check_files)
+    if to_run and not problems:
+        problems = push_token_problems(recipe)
+    problems = _located(problems, data, lines)
     if problems:
         raise RecipeError(_name_overrides(problems, overridden), source)
     return recipe
