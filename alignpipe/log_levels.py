@@ -6,6 +6,7 @@ traceback as warnings and errors, where its level filter finds them, not as INFO
 from __future__ import annotations
 
 import logging
+import re
 
 MARKED = {name: getattr(logging, name) for name in ("WARNING", "ERROR", "CRITICAL")}
 
@@ -21,9 +22,14 @@ class LevelMarks(logging.Formatter):
         return "\n".join(mark + line for line in text.split("\n"))
 
 
+_MARK = re.compile(r"(\[rank\d+\]:)?(" + "|".join(MARKED) + "): ")
+"""A mark, after the prefix a rank launcher may put on its ranks' lines (torchrun's `--tee`: `[rank0]:`)."""
+
+
 def level_of(line: str) -> tuple[int, str]:
-    """The level a stage's stdout line was logged at, and the line without its mark (INFO for an unmarked one)."""
-    name, sep, rest = line.partition(": ")
-    if sep and name in MARKED:
-        return MARKED[name], rest
-    return logging.INFO, line
+    """The level a stage's stdout line was logged at, and the line without its mark (a rank's prefix kept; INFO for
+    an unmarked line)."""
+    found = _MARK.match(line)
+    if found is None:
+        return logging.INFO, line
+    return MARKED[found.group(2)], (found.group(1) or "") + line[found.end() :]

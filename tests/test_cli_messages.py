@@ -298,6 +298,7 @@ def test_the_launcher_reads_a_stage_line_s_level_and_logs_it_there():
     assert level_of("WARNING: Retrying in 1s") == (logging.WARNING, "Retrying in 1s")
     assert level_of("ERROR: stage s failed: x") == (logging.ERROR, "stage s failed: x")
     assert level_of("CRITICAL: out of memory") == (logging.CRITICAL, "out of memory")
+    assert level_of("[rank1]:ERROR: stage s failed: x") == (logging.ERROR, "[rank1]:stage s failed: x")
     for plain in ("sft step 10/150 loss=5.3", "Warning: not a mark", "INFO: not marked", "ERROR:no space"):
         assert level_of(plain) == (logging.INFO, plain)
 
