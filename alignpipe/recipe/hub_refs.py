@@ -35,7 +35,7 @@ class HubRef:
 
 def hub_refs(recipe) -> list[HubRef]:
     """Every Hub id the recipe names: the base model and its tokenizer, Hub datasets, and models judges name by id."""
-    from alignpipe.recipe.stages import JudgeStage, OnlineDPOStage, is_model_path
+    from alignpipe.recipe.stages import is_model_path
 
     refs = [
         HubRef(("model", field), value, "model", recipe.model.revision)
@@ -47,20 +47,12 @@ def hub_refs(recipe) -> list[HubRef]:
         for name, spec in recipe.datasets.items()
         if source_type(spec.path, spec.type) == "hub"
     ]
-    for i, s in enumerate(recipe.stages):
-        named: list[tuple[tuple, str]] = []
-        if isinstance(s, JudgeStage):
-            for field in ("candidate", "baseline"):
-                value = getattr(s, field)
-                values = [value] if isinstance(value, str) else list(value)
-                named += [((field,) if isinstance(value, str) else (field, k), v) for k, v in enumerate(values)]
-        if isinstance(s, (JudgeStage, OnlineDPOStage)) and s.llm_judge and s.llm_judge.model:
-            named.append((("llm_judge", "model"), s.llm_judge.model))
-        refs += [
-            HubRef(("stages", i, *path), value, "model", None)
-            for path, value in named
-            if is_model_path(value) and is_hub_id(value)
-        ]
+    refs += [
+        HubRef(("stages", i, *path), value, "model", None)
+        for i, s in enumerate(recipe.stages)
+        for path, value in s.named_models()
+        if is_model_path(value) and is_hub_id(value)
+    ]
     return refs
 
 

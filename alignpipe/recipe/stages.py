@@ -99,6 +99,11 @@ class StageBase(Strict):
             if getattr(self, name) is not None
         ]
 
+    def named_models(self) -> list[tuple[tuple, str]]:
+        """(field path within the stage, value) of the fields that name a causal LM by a stage id, `base`, a path or
+        a Hub id (a judge's models); the first two are references, the others are loaded as they are."""
+        return []
+
     def references(self) -> dict[str, str]:
         """Reference field (dotted path) → stage id (or `base`) it names."""
         return {".".join(map(str, path)): target for path, target, _ in self.reference_fields()}
@@ -416,9 +421,10 @@ class OnlineDPOStage(StageBase, OnlineDPOConfig):
             for i, r in enumerate(self.rewards)
             if r.reward_model
         ]
-        if self.llm_judge and self.llm_judge.model and not is_model_path(self.llm_judge.model):
-            own.append((("llm_judge", "model"), self.llm_judge.model, CAUSAL_LM))
-        return own
+        return own + [(path, value, CAUSAL_LM) for path, value in self.named_models() if not is_model_path(value)]
+
+    def named_models(self) -> list[tuple[tuple, str]]:
+        return [(("llm_judge", "model"), self.llm_judge.model)] if self.llm_judge and self.llm_judge.model else []
 
 
 def _as_list(value: str | list[str]) -> list[str]:
@@ -508,14 +514,16 @@ class JudgeStage(StageBase):
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
         own = super().reference_fields()
+        return own + [(path, value, CAUSAL_LM) for path, value in self.named_models() if not is_model_path(value)]
+
+    def named_models(self) -> list[tuple[tuple, str]]:
+        named: list[tuple[tuple, str]] = []
         for field in ("candidate", "baseline"):
             value = getattr(self, field)
-            for i, target in enumerate(_as_list(value)):
-                if not is_model_path(target):
-                    own.append(((field,) if isinstance(value, str) else (field, i), target, CAUSAL_LM))
-        if self.llm_judge and self.llm_judge.model and not is_model_path(self.llm_judge.model):
-            own.append((("llm_judge", "model"), self.llm_judge.model, CAUSAL_LM))
-        return own
+            named += [((field,) if isinstance(value, str) else (field, i), v) for i, v in enumerate(_as_list(value))]
+        if self.llm_judge and self.llm_judge.model:
+            named.append((("llm_judge", "model"), self.llm_judge.model))
+        return named
 
     @field_validator("reward")
     @classmethod
