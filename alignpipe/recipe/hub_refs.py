@@ -71,7 +71,11 @@ def check_hub_refs(recipe) -> list[Problem]:
     for ref in refs:
         verdict = _ask(constants.ENDPOINT, ref.repo_id, ref.repo_type, ref.revision)
         if isinstance(verdict, Unreachable):
-            _note(constants.ENDPOINT, verdict.why, tuple(dict.fromkeys(r.repo_id for r in refs)))
+            note_once(
+                f"note: the Hub ({constants.ENDPOINT}) could not be asked about this recipe's Hub ids ({verdict.why}), "
+                f"so they were not checked: {', '.join(dict.fromkeys(r.repo_id for r in refs))}. Their stages will "
+                "load them from the Hub or this machine's cache when they start."
+            )
             return problems
         if verdict is not None:
             field, message, hint = verdict
@@ -125,47 +129,17 @@ def _ask(
         status = e.response.status_code if e.response is not None else "?"
         return Unreachable(f"it answered HTTP {status}")
     except Exception as e:  # no connection, a timeout, no DNS: whatever the client raised before an answer
-        return Unreachable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+        return unreachable(e)
     return None
 
 
+def unreachable(error: Exception) -> Unreachable:
+    """What the client raised before the Hub answered, in one line."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return Unreachable(f"{type(error).__name__}: {first}".rstrip(": "))
+
+
 @functools.cache
-def _note(endpoint: str, why: str, ids: tuple[str, ...]) -> None:
-    """Said once a process: the CLI and the flow it starts both validate."""
-    log.warning(
-        "note: the Hub (%s) could not be asked about this recipe's Hub ids (%s), so they were not checked: %s. "
-        "Their stages will load them from the Hub or this machine's cache when they start.",
-        endpoint,
-        why,
-        ", ".join(ids),
-    )
-
-
-def push_token_problems(recipe) -> list[Problem]:
-    """A `push` stage to the Hub that runs on this machine needs a token, which huggingface_hub reads from HF_TOKEN
-    or the login's token file; without one the push fails at the pipeline's end, after its training. A stage that
-    names a Prefect Secret block (`token_secret`) or runs on a work pool (whose workers have their own environment)
-    gets its token there, and is not checked here."""
-    from alignpipe.recipe.stages import PushStage
-
-    pushes = [
-        (i, s)
-        for i, s in enumerate(recipe.stages)
-        if isinstance(s, PushStage) and s.target == "hub" and not s.token_secret and not s.resources.pool
-    ]
-    if not pushes:
-        return []
-    from huggingface_hub import get_token
-
-    if get_token():
-        return []
-    return [
-        Problem(
-            ("stages", i, "target"),
-            f"stage {s.id!r} pushes to the Hub ({s.repo_id}), and this machine has no Hub token: HF_TOKEN is not set "
-            "and no `hf auth login` token is saved",
-            "export HF_TOKEN=<a token with write access> (https://huggingface.co/settings/tokens), or set "
-            "`token_secret:` to a Prefect Secret block holding one, or `target: local`",
-        )
-        for i, s in pushes
-    ]
+def note_once(text: str) -> None:
+    """Logged once a process: the CLI and the flow it starts both validate."""
+    log.warning("%s", text)

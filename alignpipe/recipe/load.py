@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from alignpipe.recipe.check import check_recipe
 from alignpipe.recipe.errors import Problem, RecipeError
-from alignpipe.recipe.hub_refs import push_token_problems
+from alignpipe.recipe.push_access import push_token_problems
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import STAGE_KINDS
 
