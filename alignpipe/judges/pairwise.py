@@ -7,6 +7,7 @@ verdicts disagree (or either cannot be read) the pair is a tie. The judge is a l
 
 from __future__ import annotations
 
+import os
 import re
 
 DEFAULT_TEMPLATE = (
@@ -85,6 +86,30 @@ class LocalJudge:
         return [g.completion for g in gens]
 
 
+def server_root(url: str) -> str:
+    """An OpenAI-compatible server's root, to which /v1/... is appended: `https://api.openai.com/v1` (the form
+    OpenAI's clients take) and `https://api.openai.com` name the same server."""
+    root = url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def endpoint_api_key(variable: str | None) -> str | None:
+    """The key in environment variable `variable` (`llm_judge.api_key_env`), or None without one."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(
+            f"llm_judge.api_key_env names {variable}, which is not set where this stage runs: export the endpoint's "
+            "API key in it (on a work pool, in its workers' environment)"
+        )
+    return key
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class EndpointJudge:
     """An OpenAI-compatible `/v1/chat/completions` endpoint as judge (temperature 0)."""
 
@@ -96,10 +121,12 @@ class EndpointJudge:
         timeout_s: float = 120.0,
         retries: int = 3,
         template_kwargs: dict | None = None,
+        api_key: str | None = None,
     ):
-        self.base, self.model, self.max_new_tokens = base_url.rstrip("/"), model, max_new_tokens
+        self.base, self.model, self.max_new_tokens = server_root(base_url), model, max_new_tokens
         self.timeout_s, self.retries = timeout_s, retries
         self.template_kwargs = dict(template_kwargs or {})  # sent as vLLM's `chat_template_kwargs` when given
+        self._headers = auth_headers(api_key)  # never in an error, a log or a repr
 
     def _request(self, client, method: str, path: str, **kwargs):
         """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors and
@@ -127,9 +154,14 @@ class EndpointJudge:
         import httpx
 
         out = []
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
             if self.model is None:
-                self.model = self._request(client, "GET", "/v1/models")["data"][0]["id"]
+                listed = self._request(client, "GET", "/v1/models").get("data") or []
+                if not listed:
+                    raise RuntimeError(
+                        f"LLM judge {self.base}/v1/models lists no model: set llm_judge.served_model to the one to ask"
+                    )
+                self.model = listed[0]["id"]
             for p in prompts:
                 body = {
                     "model": self.model,

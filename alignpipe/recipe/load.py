@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from alignpipe.recipe.check import check_recipe
 from alignpipe.recipe.errors import Problem, RecipeError
+from alignpipe.recipe.judge_endpoints import judge_endpoint_problems
 from alignpipe.recipe.push_access import push_token_problems
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import STAGE_KINDS
@@ -30,7 +31,8 @@ def load_recipe(
     path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True, to_run: bool = False
 ) -> Recipe:
     """Read, override, validate and check a recipe file. Raises `RecipeError`. `to_run`: also what running it from
-    this machine needs of the machine (a Hub token for a push that runs here: `validate`, `run` and the flow)."""
+    this machine needs of the machine (a Hub token that can write for a push that runs here, an endpoint judge's key
+    and model: `validate`, `run` and the flow)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError([Problem((), f"recipe file {str(path)!r} not found", "pass the path of a .yaml recipe")])
@@ -52,7 +54,7 @@ def parse_recipe(
         raise RecipeError(_name_overrides(problems, overridden), source) from None
     problems = check_recipe(recipe, check_files=check_files)
     if to_run and not problems:
-        problems = push_token_problems(recipe)
+        problems = push_token_problems(recipe) + judge_endpoint_problems(recipe)
     problems = _located(problems, data, lines)
     if problems:
         raise RecipeError(_name_overrides(problems, overridden), source)
@@ -316,7 +318,7 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
             msg = msg.removeprefix("Value error, ")
         desc = _describe(model, loc[-1]) if loc else ""
         got = err.get("input")
-        if not isinstance(got, (dict, list)):
+        if not isinstance(got, (dict, list)) and not _may_hold_a_secret(model, loc[-1] if loc else None):
             msg = f"{msg} (got {got!r})"
         if desc:
             hint = f"this field is: {desc}"
@@ -369,8 +371,17 @@ def _describe(model: type[BaseModel] | None, field) -> str:
     if model is None or field not in getattr(model, "model_fields", {}):
         return ""
     text = " ".join((model.model_fields[field].description or "").split())
-    first = re.split(r"(?<=[a-z0-9)`])\. ", text, maxsplit=1)[0]  # the first sentence, docstrings wrap mid-sentence
+    # the first sentence (docstrings wrap mid-sentence); "e.g. " and "i.e. " do not end one
+    first = re.split(r"(?<!e\.g)(?<!i\.e)(?<=[a-z0-9)`])\. ", text, maxsplit=1)[0]
     return first if first.endswith(".") else first + "."
+
+
+def _may_hold_a_secret(model: type[BaseModel] | None, field) -> bool:
+    """A field whose wrong value may be a credential pasted in the wrong place (`api_key_env: sk-...`): its value is
+    not repeated in the problem."""
+    info = getattr(model, "model_fields", {}).get(field) if model is not None else None
+    extra = info.json_schema_extra if info is not None else None
+    return isinstance(extra, dict) and bool(extra.get("may_hold_a_secret"))
 
 
 def _model_at(path: tuple, data: dict) -> type[BaseModel] | None:

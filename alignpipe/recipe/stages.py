@@ -12,6 +12,7 @@ made for every kind).
 
 from __future__ import annotations
 
+import re
 from itertools import combinations
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -363,7 +364,15 @@ class LLMJudgeSpec(Strict):
     model: str | None = None
     """Judge model: a stage id, `base`, a local directory or a Hub id (transformers, greedy)."""
     url: str | None = None
-    """Base URL of an OpenAI-compatible server (e.g. `vllm serve`), judged through /v1/chat/completions."""
+    """Base URL of an OpenAI-compatible server (`vllm serve`'s `http://host:8000`, or a hosted API's
+    `https://api.openai.com/v1`: a trailing /v1 is the same server), judged through /v1/chat/completions."""
+    served_model: str | None = None
+    """Endpoint only: the model to ask, as the server names it (`gpt-4o-mini`, vLLM's `--served-model-name`);
+    null: the first model the server lists at /v1/models."""
+    api_key_env: str | None = Field(None, json_schema_extra={"may_hold_a_secret": True})
+    """Endpoint only: the name of the environment variable holding its API key (e.g. `OPENAI_API_KEY`), sent as
+    `Authorization: Bearer`. Read where the stage runs (a pool's workers need it set); the key itself is never in the
+    recipe, a log or MLflow. null: no key (a local `vllm serve`)."""
     template: str = DEFAULT_JUDGE_TEMPLATE
     """Judge prompt with {prompt}, {response_a} and {response_b}; the judge answers A or B."""
     max_new_tokens: int = Field(8, gt=0)
@@ -376,10 +385,26 @@ class LLMJudgeSpec(Strict):
     once instead of reasoning past `max_new_tokens`: rendered locally, or sent to the endpoint as its
     `chat_template_kwargs` (vLLM's server reads them)."""
 
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_variable_s_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):  # not echoed: it may be the key itself
+            raise ValueError(
+                "api_key_env is the name of an environment variable (letters, digits, _; e.g. OPENAI_API_KEY), not "
+                "the key: export the key in that variable where the stage runs"
+            )
+        return v
+
     @model_validator(mode="after")
     def _check(self):
         if bool(self.model) == bool(self.url):
             raise ValueError("give exactly one of `model` (local judge) or `url` (OpenAI-compatible endpoint)")
+        endpoint_only = [k for k in ("served_model", "api_key_env") if getattr(self, k) is not None]
+        if self.model and endpoint_only:
+            raise ValueError(
+                f"{' and '.join(endpoint_only)} belong to an endpoint judge (`url`); a local judge (`model`) is loaded "
+                "here and takes neither"
+            )
         missing = [k for k in ("{prompt}", "{response_a}", "{response_b}") if k not in self.template]
         if missing:
             raise ValueError(f"template is missing {', '.join(missing)}")

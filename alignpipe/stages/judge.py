@@ -11,7 +11,7 @@ from typing import cast
 
 from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
-from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
+from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, endpoint_api_key, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
@@ -83,8 +83,14 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
     """(name, judge) for a pairwise LLM judge spec: a local model (stage id, path or Hub id) or an endpoint."""
     assert spec.url or spec.model  # validation: exactly one of model, url
     if spec.url:
-        judge = EndpointJudge(spec.url, max_new_tokens=spec.max_new_tokens, template_kwargs=spec.chat_template_kwargs)
-        return f"LLM judge {spec.url}", judge
+        judge = EndpointJudge(
+            spec.url,
+            model=spec.served_model,
+            max_new_tokens=spec.max_new_tokens,
+            template_kwargs=spec.chat_template_kwargs,
+            api_key=endpoint_api_key(spec.api_key_env),
+        )
+        return f"LLM judge {spec.url}" + (f" ({spec.served_model})" if spec.served_model else ""), judge
     model = cast(str, spec.model)
     name = f"LLM judge {model}"
     return name, LocalJudge(

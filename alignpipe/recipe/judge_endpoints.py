@@ -1,0 +1,108 @@
+"""The OpenAI-compatible servers a recipe's LLM judges ask (`llm_judge: {url: ...}`), checked before the run.
+
+A judge stage runs at a pipeline's end (an online DPO stage's judge at its first step): a key that is not set or that
+the server refuses, or a `served_model` it does not serve, would otherwise fail the stage after the training. The
+check asks the server's `/v1/models` once a process, with the key from `api_key_env`, and reads nothing else. A
+server that cannot be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool
+asks from its workers, whose network and environment are not this machine's, and is not checked here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from dataclasses import dataclass
+
+from alignpipe.judges.pairwise import auth_headers, server_root
+from alignpipe.recipe.errors import Problem
+from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, note_once, unreachable
+
+SHOWN = 8
+"""Served models named in a problem: a hosted API lists a hundred."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    status: int
+
+
+def judge_endpoint_problems(recipe) -> list[Problem]:
+    """A problem at each endpoint judge that runs here and cannot judge: its key's variable is not set, the server
+    refuses the key (or the lack of one), or it does not serve the `served_model` asked for."""
+    problems = []
+    for i, stage in enumerate(recipe.stages):
+        spec = getattr(stage, "llm_judge", None)
+        if spec is None or not spec.url or stage.resources.pool:
+            continue
+        where = ("stages", i, "llm_judge")
+        variable = spec.api_key_env
+        if variable and not os.environ.get(variable):
+            problems.append(
+                Problem(
+                    (*where, "api_key_env"),
+                    f"stage {stage.id!r}'s judge sends its API key from {variable}, which is not set on this machine",
+                    f"export {variable}=<the key> before running, or run the stage on a work pool whose workers have "
+                    "it (`resources.pool`)",
+                )
+            )
+            continue
+        root = server_root(spec.url)
+        answer = _served(root, os.environ.get(variable) if variable else None)
+        if isinstance(answer, Unreachable):
+            note_once(
+                f"note: the judge server {root} could not be asked which models it serves ({answer.why}), so stage "
+                f"{stage.id!r}'s judge was not checked; the stage will find out when it runs."
+            )
+        elif isinstance(answer, Refused):
+            key = f"the key in {variable}" if variable else "a request without an API key"
+            problems.append(
+                Problem(
+                    (*where, "api_key_env" if variable else "url"),
+                    f"stage {stage.id!r}'s judge server {root} refuses {key} (HTTP {answer.status})",
+                    f"put a key this server accepts in {variable}"
+                    if variable
+                    else "set `api_key_env:` to the environment variable holding the server's API key "
+                    "(e.g. OPENAI_API_KEY)",
+                )
+            )
+        elif spec.served_model is not None and spec.served_model not in answer:
+            close = difflib.get_close_matches(spec.served_model, answer, n=3, cutoff=0.5)
+            listed = ", ".join(close or answer[:SHOWN]) + (" …" if not close and len(answer) > SHOWN else "")
+            problems.append(
+                Problem(
+                    (*where, "served_model"),
+                    f"stage {stage.id!r}'s judge server {root} serves no model {spec.served_model!r} "
+                    f"({len(answer)} listed at /v1/models)",
+                    f"set served_model to one it serves: {listed}"
+                    if answer
+                    else "start the server with the judge model loaded",
+                )
+            )
+        elif spec.served_model is None and not answer:
+            problems.append(
+                Problem(
+                    (*where, "url"),
+                    f"stage {stage.id!r}'s judge server {root} lists no model at /v1/models",
+                    "start it with the judge model loaded, or set `served_model:` to the model to ask",
+                )
+            )
+    return problems
+
+
+@functools.cache
+def _served(root: str, api_key: str | None) -> tuple[str, ...] | Refused | Unreachable:
+    """The ids a server lists at /v1/models, asked once a process (the CLI and the flow it starts both validate)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{root}/v1/models", headers=auth_headers(api_key), timeout=TIMEOUT_S)
+    except Exception as e:  # no connection, a timeout, no DNS
+        return unreachable(e)
+    if response.status_code in (401, 403):
+        return Refused(response.status_code)
+    try:
+        response.raise_for_status()
+        return tuple(str(m["id"]) for m in response.json().get("data") or [])
+    except Exception as e:  # a 404 (a server without /v1/models), a 5xx, a proxy's page that is not the list
+        return Unreachable(f"HTTP {response.status_code}" if response.is_error else unreachable(e).why)

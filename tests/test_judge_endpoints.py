@@ -1,0 +1,145 @@
+"""An LLM judge on an OpenAI-compatible server (`llm_judge: {url, served_model, api_key_env}`): the key goes from
+its environment variable into the requests' Authorization header and nowhere else, a hosted API's `.../v1` base URL
+works as it does in OpenAI's clients, and `validate` asks the server's /v1/models before the run, so that a missing
+or refused key, or a model the server does not serve, is a problem of the recipe and not a judge failing after the
+training."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from loopback import serve
+
+from alignpipe.judges.pairwise import EndpointJudge, server_root
+from alignpipe.recipe import RecipeError, hub_refs, judge_endpoints, parse_recipe
+
+KEY = "sk-test-judge-key-1234"
+SERVED = ["judge-llm", "judge-llm-large"]
+
+
+def hosted(method, path, body, headers):
+    """A hosted API: every call needs `Bearer KEY`; answers A."""
+    if {k.lower(): v for k, v in headers.items()}.get("authorization") != f"Bearer {KEY}":
+        return 401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}}
+    if path == "/v1/models":
+        return 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in SERVED]}
+    if path == "/v1/chat/completions":
+        return 200, {"choices": [{"message": {"role": "assistant", "content": "A"}}]}
+    return 404, {"error": "not found"}
+
+
+@pytest.fixture
+def server():
+    judge_endpoints._served.cache_clear()
+    hub_refs.note_once.cache_clear()
+    with serve(hosted) as url:
+        yield url
+    judge_endpoints._served.cache_clear()
+    hub_refs.note_once.cache_clear()
+
+
+def judged_by(demo_text: str, spec: str) -> str:
+    """The demo recipe with its judge stage (stages[3]) asking `llm_judge: {spec}` instead of a rule."""
+    text = demo_text.replace("    reward: sentiment_lexicon ", f"    llm_judge: {{{spec}}} ")
+    assert text != demo_text
+    return text
+
+
+def test_the_key_goes_from_its_variable_into_the_header_and_a_v1_base_url_is_the_same_server(server, tiny, tmp_path):
+    from alignpipe.recipe import parse_recipe
+    from alignpipe.stages.context import StageContext
+    from alignpipe.stages.judge import llm_judge
+    from alignpipe.tracking import Tracker
+
+    assert (
+        server_root("https://api.openai.com/v1/") == server_root("https://api.openai.com") == "https://api.openai.com"
+    )
+    assert EndpointJudge(f"{server}/v1", model="judge-llm", api_key=KEY)(["A or B?"]) == ["A"]
+    assert EndpointJudge(f"{server}", api_key=KEY)(["A or B?"]) == ["A"]  # the first model listed
+    paths = [r["path"] for r in server.requests]
+    assert paths == ["/v1/chat/completions", "/v1/models", "/v1/chat/completions"], paths
+    bodies = [r["body"] for r in server.requests if r["body"]]
+    assert [b["model"] for b in bodies] == ["judge-llm", "judge-llm"]
+    with pytest.raises(RuntimeError, match=r"/v1/models: HTTPStatusError.*401") as e:
+        EndpointJudge(server)(["A or B?"])
+    assert KEY not in str(e.value)
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "The film"}\n')
+    stage = f"""  - id: judge
+    kind: judge
+    candidate: base
+    prompts_file: {tmp_path / "prompts.jsonl"}
+    llm_judge: {{url: {server}/v1, served_model: judge-llm-large, api_key_env: JUDGE_TEST_KEY}}
+"""
+    recipe = parse_recipe(f"name: j\nmodel: {{path: {tiny / 'model'}}}\nstages:\n{stage}", check_files=False)
+    ctx = StageContext(recipe, recipe.stages[0], tmp_path, {}, Tracker())
+    with pytest.raises(ValueError, match="api_key_env names JUDGE_TEST_KEY, which is not set where this stage runs"):
+        llm_judge(ctx)
+    import os
+
+    os.environ["JUDGE_TEST_KEY"] = KEY
+    try:
+        name, judge = llm_judge(ctx)
+    finally:
+        del os.environ["JUDGE_TEST_KEY"]
+    assert name == f"LLM judge {server}/v1 (judge-llm-large)" and KEY not in name + repr(judge)
+    assert judge(["A or B?"]) == ["A"]
+    assert server.requests[-1]["body"]["model"] == "judge-llm-large"
+
+
+def test_the_judge_s_fields_say_what_is_wrong_without_echoing_a_key(demo_text):
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(judged_by(demo_text, f"url: http://127.0.0.1:9, api_key_env: {KEY}"))
+    assert "is the name of an environment variable" in str(e.value) and KEY not in str(e.value)
+    with pytest.raises(RecipeError, match="served_model and api_key_env belong to an endpoint judge"):
+        parse_recipe(judged_by(demo_text, "model: base, served_model: x, api_key_env: OPENAI_API_KEY"))
+    parse_recipe(judged_by(demo_text, "url: http://127.0.0.1:9, served_model: x, api_key_env: OPENAI_API_KEY"))
+
+
+def test_validate_asks_the_judge_server_before_the_run(demo_text, server, monkeypatch):
+    monkeypatch.delenv("JUDGE_TEST_KEY", raising=False)
+    spec = f"url: {server}/v1, served_model: judge-llm, api_key_env: JUDGE_TEST_KEY"
+
+    def problems(spec: str) -> str:
+        with pytest.raises(RecipeError) as e:
+            parse_recipe(judged_by(demo_text, spec), to_run=True)
+        assert KEY not in str(e.value)
+        return str(e.value)
+
+    text = problems(spec)
+    assert "stages[3].llm_judge.api_key_env (stage 'judge')" in text, text
+    assert "sends its API key from JUDGE_TEST_KEY, which is not set on this machine" in text
+    assert "export JUDGE_TEST_KEY=<the key>" in text
+    assert server.requests == [], "no key, no question"
+    parse_recipe(judged_by(demo_text, spec))  # `show` and other readers do not ask
+
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-revoked")
+    assert f"judge server {server} refuses the key in JUDGE_TEST_KEY (HTTP 401)" in problems(spec)
+    assert "stages[3].llm_judge.url" in problems(f"url: {server}") and "refuses a request without an API key" in (
+        problems(f"url: {server}")
+    )
+
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    text = problems(spec.replace("served_model: judge-llm", "served_model: judge-lm"))
+    assert "stages[3].llm_judge.served_model" in text and "serves no model 'judge-lm' (2 listed at /v1/models)" in text
+    assert "set served_model to one it serves: judge-llm" in text
+    parse_recipe(judged_by(demo_text, spec), to_run=True)
+    parse_recipe(judged_by(demo_text, spec.replace("judge-llm", "judge-llm-large")), to_run=True)
+    asked = [{k.lower(): v for k, v in r["headers"].items()}.get("authorization") for r in server.requests]
+    assert asked == ["Bearer sk-revoked", None, f"Bearer {KEY}"], "each (server, key) asked once a process"
+
+    requests = len(server.requests)
+    parse_recipe(judged_by(demo_text, spec), ["stages.judge.resources.pool=gpu"], to_run=True)
+    assert len(server.requests) == requests, "a pool's workers ask from their own network, with their own key"
+
+
+def test_a_judge_server_that_cannot_be_asked_is_left_to_the_stage_with_one_note(demo_text, server, caplog):
+    from alignpipe.launch import free_port
+
+    spec = f"url: http://127.0.0.1:{free_port()}, served_model: judge-llm"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="alignpipe.recipe"):
+        parse_recipe(judged_by(demo_text, spec), to_run=True)
+        parse_recipe(judged_by(demo_text, spec), to_run=True)
+    notes = [r.getMessage() for r in caplog.records if r.name == "alignpipe.recipe"]
+    assert len(notes) == 1 and "could not be asked which models it serves" in notes[0], notes
