@@ -7,8 +7,9 @@ verdicts disagree (or either cannot be read) the pair is a tie. The judge is a l
 
 from __future__ import annotations
 
-import os
 import re
+
+from alignpipe.judges.endpoint_auth import auth_headers
 
 DEFAULT_TEMPLATE = (
     "You are comparing two responses to the same prompt.\n\nPrompt:\n{prompt}\n\n"
@@ -91,23 +92,6 @@ def server_root(url: str) -> str:
     OpenAI's clients take) and `https://api.openai.com` name the same server."""
     root = url.rstrip("/")
     return root.removesuffix("/v1")
-
-
-def endpoint_api_key(variable: str | None) -> str | None:
-    """The key in environment variable `variable` (`llm_judge.api_key_env`), or None without one."""
-    if variable is None:
-        return None
-    key = os.environ.get(variable)
-    if not key:
-        raise ValueError(
-            f"llm_judge.api_key_env names {variable}, which is not set where this stage runs: export the endpoint's "
-            "API key in it (on a work pool, in its workers' environment)"
-        )
-    return key
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class EndpointJudge:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from alignpipe.judges.endpoint_auth import endpoint_api_key
 from alignpipe.judges.rewards import HTTPScorer, RewardFunctionError, load_reward_fn, score
 
 
@@ -74,7 +75,9 @@ def load_rewards(specs, model_path_of: Callable[[str], str], batch_size: int = 3
 
             fn = RewardModelScorer(model_path_of(spec.reward_model), batch_size)
         else:
-            fn = HTTPScorer(spec.url)
+            fn = HTTPScorer(
+                spec.url, api_key=endpoint_api_key(spec.api_key_env, f"reward {spec.label!r}'s api_key_env")
+            )
         loaded.append(LoadedReward(spec.label, fn, spec.weight, dict(spec.kwargs)))
     names = [r.name for r in loaded]
     if len(set(names)) != len(names):

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from alignpipe.data.synthetic import sentiment_score
+from alignpipe.judges.endpoint_auth import auth_headers
 from alignpipe.judges.math_answer import math_answer
 from alignpipe.strict import Strict
 from alignpipe.user_code import check_callable_name, import_callable
@@ -270,8 +271,9 @@ def load_reward_fn(spec: str) -> RewardFn:
 class HTTPScorer:
     """A remote reward function: POST {"prompts", "completions", "columns"} → {"rewards": [float|null]}."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 3):
+    def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 3, api_key: str | None = None):
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self._headers = auth_headers(api_key)  # never in an error, a log or a repr
 
     def __call__(self, prompts, completions, **columns) -> list[float | None]:
         import time
@@ -285,7 +287,7 @@ class HTTPScorer:
         }
         for attempt in range(self.retries):
             try:
-                response = httpx.post(self.url, json=payload, timeout=self.timeout_s)
+                response = httpx.post(self.url, json=payload, headers=self._headers, timeout=self.timeout_s)
                 response.raise_for_status()
                 return response.json()["rewards"]
             except (httpx.TransportError, httpx.HTTPStatusError) as e:

@@ -237,6 +237,16 @@ class KTOStage(StageBase, KTOConfig):
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
 
 
+def _variable_name(v: str | None) -> str | None:
+    """`api_key_env`: an environment variable's name. A value that is not one is not repeated: it may be the key."""
+    if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        raise ValueError(
+            "api_key_env is the name of an environment variable (letters, digits, _; e.g. OPENAI_API_KEY), not "
+            "the key: export the key in that variable where the stage runs"
+        )
+    return v
+
+
 class RewardFunctionSpec(Strict):
     """One reward function of an RL stage; exactly one of `function`, `reward_model`, `url`."""
 
@@ -247,6 +257,10 @@ class RewardFunctionSpec(Strict):
     """Id of a `reward` stage whose model scores prompt + completion."""
     url: str | None = None
     """A remote scorer: POST {"prompts", "completions", "columns"} → {"rewards": [...]}."""
+    api_key_env: str | None = Field(None, json_schema_extra={"may_hold_a_secret": True})
+    """`url` only: the name of the environment variable holding the scorer's API key (e.g. `SCORER_API_KEY`), sent
+    as `Authorization: Bearer`. Read where the stage runs (a pool's workers need it set); the key itself is never in
+    the recipe, a log or MLflow. null: no key."""
     weight: float = 1.0
     """Weight in the summed reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict, validate_default=True)  # a built-in may require some
@@ -273,11 +287,15 @@ class RewardFunctionSpec(Strict):
             raise ValueError("kwargs are passed to a `function` only; a reward model or URL takes none")
         return v
 
+    _a_variable_s_name = field_validator("api_key_env")(_variable_name)
+
     @model_validator(mode="after")
     def _one_source(self):
         given = [k for k in ("function", "reward_model", "url") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"give exactly one of function, reward_model, url (got {given or 'none'})")
+        if self.api_key_env is not None and not self.url:
+            raise ValueError("api_key_env is a remote scorer's (`url`) key; a function or reward model takes none")
         return self
 
     @property
@@ -385,15 +403,7 @@ class LLMJudgeSpec(Strict):
     once instead of reasoning past `max_new_tokens`: rendered locally, or sent to the endpoint as its
     `chat_template_kwargs` (vLLM's server reads them)."""
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _a_variable_s_name(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):  # not echoed: it may be the key itself
-            raise ValueError(
-                "api_key_env is the name of an environment variable (letters, digits, _; e.g. OPENAI_API_KEY), not "
-                "the key: export the key in that variable where the stage runs"
-            )
-        return v
+    _a_variable_s_name = field_validator("api_key_env")(_variable_name)
 
     @model_validator(mode="after")
     def _check(self):

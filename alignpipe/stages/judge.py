@@ -11,7 +11,8 @@ from typing import cast
 
 from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
-from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, endpoint_api_key, judge_pairs
+from alignpipe.judges.endpoint_auth import endpoint_api_key
+from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
@@ -88,7 +89,7 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
             model=spec.served_model,
             max_new_tokens=spec.max_new_tokens,
             template_kwargs=spec.chat_template_kwargs,
-            api_key=endpoint_api_key(spec.api_key_env),
+            api_key=endpoint_api_key(spec.api_key_env, "llm_judge.api_key_env"),
         )
         return f"LLM judge {spec.url}" + (f" ({spec.served_model})" if spec.served_model else ""), judge
     model = cast(str, spec.model)

@@ -1,8 +1,9 @@
-"""An LLM judge on an OpenAI-compatible server (`llm_judge: {url, served_model, api_key_env}`): the key goes from
-its environment variable into the requests' Authorization header and nowhere else, a hosted API's `.../v1` base URL
-works as it does in OpenAI's clients, and `validate` asks the server's /v1/models before the run, so that a missing
-or refused key, or a model the server does not serve, is a problem of the recipe and not a judge failing after the
-training."""
+"""HTTP endpoints a stage calls: an LLM judge on an OpenAI-compatible server (`llm_judge: {url, served_model,
+api_key_env}`) and a remote scorer (`rewards: [{url, api_key_env}]`). The key goes from its environment variable into
+the requests' Authorization header and nowhere else, a hosted API's `.../v1` base URL works as it does in OpenAI's
+clients, and `validate` checks before the run that the key's variable is set and asks a judge server's /v1/models,
+so that a missing or refused key, or a model the server does not serve, is a problem of the recipe and not a stage
+failing after the training."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from loopback import serve
 
 from alignpipe.judges.pairwise import EndpointJudge, server_root
-from alignpipe.recipe import RecipeError, hub_refs, judge_endpoints, parse_recipe
+from alignpipe.recipe import RecipeError, endpoints, hub_refs, parse_recipe
 
 KEY = "sk-test-judge-key-1234"
 SERVED = ["judge-llm", "judge-llm-large"]
@@ -31,11 +32,11 @@ def hosted(method, path, body, headers):
 
 @pytest.fixture
 def server():
-    judge_endpoints._served.cache_clear()
+    endpoints._served.cache_clear()
     hub_refs.note_once.cache_clear()
     with serve(hosted) as url:
         yield url
-    judge_endpoints._served.cache_clear()
+    endpoints._served.cache_clear()
     hub_refs.note_once.cache_clear()
 
 
@@ -46,10 +47,13 @@ def judged_by(demo_text: str, spec: str) -> str:
     return text
 
 
-def test_the_key_goes_from_its_variable_into_the_header_and_a_v1_base_url_is_the_same_server(server, tiny, tmp_path):
+def test_the_key_goes_from_its_variable_into_the_header_and_a_v1_base_url_is_the_same_server(
+    server, tiny, tmp_path, monkeypatch
+):
     from alignpipe.recipe import parse_recipe
+    from alignpipe.recipe.stages import JudgeStage
     from alignpipe.stages.context import StageContext
-    from alignpipe.stages.judge import llm_judge
+    from alignpipe.stages.judge import local_or_endpoint_judge
     from alignpipe.tracking import Tracker
 
     assert (
@@ -73,16 +77,14 @@ def test_the_key_goes_from_its_variable_into_the_header_and_a_v1_base_url_is_the
     llm_judge: {{url: {server}/v1, served_model: judge-llm-large, api_key_env: JUDGE_TEST_KEY}}
 """
     recipe = parse_recipe(f"name: j\nmodel: {{path: {tiny / 'model'}}}\nstages:\n{stage}", check_files=False)
-    ctx = StageContext(recipe, recipe.stages[0], tmp_path, {}, Tracker())
+    stage_spec = recipe.stages[0]
+    assert isinstance(stage_spec, JudgeStage) and stage_spec.llm_judge is not None
+    ctx = StageContext(recipe, stage_spec, tmp_path, {}, Tracker())
+    monkeypatch.delenv("JUDGE_TEST_KEY", raising=False)
     with pytest.raises(ValueError, match="api_key_env names JUDGE_TEST_KEY, which is not set where this stage runs"):
-        llm_judge(ctx)
-    import os
-
-    os.environ["JUDGE_TEST_KEY"] = KEY
-    try:
-        name, judge = llm_judge(ctx)
-    finally:
-        del os.environ["JUDGE_TEST_KEY"]
+        local_or_endpoint_judge(ctx, stage_spec.llm_judge)
+    monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
+    name, judge = local_or_endpoint_judge(ctx, stage_spec.llm_judge)
     assert name == f"LLM judge {server}/v1 (judge-llm-large)" and KEY not in name + repr(judge)
     assert judge(["A or B?"]) == ["A"]
     assert server.requests[-1]["body"]["model"] == "judge-llm-large"
@@ -109,7 +111,7 @@ def test_validate_asks_the_judge_server_before_the_run(demo_text, server, monkey
 
     text = problems(spec)
     assert "stages[3].llm_judge.api_key_env (stage 'judge')" in text, text
-    assert "sends its API key from JUDGE_TEST_KEY, which is not set on this machine" in text
+    assert "stage 'judge''s judge needs the API key in JUDGE_TEST_KEY, which is not set on this machine" in text
     assert "export JUDGE_TEST_KEY=<the key>" in text
     assert server.requests == [], "no key, no question"
     parse_recipe(judged_by(demo_text, spec))  # `show` and other readers do not ask
@@ -143,3 +145,48 @@ def test_a_judge_server_that_cannot_be_asked_is_left_to_the_stage_with_one_note(
         parse_recipe(judged_by(demo_text, spec), to_run=True)
     notes = [r.getMessage() for r in caplog.records if r.name == "alignpipe.recipe"]
     assert len(notes) == 1 and "could not be asked which models it serves" in notes[0], notes
+
+
+def test_a_remote_scorer_sends_the_key_from_its_variable_and_validate_wants_it_set(tiny, monkeypatch):
+    from pathlib import Path
+
+    from alignpipe.judges.reward_set import load_rewards
+    from alignpipe.judges.rewards import HTTPScorer
+    from alignpipe.recipe.stages import GRPOStage
+
+    def scorer(method, path, body, headers):
+        if {k.lower(): v for k, v in headers.items()}.get("authorization") != f"Bearer {KEY}":
+            return 401, {"error": "unauthorised"}
+        return 200, {"rewards": [float(len(c)) for c in body["completions"]]}
+
+    grpo = (Path(__file__).parents[1] / "pipelines" / "tiny-grpo.yaml").read_text().replace("assets/tiny", str(tiny))
+    monkeypatch.delenv("SCORER_TEST_KEY", raising=False)
+    with serve(scorer) as url:
+        assert HTTPScorer(url, api_key=KEY)(["p", "q"], ["ab", "c"]) == [2.0, 1.0]
+        with pytest.raises(Exception, match="401") as e:
+            HTTPScorer(url, retries=1)(["p"], ["ab"])
+        assert KEY not in str(e.value)
+
+        remote = grpo.replace(
+            "      - {function: exact_match}",
+            f"      - {{function: exact_match}}\n      - {{url: {url}/score, api_key_env: SCORER_TEST_KEY}}",
+        )
+        assert remote != grpo
+        with pytest.raises(RecipeError) as e:
+            parse_recipe(remote, to_run=True)
+        text = str(e.value)
+        assert "stages[2].rewards[1].api_key_env (stage 'grpo')" in text, text
+        assert f"remote scorer {url}/score needs the API key in SCORER_TEST_KEY, which is not set" in text
+        grpo_stage = parse_recipe(remote).stages[2]  # `show` and other readers do not ask
+        assert isinstance(grpo_stage, GRPOStage)
+        rewards = grpo_stage.rewards
+        with pytest.raises(ValueError, match="reward 'remote''s api_key_env names SCORER_TEST_KEY, which is not set"):
+            load_rewards(rewards, str)
+        parse_recipe(remote, ["stages.grpo.resources.pool=gpu"], to_run=True)  # the workers' environment
+        monkeypatch.setenv("SCORER_TEST_KEY", KEY)
+        parse_recipe(remote, to_run=True)  # a scorer has no standard question: its variable is what is checked
+        assert load_rewards(rewards, str).rewards[1].fn(["p"], ["abc"]) == [3.0]
+        assert [r["path"] for r in url.requests] == ["/", "/", "/score"], "validate asked the scorer nothing"
+
+    with pytest.raises(RecipeError, match="api_key_env is a remote scorer's"):
+        parse_recipe(grpo.replace("{function: exact_match}", "{function: exact_match, api_key_env: K}"))

@@ -1,10 +1,12 @@
-"""The OpenAI-compatible servers a recipe's LLM judges ask (`llm_judge: {url: ...}`), checked before the run.
+"""The HTTP servers a recipe's stages call, checked before the run: endpoint judges (`llm_judge: {url: ...}`) and
+remote scorers (`rewards: [{url: ...}]`).
 
-A judge stage runs at a pipeline's end (an online DPO stage's judge at its first step): a key that is not set or that
-the server refuses, or a `served_model` it does not serve, would otherwise fail the stage after the training. The
-check asks the server's `/v1/models` once a process, with the key from `api_key_env`, and reads nothing else. A
-server that cannot be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool
-asks from its workers, whose network and environment are not this machine's, and is not checked here.
+A judge stage runs at a pipeline's end (an RL stage's scorer or an online DPO stage's judge at its first step): a key
+that is not set or that the server refuses, or a `served_model` it does not serve, would otherwise fail the stage
+after the training. Each key's variable must be set on this machine. A judge server is asked its `/v1/models` once a
+process, with the key, and nothing else; a remote scorer has no standard question to ask, so only its key's variable
+is checked. A server that cannot be asked (not started yet, a firewall) is left to the stage with one note; a stage
+on a work pool calls from its workers, whose network and environment are not this machine's, and is not checked here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import functools
 import os
 from dataclasses import dataclass
 
-from alignpipe.judges.pairwise import auth_headers, server_root
+from alignpipe.judges.endpoint_auth import auth_headers
+from alignpipe.judges.pairwise import server_root
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, note_once, unreachable
 
@@ -27,25 +30,25 @@ class Refused:
     status: int
 
 
-def judge_endpoint_problems(recipe) -> list[Problem]:
-    """A problem at each endpoint judge that runs here and cannot judge: its key's variable is not set, the server
-    refuses the key (or the lack of one), or it does not serve the `served_model` asked for."""
+def endpoint_problems(recipe) -> list[Problem]:
+    """A problem at each endpoint judge or remote scorer that runs here and cannot be called: its key's variable is
+    not set, the judge server refuses the key (or the lack of one), or it does not serve the `served_model` asked
+    for."""
     problems = []
     for i, stage in enumerate(recipe.stages):
+        if stage.resources.pool:
+            continue
+        for j, reward in enumerate(getattr(stage, "rewards", None) or []):
+            if reward.url:
+                problems += _unset_key(stage, ("stages", i, "rewards", j), f"remote scorer {reward.url}", reward)
         spec = getattr(stage, "llm_judge", None)
-        if spec is None or not spec.url or stage.resources.pool:
+        if spec is None or not spec.url:
             continue
         where = ("stages", i, "llm_judge")
         variable = spec.api_key_env
-        if variable and not os.environ.get(variable):
-            problems.append(
-                Problem(
-                    (*where, "api_key_env"),
-                    f"stage {stage.id!r}'s judge sends its API key from {variable}, which is not set on this machine",
-                    f"export {variable}=<the key> before running, or run the stage on a work pool whose workers have "
-                    "it (`resources.pool`)",
-                )
-            )
+        unset = _unset_key(stage, where, "judge", spec)
+        if unset:
+            problems += unset
             continue
         root = server_root(spec.url)
         answer = _served(root, os.environ.get(variable) if variable else None)
@@ -88,6 +91,20 @@ def judge_endpoint_problems(recipe) -> list[Problem]:
                 )
             )
     return problems
+
+
+def _unset_key(stage, where: tuple, what: str, spec) -> list[Problem]:
+    variable = spec.api_key_env
+    if not variable or os.environ.get(variable):
+        return []
+    return [
+        Problem(
+            (*where, "api_key_env"),
+            f"stage {stage.id!r}'s {what} needs the API key in {variable}, which is not set on this machine",
+            f"export {variable}=<the key> before running, or run the stage on a work pool whose workers have it "
+            "(`resources.pool`)",
+        )
+    ]
 
 
 @functools.cache
