@@ -190,3 +190,14 @@ def test_a_remote_scorer_sends_the_key_from_its_variable_and_validate_wants_it_s
 
     with pytest.raises(RecipeError, match="api_key_env is a remote scorer's"):
         parse_recipe(grpo.replace("{function: exact_match}", "{function: exact_match, api_key_env: K}"))
+
+
+def test_a_judge_server_with_no_model_loaded_is_a_problem_unless_one_is_named(demo_text, server):
+    def empty(method, path, body, headers):
+        return 200, {"object": "list", "data": []}
+
+    with serve(empty) as url:
+        with pytest.raises(RecipeError, match=r"llm_judge.url.*lists no model at /v1/models"):
+            parse_recipe(judged_by(demo_text, f"url: {url}"), to_run=True)
+        with pytest.raises(RecipeError, match=r"(?s)serves no model 'j' \(0 listed.*start the server with the judge model"):
+            parse_recipe(judged_by(demo_text, f"url: {url}, served_model: j"), to_run=True)

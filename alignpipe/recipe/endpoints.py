@@ -42,55 +42,46 @@ def endpoint_problems(recipe) -> list[Problem]:
             if reward.url:
                 problems += _unset_key(stage, ("stages", i, "rewards", j), f"remote scorer {reward.url}", reward)
         spec = getattr(stage, "llm_judge", None)
-        if spec is None or not spec.url:
-            continue
-        where = ("stages", i, "llm_judge")
-        variable = spec.api_key_env
-        unset = _unset_key(stage, where, "judge", spec)
-        if unset:
-            problems += unset
-            continue
-        root = server_root(spec.url)
-        answer = _served(root, os.environ.get(variable) if variable else None)
-        if isinstance(answer, Unreachable):
-            note_once(
-                f"note: the judge server {root} could not be asked which models it serves ({answer.why}), so stage "
-                f"{stage.id!r}'s judge was not checked; the stage will find out when it runs."
-            )
-        elif isinstance(answer, Refused):
-            key = f"the key in {variable}" if variable else "a request without an API key"
-            problems.append(
-                Problem(
-                    (*where, "api_key_env" if variable else "url"),
-                    f"stage {stage.id!r}'s judge server {root} refuses {key} (HTTP {answer.status})",
-                    f"put a key this server accepts in {variable}"
-                    if variable
-                    else "set `api_key_env:` to the environment variable holding the server's API key "
-                    "(e.g. OPENAI_API_KEY)",
-                )
-            )
-        elif spec.served_model is not None and spec.served_model not in answer:
-            close = difflib.get_close_matches(spec.served_model, answer, n=3, cutoff=0.5)
-            listed = ", ".join(close or answer[:SHOWN]) + (" …" if not close and len(answer) > SHOWN else "")
-            problems.append(
-                Problem(
-                    (*where, "served_model"),
-                    f"stage {stage.id!r}'s judge server {root} serves no model {spec.served_model!r} "
-                    f"({len(answer)} listed at /v1/models)",
-                    f"set served_model to one it serves: {listed}"
-                    if answer
-                    else "start the server with the judge model loaded",
-                )
-            )
-        elif spec.served_model is None and not answer:
-            problems.append(
-                Problem(
-                    (*where, "url"),
-                    f"stage {stage.id!r}'s judge server {root} lists no model at /v1/models",
-                    "start it with the judge model loaded, or set `served_model:` to the model to ask",
-                )
-            )
+        if spec is not None and spec.url:
+            where = ("stages", i, "llm_judge")
+            problems += _unset_key(stage, where, "judge", spec) or _judge_server_problems(stage, where, spec)
     return problems
+
+
+def _judge_server_problems(stage, where: tuple, spec) -> list[Problem]:
+    """What the judge server's /v1/models says against the key and `served_model`."""
+    root, variable = server_root(spec.url), spec.api_key_env
+    answer = _served(root, os.environ.get(variable) if variable else None)
+    if isinstance(answer, Unreachable):
+        note_once(
+            f"note: the judge server {root} could not be asked which models it serves ({answer.why}), so stage "
+            f"{stage.id!r}'s judge was not checked; the stage will find out when it runs."
+        )
+        return []
+    if isinstance(answer, Refused):
+        key = f"the key in {variable}" if variable else "a request without an API key"
+        fix = (
+            f"put a key this server accepts in {variable}"
+            if variable
+            else "set `api_key_env:` to the environment variable holding the server's API key (e.g. OPENAI_API_KEY)"
+        )
+        message = f"stage {stage.id!r}'s judge server {root} refuses {key} (HTTP {answer.status})"
+        return [Problem((*where, "api_key_env" if variable else "url"), message, fix)]
+    if spec.served_model is not None and spec.served_model not in answer:
+        close = difflib.get_close_matches(spec.served_model, answer, n=3, cutoff=0.5)
+        listed = ", ".join(close or answer[:SHOWN]) + (" …" if not close and len(answer) > SHOWN else "")
+        message = (
+            f"stage {stage.id!r}'s judge server {root} serves no model {spec.served_model!r} ({len(answer)} listed at "
+            "/v1/models)"
+        )
+        fix = (
+            f"set served_model to one it serves: {listed}" if answer else "start the server with the judge model loaded"
+        )
+        return [Problem((*where, "served_model"), message, fix)]
+    if spec.served_model is None and not answer:
+        message = f"stage {stage.id!r}'s judge server {root} lists no model at /v1/models"
+        return [Problem((*where, "url"), message, "start it with the judge model loaded, or set `served_model:`")]
+    return []
 
 
 def _unset_key(stage, where: tuple, what: str, spec) -> list[Problem]:
