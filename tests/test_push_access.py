@@ -55,6 +55,14 @@ WRITE = ["repo.content.read", "repo.access.read", "repo.write"]
         (answer("fineGrained", scoped=[("model", "lab/m", ["repo.write"])]), "lab/n", "fine-grained without write"),
         (answer("fineGrained", scoped=[("user", "alice", ["repo.content.read"])]), "alice/m", "fine-grained"),
         ({"name": "alice", "auth": {}}, "other/m", None),  # an answer that says nothing refuses nothing
+        (
+            {
+                **answer("fineGrained"),
+                "auth": {"accessToken": {"role": "fineGrained", "fineGrained": {"global": ["repo.write"]}}},
+            },
+            "alice/m",
+            None,
+        ),
     ],
 )
 def test_what_the_hub_says_of_the_token_decides_whether_a_push_can_write(whoami, repo_id, refused):

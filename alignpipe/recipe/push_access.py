@@ -156,7 +156,10 @@ def _whoami(endpoint: str, token: str) -> Account | Rejected | Unreachable:
 def account_of(answer: dict) -> Account:
     """`whoami-v2`'s JSON, read leniently: a missing part decides nothing rather than failing validation."""
     access = (answer.get("auth") or {}).get("accessToken") or {}
-    scoped = (access.get("fineGrained") or {}).get("scoped") or []
+    fine = access.get("fineGrained") or {}
+    scoped = fine.get("scoped") or []
+    if "repo.write" in (fine.get("global") or []) and answer.get("name"):  # not seen in answers; not refused if sent
+        scoped = [*scoped, {"entity": {"name": answer["name"]}, "permissions": ["repo.write"]}]
     return Account(
         name=str(answer.get("name") or ""),
         token_name=str(access.get("displayName") or "unnamed"),
