@@ -94,8 +94,8 @@ def test_the_judge_s_fields_say_what_is_wrong_without_echoing_a_key(demo_text):
     with pytest.raises(RecipeError) as e:
         parse_recipe(judged_by(demo_text, f"url: http://127.0.0.1:9, api_key_env: {KEY}"))
     assert "is the name of an environment variable" in str(e.value) and KEY not in str(e.value)
-    with pytest.raises(RecipeError, match="served_model and api_key_env belong to an endpoint judge"):
-        parse_recipe(judged_by(demo_text, "model: base, served_model: x, api_key_env: OPENAI_API_KEY"))
+    with pytest.raises(RecipeError, match="served_model, api_key_env, concurrency: an endpoint judge's"):
+        parse_recipe(judged_by(demo_text, "model: base, served_model: x, api_key_env: OPENAI_API_KEY, concurrency: 4"))
     parse_recipe(judged_by(demo_text, "url: http://127.0.0.1:9, served_model: x, api_key_env: OPENAI_API_KEY"))
 
 
@@ -199,5 +199,41 @@ def test_a_judge_server_with_no_model_loaded_is_a_problem_unless_one_is_named(de
     with serve(empty) as url:
         with pytest.raises(RecipeError, match=r"llm_judge.url.*lists no model at /v1/models"):
             parse_recipe(judged_by(demo_text, f"url: {url}"), to_run=True)
-        with pytest.raises(RecipeError, match=r"(?s)serves no model 'j' \(0 listed.*start the server with the judge model"):
+        with pytest.raises(
+            RecipeError, match=r"(?s)serves no model 'j' \(0 listed.*start the server with the judge model"
+        ):
             parse_recipe(judged_by(demo_text, f"url: {url}, served_model: j"), to_run=True)
+
+
+def test_an_endpoint_judge_keeps_requests_in_flight_and_waits_out_a_rate_limit(monkeypatch):
+    """Up to `concurrency` requests at once (a server batches them), answers in the prompts' order; a 429 is retried
+    after its Retry-After."""
+    import threading
+    import time
+
+    from alignpipe.judges import pairwise
+
+    lock, state = threading.Lock(), {"in_flight": 0, "most": 0, "limited": 0}
+
+    def slow(method, path, body, headers):
+        prompt = body["messages"][0]["content"]
+        if prompt == "limited" and state["limited"] == 0:
+            state["limited"] += 1
+            return 429, {"error": "rate limited"}, {"Retry-After": "0"}
+        with lock:
+            state["in_flight"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+        time.sleep(0.2)
+        with lock:
+            state["in_flight"] -= 1
+        return 200, {"choices": [{"message": {"content": prompt.upper()}}]}
+
+    prompts = [f"p{i}" for i in range(12)] + ["limited"]
+    with serve(slow) as url:
+        assert EndpointJudge(url, model="j", concurrency=4)(prompts) == [p.upper() for p in prompts]
+        assert 2 <= state["most"] <= 4, state
+        assert state["limited"] == 1
+        state["most"] = 0
+        assert EndpointJudge(url, model="j", concurrency=1)(prompts[:3]) == ["P0", "P1", "P2"]
+        assert state["most"] == 1
+    assert pairwise._retry_after(type("R", (), {"headers": {"retry-after": "120"}})()) == 60.0

@@ -8,6 +8,7 @@ verdicts disagree (or either cannot be read) the pair is a tie. The judge is a l
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from alignpipe.judges.endpoint_auth import auth_headers
 
@@ -106,15 +107,17 @@ class EndpointJudge:
         retries: int = 3,
         template_kwargs: dict | None = None,
         api_key: str | None = None,
+        concurrency: int = 16,
     ):
         self.base, self.model, self.max_new_tokens = server_root(base_url), model, max_new_tokens
-        self.timeout_s, self.retries = timeout_s, retries
+        self.timeout_s, self.retries, self.concurrency = timeout_s, retries, concurrency
         self.template_kwargs = dict(template_kwargs or {})  # sent as vLLM's `chat_template_kwargs` when given
         self._headers = auth_headers(api_key)  # never in an error, a log or a repr
 
     def _request(self, client, method: str, path: str, **kwargs):
-        """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors and
-        5xx answers (backing off 1, 2, 4 s); then an error naming the endpoint."""
+        """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors, 5xx
+        and 429 (rate-limited) answers, backing off 1, 2, 4 s or as long as a 429's Retry-After asks (up to a
+        minute); then an error naming the endpoint."""
         import time
 
         import httpx
@@ -125,20 +128,27 @@ class EndpointJudge:
                 response.raise_for_status()
                 return response.json()
             except (httpx.TransportError, httpx.HTTPStatusError) as e:
-                final = attempt == self.retries - 1
-                if final or (isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500):
+                answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
+                status = answered.status_code if answered is not None else None
+                if attempt == self.retries - 1 or (status is not None and status < 500 and status != 429):
                     raise RuntimeError(
                         f"LLM judge {self.base}{path}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), "
                         f"{self.timeout_s:g} s timeout each)"
                     ) from e
-                time.sleep(2**attempt)
+                time.sleep(_retry_after(answered) if status == 429 else 2**attempt)
         raise AssertionError("unreachable")
 
     def __call__(self, prompts: list[str]) -> list[str]:
+        """The judge's answer to each prompt, in order; up to `concurrency` requests in flight, so that a server
+        batches them (vLLM) instead of decoding one at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import httpx
 
-        out = []
-        with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
+        from alignpipe.progress import progress
+
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        with httpx.Client(timeout=self.timeout_s, headers=self._headers, limits=limits) as client:
             if self.model is None:
                 listed = self._request(client, "GET", "/v1/models").get("data") or []
                 if not listed:
@@ -146,18 +156,35 @@ class EndpointJudge:
                         f"LLM judge {self.base}/v1/models lists no model: set llm_judge.served_model to the one to ask"
                     )
                 self.model = listed[0]["id"]
-            for p in prompts:
-                body = {
-                    "model": self.model,
-                    "messages": [{"role": "user", "content": p}],
-                    "temperature": 0,
-                    "max_tokens": self.max_new_tokens,
-                }
-                if self.template_kwargs:
-                    body["chat_template_kwargs"] = self.template_kwargs
-                answer = self._request(client, "POST", "/v1/chat/completions", json=body)
-                out.append(answer["choices"][0]["message"]["content"])
+            with (
+                ThreadPoolExecutor(self.concurrency, thread_name_prefix="judge") as pool,
+                progress(len(prompts), f"judging with {self.model}") as bar,
+            ):
+                out = []
+                for answer in pool.map(lambda p: self._ask(client, p), prompts):
+                    out.append(answer)
+                    bar.update(1)
         return out
+
+    def _ask(self, client, prompt: str) -> str:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": self.max_new_tokens,
+        }
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
+        answer = self._request(client, "POST", "/v1/chat/completions", json=body)
+        return answer["choices"][0]["message"]["content"]
+
+
+def _retry_after(response) -> float:
+    """A 429's wait: its Retry-After seconds (capped at a minute), else 1 s."""
+    try:
+        return min(60.0, max(0.0, float(response.headers.get("retry-after", 1))))
+    except ValueError:  # an HTTP date: rare from these APIs
+        return 1.0
 
 
 def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], baseline: list[str]) -> list[dict]:

@@ -391,6 +391,9 @@ class LLMJudgeSpec(Strict):
     """Endpoint only: the name of the environment variable holding its API key (e.g. `OPENAI_API_KEY`), sent as
     `Authorization: Bearer`. Read where the stage runs (a pool's workers need it set); the key itself is never in the
     recipe, a log or MLflow. null: no key (a local `vllm serve`)."""
+    concurrency: int = Field(16, gt=0)
+    """Endpoint only: requests in flight at once. A server batches them (vLLM's throughput grows with it); a hosted
+    API's rate limit may want fewer (a 429 is retried after its Retry-After)."""
     template: str = DEFAULT_JUDGE_TEMPLATE
     """Judge prompt with {prompt}, {response_a} and {response_b}; the judge answers A or B."""
     max_new_tokens: int = Field(8, gt=0)
@@ -409,11 +412,11 @@ class LLMJudgeSpec(Strict):
     def _check(self):
         if bool(self.model) == bool(self.url):
             raise ValueError("give exactly one of `model` (local judge) or `url` (OpenAI-compatible endpoint)")
-        endpoint_only = [k for k in ("served_model", "api_key_env") if getattr(self, k) is not None]
+        endpoint_only = [k for k in ("served_model", "api_key_env", "concurrency") if k in self.model_fields_set]
         if self.model and endpoint_only:
             raise ValueError(
-                f"{' and '.join(endpoint_only)} belong to an endpoint judge (`url`); a local judge (`model`) is loaded "
-                "here and takes neither"
+                f"{', '.join(endpoint_only)}: an endpoint judge's (`url`) settings; a local judge (`model`) is loaded "
+                "here and takes none"
             )
         missing = [k for k in ("{prompt}", "{response_a}", "{response_b}") if k not in self.template]
         if missing:

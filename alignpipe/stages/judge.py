@@ -90,6 +90,7 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
             max_new_tokens=spec.max_new_tokens,
             template_kwargs=spec.chat_template_kwargs,
             api_key=endpoint_api_key(spec.api_key_env, "llm_judge.api_key_env"),
+            concurrency=spec.concurrency,
         )
         return f"LLM judge {spec.url}" + (f" ({spec.served_model})" if spec.served_model else ""), judge
     model = cast(str, spec.model)
