@@ -211,7 +211,7 @@ def test_an_endpoint_judge_keeps_requests_in_flight_and_waits_out_a_rate_limit(m
     import threading
     import time
 
-    from alignpipe.judges import pairwise
+    from alignpipe.judges.http_endpoints import retry_after
 
     lock, state = threading.Lock(), {"in_flight": 0, "most": 0, "limited": 0}
 
@@ -236,4 +236,4 @@ def test_an_endpoint_judge_keeps_requests_in_flight_and_waits_out_a_rate_limit(m
         state["most"] = 0
         assert EndpointJudge(url, model="j", concurrency=1)(prompts[:3]) == ["P0", "P1", "P2"]
         assert state["most"] == 1
-    assert pairwise._retry_after(type("R", (), {"headers": {"retry-after": "120"}})()) == 60.0
+    assert retry_after(type("R", (), {"headers": {"retry-after": "120"}})()) == 60.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from alignpipe.judges.endpoint_auth import auth_headers
+from alignpipe.judges.http_endpoints import auth_headers, json_with_retries
 
 DEFAULT_TEMPLATE = (
     "You are comparing two responses to the same prompt.\n\nPrompt:\n{prompt}\n\n"
@@ -115,28 +115,12 @@ class EndpointJudge:
         self._headers = auth_headers(api_key)  # never in an error, a log or a repr
 
     def _request(self, client, method: str, path: str, **kwargs):
-        """One call with `timeout_s` per attempt and up to `retries` attempts on timeouts, connection errors, 5xx
-        and 429 (rate-limited) answers, backing off 1, 2, 4 s or as long as a 429's Retry-After asks (up to a
-        minute); then an error naming the endpoint."""
-        import time
-
-        import httpx
-
-        for attempt in range(self.retries):
-            try:
-                response = client.request(method, f"{self.base}{path}", **kwargs)
-                response.raise_for_status()
-                return response.json()
-            except (httpx.TransportError, httpx.HTTPStatusError) as e:
-                answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
-                status = answered.status_code if answered is not None else None
-                if attempt == self.retries - 1 or (status is not None and status < 500 and status != 429):
-                    raise RuntimeError(
-                        f"LLM judge {self.base}{path}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), "
-                        f"{self.timeout_s:g} s timeout each)"
-                    ) from e
-                time.sleep(_retry_after(answered) if status == 429 else 2**attempt)
-        raise AssertionError("unreachable")
+        return json_with_retries(
+            lambda: client.request(method, f"{self.base}{path}", **kwargs),
+            f"LLM judge {self.base}{path}",
+            self.retries,
+            self.timeout_s,
+        )
 
     def __call__(self, prompts: list[str]) -> list[str]:
         """The judge's answer to each prompt, in order; up to `concurrency` requests in flight, so that a server
@@ -177,14 +161,6 @@ class EndpointJudge:
             body["chat_template_kwargs"] = self.template_kwargs
         answer = self._request(client, "POST", "/v1/chat/completions", json=body)
         return answer["choices"][0]["message"]["content"]
-
-
-def _retry_after(response) -> float:
-    """A 429's wait: its Retry-After seconds (capped at a minute), else 1 s."""
-    try:
-        return min(60.0, max(0.0, float(response.headers.get("retry-after", 1))))
-    except ValueError:  # an HTTP date: rare from these APIs
-        return 1.0
 
 
 def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], baseline: list[str]) -> list[dict]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from alignpipe.judges.endpoint_auth import endpoint_api_key
+from alignpipe.judges.http_endpoints import endpoint_api_key
 from alignpipe.judges.rewards import HTTPScorer, RewardFunctionError, load_reward_fn, score
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from alignpipe.data.synthetic import sentiment_score
-from alignpipe.judges.endpoint_auth import auth_headers
+from alignpipe.judges.http_endpoints import auth_headers, json_with_retries
 from alignpipe.judges.math_answer import math_answer
 from alignpipe.strict import Strict
 from alignpipe.user_code import check_callable_name, import_callable
@@ -276,8 +276,6 @@ class HTTPScorer:
         self._headers = auth_headers(api_key)  # never in an error, a log or a repr
 
     def __call__(self, prompts, completions, **columns) -> list[float | None]:
-        import time
-
         import httpx
 
         payload = {
@@ -285,21 +283,14 @@ class HTTPScorer:
             "completions": list(completions),
             "columns": {k: list(v) for k, v in columns.items()},
         }
-        for attempt in range(self.retries):
-            try:
-                response = httpx.post(self.url, json=payload, headers=self._headers, timeout=self.timeout_s)
-                response.raise_for_status()
-                return response.json()["rewards"]
-            except (httpx.TransportError, httpx.HTTPStatusError) as e:
-                if attempt == self.retries - 1 or (
-                    isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500
-                ):
-                    raise RewardFunctionError(
-                        f"remote reward {self.url}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), "
-                        f"{self.timeout_s:g} s timeout each)"
-                    ) from e
-                time.sleep(2**attempt)
-        raise AssertionError("unreachable")
+        answer = json_with_retries(
+            lambda: httpx.post(self.url, json=payload, headers=self._headers, timeout=self.timeout_s),
+            f"remote reward {self.url}",
+            self.retries,
+            self.timeout_s,
+            RewardFunctionError,
+        )
+        return answer["rewards"]
 
 
 def parameter_names(fn) -> set[str]:

@@ -16,7 +16,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from alignpipe.judges.endpoint_auth import auth_headers
+from alignpipe.judges.http_endpoints import auth_headers
 from alignpipe.judges.pairwise import server_root
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, note_once, unreachable

@@ -11,7 +11,7 @@ from typing import cast
 
 from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
-from alignpipe.judges.endpoint_auth import endpoint_api_key
+from alignpipe.judges.http_endpoints import endpoint_api_key
 from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict

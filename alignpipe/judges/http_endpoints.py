@@ -1,0 +1,58 @@
+"""What the HTTP endpoints stages call (an endpoint judge, a remote scorer) share: the API key, held in an environment
+variable the recipe names (`api_key_env`), read where the stage runs and sent in the `Authorization` header only
+(never the recipe, a log, an error or MLflow); and the retries of a call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def endpoint_api_key(variable: str | None, field: str) -> str | None:
+    """The key in environment variable `variable` (the recipe's `field`), or None without one."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(
+            f"{field} names {variable}, which is not set where this stage runs: export the endpoint's API key in it "
+            "(on a work pool, in its workers' environment)"
+        )
+    return key
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def json_with_retries(send: Callable[[], Any], what: str, retries: int, timeout_s: float, error=RuntimeError) -> Any:
+    """`send()`'s JSON answer, with up to `retries` attempts on timeouts, connection errors, 5xx and 429 (rate
+    limited) answers, backing off 1, 2, 4 s, or as long as a 429's Retry-After asks (up to a minute); then `error`
+    naming `what`, the cause and the attempts. A 4xx other than 429 is not retried: asking again will not help."""
+    import httpx
+
+    for attempt in range(retries):
+        try:
+            response = send()
+            response.raise_for_status()
+            return response.json()
+        except (httpx.TransportError, httpx.HTTPStatusError) as e:
+            answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
+            status = answered.status_code if answered is not None else None
+            if attempt == retries - 1 or (status is not None and status < 500 and status != 429):
+                raise error(
+                    f"{what}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), {timeout_s:g} s timeout each)"
+                ) from e
+            time.sleep(retry_after(answered) if status == 429 else 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def retry_after(response) -> float:
+    """A 429's wait: its Retry-After seconds (capped at a minute), else 1 s."""
+    try:
+        return min(60.0, max(0.0, float(response.headers.get("retry-after", 1))))
+    except ValueError:  # an HTTP date: rare from these APIs
+        return 1.0
