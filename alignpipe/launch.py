@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -38,6 +39,28 @@ class StageFailed(RuntimeError):
         # Prefect's "Task run failed with exception: {exc!r}" line: the headline, where the message's last lines would
         # be one long line of escaped newlines (its traceback, just after, prints them as lines)
         return f"{type(self).__name__}({self.headline!r})"
+
+    def __reduce__(self):
+        # pickling and copying rebuild an exception from its args, which are not this __init__'s
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+    def logged_above(self) -> StageFailed:
+        """The same failure with the headline for its message, for a run whose log already shows the stage's lines as
+        they came: Prefect prints a task's exception twice more (its traceback, its final state), and the lines
+        carried in the message would stand three times in the terminal. `tail` keeps them."""
+        shown = copy.copy(self)
+        shown.args = (self.headline + LOGGED_ABOVE,)
+        return shown
+
+
+LOGGED_ABOVE = "; its last lines are logged above"
+
+
+def _rebuilt(cls: type[StageFailed], args: tuple, state: dict) -> StageFailed:
+    failure = cls.__new__(cls)
+    Exception.__init__(failure, *args)
+    failure.__dict__.update(state)
+    return failure
 
 
 class StageTimedOut(StageFailed):

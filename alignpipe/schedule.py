@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from alignpipe.launch import LOGGED_ABOVE
 from alignpipe.manifest import Manifest
 from alignpipe.pipeline_run import (
     STATUS_CACHED,
@@ -79,9 +80,8 @@ class Schedule:
             self.manifests[stage_id] = Manifest.model_validate(result)
             outcome = StageOutcome.from_manifest(self.manifests[stage_id], STATUS_DONE)
         else:
-            outcome = StageOutcome(
-                stage_id, kind, STATUS_FAILED, message=str(result).split("\n")[0].removesuffix(" Last output:")
-            )
+            headline = str(result).split("\n")[0].removesuffix(" Last output:").removesuffix(LOGGED_ABOVE)
+            outcome = StageOutcome(stage_id, kind, STATUS_FAILED, message=headline)
         self.outcomes[stage_id] = outcome
         return outcome
 

@@ -173,28 +173,37 @@ def launch_in_run(
     timeout_s: float | None = None,
     accelerate_config: str | None = None,
     storage_options: dict | None = None,
+    carry_output: bool = True,
 ) -> dict:
     """What the local stage task and the pool's stage flow both do, inside their Prefect run: launch the stage with
     its kind's environment, its log lines to the run's log and its bars to the run's progress artifact, run the
-    kind's after-success hook, and return the manifest as JSON."""
+    kind's after-success hook, and return the manifest as JSON.
+
+    `carry_output`: a failure's message carries the stage's last lines, as the pool's flow needs (its message is
+    what the launcher sees); false where the run's log is the launcher's own, which showed them as they came."""
     from prefect import get_run_logger
 
-    from alignpipe.launch import launch
+    from alignpipe.launch import StageFailed, launch
     from alignpipe.plan import read_spec
 
     logger = get_run_logger()
     spec = read_spec(spec_path, storage_options)
-    with StageProgress(spec, logger) as on_progress:
-        manifest = launch(
-            spec_path,
-            on_line=functools.partial(log_stage_line, logger, stage_id),
-            processes=processes,
-            timeout_s=timeout_s,
-            extra_env=stage_env(spec),
-            accelerate_config=accelerate_config,
-            storage_options=storage_options,
-            on_progress=on_progress,
-        )
+    try:
+        with StageProgress(spec, logger) as on_progress:
+            manifest = launch(
+                spec_path,
+                on_line=functools.partial(log_stage_line, logger, stage_id),
+                processes=processes,
+                timeout_s=timeout_s,
+                extra_env=stage_env(spec),
+                accelerate_config=accelerate_config,
+                storage_options=storage_options,
+                on_progress=on_progress,
+            )
+    except StageFailed as e:
+        if carry_output:
+            raise
+        raise e.logged_above() from None
     on_done = hooks_for(stage_entry(spec)["kind"]).on_done
     if on_done is not None:
         on_done(manifest, spec)

@@ -29,6 +29,8 @@ def stage_task(kind: str):
         accelerate_config: str | None = None,
         storage_options: dict | None = None,
     ) -> dict:
-        return launch_in_run(spec_path, stage_id, processes, timeout_s, accelerate_config, storage_options)
+        return launch_in_run(
+            spec_path, stage_id, processes, timeout_s, accelerate_config, storage_options, carry_output=False
+        )
 
     return run_stage

@@ -13,6 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from support import experiment_id
 
+from alignpipe.launch import LOGGED_ABOVE
 from alignpipe.manifest import Manifest
 from alignpipe.recipe import load_recipe
 
@@ -324,6 +325,9 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
     said = next(text for text in levels if text.startswith("[judge] stage judge failed: "))
     assert levels[said] == logging.ERROR and levels["[judge] Traceback (most recent call last):"] == logging.ERROR
     assert levels[next(text for text in levels if text.startswith("[judge] stage judge (judge) → "))] == logging.INFO
+    # the lines were logged as they came: Prefect's own report of the task's exception is its headline only
+    (task_message,) = task_run_messages(state.state_details.flow_run_id, "judge")
+    assert task_message.endswith(LOGGED_ABOVE) and "Traceback" not in task_message, task_message
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, fixed)["stages"]}
@@ -334,6 +338,19 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
         "judge": "done",
         "publish": "done",
     }
+
+
+def task_run_messages(flow_run_id, name: str) -> list[str]:
+    """The final state's message of each task run `name` of a flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
+        )
+    return [str(run.state.message if run.state else "") for run in runs]
 
 
 def stage_log_levels(flow_run_id, prefix: str) -> dict[str, int]:

@@ -108,3 +108,25 @@ def test_a_failed_stage_leads_with_the_cause_its_process_logged():
         "StageFailed(\"stage 'sft' failed (exit code 1): saving checkpoint /w/step-4 failed: [Errno 28] No space left "
         'on device")'
     )
+
+
+def test_a_failure_logged_as_it_came_carries_its_headline_only_and_survives_a_pickle():
+    """The local task's run log showed the stage's lines as they came, so the exception Prefect prints twice more
+    (traceback, final state) is the headline; `tail` keeps the lines. A failure pickles and copies whole (its args
+    are not its __init__'s)."""
+    import copy
+    import pickle
+
+    from alignpipe.launch import LOGGED_ABOVE
+
+    tail = ["stage sft failed: out of memory", "Traceback (most recent call last):", "torch.OutOfMemoryError: CUDA"]
+    failure = StageFailed("sft", 1, tail)
+    shown = failure.logged_above()
+    assert str(shown) == "stage 'sft' failed (exit code 1): out of memory" + LOGGED_ABOVE
+    assert type(shown) is StageFailed and shown.tail == tail and "Last output:" in str(failure)
+    timed_out = StageTimedOut("sft", -9, 5.0, tail).logged_above()
+    assert isinstance(timed_out, StageTimedOut) and timed_out.timeout_s == 5.0 and "\n" not in str(timed_out)
+    for original in (failure, timed_out):
+        for again in (pickle.loads(pickle.dumps(original)), copy.copy(original)):
+            assert type(again) is type(original) and str(again) == str(original)
+            assert again.tail == tail and again.headline == original.headline
