@@ -412,7 +412,12 @@ class LLMJudgeSpec(Strict):
     def _check(self):
         if bool(self.model) == bool(self.url):
             raise ValueError("give exactly one of `model` (local judge) or `url` (OpenAI-compatible endpoint)")
-        endpoint_only = [k for k in ("served_model", "api_key_env", "concurrency") if k in self.model_fields_set]
+        # by value, not `model_fields_set`: a stage process validates the dumped recipe, every default written out
+        endpoint_only = [
+            k
+            for k in ("served_model", "api_key_env", "concurrency")
+            if getattr(self, k) != type(self).model_fields[k].default
+        ]
         if self.model and endpoint_only:
             raise ValueError(
                 f"{', '.join(endpoint_only)}: an endpoint judge's (`url`) settings; a local judge (`model`) is loaded "
