@@ -129,7 +129,9 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
     assert "judge/candidate_score" not in result.metrics and not ctx.stage.reports_metric("candidate_score")
 
 
-def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
+def test_a_local_llm_judge_that_never_names_a_letter_judges_nothing(models, tmp_path):
+    """The random tiny judge answers no A or B: every pair would be a tie and the win rate 0.5 by construction, so the
+    stage fails saying so, with what it answered and what to change."""
     tiny, paths, prompts = models
     ctx = context(
         tiny,
@@ -143,15 +145,47 @@ def test_local_llm_judge_runs_and_unreadable_answers_are_ties(models, tmp_path):
     sampling: {{temperature: 0.9, max_new_tokens: 8}}
 """,
     )
-    result = judge_stage.run(ctx)
-    verdicts = []
-    for r in ctx.tracker.tables["judged_examples"]:
-        expected = combine(parse_verdict(r["judge_forward"]), parse_verdict(r["judge_swapped"]))
-        assert r["verdict"] == expected
-        verdicts.append(r["verdict"])
-    wins, ties = verdicts.count("win"), verdicts.count("tie")
-    assert result.metrics["judge/win_rate"] == pytest.approx((wins + 0.5 * ties) / len(verdicts))
-    assert (result.metrics["judge/wins"], result.metrics["judge/ties"]) == (wins, ties)
+    with pytest.raises(ValueError, match=r"named neither A nor B in any of its 12 answers .*\(the first: '") as e:
+        judge_stage.run(ctx)
+    assert "raise llm_judge.max_new_tokens" in str(e.value) and "enable_thinking: false" in str(e.value)
+
+
+def test_unreadable_answers_are_ties_counted_and_warned_about(models, tmp_path, caplog):
+    """A judge that names neither letter in a third of its answers: those pairs are ties, the share is a metric a
+    gate can read (`judge.unreadable_rate`), and the stage warns."""
+    import logging
+
+    tiny, paths, prompts = models
+    answers = iter(["A", "B", "I cannot decide"] * 10)
+
+    def chat(method, path, body, headers):
+        return 200, {"choices": [{"message": {"content": next(answers)}}]}
+
+    with serve(chat) as url:
+        ctx = context(
+            tiny,
+            tmp_path,
+            f"""  - id: judge
+    kind: judge
+    candidate: {paths[1]}
+    baseline: {paths[0]}
+    prompts_file: {prompts}
+    llm_judge: {{url: {url}, served_model: j, concurrency: 1}}
+    sampling: {{temperature: 0.9, max_new_tokens: 8}}
+""",
+        )
+        with caplog.at_level(logging.WARNING, logger="alignpipe.stages.judge"):
+            result = judge_stage.run(ctx)
+    rows = ctx.tracker.tables["judged_examples"]
+    assert result.metrics["judge/unreadable_rate"] == pytest.approx(sum(r["unreadable"] for r in rows) / 12)
+    assert result.metrics["judge/unreadable_rate"] == pytest.approx(4 / 12)
+    for r in rows:
+        assert r["verdict"] == combine(parse_verdict(r["judge_forward"]), parse_verdict(r["judge_swapped"]))
+        assert r["unreadable"] == [parse_verdict(r["judge_forward"]), parse_verdict(r["judge_swapped"])].count(None)
+    assert any("named neither A nor B in 33% of its answers" in m for m in caplog.messages), caplog.messages
+    assert ctx.stage.reports_metric("unreadable_rate") and ctx.stage.reports_metric(
+        f"{paths[1]}_vs_{paths[0]}/unreadable_rate"
+    )
 
 
 def test_a_local_judge_is_asked_through_its_chat_template(tiny):

@@ -118,6 +118,12 @@ def test_a_gate_reads_a_judge_s_scores_only_where_a_function_scores(demo_text):
     text = demo_text.replace("when: judge.win_rate >= 0.55 and judge.ci_low > 0.5", "when: judge.candidate_score > 0.5")
     text = text.replace("    reward: sentiment_lexicon ", "    llm_judge: {url: 'http://127.0.0.1:9'} ")
     assert "reports no metric 'candidate_score'" in problems_of(text)
+    # and an LLM judge's share of unreadable answers only where an LLM judges
+    gated = "judge.win_rate >= 0.55 and judge.unreadable_rate < 0.1"
+    llm = text.replace("when: judge.candidate_score > 0.5", f"when: {gated}")
+    assert parse_recipe(llm).stage("publish").when == gated
+    scored = demo_text.replace("when: judge.win_rate >= 0.55 and judge.ci_low > 0.5", f"when: {gated}")
+    assert "reports no metric 'unreadable_rate'" in problems_of(scored)
 
 
 def test_cyclic_needs(demo_text):

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from loopback import serve
 
 from alignpipe.recipe import load_recipe
 
@@ -92,11 +93,21 @@ RECIPES = {
     ),
 }
 JUDGES = {"Qwen/Qwen2.5-1.5B-Instruct"}
-"""Hub models of LLM judges, swapped for the tiny model too."""
+"""Hub models of LLM judges, swapped for a stand-in judge server (`judge_url`): the tiny model names no letter, and
+a judge that never does fails its stage (nothing would be judged)."""
 
 
-def shrunk_recipe(name: str, tiny: Path, root: Path) -> Path:
-    """pipelines/`name` with its model and datasets replaced by local ones of the same shape, written under `root`."""
+def letter_judge(method, path, body, headers):
+    """An OpenAI-compatible judge answering A or B by the prompt's length, so that both orders can disagree."""
+    if path == "/v1/models":
+        return 200, {"data": [{"id": "letter-judge"}]}
+    prompt = body["messages"][0]["content"]
+    return 200, {"choices": [{"message": {"content": "A" if len(prompt) % 2 else "B"}}]}
+
+
+def shrunk_recipe(name: str, tiny: Path, root: Path, judge_url: str = "") -> Path:
+    """pipelines/`name` with its model and datasets replaced by local ones of the same shape, written under `root`;
+    its LLM judges' Hub models by the judge server at `judge_url`."""
     model_id, datasets = RECIPES[name]
     text = (Path(__file__).parents[1] / "pipelines" / name).read_text()
     model = small_gpt2(tiny, root / "gpt2") if "gpt2" in model_id else tiny / "model"
@@ -104,7 +115,7 @@ def shrunk_recipe(name: str, tiny: Path, root: Path) -> Path:
     text = text.replace(f"path: {model_id}\n", f"path: {model}\n").replace("bfloat16", "float32")
     text = text.replace("./runs", str(root / "runs"))
     for judge in JUDGES:
-        text = text.replace(f"model: {judge}", f"model: {tiny / 'model'}")
+        text = text.replace(f"model: {judge}", f"url: {judge_url}")
     for hub_id, rows in datasets.items():
         local = root / f"{hub_id.split('/')[-1]}.jsonl"
         local.write_text("".join(json.dumps(r) + "\n" for r in rows(random.Random(0))))
@@ -128,9 +139,10 @@ def test_a_shipped_recipe_runs_end_to_end_shrunk(name, prefect_harness, tiny, tm
 
     from alignpipe.modeling import load_tokenizer
 
-    path = shrunk_recipe(name, tiny, tmp_path)
-    overrides = shrunk_overrides(load_recipe(path))
-    state = run_flow(path, overrides)
+    with serve(letter_judge) as judge_url:
+        path = shrunk_recipe(name, tiny, tmp_path, judge_url)
+        overrides = shrunk_overrides(load_recipe(path))
+        state = run_flow(path, overrides)
     summary = summary_of(path, state, overrides)
     status = {s["stage_id"]: s for s in summary["stages"]}
     assert state.is_completed(), {k: (s["status"], s.get("message")) for k, s in status.items()}

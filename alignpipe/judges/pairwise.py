@@ -173,6 +173,40 @@ def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], 
     for i in range(n):
         first, second = parse_verdict(answers[i]), parse_verdict(answers[n + i])
         records.append(
-            {"judge_forward": answers[i], "judge_swapped": answers[n + i], "verdict": combine(first, second)}
+            {
+                "judge_forward": answers[i],
+                "judge_swapped": answers[n + i],
+                "verdict": combine(first, second),
+                "unreadable": (first is None) + (second is None),
+            }
         )
     return records
+
+
+UNREADABLE_WARN = 0.1
+"""A judge whose answers name neither letter more often than this is warned about: its ties are not verdicts."""
+
+
+def unreadable_rate(records: list[dict], judge_name: str, pair: str, log) -> float:
+    """The share of a pair's judgements (two a prompt) whose answer named neither A nor B. All of them: an error (the
+    win rate would be 0.5 by construction); over `UNREADABLE_WARN`: a warning. Either names the likely causes."""
+    rate = sum(r["unreadable"] for r in records) / (2 * len(records))
+    causes = (
+        "raise llm_judge.max_new_tokens (a reasoning model spends them thinking first), set "
+        "llm_judge.chat_template_kwargs {enable_thinking: false} for a thinking model, or make the template ask for "
+        "the single letter"
+    )
+    if rate == 1.0:
+        raise ValueError(
+            f"{judge_name} named neither A nor B in any of its {2 * len(records)} answers for {pair} (the first: "
+            f"{records[0]['judge_forward'][:200]!r}), so nothing was judged: {causes}"
+        )
+    if rate > UNREADABLE_WARN:
+        log.warning(
+            "%s named neither A nor B in %.0f%% of its answers for %s; those pairs count as ties: %s",
+            judge_name,
+            100 * rate,
+            pair,
+            causes,
+        )
+    return rate

@@ -221,7 +221,7 @@ def _check_gate_metrics(s, i: int, by_id: dict) -> list[Problem]:
         judge = by_id.get(stage)
         if not isinstance(judge, JudgeStage) or judge.reports_metric(metric):
             continue
-        names = [m for m in (*judge.RATES, *judge.COUNTS, *judge.SCORES) if judge.reports_metric(m)]
+        names = [m for m in (*judge.RATES, *judge.COUNTS, *judge.SCORES, *judge.JUDGED) if judge.reports_metric(m)]
         near = difflib.get_close_matches(metric.removeprefix("judge/"), names, n=1)
         guess = f"; did you mean {near[0]!r}?" if near else ""
         pairs = ", ".join(f"{c}_vs_{b}/win_rate" for c, b in judge.pairs)

@@ -520,6 +520,7 @@ class JudgeStage(StageBase):
     RATES: ClassVar[tuple[str, ...]] = ("win_rate", "ci_low", "ci_high")
     COUNTS: ClassVar[tuple[str, ...]] = ("wins", "ties", "losses")
     SCORES: ClassVar[tuple[str, ...]] = ("candidate_score", "baseline_score")  # scoring functions only
+    JUDGED: ClassVar[tuple[str, ...]] = ("unreadable_rate",)  # LLM judges only
 
     @property
     def candidates(self) -> list[str]:
@@ -542,18 +543,22 @@ class JudgeStage(StageBase):
     def reports_metric(self, metric: str) -> bool:
         """Whether a run of this stage reports `metric` as a `when:` condition names it: `win_rate` (or
         `judge/win_rate`), `ci_low`, `ci_high`, `wins`, `ties`, `losses`; with a scoring function (not an LLM judge)
-        `candidate_score`, `baseline_score` and `score/<model>`; per pair `<candidate>_vs_<baseline>/win_rate`,
-        `.../ci_low`, `.../ci_high`."""
+        `candidate_score`, `baseline_score` and `score/<model>`; with an LLM judge `unreadable_rate` (the share of
+        its answers naming neither A nor B); per pair `<candidate>_vs_<baseline>/win_rate`, `.../ci_low`,
+        `.../ci_high` (and `.../unreadable_rate`)."""
         name = metric.removeprefix("judge/")
         if name in (*self.RATES, *self.COUNTS):
             return True
         scored = self.llm_judge is None
         if name in self.SCORES:
             return scored
+        if name in self.JUDGED:
+            return not scored
         if name.startswith("score/"):  # a model may be a path, slashes and all
             return scored and name.removeprefix("score/") in self.candidates + self.baselines
         head, _, leaf = name.rpartition("/")
-        return leaf in self.RATES and head in {f"{c}_vs_{b}" for c, b in self.pairs}
+        per_pair = self.RATES + (() if scored else self.JUDGED)
+        return leaf in per_pair and head in {f"{c}_vs_{b}" for c, b in self.pairs}
 
     def reference_fields(self) -> list[tuple[tuple, str, str]]:
         own = super().reference_fields()

@@ -12,7 +12,7 @@ from typing import cast
 from alignpipe.data.sources import load_raw
 from alignpipe.engine.hf import HFEngine
 from alignpipe.judges.http_endpoints import endpoint_api_key
-from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs
+from alignpipe.judges.pairwise import EndpointJudge, LocalJudge, judge_pairs, unreadable_rate
 from alignpipe.judges.rewards import load_reward_fn, score
 from alignpipe.judges.winrate import WinRate, from_verdicts, matrix, verdict
 from alignpipe.plots import win_rate_figure
@@ -118,10 +118,12 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
     pairs = s.pairs
     scores = {} if s.llm_judge else {m: score(judge_fn, judge_name, prompts, outputs[m], columns) for m in models}
     results: dict[tuple[str, str], WinRate] = {}
+    unreadable: dict[tuple[str, str], float] = {}
     table = []
     for c, b in pairs:
         if s.llm_judge:
             records = judge_pairs(judge_fn, s.llm_judge.template, prompts, outputs[c], outputs[b])
+            unreadable[(c, b)] = unreadable_rate(records, judge_name, f"{c} vs {b}", log)
         else:
             records = [
                 {
@@ -178,11 +180,13 @@ def run(ctx: StageContext[JudgeStage]) -> StageResult:
             metrics[f"judge/score/{m}"] = sum(valid) / len(valid) if valid else 0.0
         metrics["judge/candidate_score"] = metrics[f"judge/score/{pairs[0][0]}"]
         metrics["judge/baseline_score"] = metrics[f"judge/score/{pairs[0][1]}"]
+    if unreadable:
+        metrics["judge/unreadable_rate"] = unreadable[pairs[0]]
     per_pair = {
         f"judge/{c}_vs_{b}/{name}": value
         for (c, b), wr in results.items()
         for name, value in (("win_rate", wr.win_rate), ("ci_low", wr.ci_low), ("ci_high", wr.ci_high))
-    }
+    } | {f"judge/{c}_vs_{b}/unreadable_rate": rate for (c, b), rate in unreadable.items()}
     grid = matrix(models, results) if len(models) > 2 else None
     results_path = Path(ctx.dir) / "results.json"
     results_path.write_text(
