@@ -237,3 +237,52 @@ def test_an_endpoint_judge_keeps_requests_in_flight_and_waits_out_a_rate_limit(m
         assert EndpointJudge(url, model="j", concurrency=1)(prompts[:3]) == ["P0", "P1", "P2"]
         assert state["most"] == 1
     assert retry_after(type("R", (), {"headers": {"retry-after": "120"}})()) == 60.0
+
+
+def test_a_reasoning_model_s_refused_sampling_fields_are_rewritten_once(caplog):
+    """OpenAI's reasoning models refuse `max_tokens` (they take `max_completion_tokens`) and `temperature: 0`, naming
+    the field in the error's `param` and `code`: the judge rewrites its request once and sends the rest that way; any
+    other 400 fails as before."""
+    import logging
+
+    def reasoning(method, path, body, headers):
+        if "max_tokens" in body:
+            return 400, {
+                "error": {
+                    "message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                    "'max_completion_tokens' instead.",
+                    "type": "invalid_request_error",
+                    "param": "max_tokens",
+                    "code": "unsupported_parameter",
+                }
+            }
+        if "temperature" in body:
+            return 400, {
+                "error": {
+                    "message": "Unsupported value: 'temperature' does not support 0 with this model.",
+                    "type": "invalid_request_error",
+                    "param": "temperature",
+                    "code": "unsupported_value",
+                }
+            }
+        if body["messages"][0]["content"] == "bad":
+            return 400, {"error": {"message": "bad request", "param": "messages", "code": "invalid_value"}}
+        return 200, {"choices": [{"message": {"content": "B"}}]}
+
+    with serve(reasoning) as url:
+        judge = EndpointJudge(url, model="o-mini", max_new_tokens=512, concurrency=1)
+        with caplog.at_level(logging.INFO, logger="alignpipe.judges.pairwise"):
+            assert judge(["p1", "p2", "p3"]) == ["B", "B", "B"]
+        bodies = [r["body"] for r in url.requests]
+        assert len(bodies) == 3 + 2, "two refusals, then every prompt once"
+        assert all(b["max_completion_tokens"] == 512 and "temperature" not in b for b in bodies[2:])
+        assert judge.sampling == {"max_completion_tokens": 512}
+        assert (
+            sum(
+                "refused max_tokens (unsupported_parameter); sending max_completion_tokens" in m
+                for m in caplog.messages
+            )
+            == 1
+        )
+        with pytest.raises(RuntimeError, match="400"):
+            judge(["bad"])

@@ -7,7 +7,9 @@ verdicts disagree (or either cannot be read) the pair is a tie. The judge is a l
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from typing import Any
 
 from alignpipe.judges.http_endpoints import auth_headers, json_with_retries
@@ -18,6 +20,7 @@ DEFAULT_TEMPLATE = (
     "Which response is better? Answer with a single letter: A or B.\nAnswer:"
 )
 _VERDICT = re.compile(r"\b([AB])\b")
+log = logging.getLogger(__name__)
 
 
 def parse_verdict(text: str) -> str | None:
@@ -113,6 +116,9 @@ class EndpointJudge:
         self.timeout_s, self.retries, self.concurrency = timeout_s, retries, concurrency
         self.template_kwargs = dict(template_kwargs or {})  # sent as vLLM's `chat_template_kwargs` when given
         self._headers = auth_headers(api_key)  # never in an error, a log or a repr
+        # what each request asks besides the messages; `_adapt` rewrites it where the server refuses a field
+        self.sampling: dict[str, Any] = {"temperature": 0, "max_tokens": max_new_tokens}
+        self._adapting = threading.Lock()
 
     def _request(self, client, method: str, path: str, **kwargs):
         return json_with_retries(
@@ -151,16 +157,56 @@ class EndpointJudge:
         return out
 
     def _ask(self, client, prompt: str) -> str:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": 0,
-            "max_tokens": self.max_new_tokens,
-        }
-        if self.template_kwargs:
-            body["chat_template_kwargs"] = self.template_kwargs
-        answer = self._request(client, "POST", "/v1/chat/completions", json=body)
-        return answer["choices"][0]["message"]["content"]
+        for _ in range(len(ADAPTED) + 1):
+            body: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
+            body |= self.sampling
+            if self.template_kwargs:
+                body["chat_template_kwargs"] = self.template_kwargs
+            try:
+                answer = self._request(client, "POST", "/v1/chat/completions", json=body)
+            except RuntimeError as e:
+                if not self._adapt(e.__cause__, body):
+                    raise
+                continue
+            return answer["choices"][0]["message"]["content"] or ""
+        raise AssertionError("unreachable: each field is adapted once")
+
+    def _adapt(self, cause, sent: dict) -> bool:
+        """Whether the server's 400 refused a sampling field this judge can do without, now rewritten for every later
+        request: OpenAI's reasoning models refuse `max_tokens` (they take `max_completion_tokens`) and any
+        `temperature` but their default, saying so in the error's `param` and `code`."""
+        import httpx
+
+        if not isinstance(cause, httpx.HTTPStatusError) or cause.response.status_code != 400:
+            return False
+        try:
+            error = cause.response.json().get("error") or {}
+        except ValueError:
+            return False
+        param = error.get("param") if isinstance(error, dict) else None
+        if (
+            param not in ADAPTED
+            or param not in sent
+            or error.get("code") not in ("unsupported_parameter", "unsupported_value")
+        ):
+            return False
+        with self._adapting:
+            if param in self.sampling:  # another request may have adapted it already
+                value, instead = self.sampling.pop(param), ADAPTED[param]
+                if instead:
+                    self.sampling[instead] = value
+                log.info(
+                    "LLM judge %s refused %s (%s); %s",
+                    self.base,
+                    param,
+                    error.get("code"),
+                    f"sending {instead} instead" if instead else "leaving it to the server's default",
+                )
+        return True
+
+
+ADAPTED: dict[str, str | None] = {"max_tokens": "max_completion_tokens", "temperature": None}
+"""Sampling fields an endpoint may refuse (`error.param`), and what is sent instead (None: nothing)."""
 
 
 def judge_pairs(judge, template: str, prompts: list[str], candidate: list[str], baseline: list[str]) -> list[dict]:
