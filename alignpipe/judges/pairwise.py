@@ -111,9 +111,11 @@ class EndpointJudge:
         template_kwargs: dict | None = None,
         api_key: str | None = None,
         concurrency: int = 16,
+        progress: str | None = None,
     ):
         self.base, self.model, self.max_new_tokens = server_root(base_url), model, max_new_tokens
         self.timeout_s, self.retries, self.concurrency = timeout_s, retries, concurrency
+        self.progress = progress  # a bar's label for each call (the judge stage's); None: no bar (online DPO's steps)
         self.template_kwargs = dict(template_kwargs or {})  # sent as vLLM's `chat_template_kwargs` when given
         self._headers = auth_headers(api_key)  # never in an error, a log or a repr
         # what each request asks besides the messages; `_adapt` rewrites it where the server refuses a field
@@ -146,14 +148,15 @@ class EndpointJudge:
                         f"LLM judge {self.base}/v1/models lists no model: set llm_judge.served_model to the one to ask"
                     )
                 self.model = listed[0]["id"]
-            with (
-                ThreadPoolExecutor(self.concurrency, thread_name_prefix="judge") as pool,
-                progress(len(prompts), f"judging with {self.model}") as bar,
-            ):
+            bar = progress(len(prompts), self.progress) if self.progress else None
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="judge") as pool:
                 out = []
                 for answer in pool.map(lambda p: self._ask(client, p), prompts):
                     out.append(answer)
-                    bar.update(1)
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
         return out
 
     def _ask(self, client, prompt: str) -> str:

@@ -77,11 +77,12 @@ def scorer(ctx: StageContext[JudgeStage]):
 
 def llm_judge(ctx: StageContext[JudgeStage]):
     assert ctx.stage.llm_judge is not None
-    return local_or_endpoint_judge(ctx, ctx.stage.llm_judge)
+    return local_or_endpoint_judge(ctx, ctx.stage.llm_judge, progress=f"{ctx.stage.id}: judging")
 
 
-def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
-    """(name, judge) for a pairwise LLM judge spec: a local model (stage id, path or Hub id) or an endpoint."""
+def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec, progress: str | None = None):
+    """(name, judge) for a pairwise LLM judge spec: a local model (stage id, path or Hub id) or an endpoint; an
+    endpoint judge shows a bar labelled `progress` for each call."""
     assert spec.url or spec.model  # validation: exactly one of model, url
     if spec.url:
         judge = EndpointJudge(
@@ -91,6 +92,7 @@ def local_or_endpoint_judge(ctx: StageContext, spec: LLMJudgeSpec):
             template_kwargs=spec.chat_template_kwargs,
             api_key=endpoint_api_key(spec.api_key_env, "llm_judge.api_key_env"),
             concurrency=spec.concurrency,
+            progress=progress,
         )
         return f"LLM judge {spec.url}" + (f" ({spec.served_model})" if spec.served_model else ""), judge
     model = cast(str, spec.model)
