@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from alignpipe.launch import LOGGED_ABOVE
+from alignpipe.launch import StageFailed
 from alignpipe.manifest import Manifest
 from alignpipe.pipeline_run import (
     STATUS_CACHED,
@@ -80,7 +80,8 @@ class Schedule:
             self.manifests[stage_id] = Manifest.model_validate(result)
             outcome = StageOutcome.from_manifest(self.manifests[stage_id], STATUS_DONE)
         else:
-            headline = str(result).split("\n")[0].removesuffix(" Last output:").removesuffix(LOGGED_ABOVE)
+            # a stage's failure says its cause in `headline`; anything else (the task's own error) in its first line
+            headline = result.headline if isinstance(result, StageFailed) else str(result).split("\n")[0]
             outcome = StageOutcome(stage_id, kind, STATUS_FAILED, message=headline)
         self.outcomes[stage_id] = outcome
         return outcome

@@ -161,3 +161,22 @@ class FakeHub:
                 "siblings": [{"rfilename": p} for p in (files or {})],
             }
         return 404, {"error": f"unknown action {action}"}
+
+
+@contextmanager
+def stand_in_hub(monkeypatch, handler_fn, *caches):
+    """`handler_fn` served as the Hub: huggingface_hub's ENDPOINT points at it, and its offline mode (conftest's
+    HF_HUB_OFFLINE=1, as read at import) is off. `caches` (functools caches of what was asked) are cleared before
+    and after, so that no test sees another's answers."""
+    from huggingface_hub import constants
+
+    for cache in caches:
+        cache.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    try:
+        with serve(handler_fn) as url:
+            monkeypatch.setattr(constants, "ENDPOINT", url)
+            yield url
+    finally:
+        for cache in caches:
+            cache.cache_clear()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from loopback import serve
+from loopback import stand_in_hub
 
 from alignpipe.recipe import RecipeError, parse_recipe
 from alignpipe.recipe import hub_refs as hub_refs_module
@@ -38,17 +38,9 @@ def hub(method, path, body, headers):
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    from huggingface_hub import constants
-
-    hub_refs_module._ask.cache_clear()
-    hub_refs_module.note_once.cache_clear()
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tests' own setting (conftest), as read at import
-    with serve(hub) as url:
-        monkeypatch.setattr(constants, "ENDPOINT", url)
+    with stand_in_hub(monkeypatch, hub, hub_refs_module._ask, hub_refs_module.note_once) as url:
         yield url
-    hub_refs_module._ask.cache_clear()
-    hub_refs_module.note_once.cache_clear()
 
 
 HUB_RECIPE = [

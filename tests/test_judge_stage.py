@@ -52,6 +52,18 @@ def context(tiny, tmp_path, stage_yaml: str) -> StageContext:
     return StageContext(recipe, recipe.stages[0], tmp_path, {}, Tracker())
 
 
+def llm_judged(paths: list[str], prompts, llm_judge: str, max_new_tokens: int) -> str:
+    """A judge stage: the second model against the first, judged by `llm_judge: {...}`."""
+    return f"""  - id: judge
+    kind: judge
+    candidate: {paths[1]}
+    baseline: {paths[0]}
+    prompts_file: {prompts}
+    llm_judge: {{{llm_judge}}}
+    sampling: {{temperature: 0.9, max_new_tokens: {max_new_tokens}}}
+"""
+
+
 def test_three_models_give_a_consistent_win_rate_matrix(models, tmp_path):
     tiny, paths, prompts = models
     ctx = context(
@@ -107,14 +119,7 @@ def test_llm_judge_over_an_endpoint_judges_both_orders(models, tmp_path):
         ctx = context(
             tiny,
             tmp_path,
-            f"""  - id: judge
-    kind: judge
-    candidate: {paths[1]}
-    baseline: {paths[0]}
-    prompts_file: {prompts}
-    llm_judge: {{url: {url}}}
-    sampling: {{temperature: 0.9, max_new_tokens: 12}}
-""",
+            llm_judged(paths, prompts, f"url: {url}", 12),
         )
         result = judge_stage.run(ctx)
         calls = [r for r in url.requests if r["path"] == "/v1/chat/completions"]
@@ -136,14 +141,7 @@ def test_a_local_llm_judge_that_never_names_a_letter_judges_nothing(models, tmp_
     ctx = context(
         tiny,
         tmp_path,
-        f"""  - id: judge
-    kind: judge
-    candidate: {paths[1]}
-    baseline: {paths[0]}
-    prompts_file: {prompts}
-    llm_judge: {{model: {paths[2]}, max_new_tokens: 4}}
-    sampling: {{temperature: 0.9, max_new_tokens: 8}}
-""",
+        llm_judged(paths, prompts, f"model: {paths[2]}, max_new_tokens: 4", 8),
     )
     with pytest.raises(ValueError, match=r"named neither A nor B in any of its 12 answers .*\(the first: '") as e:
         judge_stage.run(ctx)
@@ -165,14 +163,7 @@ def test_unreadable_answers_are_ties_counted_and_warned_about(models, tmp_path, 
         ctx = context(
             tiny,
             tmp_path,
-            f"""  - id: judge
-    kind: judge
-    candidate: {paths[1]}
-    baseline: {paths[0]}
-    prompts_file: {prompts}
-    llm_judge: {{url: {url}, served_model: j, concurrency: 1}}
-    sampling: {{temperature: 0.9, max_new_tokens: 8}}
-""",
+            llm_judged(paths, prompts, f"url: {url}, served_model: j, concurrency: 1", 8),
         )
         with caplog.at_level(logging.WARNING, logger="alignpipe.stages.judge"):
             result = judge_stage.run(ctx)

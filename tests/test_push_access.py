@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from loopback import serve
+from loopback import stand_in_hub
 
 from alignpipe.recipe import RecipeError, hub_refs, parse_recipe, push_access
 from alignpipe.recipe.push_access import Rejected, account_of, cannot_write
@@ -95,16 +95,8 @@ def whoami_hub(method, path, body, headers):
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    from huggingface_hub import constants
-
-    push_access._whoami.cache_clear()
-    hub_refs.note_once.cache_clear()
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tests' own setting (conftest), as read at import
-    with serve(whoami_hub) as url:
-        monkeypatch.setattr(constants, "ENDPOINT", url)
+    with stand_in_hub(monkeypatch, whoami_hub, push_access._whoami, hub_refs.note_once) as url:
         yield url
-    push_access._whoami.cache_clear()
-    hub_refs.note_once.cache_clear()
 
 
 def pushing_to(repo_id: str) -> list[str]:
