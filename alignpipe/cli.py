@@ -75,10 +75,11 @@ def cmd_run(args) -> int:
             ],
             f"alignpipe run {args.recipe}",
         )
-    from flows.pipeline import check_pools, pipeline, warm_stage_host
+    from flows.pipeline import pipeline, warm_stage_host
+    from flows.preflight import check_prefect, needs_prefect
 
-    if any(s.resources.pool for s in recipe.stages):
-        check_pools(recipe)  # exit 2 before a flow run exists
+    if needs_prefect(recipe):
+        check_prefect(recipe)  # a pool or Secret block the server lacks: exit 2 before a flow run exists
     warm_stage_host(recipe)  # its imports run while Prefect's server starts
     state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
     run_id = str(state.state_details.flow_run_id)

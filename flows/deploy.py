@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-from flows.pipeline import pipeline, pool_exists
+from flows.pipeline import pipeline
+from flows.preflight import pool_exists
 from flows.stage import stage
 
 ROOT = str(Path(__file__).resolve().parents[1])

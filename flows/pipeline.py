@@ -29,8 +29,9 @@ from alignpipe.pipeline_run import (
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import load_recipe
 from alignpipe.schedule import Schedule
+from flows.preflight import check_prefect
 from tasks import TASKS
-from tasks.dispatch import deployment_name, dispatch_task
+from tasks.dispatch import dispatch_task
 from tasks.hooks import hooks_for
 from tasks.skip import cached_task, skip_task
 
@@ -157,56 +158,6 @@ def _flow_run_id() -> str:
         return uuid.uuid4().hex
 
 
-def pool_exists(client, pool: str) -> bool:
-    """Whether the Prefect server `client` talks to has work pool `pool`."""
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        client.read_work_pool(pool)
-    except ObjectNotFound:
-        return False
-    return True
-
-
-def check_pools(recipe) -> None:
-    """Every work pool a stage names must exist, with the single-stage flow deployed on it, before anything runs."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    from alignpipe.recipe import Problem, RecipeError
-
-    problems = []
-    with get_client(sync_client=True) as client:
-        for i, s in enumerate(recipe.stages):
-            pool = s.resources.pool
-            if not pool:
-                continue
-            if not pool_exists(client, pool):
-                problems.append(
-                    Problem(
-                        ("stages", i, "resources", "pool"),
-                        f"work pool {pool!r} does not exist on the Prefect server",
-                        f"create it (prefect work-pool create {pool} --type process) and deploy "
-                        "the stage flow on it (infra/README.md), or remove `pool`",
-                        label=f"stage {s.id!r}",
-                    )
-                )
-                continue
-            try:
-                client.read_deployment_by_name(deployment_name(pool))
-            except ObjectNotFound:
-                problems.append(
-                    Problem(
-                        ("stages", i, "resources", "pool"),
-                        f"no deployment {deployment_name(pool)!r} on pool {pool!r}",
-                        "deploy it: alignpipe deploy --pool " + pool,
-                        label=f"stage {s.id!r}",
-                    )
-                )
-    if problems:
-        raise RecipeError(problems, "recipe")
-
-
 def run_name() -> str:
     """`<pipeline name>-<first 8 characters of the flow run id>`: runs of one recipe told apart in the Prefect UI."""
     import yaml
@@ -237,7 +188,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     logger = get_run_logger()
     recipe_text = Path(recipe_path).read_text() if Path(recipe_path).is_file() else None
     recipe = load_recipe(recipe_path, overrides or [], to_run=True)  # validated again: UI-launched runs skip the CLI
-    check_pools(recipe)
+    check_prefect(recipe)
     plans = plan(recipe, force or [])
     warm_stage_host(recipe, plans)
     run_id = _flow_run_id()

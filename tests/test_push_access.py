@@ -239,3 +239,112 @@ def test_validate_says_a_push_has_no_token_and_exits_2(demo_text, tmp_path):
     assert out.returncode == 2 and "this machine has no Hub token" in out.stderr, out.stderr
     out = subprocess.run([cli, "show", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture
+def secret_blocks(prefect_harness):
+    """Secret blocks on the test harness's Prefect server: one per token above, and one that holds a JSON object."""
+    from prefect.blocks.system import Secret
+
+    for name, value in [
+        ("ap-write", "hf_write_secret"),
+        ("ap-read", "hf_read_secret"),
+        ("ap-revoked", "hf_revoked_secret"),
+        ("ap-json", {"token": "hf_write_secret"}),
+    ]:
+        Secret(value=value).save(name, overwrite=True)
+
+
+def with_block(name: str, repo_id: str = "alice/tiny") -> list[str]:
+    return [*pushing_to(repo_id), f"stages.publish.token_secret={name}"]
+
+
+def test_a_push_s_secret_block_is_checked_when_the_run_starts_never_showing_the_token(
+    demo_text, fake_hub, secret_blocks, monkeypatch
+):
+    """`validate` cannot see the Prefect server's blocks; `run` and the flow ask it before any stage: the block exists,
+    holds a token, and the Hub lets that token write the repository."""
+    from flows.preflight import check_prefect, needs_prefect
+
+    monkeypatch.setenv("HF_TOKEN", "hf_read_secret")  # this machine's token plays no part: the block's does
+
+    def problems(*sets: str) -> str:
+        recipe = parse_recipe(demo_text, list(sets), to_run=True)  # the recipe itself is fine
+        assert needs_prefect(recipe)
+        with pytest.raises(RecipeError) as e:
+            check_prefect(recipe)
+        text = str(e.value)
+        assert not any(token in text for token in TOKENS) and "hf_revoked_secret" not in text
+        return text
+
+    text = problems(*with_block("ap-wirte"))
+    assert "stages[4].token_secret (stage 'publish')" in text, text
+    assert "reads its Hub token from Prefect Secret block 'ap-wirte', which this Prefect server does not have" in text
+    assert "'ap-write'" in text and "Secret(value=<token>).save('ap-wirte')" in text  # the names it has; the fix
+
+    assert "Prefect Secret block 'ap-json' holds no Hub token" in problems(*with_block("ap-json"))
+
+    text = problems(*with_block("ap-read"))
+    assert "stage 'publish' pushes to 'alice/tiny', and the token (Prefect Secret block 'ap-read', 'laptop' of " in text
+    assert "account 'alice') is read-only" in text and "stages[4].token_secret" in text
+    assert "Secret(value=<it>).save('ap-read', overwrite=True)" in text
+
+    assert "the Hub rejects the token (Prefect Secret block 'ap-revoked')" in problems(*with_block("ap-revoked"))
+    assert "has the read role in 'lab'" not in problems(*with_block("ap-read", "lab/tiny"))
+
+    # a pushing stage on a work pool reads the same block: checked too, beside its pool
+    text = problems(*with_block("ap-read"), "stages.publish.resources.pool=gpu-pool")
+    assert "work pool 'gpu-pool' does not exist" in text and "is read-only" in text
+
+    check_prefect(parse_recipe(demo_text, with_block("ap-write", "lab/tiny"), to_run=True))
+    check_prefect(parse_recipe(demo_text, [*with_block("ap-read"), "stages.publish.target=local"], to_run=True))
+    assert not needs_prefect(parse_recipe(demo_text, pushing_to("alice/tiny")))
+    asked = [r["headers"].get("authorization") for r in fake_hub.requests]
+    assert sorted(asked) == sorted(f"Bearer {t}" for t in ("hf_read_secret", "hf_revoked_secret", "hf_write_secret"))
+
+
+def test_a_pipeline_whose_push_names_a_missing_block_fails_before_any_stage(
+    demo_text, fake_hub, secret_blocks, tmp_path
+):
+    """Launched from the UI or a schedule (no CLI before it), the flow itself refuses, with nothing trained."""
+    from flows.pipeline import pipeline
+
+    path = tmp_path / "demo.yaml"
+    path.write_text(demo_text)
+    state = pipeline(recipe_path=str(path), overrides=with_block("no-such-block"), return_state=True)
+    assert state.is_failed()
+    assert "Prefect Secret block 'no-such-block', which this Prefect server does not have" in str(state.message)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("manifest.json"))
+
+
+def test_alignpipe_run_refuses_a_missing_block_and_exits_2_before_a_flow_run(demo_text, secret_blocks, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text(demo_text)
+    api = get_current_settings().api.url
+    assert api, "the harness serves an API"
+    with get_client(sync_client=True) as client:
+        before = len(client.read_flow_runs())
+    env = {**os.environ, "PREFECT_API_URL": api, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_unused"}
+    sets = [arg for kv in with_block("no-such-block") for arg in ("--set", kv)]
+    cli = str(Path(sys.executable).parent / "alignpipe")
+    out = subprocess.run([cli, "run", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "stages[4].token_secret" in out.stderr and "'no-such-block'" in out.stderr, out.stderr
+    with get_client(sync_client=True) as client:
+        assert len(client.read_flow_runs()) == before, "no flow run was created"
+
+
+def test_a_token_pasted_as_the_block_name_is_refused_without_repeating_it(demo_text):
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(demo_text, with_block("hf_AbCdEf0123456789"))
+    text = str(e.value)
+    assert "stages[4].token_secret" in text and "is the name of a Prefect Secret block" in text, text
+    assert "hf_AbCdEf0123456789" not in text

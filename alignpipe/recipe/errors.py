@@ -29,13 +29,16 @@ class Problem:
     """The `--set KEY=VALUE` that put the bad value there (then it is named instead of a line of the file)."""
     kind: str = field(default="", compare=False)
     """A field problem's pydantic error type (`greater_than`, `extra_forbidden`, …); empty for the graph and data checks'."""
+    secret: bool = field(default=False, compare=False)
+    """The bad value may be a credential pasted in the wrong place: an override that wrote it is named without it."""
 
     def render(self) -> str:
         where = format_path(self.path)
         if self.label:
             where += f" ({self.label})"
         if self.override:
-            where += f", from --set {self.override}"
+            shown = self.override.split("=", 1)[0] + "=…" if self.secret else self.override
+            where += f", from --set {shown}"
         elif self.line is not None:
             where += f", line {self.line}"
         text = f"  - {where}: {self.message}"

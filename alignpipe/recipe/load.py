@@ -277,6 +277,7 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
     kind = err["type"]
     msg, hint = err["msg"], ""
     model = _model_at(loc[:-1], data)
+    secret = _may_hold_a_secret(model, loc[-1] if loc else None)
     if kind == "extra_forbidden":
         key = loc[-1]
         allowed = sorted(model.model_fields) if model else []
@@ -318,11 +319,11 @@ def _problem_from_pydantic(err: dict, data: dict, lines: dict[tuple, int]) -> Pr
             msg = msg.removeprefix("Value error, ")
         desc = _describe(model, loc[-1]) if loc else ""
         got = err.get("input")
-        if not isinstance(got, (dict, list)) and not _may_hold_a_secret(model, loc[-1] if loc else None):
+        if not isinstance(got, (dict, list)) and not secret:
             msg = f"{msg} (got {got!r})"
         if desc:
             hint = f"this field is: {desc}"
-    return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data), kind=kind)
+    return Problem(loc, msg, hint, line=_line_for(loc, lines), label=_label_for(loc, data), kind=kind, secret=secret)
 
 
 _TYPES = {

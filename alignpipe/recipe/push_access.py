@@ -6,8 +6,9 @@ The token is huggingface_hub's own (HF_TOKEN, else the saved login). The Hub's `
 only where that answer shows it cannot succeed: the token is rejected, it is read-only, its account is not a member
 of the repository's organisation (or only with the `read` role), or a fine-grained token grants no `repo.write` there.
 Anything the answer does not settle (a `contributor` pushing to an organisation's repository someone else created, a
-role this code does not know) is left to the push. A push with a Prefect Secret block (`token_secret`) or on a work
-pool gets its token where it runs and is not checked here.
+role this code does not know) is left to the push. A push with a Prefect Secret block (`token_secret`) reads its token
+from the Prefect server, so the pipeline flow checks that one when it starts (`flows/preflight.py`, through
+`hub_write_problems`); a push on a work pool without one gets its token where it runs and is not checked.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, note_once, unreachable
 
+if TYPE_CHECKING:
+    from alignpipe.recipe.stages import PushStage
+
 TOKENS_PAGE = "/settings/tokens"
+ENV_INSTALL = "export HF_TOKEN=<it> (or `hf auth login` again)"
+"""How a new token replaces this machine's (the fixes' last words)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ def push_token_problems(recipe) -> list[Problem]:
     ]
     if not pushes:
         return []
-    from huggingface_hub import constants, get_token
+    from huggingface_hub import get_token
 
     token = get_token()
     if not token:
@@ -64,47 +71,72 @@ def push_token_problems(recipe) -> list[Problem]:
             )
             for i, s in pushes
         ]
+    source = (
+        "HF_TOKEN"
+        if token in (os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN"))
+        else "the saved `hf auth login` token"
+    )
+    return hub_write_problems(pushes, token, source)
+
+
+def hub_write_problems(
+    pushes: list[tuple[int, PushStage]],
+    token: str,
+    source: str,
+    *,
+    holder: str = "the token here",
+    install: str = ENV_INSTALL,
+    field: str = "repo_id",
+) -> list[Problem]:
+    """A problem at `stages[i].<field>` for each (i, push) that the Hub's answer about `token` shows cannot write;
+    none where the Hub cannot be asked (one note says so) or this machine is offline. `source` names where the token
+    comes from, `holder` what the messages call it, and `install` how a new token replaces it."""
+    from huggingface_hub import constants
+
     if constants.is_offline_mode():
         return []
     endpoint = constants.ENDPOINT
     account = _whoami(endpoint, token)
     if isinstance(account, Unreachable):
         note_once(
-            f"note: the Hub ({endpoint}) could not be asked whose the token here is ({account.why}), so its write "
+            f"note: the Hub ({endpoint}) could not be asked whose {holder} is ({account.why}), so its write "
             f"access to {', '.join(sorted({str(s.repo_id) for _, s in pushes}))} was not checked; the push stage "
             "will find out when it runs."
         )
         return []
-    source = (
-        "HF_TOKEN"
-        if token in (os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN"))
-        else "the saved `hf auth login` token"
-    )
     problems = []
     for i, s in pushes:
-        verdict = cannot_write(account, str(s.repo_id), source, endpoint)
+        verdict = cannot_write(account, str(s.repo_id), source, endpoint, holder=holder, install=install)
         if verdict:
             message, fix = verdict
             problems.append(
-                Problem(("stages", i, "repo_id"), f"stage {s.id!r} pushes to {s.repo_id!r}, and {message}", fix)
+                Problem(("stages", i, field), f"stage {s.id!r} pushes to {s.repo_id!r}, and {message}", fix)
             )
     return problems
 
 
-def cannot_write(account: Account | Rejected, repo_id: str, source: str, endpoint: str) -> tuple[str, str] | None:
+def cannot_write(
+    account: Account | Rejected,
+    repo_id: str,
+    source: str,
+    endpoint: str,
+    *,
+    holder: str = "the token here",
+    install: str = ENV_INSTALL,
+) -> tuple[str, str] | None:
     """(why, fix) where the Hub's answer shows a push to `repo_id` will be refused; None where it may succeed."""
     tokens_page = endpoint + TOKENS_PAGE
     if isinstance(account, Rejected):
         return (
-            f"the Hub rejects the token here ({source}): expired, revoked or mistyped",
-            f"create a token with write access at {tokens_page}, then export HF_TOKEN=<it> or `hf auth login` again",
+            f"the Hub rejects {holder} ({source}): expired, revoked or mistyped",
+            f"create a token with write access at {tokens_page}, then {install}",
         )
     namespace = repo_id.split("/")[0] if "/" in repo_id else account.name
-    token = f"the token here ({source}, {account.token_name!r} of account {account.name!r})"
+    token = f"{holder} ({source}, {account.token_name!r} of account {account.name!r})"
     if account.role == "read":
         return (
             f"{token} is read-only",
-            f"create a token with write access at {tokens_page} and export HF_TOKEN=<it>, or `target: local`",
+            f"create a token with write access at {tokens_page}, then {install}; or `target: local`",
         )
     if account.role == "fineGrained":
         if namespace in account.writable or repo_id in account.writable:

@@ -626,14 +626,27 @@ class PushStage(StageBase):
     """License in the model card's metadata."""
     tags: list[str] = Field(default_factory=list)
     """Extra tags for the model card's metadata."""
-    token_secret: str | None = None
-    """Name of a Prefect Secret block holding the Hub token; null reads HF_TOKEN from the environment.
-    The token reaches the push process through its environment only: never a parameter, log or artifact."""
+    token_secret: str | None = Field(None, json_schema_extra={"may_hold_a_secret": True})
+    """Name of a Prefect Secret block holding the Hub token (e.g. `hub-token`); null reads HF_TOKEN from the
+    environment. The pipeline flow checks the block when it starts (it exists, holds a token, and the Hub lets that
+    token write `repo_id`). The token reaches the push process through its environment only: never a parameter, log
+    or artifact."""
     registry: RegisterSpec | None = None
     """Also register the published model in the MLflow model registry and move `alias` to it."""
 
     produces: ClassVar[str] = PUBLICATION
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM}
+
+    @field_validator("token_secret")
+    @classmethod
+    def _a_block_s_name(cls, v: str | None) -> str | None:
+        """Prefect's rule for block names. A value that breaks it is not repeated: it may be the token itself."""
+        if v is not None and not re.fullmatch(r"[a-z0-9-]+", v):
+            raise ValueError(
+                "token_secret is the name of a Prefect Secret block (lowercase letters, digits and dashes, e.g. "
+                "hub-token), not the token: save the token in that block (`Secret(value=<token>).save('hub-token')`)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _target_fields(self):
