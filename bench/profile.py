@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.cases import cases, find_case, is_gpu_model
+from bench.cases import SUITES, TRAINERS, cases, find_case, is_gpu_model
 from bench.run_one import IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,12 +162,31 @@ def device_busy(kernel_ms: float, steps: int, per_step: int, steady_samples_per_
     return (kernel_ms / steps) / (1e3 * per_step / steady_samples_per_s)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps of at least 1")
+    return int(text)
+
+
+def case_key(parser: argparse.ArgumentParser, model: str, given: str) -> str:
+    """The case key `given` names on `model`: a key of either suite, or a trainer (its first shape in the model's
+    default suite); anything else is a usage error listing what there is, before a model is built."""
+    if "/" not in given:
+        if given not in TRAINERS:
+            parser.error(f"no trainer {given!r}; one of: {', '.join(TRAINERS)} (or a case key such as sft/8x2048)")
+        return cases(model, "user" if is_gpu_model(model) else "latency", [given])[0].key
+    known = sorted({c.key for suite in SUITES for c in cases(model, suite, list(TRAINERS))})
+    if given not in known:
+        parser.error(f"no case {given!r} for model {model}; its cases: {', '.join(known)}")
+    return given
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("impl", choices=list(IMPLS))
     parser.add_argument("case", help="a case key (sft/8x2048) or a trainer (sft)")
     parser.add_argument("model", choices=["tiny", "small", "qwen0.5b"])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=_positive, default=10)
     parser.add_argument("--assets", default=str(ROOT / "assets" / "tiny"))
     parser.add_argument("--out", help="output folder (default <tmp>/alignpipe-profile/IMPL-TRAINER-MODEL)")
     parser.add_argument(
@@ -176,9 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="`bench.device_work --save`'s counts, to rate the matmul and attention kernels by (qwen0.5b on a GPU)",
     )
     args = parser.parse_args(argv)
-    key = args.case
-    if "/" not in key:
-        key = cases(args.model, "user" if is_gpu_model(args.model) else "latency", [key])[0].key
+    key = case_key(parser, args.model, args.case)
+    if not (Path(args.assets) / "ASSETS.json").is_file():
+        parser.error(f"--assets {args.assets} holds no tiny assets (no ASSETS.json); make them with `make assets`")
+    if is_gpu_model(args.model):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"{args.model} is the GPU model and this machine has no GPU; on a CPU profile tiny or small")
     out = Path(
         args.out
         or Path(tempfile.gettempdir()) / "alignpipe-profile" / f"{args.impl}-{key.replace('/', '-')}-{args.model}"

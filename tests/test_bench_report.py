@@ -481,6 +481,30 @@ def test_profile_of_a_case_reports_its_operators_and_matrix_multiply_share(tiny,
     assert prof["optimizer_host_ms"]["AdamW.step"] > 0 and "AdamW.step: " in run.stdout
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["ours", "sfft", "tiny"], "no trainer 'sfft'; one of: sft, reward"),
+        (["ours", "sft/8x2049", "tiny"], "no case 'sft/8x2049' for model tiny; its cases: "),
+        (["ours", "sft", "tiny", "--steps", "0"], "'0' is not a whole number of steps of at least 1"),
+        (["ours", "sft", "tiny", "--assets", "/nonexistent"], "--assets /nonexistent holds no tiny assets"),
+        (["ours", "sft", "qwen0.5b"], "qwen0.5b is the GPU model and this machine has no GPU"),
+    ],
+)
+def test_profile_refuses_arguments_it_cannot_run_before_building_a_model(tiny, argv, says, capsys):
+    import torch
+
+    from bench.profile import main
+
+    if "qwen0.5b" in argv and torch.cuda.is_available():
+        pytest.skip("a GPU machine profiles qwen0.5b")
+    if "--assets" not in argv:
+        argv = [*argv, "--assets", str(tiny)]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_summarize_counts_only_matrix_multiplies_in_the_gemm_share():
     from types import SimpleNamespace
 
