@@ -57,17 +57,19 @@ def dag_text(recipe, plans: dict | None = None) -> str:
     depth = max(level.values())
     width = max(len(s.id) for s in order) + 2 * (depth - 1)
     kinds = max(len(s.kind) for s in order)
+    waits = {s.id: f"after: {', '.join(s.dependencies())}" if s.dependencies() else "first" for s in order}
+    waits_width = max(len(w) for w in waits.values())
     lines = [f"{recipe.name}: {len(order)} stages in {depth} levels, model {recipe.model.path}"]
     for s in order:
         reads = [f"{f}={v}" for f, v in s.references().items()]
         if getattr(s, "dataset", None):
             reads.append(f"dataset={s.dataset}")
-        after = s.dependencies()
         state = ""
-        if plans:
-            state = "  [cached]" if plans[s.id].cached else "  [will run]"
+        if plans:  # a column of its own, where the eye finds it: reads vary in length
+            state = f"{'[cached]' if plans[s.id].cached else '[will run]':<10}  "
         pool = f"  pool={s.resources.pool}" if s.resources.pool else ""
         name = "  " * (level[s.id] - 1) + s.id
-        waits = f"after: {', '.join(after)}" if after else "first"
-        lines.append(f"  {name:<{width}}  {s.kind:<{kinds}}  {waits:<24} {' '.join(reads)}{pool}{state}".rstrip())
+        lines.append(
+            f"  {name:<{width}}  {s.kind:<{kinds}}  {state}{waits[s.id]:<{waits_width}}  {' '.join(reads)}{pool}".rstrip()
+        )
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,6 +279,10 @@ def test_cli_validate_ok_and_show(demo_text, tmp_path):
     assert "└─" not in out.stdout and "first" in lines["sft-data"], out.stdout
     assert "after: sft, eval-prompts" in lines["judge"] or "after: eval-prompts, sft" in lines["judge"], out.stdout
     assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists()
+    # columns: each stage's state, `after`/`first` and what it reads start where the others' do
+    for field in ("[will run]", "after: |first", "dataset=|model=|prompts="):
+        starts = {re.search(re.escape(field) if "|" not in field else field, line).start() for line in lines.values()}
+        assert len(starts) == 1, (field, out.stdout)
 
 
 def test_missing_recipe_file_exits_2(tmp_path):
