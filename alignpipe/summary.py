@@ -5,9 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 STYLE = {"done": "green", "cached": "cyan", "failed": "bold red", "not run": "yellow", "skipped": "yellow"}
+MESSAGE_CHARS = 160
+"""A failed or skipped stage's message in the table: its cause; the log above has it whole."""
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` up to `limit` characters, cut after a whole word with `…`."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "…"
 
 
 def _short(path: str) -> str:
@@ -26,14 +37,14 @@ def summary_table(stages: list[dict], title: str) -> Table:
         metric = f"{s['key_metric']} = {s['value']:.4g}" if s.get("key_metric") and s.get("value") is not None else ""
         status = f"[{STYLE.get(s['status'], '')}]{s['status']}[/]"
         if s.get("message"):
-            status += f"\n{s['message'][:120]}"
+            status += "\n" + escape(clip(s["message"], MESSAGE_CHARS))
         t.add_row(
             s["stage_id"],
             s["kind"],
             status,
             f"{s['duration_s']:.1f}s" if s["duration_s"] else "-",
             metric,
-            _short(s.get("output", "")),
+            escape(_short(s.get("output", ""))),
         )
     return t
 

@@ -32,7 +32,7 @@ from alignpipe.schedule import Schedule
 from flows.preflight import check_prefect
 from tasks import TASKS
 from tasks.dispatch import dispatch_task
-from tasks.hooks import hooks_for
+from tasks.hooks import hooks_for, quiet_stage_failures
 from tasks.skip import cached_task, skip_task
 
 
@@ -185,6 +185,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
             stages.sft.max_steps=200, or model.path=Qwen/Qwen2.5-0.5B).
         force: Ids of stages to run again even where a finished output with the same inputs exists.
     """
+    quiet_stage_failures()  # a dispatched stage's failure is raised in this process
     logger = get_run_logger()
     recipe_text = Path(recipe_path).read_text() if Path(recipe_path).is_file() else None
     recipe = load_recipe(recipe_path, overrides or [], to_run=True)  # validated again: UI-launched runs skip the CLI
@@ -216,8 +217,9 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
             )
             for sid in [sid for sid, f in running.items() if f.wrapped_future in done]:
                 outcome = schedule.finish(sid, recipe.stage(sid).kind, running.pop(sid).result(raise_on_failure=False))
-                if outcome.status == STATUS_FAILED:
-                    logger.error("stage %s failed: %s", sid, outcome.message)
+                if outcome.status == STATUS_FAILED:  # a StageFailed's headline names the stage already
+                    named = outcome.message.startswith(f"stage {sid!r} ")
+                    logger.error("%s", outcome.message if named else f"stage {sid} failed: {outcome.message}")
 
     ordered = schedule.ordered()
     end_pipeline_run(tracking, ordered)

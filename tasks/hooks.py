@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,28 @@ class KindHooks:
     """Extra environment variables for the stage process (e.g. a token from a Prefect Secret block)."""
     on_done: Callable[[Manifest, StageSpec], None] | None = None
     """Runs in the Prefect run after the stage succeeded (e.g. publishing artifacts)."""
+
+
+class NoStageFailedTraceback(logging.Filter):
+    """Prefect logs a failed task's exception with its traceback. For a `StageFailed` that traceback is Prefect's
+    engine and `launch`, and says nothing of the stage (whose own traceback its log showed, in its process); the
+    record keeps its message, which holds the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from alignpipe.launch import StageFailed
+
+        if record.exc_info and isinstance(record.exc_info[1], StageFailed):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_stage_failures() -> None:
+    """Install `NoStageFailedTraceback` on Prefect's task-run and flow-run loggers (a pool's stage flow runs the stage
+    in its own body), once a process."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, NoStageFailedTraceback) for f in logger.filters):
+            logger.addFilter(NoStageFailedTraceback())
 
 
 def stage_entry(spec: StageSpec) -> dict:
@@ -186,6 +209,7 @@ def launch_in_run(
     from alignpipe.launch import StageFailed, launch
     from alignpipe.plan import read_spec
 
+    quiet_stage_failures()
     logger = get_run_logger()
     spec = read_spec(spec_path, storage_options)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -408,3 +409,27 @@ def test_the_launcher_hands_a_stage_s_reports_to_on_progress_and_never_logs_them
     assert [r["n"] for r in reports] == sorted(r["n"] for r in reports)
     assert any("sft step 20/20" in line for line in lines)
     assert not any("alignpipe-progress" in line for line in lines)
+
+
+def test_the_summary_table_shows_a_failure_s_message_as_written_cut_after_a_word():
+    """A message is text, not rich markup: `[bf16]` stays and `[/x]` does not break the table; a long one ends with
+    a whole word and `…` (the log above has it whole)."""
+    from rich.console import Console
+
+    from alignpipe.summary import MESSAGE_CHARS, clip, print_summary
+
+    message = "stage 'sft' failed (exit code 1): dtype [bf16] needs a GPU; see [/tmp/x] " + "and more words " * 20
+    summary = {
+        "pipeline": "p",
+        "pipeline_run_id": "r",
+        "stages": [
+            {"stage_id": "sft", "kind": "sft", "status": "failed", "message": message, "duration_s": 0, "output": ""}
+        ],
+    }
+    console = Console(record=True, width=400)
+    print_summary(summary, console)
+    shown = console.export_text()
+    assert "dtype [bf16] needs a GPU; see [/tmp/x]" in shown, shown
+    assert re.search(r" (and|more|words)…", shown), shown
+    assert clip("short", 10) == "short" and clip("one two three", 9) == "one two…" and clip("x" * 12, 5) == "xxxx…"
+    assert len(clip(message, MESSAGE_CHARS)) <= MESSAGE_CHARS

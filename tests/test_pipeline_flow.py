@@ -328,6 +328,10 @@ def test_failed_stage_keeps_upstream_and_rerun_resumes(demo_run):
     # the lines were logged as they came: Prefect's own report of the task's exception is its headline only
     (task_message,) = task_run_messages(state.state_details.flow_run_id, "judge")
     assert task_message.endswith(LOGGED_ABOVE) and "Traceback" not in task_message, task_message
+    # and its log lines about the exception (a retry's, the last's) carry no traceback: the engine's and launch's
+    # frames say nothing
+    for line in run_log_lines(state.state_details.flow_run_id, "Task run failed with exception: StageFailed("):
+        assert "no_such_module" in line and "Traceback" not in line and "task_engine" not in line, line
     fixed = FAST + ["stages.judge.reward=alignpipe.judges.rewards:sentiment_lexicon"]
     state = run_flow(path, fixed)
     statuses = {s["stage_id"]: s["status"] for s in summary_of(path, state, fixed)["stages"]}
@@ -351,6 +355,24 @@ def task_run_messages(flow_run_id, name: str) -> list[str]:
             task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])),
         )
     return [str(run.state.message if run.state else "") for run in runs]
+
+
+def run_log_lines(flow_run_id, prefix: str) -> list[str]:
+    """The lines of a flow run's log (its task runs' included) that start with `prefix`, once one has reached the
+    server (the log is sent in batches)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        for _ in range(40):
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            found = [log.message for log in logs if log.message.startswith(prefix)]
+            if found:
+                return found
+            time.sleep(0.25)
+    raise AssertionError(f"no line starting {prefix!r} in the run's log")
 
 
 def stage_log_levels(flow_run_id, prefix: str) -> dict[str, int]:

@@ -280,9 +280,9 @@ def test_cli_validate_ok_and_show(demo_text, tmp_path):
     assert "after: sft, eval-prompts" in lines["judge"] or "after: eval-prompts, sft" in lines["judge"], out.stdout
     assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists()
     # columns: each stage's state, `after`/`first` and what it reads start where the others' do
-    for field in ("[will run]", "after: |first", "dataset=|model=|prompts="):
-        starts = {re.search(re.escape(field) if "|" not in field else field, line).start() for line in lines.values()}
-        assert len(starts) == 1, (field, out.stdout)
+    for column in (r"\[will run\]", "after: |first", "dataset=|model=|prompts="):
+        found = [re.search(column, line) for line in lines.values()]
+        assert all(found) and len({m.start() for m in found if m}) == 1, (column, out.stdout)
 
 
 def test_missing_recipe_file_exits_2(tmp_path):
