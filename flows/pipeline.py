@@ -29,6 +29,7 @@ from alignpipe.pipeline_run import (
 from alignpipe.plan import plan, write_spec
 from alignpipe.recipe import load_recipe
 from alignpipe.schedule import Schedule
+from alignpipe.summary import clip
 from flows.preflight import check_prefect
 from tasks import TASKS
 from tasks.dispatch import dispatch_task
@@ -76,7 +77,7 @@ def publish_summary(recipe, outcomes: list[StageOutcome]) -> None:
             "value": round(o.value, 4) if o.value is not None else None,
             "output": o.output,
             "mlflow_run": o.mlflow_run_id or "",
-            "message": o.message[:300],
+            "message": clip(o.message, 300),
         }
         for o in outcomes
     ]
