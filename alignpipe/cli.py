@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -276,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except Exception as e:
+        if (url := _unreachable_prefect(e)) is not None:
+            print(
+                f"error: the Prefect server at {url} (PREFECT_API_URL) cannot be reached: {e}\n"
+                "  fix: start it (prefect server start) or point PREFECT_API_URL at a running one (`prefect config "
+                "view` shows where it is set); without PREFECT_API_URL, alignpipe runs on a temporary local server",
+                file=sys.stderr,
+            )
+            return 1
         if "ephemeral Prefect API server" not in str(e):
             raise
         print(
@@ -287,6 +296,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _unreachable_prefect(e: BaseException) -> str | None:
+    """The configured Prefect API's URL where `e` says it did not answer (refused, timed out, no such host): the
+    client's own connection errors, and the check a flow run makes first. None for anything else."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return None
+    if isinstance(e, RuntimeError) and str(e).startswith("Failed to reach API at"):
+        return url
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        with contextlib.suppress(RuntimeError):  # an error built without its request
+            if str(e.request.url).startswith(url.rstrip("/")):
+                return url
+    return None
 
 
 if __name__ == "__main__":

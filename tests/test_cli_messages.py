@@ -30,6 +30,29 @@ def test_a_temporary_server_that_does_not_start_in_time_gives_one_clear_message(
     assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists(), "nothing ran"
 
 
+def test_a_prefect_server_that_does_not_answer_gives_one_clear_message(tiny, tmp_path):
+    """PREFECT_API_URL set to a server that is down: `run` (plain, and with a work pool to check first) and `deploy`
+    say which server and what to do, with no traceback, and exit 1."""
+    from alignpipe.launch import free_port
+
+    recipe = tmp_path / "demo.yaml"
+    recipe.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    api = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_API_URL=api)
+    for args in (
+        ["run", str(recipe)],
+        ["run", str(recipe), "--set", "stages.sft.resources.pool=gpu"],
+        ["deploy", "--pool", "gpu"],
+    ):
+        out = subprocess.run([str(BIN / "alignpipe"), *args], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 1, (args, out.stderr[-3000:])
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert f"error: the Prefect server at {api} (PREFECT_API_URL) cannot be reached" in out.stderr, out.stderr
+        assert "prefect server start" in out.stderr
+    assert not (tmp_path / "runs" / "tiny-demo" / "stages").exists(), "nothing ran"
+
+
 def test_show_schema_into_a_closed_pipe_exits_quietly():
     out = subprocess.run(
         f"{BIN / 'alignpipe'} show --schema | head -1", shell=True, capture_output=True, text=True, timeout=120
