@@ -25,14 +25,16 @@ from alignpipe.recipe.errors import Problem, RecipeError
 from alignpipe.recipe.push_access import push_token_problems
 from alignpipe.recipe.schema import Recipe
 from alignpipe.recipe.stages import STAGE_KINDS
+from alignpipe.recipe.tracking_server import tracking_problems
 
 
 def load_recipe(
     path: str | Path, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True, to_run: bool = False
 ) -> Recipe:
     """Read, override, validate and check a recipe file. Raises `RecipeError`. `to_run`: also what running it from
-    this machine needs of the machine (a Hub token that can write for a push that runs here, an endpoint judge's or
-    remote scorer's key, a judge server's model: `validate`, `run` and the flow)."""
+    this machine needs of the machine (an MLflow tracking server that answers, a Hub token that can write for a push
+    that runs here, an endpoint judge's or remote scorer's key, a judge server's model: `validate`, `run` and the
+    flow)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError([Problem((), f"recipe file {str(path)!r} not found", "pass the path of a .yaml recipe")])
@@ -54,7 +56,7 @@ def parse_recipe(
         raise RecipeError(_name_overrides(problems, overridden), source) from None
     problems = check_recipe(recipe, check_files=check_files)
     if to_run and not problems:
-        problems = push_token_problems(recipe) + endpoint_problems(recipe)
+        problems = tracking_problems(recipe) + push_token_problems(recipe) + endpoint_problems(recipe)
     problems = _located(problems, data, lines)
     if problems:
         raise RecipeError(_name_overrides(problems, overridden), source)
