@@ -71,6 +71,7 @@ def test_the_demo_records_to_a_running_mlflow_server(prefect_harness, tiny, tmp_
     state = pipeline(recipe_path=str(path), overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
+    assert isinstance(result, dict)
     client = MlflowClient(url)
     parent = client.get_run(result["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.params["name"] == "tiny-demo"
