@@ -33,6 +33,10 @@ def cmd_validate(args) -> int:
     from alignpipe.summary import dag_text
 
     recipe = load_recipe(args.recipe, args.overrides, to_run=True)
+    from flows.preflight import check_prefect, needs_prefect
+
+    if needs_prefect(recipe):  # the work pools and Secret blocks it names, asked of the Prefect server as `run` asks
+        check_prefect(recipe, str(args.recipe))
     print(f"ok: {args.recipe} is valid")
     print(dag_text(recipe))
     return 0
@@ -80,7 +84,7 @@ def cmd_run(args) -> int:
     from flows.preflight import check_prefect, needs_prefect
 
     if needs_prefect(recipe):
-        check_prefect(recipe)  # a pool or Secret block the server lacks: exit 2 before a flow run exists
+        check_prefect(recipe, str(args.recipe))  # a pool or Secret block the server lacks: exit 2 before a flow run
     warm_stage_host(recipe)  # its imports run while Prefect's server starts
     state = pipeline(recipe_path=str(args.recipe), overrides=args.overrides, force=args.force, return_state=True)
     run_id = str(state.state_details.flow_run_id)

@@ -190,7 +190,7 @@ def pipeline(recipe_path: str, overrides: list[str] | None = None, force: list[s
     logger = get_run_logger()
     recipe_text = Path(recipe_path).read_text() if Path(recipe_path).is_file() else None
     recipe = load_recipe(recipe_path, overrides or [], to_run=True)  # validated again: UI-launched runs skip the CLI
-    check_prefect(recipe)
+    check_prefect(recipe, recipe_path)
     plans = plan(recipe, force or [])
     warm_stage_host(recipe, plans)
     run_id = _flow_run_id()

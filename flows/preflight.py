@@ -1,8 +1,8 @@
 """What a run needs of the Prefect server, checked when it starts and before any stage runs: each work pool a stage
 names, with the single-stage flow deployed on it, and each Secret block a push reads its Hub token from, holding a
-token that can write where the push pushes. `alignpipe run` asks before it starts the flow (where a stage names
-either), and the pipeline flow asks again (runs launched from the UI or a schedule skip the CLI): a misspelt block
-name or a revoked token in it would otherwise fail the push after the training.
+token that can write where the push pushes. `alignpipe validate` and `run` ask where a stage names either (`run`
+before it starts the flow), and the pipeline flow asks again (runs launched from the UI or a schedule skip the CLI):
+a misspelt block name or a revoked token in it would otherwise fail the push after the training.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ def needs_prefect(recipe) -> bool:
     return any(s.resources.pool or _secret_push(s) for s in recipe.stages)
 
 
-def check_prefect(recipe) -> None:
-    """Raise a `RecipeError` listing every missing pool, undeployed stage flow, missing or empty Secret block, and
-    Secret-held token the Hub shows cannot write."""
+def check_prefect(recipe, source: str = "recipe") -> None:
+    """Raise a `RecipeError` (naming `source`, the recipe's file) listing every missing pool, undeployed stage flow,
+    missing or empty Secret block, and Secret-held token the Hub shows cannot write."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         problems = pool_problems(client, recipe) + secret_problems(client, recipe)
     if problems:
-        raise RecipeError(problems, "recipe")
+        raise RecipeError(problems, source)
 
 
 def pool_exists(client, pool: str) -> bool:

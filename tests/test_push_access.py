@@ -317,7 +317,7 @@ def test_a_pipeline_whose_push_names_a_missing_block_fails_before_any_stage(
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("manifest.json"))
 
 
-def test_alignpipe_run_refuses_a_missing_block_and_exits_2_before_a_flow_run(demo_text, secret_blocks, tmp_path):
+def test_validate_and_run_refuse_a_missing_block_and_exit_2_before_a_flow_run(demo_text, secret_blocks, tmp_path):
     import os
     import subprocess
     import sys
@@ -335,11 +335,16 @@ def test_alignpipe_run_refuses_a_missing_block_and_exits_2_before_a_flow_run(dem
     env = {**os.environ, "PREFECT_API_URL": api, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_unused"}
     sets = [arg for kv in with_block("no-such-block") for arg in ("--set", kv)]
     cli = str(Path(sys.executable).parent / "alignpipe")
-    out = subprocess.run([cli, "run", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "stages[4].token_secret" in out.stderr and "'no-such-block'" in out.stderr, out.stderr
+    for command in ("validate", "run"):
+        out = subprocess.run([cli, command, str(recipe), *sets], env=env, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"error: {recipe} is invalid (1 problem)" in out.stderr, out.stderr
+        assert "stages[4].token_secret" in out.stderr and "'no-such-block'" in out.stderr, out.stderr
     with get_client(sync_client=True) as client:
         assert len(client.read_flow_runs()) == before, "no flow run was created"
+    sets = [arg for kv in with_block("ap-write") for arg in ("--set", kv)]
+    out = subprocess.run([cli, "validate", str(recipe), *sets], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "is valid" in out.stdout, out.stderr
 
 
 def test_a_token_pasted_as_the_block_name_is_refused_without_repeating_it(demo_text):
