@@ -173,6 +173,10 @@ def cmd_deploy(args) -> int:
     if problems:
         print("error: nothing was deployed:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
+    if recipe is not None:  # its stages' pools and Secret blocks: a scheduled run would fail at its start otherwise
+        from flows.preflight import check_prefect
+
+        check_prefect(recipe, str(args.recipe), deploying=tuple(args.pool))
     for pool in args.pool:
         deploy_stage_flow(pool)
         print(f"deployed {STAGE_FLOW}/{pool} on work pool {pool!r}")

@@ -23,13 +23,14 @@ def needs_prefect(recipe) -> bool:
     return any(s.resources.pool or _secret_push(s) for s in recipe.stages)
 
 
-def check_prefect(recipe, source: str = "recipe") -> None:
+def check_prefect(recipe, source: str = "recipe", deploying: tuple[str, ...] = ()) -> None:
     """Raise a `RecipeError` (naming `source`, the recipe's file) listing every missing pool, undeployed stage flow,
-    missing or empty Secret block, and Secret-held token the Hub shows cannot write."""
+    missing or empty Secret block, and Secret-held token the Hub shows cannot write. `deploying`: pools whose stage
+    flow `alignpipe deploy` is deploying now (their deployment is not asked for)."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        problems = pool_problems(client, recipe) + secret_problems(client, recipe)
+        problems = pool_problems(client, recipe, deploying) + secret_problems(client, recipe)
     if problems:
         raise RecipeError(problems, source)
 
@@ -45,8 +46,8 @@ def pool_exists(client, pool: str) -> bool:
     return True
 
 
-def pool_problems(client, recipe) -> list[Problem]:
-    """Every work pool a stage names must exist, with the single-stage flow deployed on it."""
+def pool_problems(client, recipe, deploying: tuple[str, ...] = ()) -> list[Problem]:
+    """Every work pool a stage names must exist, with the single-stage flow deployed on it (or in `deploying`)."""
     from prefect.exceptions import ObjectNotFound
 
     problems = []
@@ -65,6 +66,8 @@ def pool_problems(client, recipe) -> list[Problem]:
                     label=f"stage {s.id!r}",
                 )
             )
+            continue
+        if pool in deploying:
             continue
         try:
             client.read_deployment_by_name(deployment_name(pool))

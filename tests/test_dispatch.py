@@ -300,6 +300,17 @@ def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server
     assert "prefect work-pool create no-such-pool --type process" in out.stderr
     assert f"'{POOL}' does not exist" not in out.stderr
     assert httpx.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
+    # what the recipe's stages name on the server: a Secret block and a pool it lacks, found before any deployment
+    # (the pool deployed by this same command needs no deployment yet)
+    sets = ["stages.publish.target=hub", "stages.publish.repo_id=me/x", "stages.publish.token_secret=no-such-block"]
+    sets += ["stages.sft.resources.pool=" + POOL, "stages.judge.resources.pool=no-such-pool"]
+    args = ["--pool", POOL, "--recipe", str(recipe), "--name", "half-demo", "--pipeline-pool", POOL]
+    out = alignpipe_deploy(env, *args, *[a for kv in sets for a in ("--set", kv)])
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"error: {recipe} is invalid (2 problems)" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "stages[4].token_secret" in out.stderr and "Secret block 'no-such-block'" in out.stderr
+    assert "stages[3].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
+    assert httpx.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
 
 
 def _stage_process(spec_marker: str) -> int | None:
