@@ -4,11 +4,59 @@ built from the tiny assets."""
 from __future__ import annotations
 
 import contextvars
+import os
+import signal
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
+import pytest
+
 T = TypeVar("T")
+
+
+def start_service(
+    cmd: list[str],
+    log: Path,
+    ready_url: str,
+    *,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    timeout_s: float = 120,
+    needs_ok: bool = True,
+) -> subprocess.Popen:
+    """A server started as its users start it, in a session of its own (`stop_service` ends its children too), its
+    output in `log`; returned once `ready_url` answers (200, or any answer where not `needs_ok`). A server that exits
+    or does not answer in `timeout_s` fails the test with its log's tail."""
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200 or not needs_ok:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"{Path(cmd[0]).name} exited:\n" + log.read_text()[-3000:])
+        time.sleep(0.5)
+    stop_service(proc)
+    pytest.fail(f"{Path(cmd[0]).name} did not answer {ready_url} in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
+
+
+def stop_service(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process's session, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def known(value: T | None) -> T:

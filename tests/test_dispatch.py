@@ -14,27 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
-from support import known
+from support import known, start_service, stop_service
 
 from alignpipe.launch import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[1]
 POOL = "alignpipe-process"
-
-
-def _start(cmd, env, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -63,22 +49,12 @@ def server(tmp_path_factory, hub):
         DO_NOT_TRACK="1",
         ALIGNPIPE_HOME=str(REPO),
     )
-    proc = _start(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, root / "server.log"
+    proc = start_service(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        root / "server.log",
+        f"{api}/health",
+        env=env,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail("prefect server exited:\n" + (root / "server.log").read_text()[-3000:])
-        time.sleep(1)
-    else:
-        _stop(proc)
-        pytest.fail("prefect server did not answer /api/health within 120 s")
     subprocess.run(
         [
             str(BIN / "prefect"),
@@ -110,10 +86,16 @@ def server(tmp_path_factory, hub):
         "HF_HUB_OFFLINE": "0",
     }  # no HF_TOKEN: a stage must get it from a block
     worker_env.pop("HF_TOKEN", None)
-    worker = _start([str(BIN / "prefect"), "worker", "start", "--pool", POOL], worker_env, root / "worker.log")
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", POOL],
+        env=worker_env,
+        stdout=(root / "worker.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     yield api, env, root
-    _stop(worker)
-    _stop(proc)
+    stop_service(worker)
+    stop_service(proc)
 
 
 def _recipe(tiny, tmp_path, pool: str) -> Path:

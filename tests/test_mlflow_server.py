@@ -6,15 +6,11 @@ does not answer is a problem of the recipe before the run, not minutes of MLflow
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from mlflow.tracking import MlflowClient
-from support import demo_recipe
+from support import demo_recipe, start_service, stop_service
 
 from alignpipe.launch import free_port
 from alignpipe.recipe import RecipeError, parse_recipe, tracking_server
@@ -29,36 +25,16 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
     env = {**os.environ, "VENV": str(REPO / ".venv")} if (REPO / ".venv").is_dir() else dict(os.environ)
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen(
+    proc = start_service(
         ["bash", "infra/mlflow/start-server.sh", str(root), str(port)],
-        cwd=REPO,
+        root / "server.log",
+        f"http://127.0.0.1:{port}/health",
         env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        cwd=REPO,
+        timeout_s=180,
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail("mlflow server exited:\n" + (root / "server.log").read_text()[-3000:])
-        time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-        pytest.fail("mlflow server did not answer in 180 s:\n" + (root / "server.log").read_text()[-3000:])
-    yield url, root
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    yield f"http://127.0.0.1:{port}", root
+    stop_service(proc)
 
 
 def test_the_demo_records_to_a_running_mlflow_server(prefect_harness, tiny, tmp_path, mlflow_server):

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from support import known
+from support import known, start_service, stop_service
 
 from alignpipe.launch import free_port
 from alignpipe.manifest import Manifest
@@ -186,23 +183,9 @@ def s3(tmp_path_factory):
     """`moto_server` on loopback (a local S3 API), a bucket, and the environment a worker would have."""
     log = tmp_path_factory.mktemp("s3") / "moto.log"
     port = free_port()
-    proc = subprocess.Popen(
-        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(endpoint, timeout=2)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("moto_server did not start:\n" + log.read_text()[-2000:])
+    cmd = [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    proc = start_service(cmd, log, endpoint, timeout_s=60, needs_ok=False)
     env = {
         **os.environ,
         "AWS_ACCESS_KEY_ID": "test-key",
@@ -215,8 +198,7 @@ def s3(tmp_path_factory):
     fs = fsspec.filesystem("s3", key="test-key", secret="test-secret", endpoint_url=endpoint, skip_instance_cache=True)
     fs.mkdir("alignpipe-test")
     yield env, fs
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=20)
+    stop_service(proc)
 
 
 def _run(args, env, cwd, timeout=400):
