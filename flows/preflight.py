@@ -12,7 +12,6 @@ from typing import Any
 from alignpipe.recipe import Problem, RecipeError
 from alignpipe.recipe.push_access import hub_write_problems
 from alignpipe.recipe.stages import PushStage
-from tasks.dispatch import deployment_name
 
 SECRET = "secret"
 """The block type slug of Prefect's `Secret`."""
@@ -49,6 +48,8 @@ def pool_exists(client, pool: str) -> bool:
 def pool_problems(client, recipe, deploying: tuple[str, ...] = ()) -> list[Problem]:
     """Every work pool a stage names must exist, with the single-stage flow deployed on it (or in `deploying`)."""
     from prefect.exceptions import ObjectNotFound
+
+    from tasks.dispatch import deployment_name  # imports Prefect: `validate` of a recipe that names no pool does not
 
     problems = []
     for i, s in enumerate(recipe.stages):
