@@ -88,9 +88,11 @@ class DatasetSpec(Strict):
 class Tracking(Strict):
     """Where MLflow records runs."""
 
-    uri: str | None = None
+    uri: str | None = Field(None, json_schema_extra={"may_hold_a_secret": True})
     """MLflow tracking URI; null means a SQLite store at `<workdir>/mlflow.db`. A `http(s)://` URI uses
-    a running `mlflow server` (credentials from MLFLOW_TRACKING_USERNAME/PASSWORD, never the recipe)."""
+    a running `mlflow server`; credentials come from where MLflow's client reads them (MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN, or `~/.mlflow/credentials`), never from the recipe: a URI
+    with credentials in it (`user:password@`) is refused."""
     experiment: str | None = None
     """MLflow experiment name; null uses the recipe name."""
     system_metrics_every: float | None = Field(10.0, gt=0)
@@ -98,6 +100,17 @@ class Tracking(Strict):
     MLflow's monitor: each NVIDIA GPU's utilisation, memory and power (through nvidia-ml-py), CPU, memory, disk and
     network. A GPU idle between rollouts or waiting on the host shows there beside the training curves. Null logs
     none."""
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password(cls, value: str | None) -> str | None:
+        if value and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@", value):
+            raise ValueError(
+                "the tracking URI holds credentials (`user:password@` or `token@`); a recipe is shared and logged, so "
+                "remove them from the URI and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                "MLFLOW_TRACKING_TOKEN) in the environment"
+            )
+        return value
 
 
 class Storage(Strict):

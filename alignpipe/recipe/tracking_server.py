@@ -5,12 +5,19 @@ minutes (seven tries, backing off) before it fails: a server that is down, or a 
 run that long and then end it with a page of urllib3 warnings. Its `/health` is asked once a process, without
 credentials (it needs none). Any HTTP answer counts as an answer, whatever its status (a proxy's path, a login
 page): only a server that cannot be reached at all is a problem. `databricks` and other non-HTTP URIs are not asked.
+
+A server that answers is then asked, with the credentials MLflow's client will send (MLFLOW_TRACKING_USERNAME and
+MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, `~/.mlflow/credentials`), what the run will need of it: to accept
+those credentials (a server run with `--app-name basic-auth` answers 401 otherwise, and the run would end at its first
+call with MLflow's traceback), and, where the recipe's experiment or a push stage's registered model already exists
+and belongs to someone else, that this user may write to it (EDIT or MANAGE: a user who may only read the registered
+model would train every stage and then fail to publish). Those answers come from MLflow's own auth API (`users/current`, `users/permissions/get`);
+a server without it (no auth, or an MLflow older than 3.17) is not asked further. Nothing is written to the server.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, unreachable
@@ -23,22 +30,17 @@ def tracking_problems(recipe) -> list[Problem]:
         return []
     answer = _health(uri.rstrip("/"))
     if answer is None:
-        return []
+        return _access_problems(recipe, uri.rstrip("/"))
     return [
         Problem(
             ("tracking", "uri"),
-            f"the MLflow tracking server {shown(uri)} does not answer ({answer.why}); MLflow's client would retry it for "
+            f"the MLflow tracking server {uri} does not answer ({answer.why}); MLflow's client would retry it for "
             "minutes before the run failed",
             "start it (`infra/mlflow/start-server.sh`, or `mlflow server --host 0.0.0.0 --port 5000 "
             "--backend-store-uri sqlite:///mlflow.db`), check the host and port, or remove `tracking.uri` to record "
             "to a SQLite store in the workdir",
         )
     ]
-
-
-def shown(uri: str) -> str:
-    """`uri` with any `user:password@` masked."""
-    return re.sub(r"//[^/@]+@", "//***@", uri, count=1)
 
 
 @functools.cache
@@ -51,3 +53,145 @@ def _health(root: str) -> Unreachable | None:
     except httpx.HTTPError as e:
         return unreachable(e)
     return None
+
+
+READ_ONLY = ("READ", "USE", "NO_PERMISSIONS", "DENY")
+"""MLflow auth's permissions short of EDIT: they do not let a user create runs in an experiment, or versions and
+aliases of a registered model."""
+
+
+def _access_problems(recipe, root: str) -> list[Problem]:
+    experiment = recipe.experiment_name
+    new_experiment = "set `tracking.experiment` to a new name (a new experiment is yours)"
+    status, body = _ask(root, "/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
+    if status == 401:
+        return [_unauthenticated(root)]
+    if status == 403:
+        return [
+            Problem(
+                ("tracking", "experiment"),
+                f"the MLflow server {root} does not let {_who(root)} read the experiment {experiment!r}",
+                f"ask its owner or an MLflow admin for EDIT on it, or {new_experiment}",
+            )
+        ]
+    problems = []
+    if status == 200 and isinstance(body.get("experiment"), dict):
+        exp_id = str(body["experiment"].get("experiment_id", ""))
+        permission = _permission(root, "experiment", exp_id)
+        if permission in READ_ONLY:
+            problems.append(
+                Problem(
+                    ("tracking", "experiment"),
+                    f"{_who(root)} has {permission} permission on the MLflow experiment {experiment!r} (id {exp_id}) "
+                    f"at {root}; creating the pipeline's runs there needs EDIT",
+                    _grant_hint(root, "experiment", exp_id, new_experiment),
+                )
+            )
+    for i, stage in enumerate(recipe.stages):
+        registry = getattr(stage, "registry", None)
+        if registry is None:
+            continue
+        status, body = _ask(root, "/api/2.0/mlflow/registered-models/get", name=registry.name)
+        if status not in (200, 403):
+            continue
+        permission = "NO_PERMISSIONS" if status == 403 else _permission(root, "registered_model", registry.name)
+        if permission in READ_ONLY:
+            problems.append(
+                Problem(
+                    ("stages", i, "registry", "name"),
+                    f"{_who(root)} has {permission} permission on the registered model {registry.name!r} at "
+                    f"{root}; adding a version and moving its alias {registry.alias!r} needs EDIT, so the "
+                    "push would fail after every stage before it had trained",
+                    _grant_hint(root, "registered_model", registry.name, "register under a new `name`"),
+                )
+            )
+    return problems
+
+
+def _unauthenticated(root: str) -> Problem:
+    creds = _host_creds(root)
+    if creds.username or creds.token:
+        given = "MLFLOW_TRACKING_TOKEN" if creds.token and not creds.username else f"the user {creds.username!r}"
+        return Problem(
+            ("tracking", "uri"),
+            f"the MLflow server {root} refused the credentials of {given}",
+            "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this "
+            "environment; an MLflow admin can reset a password with "
+            f"`AuthServiceClient({root!r}).update_user_password(user, new_password)` "
+            "(`from mlflow.server.auth.client import AuthServiceClient`)",
+        )
+    return Problem(
+        ("tracking", "uri"),
+        f"the MLflow server {root} asks for credentials, and none are set here",
+        "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment of "
+        "the machine that runs the flow and of each pool's workers; never in the recipe",
+    )
+
+
+def _grant_hint(root: str, resource_type: str, resource_id: str, instead: str) -> str:
+    user = _current_user(root) or "USER"
+    return (
+        f"an MLflow admin or its owner grants it with `AuthServiceClient({root!r}).grant_user_permission("
+        f"{user!r}, {resource_type!r}, {resource_id!r}, 'EDIT')` (`from mlflow.server.auth.client import "
+        f"AuthServiceClient`); or {instead}"
+    )
+
+
+def _who(root: str) -> str:
+    user = _current_user(root)
+    return f"the MLflow user {user!r}" if user else "the credentials set here"
+
+
+def _permission(root: str, resource_type: str, resource_id: str) -> str | None:
+    """This user's effective permission on one resource (READ, EDIT, ...), where the server says."""
+    user = _current_user(root)
+    if not user:
+        return None
+    status, body = _ask(
+        root,
+        "/api/3.0/mlflow/users/permissions/get",
+        username=user,
+        resource_type=resource_type,
+        resource_id=resource_id,
+    )
+    permission = body.get("permission") if status == 200 else None
+    return permission if isinstance(permission, str) else None
+
+
+def _current_user(root: str) -> str | None:
+    """The user the server takes these credentials for; None where it has no auth API or no user."""
+    status, body = _ask(root, "/api/2.0/mlflow/users/current")
+    user = body.get("user") if status == 200 else None
+    return str(user["username"]) if isinstance(user, dict) and user.get("username") else None
+
+
+def _host_creds(root: str):
+    """The credentials MLflow's client sends to `root`, read as it reads them."""
+    from mlflow.utils.credentials import get_default_host_creds
+
+    return get_default_host_creds(root)
+
+
+def _ask(root: str, endpoint: str, **params: str) -> tuple[int | None, dict]:
+    """(status, JSON body) of one GET, as MLflow's client sends it (auth, TLS settings), without retries; status
+    None where the server did not answer."""
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(
+            _host_creds(root),
+            endpoint,
+            "GET",
+            max_retries=0,
+            backoff_factor=0,
+            timeout=TIMEOUT_S,
+            raise_on_status=False,
+            params=params,
+        )
+    except Exception:  # a check that cannot ask leaves the question to the run
+        return None, {}
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    return response.status_code, body if isinstance(body, dict) else {}
