@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if (refusal := _refused_by_prefect(e)) is not None:
+            print(refusal, file=sys.stderr)
+            return 1
         if "ephemeral Prefect API server" not in str(e):
             raise
         print(
@@ -322,6 +325,40 @@ def _unreachable_prefect(e: BaseException) -> str | None:
             if str(e.request.url).startswith(url.rstrip("/")):
                 return url
     return None
+
+
+def _refused_by_prefect(e: BaseException) -> str | None:
+    """The error and its fix where the configured Prefect API answered 401 or 403: a server started with
+    PREFECT_SERVER_API_AUTH_STRING, or Prefect Cloud, that the client's credentials do not satisfy. The credentials
+    themselves are never shown."""
+    import httpx
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url or not isinstance(e, httpx.HTTPStatusError) or e.response.status_code not in (401, 403):
+        return None
+    if not str(e.request.url).startswith(url.rstrip("/")):
+        return None
+    if PREFECT_API_KEY.value():
+        held, fix = (
+            "the API key in PREFECT_API_KEY",
+            "make a new key (`prefect cloud login`, or the Cloud UI's API keys) and set PREFECT_API_KEY to it",
+        )
+    elif PREFECT_API_AUTH_STRING.value():
+        held, fix = (
+            "the credentials in PREFECT_API_AUTH_STRING",
+            "set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING (`user:password`)",
+        )
+    else:
+        held, fix = (
+            "a client with no credentials",
+            "set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING (`user:password`), or "
+            "PREFECT_API_KEY for Prefect Cloud, here and on every worker",
+        )
+    return (
+        f"error: the Prefect server at {url} (PREFECT_API_URL) refused {held} ({e.response.status_code} "
+        f"{e.response.reason_phrase})\n  fix: {fix}; `prefect config view` shows where each is set"
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+SECRET_ENV = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_API_KEY",
+)
 # A key is secret when its last component *is* or *ends in* a secret word (hf_token, api_key, password,
 # token_secret), not when it merely contains one: max_new_tokens, logprob_chunk_tokens and tokenizer are
 # hyperparameters, and a tokenizer's special tokens (pad_token, ...) are not credentials.

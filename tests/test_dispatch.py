@@ -1,5 +1,6 @@
 """Stages dispatched to a Prefect work pool, with real components started the way users start them:
-`prefect server start` on loopback, a `process` work pool, `alignpipe deploy`, `prefect worker start`."""
+`prefect server start` on loopback behind basic auth (PREFECT_SERVER_API_AUTH_STRING; every client here, the worker
+included, holds PREFECT_API_AUTH_STRING), a `process` work pool, `alignpipe deploy`, `prefect worker start`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from alignpipe.launch import free_port
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[1]
 POOL = "alignpipe-process"
+AUTH = ("prefect-admin", "pf-dispatch-5e2d9a")
+AUTH_STRING = ":".join(AUTH)
+http = httpx.Client(auth=AUTH, timeout=30)  # the tests' own reads of the server's API
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +52,13 @@ def server(tmp_path_factory, hub):
         PREFECT_WORKER_QUERY_SECONDS="2",
         DO_NOT_TRACK="1",
         ALIGNPIPE_HOME=str(REPO),
+        PREFECT_API_AUTH_STRING=AUTH_STRING,
     )
     proc = start_service(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         root / "server.log",
         f"{api}/health",
-        env=env,
+        env={**env, "PREFECT_SERVER_API_AUTH_STRING": AUTH_STRING},
     )
     subprocess.run(
         [
@@ -160,7 +165,7 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
     """SFT, judge and push dispatched to the pool: the push authenticates with the token of a Prefect Secret block
     (resolved on the worker, never written to the spec) and the judge's Prefect artifacts are published, as the
     local tasks do."""
-    api, _env, _root = server
+    api, _env, root = server
     secret, (tmp_path, summary_path) = SECRET, pool_run
     summary = json.loads(summary_path.read_text())
     from alignpipe.manifest import Manifest
@@ -169,8 +174,8 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
     sft_flow_run = manifests["sft"].info["prefect_flow_run_id"]
     assert sft_flow_run and sft_flow_run != summary["pipeline_run_id"], "the SFT stage ran in a flow run of its own"
     assert manifests["sft-data"].info["prefect_flow_run_id"] is None, "undispatched stages ran beside the pipeline flow"
-    run = httpx.get(f"{api}/flow_runs/{sft_flow_run}").json()
-    deployment = httpx.get(f"{api}/deployments/{run['deployment_id']}").json()
+    run = http.get(f"{api}/flow_runs/{sft_flow_run}").json()
+    deployment = http.get(f"{api}/deployments/{run['deployment_id']}").json()
     assert deployment["name"] == POOL and run["work_pool_name"] == POOL and run["state"]["type"] == "COMPLETED"
     assert run["parent_task_run_id"], "the stage flow run is a subflow of the pipeline run"
     client = MlflowClient(summary["tracking_uri"])
@@ -184,16 +189,22 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
         assert secret not in spec.read_text()
     judge_run = manifests["judge"].info["prefect_flow_run_id"]
     assert judge_run, "the judge ran on the pool"
-    artifacts = httpx.post(
+    artifacts = http.post(
         f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["tiny-demo-judge-win-rates"]}}}
     ).json()
     assert any(a["flow_run_id"] == judge_run and a["type"] == "table" for a in artifacts), artifacts
-    progress = httpx.post(
+    progress = http.post(
         f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["tiny-demo-sft-progress"]}}}
     ).json()
     assert any(a["flow_run_id"] == sft_flow_run and a["type"] == "progress" and a["data"] == 100.0 for a in progress), (
         progress
     )  # the stage's bar, as the pool's flow run shows it in the UI
+    # the server's password, which every client here holds, is in no file the run wrote (its MLflow store, logs,
+    # manifests, specs), nor in the worker's log or any flow run's parameters
+    written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()] + [root / "worker.log"]
+    assert len(written) > 20 and not [str(p) for p in written if AUTH[1].encode() in p.read_bytes()]
+    flow_runs = http.post(f"{api}/flow_runs/filter", json={}).json()
+    assert len(flow_runs) >= 4 and AUTH[1] not in json.dumps([r["parameters"] for r in flow_runs])
 
 
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
@@ -205,6 +216,33 @@ def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
     assert out.returncode == 2
     assert "stages[2].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
     assert not (tmp_path / "runs" / "tiny-demo").exists()
+
+
+def test_a_client_without_the_servers_credentials_is_refused_in_one_line(server, tiny, tmp_path):
+    """A run started without PREFECT_API_AUTH_STRING, or with a wrong one: exit 1, one error naming the variable to
+    set, no traceback, the string never shown, nothing written."""
+    _api, env, _ = server
+    path = _recipe(tiny, tmp_path, POOL)
+    for held, said in (
+        (None, "refused a client with no credentials"),
+        ("prefect-admin:guess-7f1", "refused the credentials in PREFECT_API_AUTH_STRING"),
+    ):
+        client_env = {k: v for k, v in env.items() if k != "PREFECT_API_AUTH_STRING"}
+        if held:
+            client_env["PREFECT_API_AUTH_STRING"] = held
+        out = subprocess.run(
+            [str(BIN / "alignpipe"), "run", str(path)],
+            env=client_env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+        assert said in out.stderr and "(401 Unauthorized)" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "fix: set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING" in out.stderr
+        assert "guess-7f1" not in out.stdout + out.stderr and AUTH[1] not in out.stdout + out.stderr
+        assert not (tmp_path / "runs" / "tiny-demo").exists()
 
 
 def test_resume_reruns_nothing_that_finished(server, pool_run):
@@ -253,7 +291,7 @@ def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, 
         "0 3 * * 1",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    dep = httpx.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
+    dep = http.get(f"{api}/deployments/name/alignpipe-pipeline/weekly-demo").json()
     assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
     assert dep["parameters"]["recipe_path"] == str(recipe)
     limit = (dep.get("global_concurrency_limit") or {}).get("limit", dep.get("concurrency_limit"))
@@ -281,7 +319,7 @@ def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server
     assert f"work pool 'no-such-pool' does not exist on the Prefect server at {api}" in out.stderr
     assert "prefect work-pool create no-such-pool --type process" in out.stderr
     assert f"'{POOL}' does not exist" not in out.stderr
-    assert httpx.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
+    assert http.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
     # what the recipe's stages name on the server: a Secret block and a pool it lacks, found before any deployment
     # (the pool deployed by this same command needs no deployment yet)
     sets = ["stages.publish.target=hub", "stages.publish.repo_id=me/x", "stages.publish.token_secret=no-such-block"]
@@ -292,7 +330,7 @@ def test_alignpipe_deploy_checks_pools_and_cron_before_deploying_anything(server
     assert f"error: {recipe} is invalid (2 problems)" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "stages[4].token_secret" in out.stderr and "Secret block 'no-such-block'" in out.stderr
     assert "stages[3].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
-    assert httpx.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
+    assert http.get(f"{api}/deployments/name/alignpipe-pipeline/half-demo").status_code == 404
 
 
 def _stage_process(spec_marker: str) -> int | None:

@@ -107,7 +107,9 @@ def test_redaction_masks_credentials_not_hyperparameters_that_mention_tokens(mon
     from alignpipe.tracking import redact
 
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefgh123")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:pf-pass-42")
     params = {
+        "note": "admin:pf-pass-42",
         "push.hf_token": "x",
         "judge.api_key": "k",
         "db.password": "p",
@@ -128,5 +130,6 @@ def test_redaction_masks_credentials_not_hyperparameters_that_mention_tokens(mon
         "push.token_secret",
         "auth.token",
         "extra.header",
+        "note",
     }
     assert out["judge.sampling.max_new_tokens"] == 32 and out["tokenizer.pad_token"] == "<pad>"
