@@ -93,6 +93,24 @@ def demo_recipe(tiny: Path, workdir: Path, **extra) -> str:
     return text
 
 
+def demo_on_mlflow_server(tiny: Path, tmp_path: Path, url: str, *overrides: str):
+    """The demo (SFT shortened, judge on 32 prompts) run by the pipeline flow in this process, recording to the
+    MLflow server at `url`: (the flow's final state, an MlflowClient of the server, the parent run)."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import pipeline
+
+    path = tmp_path / "demo.yaml"
+    path.write_text(demo_recipe(tiny, tmp_path / "runs"))
+    fast = ["stages.sft.max_steps=40", "stages.sft.eval_every=null", "stages.judge.num_prompts=32"]
+    state = pipeline(recipe_path=str(path), overrides=[*fast, f"tracking.uri={url}", *overrides], return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert isinstance(result, dict)
+    client = MlflowClient(url)
+    return state, client, client.get_run(result["mlflow_run_id"])
+
+
 def sft_spec_after_format(recipe, run_id: str = "run-1"):
     """Run the recipe's `sft-data` format stage and write the `sft` stage's spec: (plans, spec path, tracking)."""
     from alignpipe.launch import launch

@@ -16,7 +16,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.server.auth.client import AuthServiceClient
 from mlflow.tracking import MlflowClient
-from support import demo_recipe, known, start_service, stop_service
+from support import demo_on_mlflow_server, known, start_service, stop_service
 
 from alignpipe.launch import free_port
 from alignpipe.recipe import RecipeError, parse_recipe
@@ -73,26 +73,11 @@ def test_the_demo_records_through_basic_auth_and_the_password_goes_nowhere(
 ):
     from prefect import get_client
 
-    from flows.pipeline import pipeline
-
     url, server_root = auth_server
-    path = tmp_path / "demo.yaml"
-    path.write_text(demo_recipe(tiny, tmp_path / "runs"))
-    overrides = [
-        "stages.sft.max_steps=40",
-        "stages.sft.eval_every=null",
-        "stages.judge.num_prompts=32",
-        f"tracking.uri={url}",
-        "tracking.experiment=auth-demo",
-        "stages.publish.registry.name=auth-demo-sft",
-    ]
     with as_user(*RUNNER):
-        state = pipeline(recipe_path=str(path), overrides=overrides, return_state=True)
-        assert state.is_completed(), state.message
-        result = state.result()
-        assert isinstance(result, dict)
-        client = MlflowClient(url)
-        parent = client.get_run(result["mlflow_run_id"])
+        state, client, parent = demo_on_mlflow_server(
+            tiny, tmp_path, url, "tracking.experiment=auth-demo", "stages.publish.registry.name=auth-demo-sft"
+        )
         runs = client.search_runs([parent.info.experiment_id])
         assert {r.data.tags.get("alignpipe.stage_id") for r in runs} >= {"sft", "judge", "publish"}
         assert client.get_model_version_by_alias("auth-demo-sft", "champion").run_id

@@ -9,14 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
-from support import demo_recipe, start_service, stop_service
+from support import demo_on_mlflow_server, start_service, stop_service
 
 from alignpipe.launch import free_port
 from alignpipe.recipe import RecipeError, parse_recipe, tracking_server
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["stages.sft.max_steps=40", "stages.sft.eval_every=null", "stages.judge.num_prompts=32"]
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +36,8 @@ def mlflow_server(tmp_path_factory):
 
 
 def test_the_demo_records_to_a_running_mlflow_server(prefect_harness, tiny, tmp_path, mlflow_server):
-    from flows.pipeline import pipeline
-
     url, server_root = mlflow_server
-    path = tmp_path / "demo.yaml"
-    path.write_text(demo_recipe(tiny, tmp_path / "runs"))
-    overrides = [*FAST, f"tracking.uri={url}"]
-    state = pipeline(recipe_path=str(path), overrides=overrides, return_state=True)
-    assert state.is_completed(), state.message
-    result = state.result()
-    assert isinstance(result, dict)
-    client = MlflowClient(url)
-    parent = client.get_run(result["mlflow_run_id"])
+    _state, client, parent = demo_on_mlflow_server(tiny, tmp_path, url)
     assert parent.info.status == "FINISHED" and parent.data.params["name"] == "tiny-demo"
     children = {
         c.data.tags["alignpipe.stage_id"]: c
