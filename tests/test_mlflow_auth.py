@@ -1,6 +1,8 @@
 """The pipelines against an MLflow server that asks for a password (`infra/mlflow/start-server.sh DIR PORT
-basic-auth`, MLflow's basic-auth app): the demo records through it with MLFLOW_TRACKING_USERNAME/PASSWORD, the
-password reaching no parameter, tag, artifact, log or Prefect parameter; and what the server would refuse (no
+basic-auth`, MLflow's basic-auth app): the demo records through it with MLFLOW_TRACKING_USERNAME/PASSWORD the same
+parent and child runs, metrics, artifacts (through the server, into its artifact folder, none in the workdir) and
+registered model as to the default SQLite store, the password reaching no parameter, tag, artifact, log or Prefect
+parameter; and what the server would refuse (no
 credentials, a wrong password, a user who may only read the experiment or the registered model) is a problem of the
 recipe before the run, its fix a grant that works when run as written."""
 
@@ -79,8 +81,16 @@ def test_the_demo_records_through_basic_auth_and_the_password_goes_nowhere(
             tiny, tmp_path, url, "tracking.experiment=auth-demo", "stages.publish.registry.name=auth-demo-sft"
         )
         runs = client.search_runs([parent.info.experiment_id])
-        assert {r.data.tags.get("alignpipe.stage_id") for r in runs} >= {"sft", "judge", "publish"}
-        assert client.get_model_version_by_alias("auth-demo-sft", "champion").run_id
+        assert parent.info.status == "FINISHED" and parent.data.params["name"] == "tiny-demo"
+        children = {c.data.tags["alignpipe.stage_id"]: c for c in runs if c.info.run_id != parent.info.run_id}
+        assert set(children) == {"sft-data", "eval-prompts", "sft", "judge", "publish"}
+        assert all(c.info.status == "FINISHED" for c in children.values())
+        assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children.values())
+        losses = client.get_metric_history(children["sft"].info.run_id, "train/loss")
+        assert len(losses) >= 2 and losses[-1].value < losses[0].value
+        assert parent.data.metrics["judge/win_rate"] == children["judge"].data.metrics["judge/win_rate"]
+        champion = client.get_model_version_by_alias("auth-demo-sft", "champion")
+        assert champion.run_id == children["publish"].info.run_id
         recorded = [str(r.data.params) + str(r.data.tags) for r in runs]
         for run in runs:
             client.download_artifacts(run.info.run_id, "", str(tmp_path / "dl" / run.info.run_id))
@@ -102,6 +112,11 @@ def test_the_demo_records_through_basic_auth_and_the_password_goes_nowhere(
         if p.is_file()
     ]
     assert any(p.name == "recipe.resolved.yaml" for p in files) and len(files) > 20
+    # artifacts went through the server into its own folder; the client's workdir holds none, nor an MLflow store
+    sft_png = tmp_path / "dl" / children["sft"].info.run_id / "loss_curve.png"
+    assert sft_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((server_root / "mlartifacts").rglob("loss_curve.png")), "stored where the server keeps artifacts"
+    assert not (tmp_path / "runs" / "mlartifacts").exists() and not (tmp_path / "runs" / "mlflow.db").exists()
     leaks = [str(p) for p in files if password in p.read_bytes()]
     leaks += [text[:80] for text in recorded if RUNNER[1] in text]
     assert not leaks, leaks

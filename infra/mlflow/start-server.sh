@@ -6,7 +6,9 @@
 # password, and keeps users and permissions in WORKDIR/basic_auth.db. Its first start creates the user `admin` with the
 # password in MLFLOW_AUTH_ADMIN_PASSWORD (12 characters or more); MLFLOW_FLASK_SERVER_SECRET_KEY signs its CSRF tokens
 # (any random string, the same for every process of the server). A new user reads every experiment and writes only
-# those it creates (default_permission = READ). The pipelines' side sets MLFLOW_TRACKING_USERNAME and
+# those it creates (default_permission = READ). A password checked once is taken for MLFLOW_AUTH_CACHE_TTL_SECONDS
+# (60 by default; 0 checks its hash on every request, which a stage logging metrics pays for on each call; a password
+# changed through another server process is honoured there after at most that long). The pipelines' side sets MLFLOW_TRACKING_USERNAME and
 # MLFLOW_TRACKING_PASSWORD, and `alignpipe validate` says before a run what the server will refuse.
 set -euo pipefail
 workdir=${1:-./runs}
@@ -27,6 +29,7 @@ default_permission = READ
 database_uri = sqlite:///$root/basic_auth.db
 admin_username = admin
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = ${MLFLOW_AUTH_CACHE_TTL_SECONDS:-60}
 INI
     export MLFLOW_AUTH_CONFIG_PATH="$root/basic_auth.ini"
     app=(--app-name basic-auth)
