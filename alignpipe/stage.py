@@ -85,7 +85,7 @@ def _library_records_once() -> None:
 def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
     """The stage's MLflow child run. A stage that was killed (its run never ended) continues the same run
     on the next attempt instead of opening a duplicate; the run id lives in the stage folder."""
-    from alignpipe.tracking import MlflowTracker
+    from alignpipe.tracking import MlflowTracker, refusal
 
     marker = Path(spec.stage_dir) / "mlflow_run_id"
     if marker.exists():
@@ -99,7 +99,14 @@ def _tracker(spec: StageSpec, stage, tags: dict[str, str]):
                 return tracker
         except Exception:  # the store was reset or the run deleted: start a new one
             pass
-    tracker = MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
+    try:
+        tracker = MlflowTracker.start(spec.tracking_uri, spec.experiment_id, stage.id, spec.parent_run_id, tags)
+    except Exception as e:
+        where = f"when stage {stage.id!r} opened its run on {socket.gethostname()}"
+        refused = refusal(e, spec.tracking_uri, where)
+        if refused is None:
+            raise
+        raise refused from None
     write_whole(marker, tracker.run_id)
     return tracker
 
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from alignpipe.recipe.schema import Recipe
     from alignpipe.stages import runner
     from alignpipe.stages.context import StageContext
-    from alignpipe.tracking import MlflowTracker, Tracker
+    from alignpipe.tracking import MlflowTracker, Tracker, TrackingRefused
 
     recipe = Recipe.model_validate(spec.recipe)
     stage = recipe.stage(spec.stage_id)
@@ -203,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         "alignpipe.cache_key": spec.cache_key,
         "alignpipe.pipeline": recipe.name,
     }
-    tracker = _tracker(spec, stage, tags) if rank == 0 else Tracker()
+    try:
+        tracker = _tracker(spec, stage, tags) if rank == 0 else Tracker()
+    except TrackingRefused as e:
+        log.error("stage %s failed: %s", stage.id, e)
+        return 1
     ctx = StageContext(recipe, stage, stage_dir, spec.inputs, tracker, spec.pipeline_run_id, spec.parent_run_id)
     started = time.perf_counter()
     log.info("stage %s (%s) → %s", stage.id, stage.kind, stage_dir)

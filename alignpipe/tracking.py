@@ -97,6 +97,35 @@ class Tracker:
         return values[-1] if values else None
 
 
+class TrackingRefused(RuntimeError):
+    """The MLflow server refused this machine's credentials (401) or this user's permission (403)."""
+
+
+def refusal(error: BaseException, tracking_uri: str, where: str) -> TrackingRefused | None:
+    """A `TrackingRefused` saying what to set, for an MlflowException that is a 401 or 403 from the server; else None.
+    `where` names the machine and what it was doing (a pool worker lacking the credentials the pipeline's machine
+    was checked with, most often)."""
+    from mlflow.exceptions import MlflowException
+
+    code = getattr(error, "error_code", None) if isinstance(error, MlflowException) else None
+    if code == "UNAUTHENTICATED":
+        creds = [v for v in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_TOKEN") if os.environ.get(v)]
+        held = f"the credentials in {' and '.join(creds)}" if creds else "a client with no credentials"
+        return TrackingRefused(
+            f"the MLflow server {tracking_uri} refused {held} {where}; set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this machine's environment (a pool's workers "
+            "need them as the machine that starts the pipeline does)"
+        )
+    if code == "PERMISSION_DENIED":
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        return TrackingRefused(
+            f"the MLflow server {tracking_uri} does not let {f'the user {user!r}' if user else 'these credentials'} "
+            f"write {where}; set this machine's MLFLOW_TRACKING_USERNAME/PASSWORD to the user the pipeline runs as, "
+            "or have an admin grant this one EDIT on the experiment"
+        )
+    return None
+
+
 class MlflowTracker(Tracker):
     """Sends everything to one MLflow run (created as a child of `parent_run_id`)."""
 

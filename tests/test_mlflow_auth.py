@@ -12,13 +12,15 @@ import asyncio
 import contextlib
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.server.auth.client import AuthServiceClient
 from mlflow.tracking import MlflowClient
-from support import demo_on_mlflow_server, known, start_service, stop_service
+from support import demo_on_mlflow_server, demo_recipe, known, sft_spec_after_format, start_service, stop_service
 
 from alignpipe.launch import free_port
 from alignpipe.recipe import RecipeError, parse_recipe
@@ -163,3 +165,24 @@ def test_what_the_server_would_refuse_is_said_before_the_run(demo_text, auth_ser
     assert problems(*READER) == []
     with as_user(*READER):
         MlflowClient(url).create_run(experiment_id)
+
+
+def test_a_stage_on_a_machine_without_the_credentials_says_what_to_set(tiny, tmp_path, auth_server):
+    """The checks before a run ask from the machine that starts it; a pool's worker without the credentials meets the
+    server when its stage opens its MLflow run: one line saying what to set there, not MLflow's traceback."""
+    url, _ = auth_server
+    recipe = parse_recipe(
+        demo_recipe(tiny, tmp_path / "runs"), [f"tracking.uri={url}", "tracking.experiment=worker-creds"]
+    )
+    with as_user(*RUNNER):  # the pipeline's machine holds them: its format stage ran
+        _plans, spec, _tracking = sft_spec_after_format(recipe)
+    for user, said in ((None, "refused a client with no credentials"), (READER, "does not let the user 'bob' write")):
+        with as_user(*(user or (None, None))):
+            out = subprocess.run(
+                [sys.executable, "-m", "alignpipe.stage", str(spec)], capture_output=True, text=True, timeout=300
+            )
+        text = out.stdout + out.stderr
+        assert out.returncode == 1, text[-3000:]
+        assert f"stage sft failed: the MLflow server {url} {said}" in text, text[-3000:]
+        assert "when stage 'sft' opened its run on" in text and "Traceback" not in text, text[-3000:]
+        assert READER[1] not in text
