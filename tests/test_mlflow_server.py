@@ -49,7 +49,7 @@ def test_a_tracking_server_that_does_not_answer_is_refused_before_the_run(demo_t
     with pytest.raises(RecipeError) as e:
         parse_recipe(demo_text, [f"tracking.uri={dead}"], to_run=True)
     (problem,) = e.value.problems
-    assert problem.path == ("tracking", "uri") and "does not answer (ConnectError" in problem.message, problem
+    assert problem.path == ("tracking", "uri") and "does not answer (ConnectionError" in problem.message, problem
     assert "remove `tracking.uri`" in problem.hint
     with pytest.raises(RecipeError) as e:  # credentials belong in the environment: the recipe is logged
         parse_recipe(demo_text, [f"tracking.uri=http://user:hunter2@{dead[len('http://') :]}"])
@@ -58,3 +58,85 @@ def test_a_tracking_server_that_does_not_answer_is_refused_before_the_run(demo_t
     assert "hunter2" not in str(e.value), "the refused value is not repeated"
     parse_recipe(demo_text, [f"tracking.uri={dead}"])  # `show` does not ask
     parse_recipe(demo_text, ["tracking.uri=databricks"], to_run=True)  # not HTTP: not asked
+
+
+@pytest.fixture
+def https_server(tmp_path):
+    """A loopback HTTPS server answering `/health`, with a self-signed certificate for 127.0.0.1 (a private CA's, as
+    far as a client can tell): its URL and certificate file."""
+    import http.server
+    import ssl
+    import subprocess
+    import threading
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"https://127.0.0.1:{server.server_address[1]}", cert
+    server.shutdown()
+
+
+def test_a_tls_server_is_asked_with_the_certificates_mlflows_client_uses(demo_text, https_server, monkeypatch):
+    """A server whose certificate this machine does not trust is a TLS problem with the variables that fix it, and
+    each of those variables (MLflow's own, and requests' CA bundle, which MLflow's client reads) makes it answer."""
+    url, cert = https_server
+    for var in (
+        "MLFLOW_TRACKING_SERVER_CERT_PATH",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "MLFLOW_TRACKING_INSECURE_TLS",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    tracking_server._health.cache_clear()
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(demo_text, [f"tracking.uri={url}"], to_run=True)
+    (problem,) = e.value.problems
+    assert (
+        problem.path == ("tracking", "uri")
+        and "could not be reached over TLS (SSLError: [SSL: CERTIFICATE_VERIFY_FAILED]" in problem.message
+    )
+    assert problem.message.endswith("self-signed certificate)") and "MLFLOW_TRACKING_SERVER_CERT_PATH" in problem.hint
+    for var, value in (
+        ("MLFLOW_TRACKING_SERVER_CERT_PATH", str(cert)),
+        ("REQUESTS_CA_BUNDLE", str(cert)),
+        ("MLFLOW_TRACKING_INSECURE_TLS", "true"),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            tracking_server._health.cache_clear()
+            parse_recipe(demo_text, [f"tracking.uri={url}"], to_run=True)  # it answers; no auth API behind it

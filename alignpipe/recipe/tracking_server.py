@@ -17,20 +17,38 @@ a server without it (no auth, or an MLflow older than 3.17) is not asked further
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import re
+import warnings
 
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, unreachable
 
 
 def tracking_problems(recipe) -> list[Problem]:
-    """A problem at `tracking.uri` when it names an HTTP(S) server that does not answer."""
+    """A problem at `tracking.uri` when it names an HTTP(S) server that does not answer, or that answers but will
+    refuse what the run needs of it."""
     uri = recipe.tracking.uri
     if not uri or not uri.lower().startswith(("http://", "https://")):
         return []
-    answer = _health(uri.rstrip("/"))
+    answer = _health(uri.rstrip("/"), **_tls())
     if answer is None:
         return _access_problems(recipe, uri.rstrip("/"))
+    if "SSLError" in answer.why or "CERTIFICATE" in answer.why:
+        fix = (
+            "give MLflow's client the certificate of the CA that signed the server's (MLFLOW_TRACKING_SERVER_CERT_PATH "
+            "or REQUESTS_CA_BUNDLE: a .pem file), a client certificate where the server asks for one "
+            "(MLFLOW_TRACKING_CLIENT_CERT_PATH), or, on a network you trust, MLFLOW_TRACKING_INSECURE_TLS=true"
+        )
+        return [
+            Problem(
+                ("tracking", "uri"),
+                f"the MLflow tracking server {uri} could not be reached over TLS ({answer.why})",
+                fix,
+            )
+        ]
     return [
         Problem(
             ("tracking", "uri"),
@@ -43,16 +61,44 @@ def tracking_problems(recipe) -> list[Problem]:
     ]
 
 
+def _tls() -> dict:
+    """The TLS settings MLflow's client takes for its tracking server, as `requests` keywords (requests itself reads
+    REQUESTS_CA_BUNDLE, as it does for MLflow's client)."""
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1")
+    return {
+        "verify": False if insecure else (os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True),
+        "cert": os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH") or None,
+    }
+
+
 @functools.cache
-def _health(root: str) -> Unreachable | None:
-    """None where `root/health` gave any HTTP answer; else why not, in one line."""
-    import httpx
+def _health(root: str, verify: bool | str, cert: str | None) -> Unreachable | None:
+    """None where `root/health` gave any HTTP answer; else why not, in one line. Asked with `requests`, as MLflow's
+    client asks, so that the same certificates and proxies apply."""
+    import requests
 
     try:
-        httpx.get(f"{root}/health", timeout=TIMEOUT_S, follow_redirects=False)
-    except httpx.HTTPError as e:
-        return unreachable(e)
+        with _insecure_is_chosen():
+            requests.get(f"{root}/health", timeout=TIMEOUT_S, allow_redirects=False, verify=verify, cert=cert)
+    except requests.RequestException as e:
+        # requests wraps urllib3's error in a "Max retries exceeded … (Caused by …)" sentence; the cause's own words
+        # ("[Errno 111] Connection refused", "[SSL: CERTIFICATE_VERIFY_FAILED] … self-signed certificate") say it
+        cause = re.search(r"\[(?:Errno -?\d+|SSL: \w+)\][^'\")]*", str(e))
+        if cause is None:
+            return unreachable(e)
+        words = re.sub(r"\s*\(_ssl\.c:\d+$", "", cause.group(0).strip())
+        return Unreachable(f"{type(e).__name__}: {words}")
     return None
+
+
+@contextlib.contextmanager
+def _insecure_is_chosen():
+    """urllib3 warns of each unverified HTTPS request; with MLFLOW_TRACKING_INSECURE_TLS that is the user's choice."""
+    import urllib3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+        yield
 
 
 READ_ONLY = ("READ", "USE", "NO_PERMISSIONS", "DENY")
@@ -178,16 +224,17 @@ def _ask(root: str, endpoint: str, **params: str) -> tuple[int | None, dict]:
     from mlflow.utils.rest_utils import http_request
 
     try:
-        response = http_request(
-            _host_creds(root),
-            endpoint,
-            "GET",
-            max_retries=0,
-            backoff_factor=0,
-            timeout=TIMEOUT_S,
-            raise_on_status=False,
-            params=params,
-        )
+        with _insecure_is_chosen():
+            response = http_request(
+                _host_creds(root),
+                endpoint,
+                "GET",
+                max_retries=0,
+                backoff_factor=0,
+                timeout=TIMEOUT_S,
+                raise_on_status=False,
+                params=params,
+            )
     except Exception:  # a check that cannot ask leaves the question to the run
         return None, {}
     try:
