@@ -103,6 +103,13 @@ def server(tmp_path_factory, hub):
     stop_service(proc)
 
 
+def alignpipe_cli(env: dict, cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`alignpipe ARGS` as a user runs it in `cwd`, its output captured."""
+    return subprocess.run(
+        [str(BIN / "alignpipe"), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def _recipe(tiny, tmp_path, pool: str) -> Path:
     from support import demo_recipe
 
@@ -148,14 +155,7 @@ def pool_run(server, tiny, tmp_path_factory) -> tuple[Path, Path]:
         assert old in text, old
         text = text.replace(old, new)
     path.write_text(text)
-    out = subprocess.run(
-        [str(BIN / "alignpipe"), "run", str(path), "--set", "stages.judge.num_prompts=16"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    out = alignpipe_cli(env, tmp_path, "run", str(path), "--set", "stages.judge.num_prompts=16", timeout=540)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + (root / "worker.log").read_text()[-3000:]
     (summary,) = (tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json")
     return tmp_path, summary
@@ -210,9 +210,7 @@ def test_stages_run_on_the_pools_worker_with_their_hooks_and_log_under_the_pipel
 def test_unknown_pool_fails_before_anything_runs(server, tiny, tmp_path):
     _api, env, _ = server
     path = _recipe(tiny, tmp_path, "no-such-pool")
-    out = subprocess.run(
-        [str(BIN / "alignpipe"), "run", str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    out = alignpipe_cli(env, tmp_path, "run", str(path), timeout=120)
     assert out.returncode == 2
     assert "stages[2].resources.pool" in out.stderr and "work pool 'no-such-pool' does not exist" in out.stderr
     assert not (tmp_path / "runs" / "tiny-demo").exists()
@@ -230,14 +228,7 @@ def test_a_client_without_the_servers_credentials_is_refused_in_one_line(server,
         client_env = {k: v for k, v in env.items() if k != "PREFECT_API_AUTH_STRING"}
         if held:
             client_env["PREFECT_API_AUTH_STRING"] = held
-        out = subprocess.run(
-            [str(BIN / "alignpipe"), "run", str(path)],
-            env=client_env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = alignpipe_cli(client_env, tmp_path, "run", str(path), timeout=120)
         assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
         assert said in out.stderr and "(401 Unauthorized)" in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert "fix: set PREFECT_API_AUTH_STRING to the server's PREFECT_SERVER_API_AUTH_STRING" in out.stderr
@@ -249,14 +240,7 @@ def test_resume_reruns_nothing_that_finished(server, pool_run):
     """`alignpipe resume RUN_ID` re-runs a pipeline run's recipe with its overrides; all cached here."""
     _api, env, _ = server
     tmp_path, run_file = pool_run
-    out = subprocess.run(
-        [str(BIN / "alignpipe"), "resume", run_file.stem[:8]],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = alignpipe_cli(env, tmp_path, "resume", run_file.stem[:8], timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "stages.judge.num_prompts=16" in out.stdout
     latest = max((tmp_path / "runs" / "tiny-demo" / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
@@ -266,9 +250,7 @@ def test_resume_reruns_nothing_that_finished(server, pool_run):
 
 
 def alignpipe_deploy(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / "alignpipe"), "deploy", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
-    )
+    return alignpipe_cli(env, REPO, "deploy", *args)
 
 
 def test_alignpipe_deploy_creates_a_scheduled_pipeline_deployment(server, tiny, tmp_path):
