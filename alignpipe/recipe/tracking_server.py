@@ -11,8 +11,9 @@ MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, `~/.mlflow/credentials`), what 
 those credentials (a server run with `--app-name basic-auth` answers 401 otherwise, and the run would end at its first
 call with MLflow's traceback), and, where the recipe's experiment or a push stage's registered model already exists
 and belongs to someone else, that this user may write to it (EDIT or MANAGE: a user who may only read the registered
-model would train every stage and then fail to publish). Those answers come from MLflow's own auth API (`users/current`, `users/permissions/get`);
-a server without it (no auth, or an MLflow older than 3.17) is not asked further. Nothing is written to the server.
+model would train every stage and then fail to publish). Those answers come from MLflow's own auth API
+(`users/current`, asked once, and `users/permissions/get`); a server without it (no auth, or an MLflow older than
+3.17) is not asked further. Nothing is written to the server.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def tracking_problems(recipe) -> list[Problem]:
     answer = _health(uri.rstrip("/"), **_tls())
     if answer is None:
         return _access_problems(recipe, uri.rstrip("/"))
-    if "SSLError" in answer.why or "CERTIFICATE" in answer.why:
+    if answer.why.startswith("SSLError"):
         fix = (
             "give MLflow's client the certificate of the CA that signed the server's (MLFLOW_TRACKING_SERVER_CERT_PATH "
             "or REQUESTS_CA_BUNDLE: a .pem file), a client certificate where the server asks for one "
@@ -112,25 +113,26 @@ def _access_problems(recipe, root: str) -> list[Problem]:
     status, body = _ask(root, "/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
     if status == 401:
         return [_unauthenticated(root)]
+    user = _current_user(root)  # asked once: every message and permission below is this user's
     if status == 403:
         return [
             Problem(
                 ("tracking", "experiment"),
-                f"the MLflow server {root} does not let {_who(root)} read the experiment {experiment!r}",
+                f"the MLflow server {root} does not let {_who(user)} read the experiment {experiment!r}",
                 f"ask its owner or an MLflow admin for EDIT on it, or {new_experiment}",
             )
         ]
     problems = []
     if status == 200 and isinstance(body.get("experiment"), dict):
         exp_id = str(body["experiment"].get("experiment_id", ""))
-        permission = _permission(root, "experiment", exp_id)
+        permission = _permission(root, user, "experiment", exp_id)
         if permission in READ_ONLY:
             problems.append(
                 Problem(
                     ("tracking", "experiment"),
-                    f"{_who(root)} has {permission} permission on the MLflow experiment {experiment!r} (id {exp_id}) "
+                    f"{_who(user)} has {permission} permission on the MLflow experiment {experiment!r} (id {exp_id}) "
                     f"at {root}; creating the pipeline's runs there needs EDIT",
-                    _grant_hint(root, "experiment", exp_id, new_experiment),
+                    _grant_hint(root, user, "experiment", exp_id, new_experiment),
                 )
             )
     for i, stage in enumerate(recipe.stages):
@@ -140,15 +142,15 @@ def _access_problems(recipe, root: str) -> list[Problem]:
         status, body = _ask(root, "/api/2.0/mlflow/registered-models/get", name=registry.name)
         if status not in (200, 403):
             continue
-        permission = "NO_PERMISSIONS" if status == 403 else _permission(root, "registered_model", registry.name)
+        permission = "NO_PERMISSIONS" if status == 403 else _permission(root, user, "registered_model", registry.name)
         if permission in READ_ONLY:
             problems.append(
                 Problem(
                     ("stages", i, "registry", "name"),
-                    f"{_who(root)} has {permission} permission on the registered model {registry.name!r} at "
+                    f"{_who(user)} has {permission} permission on the registered model {registry.name!r} at "
                     f"{root}; adding a version and moving its alias {registry.alias!r} needs EDIT, so the "
                     "push would fail after every stage before it had trained",
-                    _grant_hint(root, "registered_model", registry.name, "register under a new `name`"),
+                    _grant_hint(root, user, "registered_model", registry.name, "register under a new `name`"),
                 )
             )
     return problems
@@ -174,23 +176,20 @@ def _unauthenticated(root: str) -> Problem:
     )
 
 
-def _grant_hint(root: str, resource_type: str, resource_id: str, instead: str) -> str:
-    user = _current_user(root) or "USER"
+def _grant_hint(root: str, user: str | None, resource_type: str, resource_id: str, instead: str) -> str:
     return (
         f"an MLflow admin or its owner grants it with `AuthServiceClient({root!r}).grant_user_permission("
-        f"{user!r}, {resource_type!r}, {resource_id!r}, 'EDIT')` (`from mlflow.server.auth.client import "
+        f"{user or 'USER'!r}, {resource_type!r}, {resource_id!r}, 'EDIT')` (`from mlflow.server.auth.client import "
         f"AuthServiceClient`); or {instead}"
     )
 
 
-def _who(root: str) -> str:
-    user = _current_user(root)
+def _who(user: str | None) -> str:
     return f"the MLflow user {user!r}" if user else "the credentials set here"
 
 
-def _permission(root: str, resource_type: str, resource_id: str) -> str | None:
-    """This user's effective permission on one resource (READ, EDIT, ...), where the server says."""
-    user = _current_user(root)
+def _permission(root: str, user: str | None, resource_type: str, resource_id: str) -> str | None:
+    """`user`'s effective permission on one resource (READ, EDIT, ...), where the server says."""
     if not user:
         return None
     status, body = _ask(

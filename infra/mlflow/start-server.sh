@@ -8,8 +8,9 @@
 # (any random string, the same for every process of the server). A new user reads every experiment and writes only
 # those it creates (default_permission = READ). A password checked once is taken for MLFLOW_AUTH_CACHE_TTL_SECONDS
 # (60 by default; 0 checks its hash on every request, which a stage logging metrics pays for on each call; a password
-# changed through another server process is honoured there after at most that long). The pipelines' side sets MLFLOW_TRACKING_USERNAME and
-# MLFLOW_TRACKING_PASSWORD, and `alignpipe validate` says before a run what the server will refuse.
+# changed through another server process is honoured there after at most that long). The pipelines' side sets
+# MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, and `alignpipe validate` says before a run what the server
+# will refuse.
 set -euo pipefail
 workdir=${1:-./runs}
 port=${2:-5000}
