@@ -22,6 +22,15 @@
 #      gradient copies on the device), SFT's head and the RL trainers' head on the hand-written kernels (session 70)
 #      and PPO's full KL on `token_kl` (71); then reward 8×1024 against TRL + Liger with room for three rounds (f's
 #      140 s held two), then GRPO 8×8×256 against TRL + Liger (never run; one round) for N_LIMIT s (default 150)
+#   The SFT, DPO and reward rows are an H200's (session 63); the issue's targets are an H100's. A run that names no
+#   kind starts an H100 where one opens and an H200 otherwise, so the lease's first call is `nvidia-smi -L` (seconds;
+#   the start is paid either way), whose reply names the card: on an H100, run `k` (timeout_s 450: SFT 8×2048 and
+#   4×4096 against TRL + Liger, the issue's headline target) and then, at once, `o` with O_LIMIT the seconds left
+#   less 150; on an H200, l and m as above.
+#   The rest follows in later leases: after an H100's k and o, l and m (on an H100 too), then n; after an H200's l
+#   and m, n, and k and o on the first H100 lent.
+#   o  on an H100, after k: gpu_checks' SwiGLU, rotary and DPO-head lines (session 63's on the H200), then DPO 8×1024
+#      against TRL + Liger, three rounds (~210 s), for O_LIMIT s (default 210)
 #
 # The stages behind today's figures, to run them again:
 #   f  (session 63) gpu_checks' SwiGLU, rotary, DPO head, AdamW and offloading lines; DPO 8×1024 (210 s: a side's
@@ -46,9 +55,9 @@
 #   i  DPO 8×1024 with a log every step (`--log-every 1`), as every GPU row before session 44 ran
 #   j  DPO 8×1024 on inductor's kernels (`--compiled-kernels`): what the hand-written ones buy
 set -uo pipefail
-stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to n)"}
-case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m | n) ;; *)
-  echo "no stage $stage: bash bench/gpu_session.sh STAGE (the next lease: l, then m at once; the lease after: n; the others, 1 to 5 and a to k, run earlier sessions' calls again)" >&2
+stage=${1:?"usage: bash bench/gpu_session.sh STAGE (1 to 5, or a to o)"}
+case $stage in 1 | 2 | 3 | 4 | 5 | a | b | c | d | e | f | g | h | i | j | k | l | m | n | o) ;; *)
+  echo "no stage $stage: bash bench/gpu_session.sh STAGE (the next lease: l, then m at once, or on an H100 k, then o at once; the lease after: n; the others, 1 to 5 and a to k, run earlier sessions' calls again)" >&2
   exit 2
   ;;
 esac
@@ -152,6 +161,10 @@ n)
     tee "$out/checks"
   bench 240 --cases reward/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   bench "${N_LIMIT:-150}" --cases grpo/8x8x256 --attention varlen --contenders trl+liger --steps 7 --out "$out/gpu.md"
+  ;;
+o)
+  timeout 90 python3 -m bench.gpu_checks --only fused_silu,fused_rotary,dpo_head 2>&1 | tee "$out/checks"
+  bench "${O_LIMIT:-210}" --cases dpo/8x1024 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"
   ;;
 e)
   bench 200 --cases sft/4x4096 --attention varlen --contenders trl+liger --steps 20 --out "$out/gpu.md"

@@ -1061,7 +1061,7 @@ def test_the_gpu_session_script_names_real_cases_and_fits_each_call(tmp_path):
     script = Path(__file__).parents[1] / "bench" / "gpu_session.sh"
     text = script.read_text()
     stages = dict(re.findall(r"^(\w)\)\n(.*?)\n  ;;", text, flags=re.S | re.M))
-    assert sorted(stages) == list("12345abcdefghijklmn")
+    assert sorted(stages) == list("12345abcdefghijklmno")
     limit = r'(?:bench|timeout) "?(?:\$\{\w+:-)?(\d+)'  # a number, or a variable's default (B_LIMIT)
     known = {c.key for c in cases("qwen0.5b", "user", ["sft", "reward", "dpo", "grpo", "ppo"])}
 
