@@ -109,21 +109,36 @@ def refusal(error: BaseException, tracking_uri: str, where: str) -> TrackingRefu
 
     code = getattr(error, "error_code", None) if isinstance(error, MlflowException) else None
     if code == "UNAUTHENTICATED":
-        creds = [v for v in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_TOKEN") if os.environ.get(v)]
-        held = f"the credentials in {' and '.join(creds)}" if creds else "a client with no credentials"
         return TrackingRefused(
-            f"the MLflow server {tracking_uri} refused {held} {where}; set MLFLOW_TRACKING_USERNAME and "
-            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this machine's environment (a pool's workers "
-            "need them as the machine that starts the pipeline does)"
+            f"the MLflow server {tracking_uri} refused {whose(credentials_sent(tracking_uri))} {where}; set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this machine's "
+            "environment (a pool's workers need them as the machine that starts the pipeline does)"
         )
     if code == "PERMISSION_DENIED":
-        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        user = credentials_sent(tracking_uri).username
         return TrackingRefused(
             f"the MLflow server {tracking_uri} does not let {f'the user {user!r}' if user else 'these credentials'} "
             f"write {where}; set this machine's MLFLOW_TRACKING_USERNAME/PASSWORD to the user the pipeline runs as, "
             "or have an admin grant this one EDIT on the experiment"
         )
     return None
+
+
+def credentials_sent(uri: str):
+    """The credentials MLflow's client sends to `uri`, read where it reads them (MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, `~/.mlflow/credentials`)."""
+    from mlflow.utils.credentials import get_default_host_creds
+
+    return get_default_host_creds(uri)
+
+
+def whose(creds) -> str:
+    """`credentials_sent`'s answer in words, for a refusal's message; never the secret itself."""
+    if creds.username:
+        return f"the credentials of the user {creds.username!r}"
+    if creds.token:
+        return "the token in MLFLOW_TRACKING_TOKEN"
+    return "a client with no credentials"
 
 
 class MlflowTracker(Tracker):

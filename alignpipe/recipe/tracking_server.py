@@ -26,6 +26,7 @@ import warnings
 
 from alignpipe.recipe.errors import Problem
 from alignpipe.recipe.hub_refs import TIMEOUT_S, Unreachable, unreachable
+from alignpipe.tracking import credentials_sent, whose
 
 
 def tracking_problems(recipe) -> list[Problem]:
@@ -157,12 +158,11 @@ def _access_problems(recipe, root: str) -> list[Problem]:
 
 
 def _unauthenticated(root: str) -> Problem:
-    creds = _host_creds(root)
+    creds = credentials_sent(root)
     if creds.username or creds.token:
-        given = "MLFLOW_TRACKING_TOKEN" if creds.token and not creds.username else f"the user {creds.username!r}"
         return Problem(
             ("tracking", "uri"),
-            f"the MLflow server {root} refused the credentials of {given}",
+            f"the MLflow server {root} refused {whose(creds)}",
             "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this "
             "environment; an MLflow admin can reset a password with "
             f"`AuthServiceClient({root!r}).update_user_password(user, new_password)` "
@@ -210,13 +210,6 @@ def _current_user(root: str) -> str | None:
     return str(user["username"]) if isinstance(user, dict) and user.get("username") else None
 
 
-def _host_creds(root: str):
-    """The credentials MLflow's client sends to `root`, read as it reads them."""
-    from mlflow.utils.credentials import get_default_host_creds
-
-    return get_default_host_creds(root)
-
-
 def _ask(root: str, endpoint: str, **params: str) -> tuple[int | None, dict]:
     """(status, JSON body) of one GET, as MLflow's client sends it (auth, TLS settings), without retries; status
     None where the server did not answer."""
@@ -225,7 +218,7 @@ def _ask(root: str, endpoint: str, **params: str) -> tuple[int | None, dict]:
     try:
         with _insecure_is_chosen():
             response = http_request(
-                _host_creds(root),
+                credentials_sent(root),
                 endpoint,
                 "GET",
                 max_retries=0,
