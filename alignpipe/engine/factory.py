@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def hf_engine(spec, model, tokenizer):
     """The hf engine on `model` itself (a trainer's policy), with `spec`'s hf options."""
@@ -17,15 +19,17 @@ def hf_engine(spec, model, tokenizer):
     )
 
 
-def make_engine(spec, model, tokenizer, window: int | None = None):
+def make_engine(spec, model, tokenizer, window: int | None = None, scratch: Path | None = None):
     """An engine for `spec` (a `RolloutSpec`) generating from `model`'s weights; a vLLM colocate engine sized for
-    sequences of `spec.max_model_len` tokens, else `window` (None: the model's whole context)."""
+    sequences of `spec.max_model_len` tokens, else `window` (None: the model's whole context); a server engine
+    syncing an adapter saves it to `spec.adapter_dir`, else to `scratch/rollout-adapter` (the stage's folder)."""
     if spec.backend == "hf":
         return hf_engine(spec, model, tokenizer)
     if spec.mode == "server":
         from alignpipe.engine.vllm import VLLMServerEngine
 
-        return VLLMServerEngine(spec.server_url, tokenizer)
+        folder = spec.adapter_dir or (scratch / "rollout-adapter" if scratch is not None else None)
+        return VLLMServerEngine(spec.server_url, tokenizer, sync=spec.sync, adapter_dir=folder)
     from alignpipe.engine.vllm import VLLMColocateEngine
 
     return VLLMColocateEngine(

@@ -12,15 +12,20 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
   would receive them pickled (a copy through host memory of every weight at every step, and refused by vLLM versions
   that do not allow pickled callables).
 - `VLLMServerEngine`: completions from a running `vllm serve` (OpenAI-compatible `/v1/completions`).
-  The served model is what samples: keep it in sync yourself (e.g. reload from checkpoints), or use it
-  for judging. Token ids are the ones the server sampled where it returns them (vLLM's `return_token_ids`, since
-  0.10.2), else recovered by tokenizing the returned text; EOS is appended when `finish_reason == "stop"` and they
-  do not end with it.
+  With `sync="adapter"` a LoRA policy follows training there: before each rollout `update_weights` saves the
+  adapter to a folder the server reads and loads it under a new name through vLLM's runtime LoRA API
+  (`/v1/load_lora_adapter`, vLLM ≥ 0.6; the previous one unloaded), and the completions ask for that name. The
+  adapter is a few MB where full weights would be GBs, and this API is vLLM's documented one; pushing full weights
+  into a server needs vLLM's NCCL weight-transfer engine in the trainer, which this project cannot run on a CPU.
+  With `sync="none"` the served weights are what samples (a judge, or a run that reloads them itself). Token ids
+  are the ones the server sampled where it returns them (vLLM's `return_token_ids`, since 0.10.2), else recovered
+  by tokenizing the returned text; EOS is appended when `finish_reason == "stop"` and they do not end with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import tempfile
@@ -211,15 +216,27 @@ def _sampled_logprobs(output, ids: list[int]) -> list[float]:
 
 
 class VLLMServerEngine:
-    """OpenAI-compatible completions endpoint (`vllm serve MODEL`)."""
+    """OpenAI-compatible completions endpoint (`vllm serve MODEL`); with `sync="adapter"`, a LoRA policy's adapter
+    loaded into it before each rollout (`adapter_dir`: where it is saved for the server to read)."""
 
-    def __init__(self, base_url: str, tokenizer, model_name: str | None = None, timeout_s: float = 600.0):
-        self.base = base_url.rstrip("/")
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer,
+        model_name: str | None = None,
+        timeout_s: float = 600.0,
+        sync: str = "none",
+        adapter_dir: str | Path | None = None,
+    ):
+        self.base = base_url.rstrip("/").removesuffix("/v1")  # `http://host:8000/v1`, as OpenAI's clients take it
         self.tok = tokenizer
         self.timeout_s = timeout_s
         self.model_name = model_name
+        self.adapters = AdapterSync(self.base, adapter_dir, timeout_s) if sync == "adapter" else None
 
     def _model(self, client) -> str:
+        if self.adapters is not None and self.adapters.loaded is not None:
+            return self.adapters.loaded
         if self.model_name is None:
             response = client.get(f"{self.base}/v1/models")
             response.raise_for_status()
@@ -227,7 +244,15 @@ class VLLMServerEngine:
         return self.model_name
 
     def update_weights(self, model) -> None:
-        """The server owns its weights; nothing is pushed (see the module docstring)."""
+        """With adapter sync, the policy's adapter loaded into the server as the model rollouts ask for; else
+        nothing (the server owns its weights)."""
+        if self.adapters is not None:
+            self.adapters.push(model)
+
+    def close(self) -> None:
+        """The last adapter unloaded from the server and its folder removed (a stage's end)."""
+        if self.adapters is not None:
+            self.adapters.drop_loaded()
 
     def generate(
         self,
@@ -280,3 +305,114 @@ class VLLMServerEngine:
                 ids = ids + [self.tok.eos_token_id]  # the text leaves the stop token out; a stop string is not one
             gens.append(Generation(k // n, c["text"], ids, reason))
         return gens
+
+
+class AdapterSync:
+    """A LoRA policy's adapter kept loaded in a vLLM server (`VLLMServerEngine(sync="adapter")`): each `push`
+    saves the adapter to `folder/<name>` and asks the server to load it under that new name, then unloads the
+    previous one and deletes its folder. A new name each time because a vLLM server refuses to load a name it
+    holds (only newer ones take `load_inplace`). Each engine names its adapters with its own random prefix, so the
+    processes of a multi-process stage, or two runs on one server, never unload each other's."""
+
+    def __init__(self, base: str, folder: str | Path | None, timeout_s: float):
+        import uuid
+
+        self.base = base
+        self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="alignpipe-adapters-"))
+        self.timeout_s = timeout_s
+        self.prefix = f"alignpipe-policy-{uuid.uuid4().hex[:8]}"
+        self.pushed = 0
+        self.loaded: str | None = None
+
+    def push(self, model) -> None:
+        import shutil
+
+        import httpx
+
+        if not hasattr(model, "peft_config"):
+            raise ValueError(
+                "rollout `sync: adapter` loads the policy's LoRA adapter into the vLLM server, and this policy has "
+                "no adapter: train with `lora`, or sample with `mode: colocate`"
+            )
+        self.pushed += 1
+        name = f"{self.prefix}-{self.pushed}"
+        path = (self.folder / name).resolve()
+        model.save_pretrained(str(path))
+        with httpx.Client(timeout=self.timeout_s) as client:
+            response = client.post(
+                f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            )
+            if response.is_error:
+                shutil.rmtree(path, ignore_errors=True)
+                raise RuntimeError(self._refusal(response, model))
+            previous, self.loaded = self.loaded, name
+            if previous is not None:
+                self._unload(client, previous)
+
+    def drop_loaded(self) -> None:
+        import httpx
+
+        if self.loaded is not None:
+            with httpx.Client(timeout=self.timeout_s) as client:
+                self._unload(client, self.loaded)
+            self.loaded = None
+        with contextlib.suppress(OSError):  # the folder left empty; one the user keeps other files in stays
+            self.folder.rmdir()
+
+    def _unload(self, client, name: str) -> None:
+        """Unloaded from the server and its folder deleted; a server that fails to unload it is told once in the
+        log (the adapter stays registered there, a few MB) and the run goes on."""
+        import shutil
+
+        try:
+            response = client.post(f"{self.base}/v1/unload_lora_adapter", json={"lora_name": name})
+            failed = f"HTTP {response.status_code}: {response.text[:200]}" if response.is_error else None
+        except Exception as e:  # the server gone at a stage's end: nothing left to free there
+            failed = f"{type(e).__name__}: {e}"
+        if failed:
+            logging.getLogger(__name__).warning(
+                "the vLLM server at %s did not unload the rollout adapter %r (%s)", self.base, name, failed
+            )
+        shutil.rmtree(self.folder / name, ignore_errors=True)
+
+    def _refusal(self, response, model) -> str:
+        """Why the server did not load the adapter, with what to change on the server."""
+        said = response.text.strip()[:500]
+        start = (
+            f"the vLLM server at {self.base} did not load the policy's LoRA adapter (HTTP {response.status_code}: "
+            f"{said})"
+        )
+        if response.status_code == 404 and route_missing(response):
+            return (
+                f"{start}: it has no runtime LoRA API. Start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its "
+                f"environment and `vllm serve <the stage's starting model> --enable-lora --max-lora-rank "
+                f"{_rank(model)}`"
+            )
+        return (
+            f"{start}. It needs `--enable-lora` and `--max-lora-rank` ≥ {_rank(model)}, the stage's starting model as "
+            f"the served model, and read access to {self.folder} (rollout `adapter_dir`) at that same path"
+        )
+
+
+def route_missing(response) -> bool:
+    """FastAPI's own answer to a path no route serves: vLLM mounts the LoRA routes only where runtime updating is
+    allowed. vLLM's own 404s (an adapter it does not hold) carry its error object instead."""
+    try:
+        return response.json() == {"detail": "Not Found"}
+    except ValueError:
+        return False
+
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's `--max-lora-rank` takes."""
+
+
+def max_lora_rank(r: int) -> int:
+    """The `--max-lora-rank` a server needs for adapters of rank `r`: vLLM's smallest choice that holds it."""
+    return next((m for m in MAX_LORA_RANKS if m >= r), r)
+
+
+def _rank(model) -> int:
+    config = next(iter(model.peft_config.values()))
+    ranks = [config.r, *(getattr(config, "rank_pattern", None) or {}).values()]
+    return max_lora_rank(int(max(ranks)))

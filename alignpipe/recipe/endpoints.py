@@ -1,12 +1,14 @@
-"""The HTTP servers a recipe's stages call, checked before the run: endpoint judges (`llm_judge: {url: ...}`) and
-remote scorers (`rewards: [{url: ...}]`).
+"""The HTTP servers a recipe's stages call, checked before the run: endpoint judges (`llm_judge: {url: ...}`),
+remote scorers (`rewards: [{url: ...}]`) and vLLM rollout servers (`rollout: {mode: server}`).
 
 A judge stage runs at a pipeline's end (an RL stage's scorer or an online DPO stage's judge at its first step): a key
 that is not set or that the server refuses, or a `served_model` it does not serve, would otherwise fail the stage
 after the training. Each key's variable must be set on this machine. A judge server is asked its `/v1/models` once a
 process, with the key, and nothing else; a remote scorer has no standard question to ask, so only its key's variable
-is checked. A server that cannot be asked (not started yet, a firewall) is left to the stage with one note; a stage
-on a work pool calls from its workers, whose network and environment are not this machine's, and is not checked here.
+is checked. A rollout server that a stage loads its LoRA adapter into (`sync: adapter`) is asked whether it has
+vLLM's runtime LoRA API, by unloading an adapter no one loaded (which changes nothing there). A server that cannot
+be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool calls from its
+workers, whose network and environment are not this machine's, and is not checked here.
 """
 
 from __future__ import annotations
@@ -45,7 +47,66 @@ def endpoint_problems(recipe) -> list[Problem]:
         if spec is not None and spec.url:
             where = ("stages", i, "llm_judge")
             problems += _unset_key(stage, where, "judge", spec) or _judge_server_problems(stage, where, spec)
+        rollout = getattr(stage, "rollout", None)
+        if rollout is not None and (rollout.backend, rollout.mode) == ("vllm", "server"):
+            problems += _rollout_server_problems(stage, ("stages", i, "rollout"), rollout)
     return problems
+
+
+def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
+    """A server that `sync: adapter` would load the policy's adapter into and that has no runtime LoRA API; a note
+    where the server's weights will not follow the policy at all."""
+    root = server_root(rollout.server_url)
+    if rollout.sync == "none":
+        note_once(
+            f"note: stage {stage.id!r} samples its rollouts from the vLLM server at {root} with the weights that server "
+            "loaded: they do not follow the policy being trained (rollout `sync: none`). With a LoRA policy, "
+            "`sync: adapter` loads each step's adapter into the server; `mode: colocate` takes the full weights."
+        )
+        return []
+    answer = _lora_api(root)
+    if isinstance(answer, Unreachable):
+        note_once(
+            f"note: the vLLM server at {root} could not be asked whether it takes runtime LoRA adapters "
+            f"({answer.why}), so stage {stage.id!r}'s rollout sync was not checked; the stage will find out at its "
+            "first rollout."
+        )
+        return []
+    if answer:
+        return []
+    from alignpipe.engine.vllm import max_lora_rank
+
+    rank = max_lora_rank(stage.lora.r) if stage.lora else 16
+    return [
+        Problem(
+            (*where, "sync"),
+            f"stage {stage.id!r} loads its LoRA adapter into the vLLM server at {root} before each rollout "
+            "(`sync: adapter`), and that server has no runtime LoRA API (no /v1/load_lora_adapter route)",
+            "restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment and `vllm serve <the stage's "
+            f"starting model> --enable-lora --max-lora-rank {rank}`",
+        )
+    ]
+
+
+@functools.cache
+def _lora_api(root: str) -> bool | Unreachable:
+    """Whether the server mounts vLLM's runtime LoRA routes: asked by unloading a name no one loaded (vLLM answers
+    that it holds no such adapter; a server without the routes answers FastAPI's plain 404)."""
+    import uuid
+
+    import httpx
+
+    from alignpipe.engine.vllm import route_missing
+
+    try:
+        response = httpx.post(
+            f"{root}/v1/unload_lora_adapter",
+            json={"lora_name": f"alignpipe-probe-{uuid.uuid4().hex[:8]}"},
+            timeout=TIMEOUT_S,
+        )
+    except Exception as e:  # no connection, a timeout, no DNS
+        return unreachable(e)
+    return not (response.status_code == 404 and route_missing(response))
 
 
 def _judge_server_problems(stage, where: tuple, spec) -> list[Problem]:

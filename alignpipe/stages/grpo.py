@@ -20,22 +20,22 @@ def run_sampled(ctx: StageContext[GRPOStage] | StageContext[RLOOStage], train, t
     rewards = load_rewards(s.rewards, lambda sid: ctx.inputs[sid].outputs["model"])
     data = ctx.recipe.stage(s.data)
     offered = data if isinstance(data, FormatStage) and data.tools else None  # the format stage that renders tools
-    p = start_policy(ctx, reference=bool(s.beta))
-    result = train(
-        s,
-        p.model,
-        p.tokenizer,
-        prompt_rows(ctx, s.data, "train"),
-        rewards,
-        ctx.tracker,
-        ctx.dir,
-        ctx.seed,
-        ref_model=p.ref,
-        engine=p.engine,
-        eval_rows=prompt_rows(ctx, s.data, "eval"),
-        tools=load_tools(offered.tools) if offered else None,
-        chat_template_kwargs=offered.chat_template_kwargs if offered else None,
-    )
+    with start_policy(ctx, reference=bool(s.beta)) as p:
+        result = train(
+            s,
+            p.model,
+            p.tokenizer,
+            prompt_rows(ctx, s.data, "train"),
+            rewards,
+            ctx.tracker,
+            ctx.dir,
+            ctx.seed,
+            ref_model=p.ref,
+            engine=p.engine,
+            eval_rows=prompt_rows(ctx, s.data, "eval"),
+            tools=load_tools(offered.tools) if offered else None,
+            chat_template_kwargs=offered.chat_template_kwargs if offered else None,
+        )
     return finish(ctx, title, CURVES, result, p.base_path, "eval/reward")
 
 

@@ -38,6 +38,16 @@ class Policy:
     engine: Any
     """The recipe's rollout engine, or None for the hf engine, which the trainer builds on the policy itself."""
 
+    def __enter__(self) -> Policy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """What the engine holds outside this process released, whether the training ended or failed (a vLLM
+        server's rollout adapter)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
 
 def start_policy(ctx: StageContext, reference: bool) -> Policy:
     """The stage's policy, its tokenizer, a frozen reference where `reference` asks for one and no LoRA adapter
@@ -63,7 +73,7 @@ def start_policy(ctx: StageContext, reference: bool) -> Policy:
     ref = ctx.load_model(s.model, merge=True) if reference and not s.lora else None
     engine = None
     if s.rollout.backend != "hf":
-        engine = make_engine(s.rollout, model, tokenizer, _vllm_window(ctx, tokenizer, model.config, prompts))
+        engine = make_engine(s.rollout, model, tokenizer, _vllm_window(ctx, tokenizer, model.config, prompts), ctx.dir)
     return Policy(model, tokenizer, base_path, ref, engine)
 
 

@@ -21,21 +21,21 @@ def run(ctx: StageContext[OnlineDPOStage]) -> StageResult:
         assert s.llm_judge is not None  # validation: exactly one ranker
         _, judge = local_or_endpoint_judge(ctx, s.llm_judge)
         ranker = online_dpo.JudgeRanker(judge, s.llm_judge.template)
-    p = start_policy(ctx, reference=True)
-    result = online_dpo.train(
-        s,
-        p.model,
-        p.tokenizer,
-        prompt_rows(ctx, s.data, "train"),
-        ranker,
-        ctx.tracker,
-        ctx.dir,
-        ctx.seed,
-        ref_model=p.ref,
-        engine=p.engine,
-        eval_rows=prompt_rows(ctx, s.data, "eval"),
-        rewards=rewards,
-    )
+    with start_policy(ctx, reference=True) as p:
+        result = online_dpo.train(
+            s,
+            p.model,
+            p.tokenizer,
+            prompt_rows(ctx, s.data, "train"),
+            ranker,
+            ctx.tracker,
+            ctx.dir,
+            ctx.seed,
+            ref_model=p.ref,
+            engine=p.engine,
+            eval_rows=prompt_rows(ctx, s.data, "eval"),
+            rewards=rewards,
+        )
     curves = (
         (["train/rewards/margins"], "reward_margin_curve.png"),
         (["train/objective/scores", "eval/reward"], "score_curve.png"),

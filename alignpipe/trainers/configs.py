@@ -422,7 +422,18 @@ class RolloutSpec(Strict):
     """vllm only. colocate: a vLLM `LLM` inside the training process, weights pushed after each
     optimizer step; server: completions from a running `vllm serve` (OpenAI-compatible) endpoint."""
     server_url: str | None = None
-    """vllm server mode: base URL, e.g. http://127.0.0.1:8000 (the policy served there is what samples)."""
+    """vllm server mode: base URL, e.g. http://127.0.0.1:8000 (the model served there is what samples)."""
+    sync: Literal["none", "adapter"] = "none"
+    """vllm server mode: how the server's sampler follows the policy. none: the served weights sample as they are
+    (the server's own business: a judge, or a run that reloads them itself); adapter: a LoRA policy's adapter is
+    saved before each rollout and loaded into the server through vLLM's runtime LoRA API (`/v1/load_lora_adapter`),
+    and the rollout asks for it by name, so every rollout samples from the policy being trained. The server serves
+    the stage's starting model with `--enable-lora --max-lora-rank` ≥ `lora.r` and
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in its environment; it reads the adapter from `adapter_dir`."""
+    adapter_dir: str | None = None
+    """vllm server mode with `sync: adapter`: the folder the adapter is saved to and the server reads it from (by
+    the same path). Null: `rollout-adapter/` in the stage's folder, which a server on the same machine reads; a server
+    on another machine needs a folder both mount at the same path. Only the adapter loaded last is kept there."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vllm colocate: fraction of GPU memory vLLM may take."""
     sleep_between_rollouts: bool = True
@@ -466,6 +477,14 @@ class RolloutSpec(Strict):
                 "rollout `max_model_len` sizes a vLLM colocate engine's KV cache; the hf engine and a vLLM server "
                 "size their own: remove it, or set `backend: vllm` with `mode: colocate`"
             )
+        if self.sync != "none" and (self.backend, self.mode) != ("vllm", "server"):
+            raise ValueError(
+                f"rollout `sync: {self.sync}` keeps a vLLM server's sampler on the policy; the hf engine samples from "
+                "the policy itself and a colocate engine gets its weights pushed after every step: remove `sync`, or "
+                "set `backend: vllm` with `mode: server`"
+            )
+        if self.adapter_dir is not None and self.sync != "adapter":
+            raise ValueError("rollout `adapter_dir` is where `sync: adapter` saves the adapter: set `sync: adapter`")
         if self.backend == "vllm" and (self.compile or self.static_cache):
             raise ValueError(
                 "rollout `compile` and `static_cache` are options of the hf engine; vLLM captures its own CUDA graphs"
@@ -487,6 +506,16 @@ class OnlineRLArgs(TrainingArgs):
                 "compile: true is for offline stages (sft, reward, dpo, kto): rollouts run the same layers with a "
                 "KV cache that grows every token, which would recompile them; for faster rollouts set "
                 "`rollout: {static_cache: true}` or `rollout: {backend: vllm}`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_sync_needs_an_adapter(self):
+        if self.rollout.sync == "adapter" and self.lora is None:
+            raise ValueError(
+                "rollout `sync: adapter` loads the policy's LoRA adapter into the vLLM server, and this stage trains "
+                "every weight (no `lora`): set `lora: {r: 16, alpha: 32}` to train an adapter, or sample with "
+                "`mode: colocate`, which takes the full weights after every step"
             )
         return self
 
