@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a recipe; exit 2 with every problem listed if invalid")
     _recipe_args(p)
     p.set_defaults(fn=cmd_validate)
-    p = sub.add_parser("show", help="print the stage DAG (and which stages are cached)")
+    p = sub.add_parser("show", help="print the stage DAG, which stages are cached and where their outputs are")
     p.add_argument("recipe", nargs="?", help="path of a YAML recipe (not with --schema)")
     _set_arg(p)
     p.add_argument("--schema", action="store_true", help="print the recipe JSON schema instead")

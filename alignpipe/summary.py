@@ -83,4 +83,17 @@ def dag_text(recipe, plans: dict | None = None) -> str:
         lines.append(
             f"  {name:<{width}}  {s.kind:<{kinds}}  {state}{waits[s.id]:<{waits_width}}  {' '.join(reads)}{pool}".rstrip()
         )
+        done = plans[s.id].manifest if plans and plans[s.id].cached else None
+        if done is not None:  # where its products are: what `vllm serve` or a notebook is pointed at
+            lines += [f"  {'  ' * level[s.id]}{what}: {_shown_path(where)}" for what, where in done.outputs.items()]
     return "\n".join(lines)
+
+
+def _shown_path(path: str) -> str:
+    """A local path under the working directory as a relative one; anything else as it is."""
+    if not Path(path).is_absolute():  # a storage URL, a registered model's `models:/…`
+        return path
+    try:
+        return str(Path(path).relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path

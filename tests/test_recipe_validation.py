@@ -285,6 +285,33 @@ def test_cli_validate_ok_and_show(demo_text, tmp_path):
         assert all(found) and len({m.start() for m in found if m}) == 1, (column, out.stdout)
 
 
+def test_show_says_where_each_finished_stage_s_products_are(demo_text, tmp_path, monkeypatch):
+    """A cached stage's outputs under its line (what `vllm serve` or a notebook is pointed at), relative to the
+    working directory; a stage still to run has none, and what is not a local path is shown as it is."""
+    from alignpipe.manifest import Manifest
+    from alignpipe.plan import plan
+    from alignpipe.summary import dag_text
+
+    monkeypatch.chdir(tmp_path)
+    recipe = parse_recipe(demo_text)
+    planned = plan(recipe)
+    for stage, outputs in (
+        ("sft-data", {"data": str(planned["sft-data"].dir / "data")}),
+        ("sft", {"model": str(planned["sft"].dir / "model"), "registered": "models:/tiny-demo-sft@champion"}),
+    ):
+        planned[stage].dir.mkdir(parents=True)
+        Manifest(stage_id=stage, kind="x", cache_key=planned[stage].key, outputs=outputs).write(planned[stage].dir)
+    lines = dag_text(recipe, plan(recipe)).splitlines()
+    at = {line.split()[0]: i for i, line in enumerate(lines)}
+    assert "[cached]" in lines[at["sft-data"]] and "[cached]" in lines[at["sft"]]
+    assert lines[at["sft-data"] + 1] == f"    data: runs/tiny-demo/stages/{planned['sft-data'].folder}/data"
+    assert lines[at["sft"] + 1 : at["sft"] + 3] == [
+        f"      model: runs/tiny-demo/stages/{planned['sft'].folder}/model",
+        "      registered: models:/tiny-demo-sft@champion",
+    ]
+    assert lines[at["eval-prompts"] + 1].split()[0] == "sft", "a stage to run lists nothing"
+
+
 def test_missing_recipe_file_exits_2(tmp_path):
     out = _cli(["validate", str(tmp_path / "none.yaml")], tmp_path)
     assert out.returncode == 2 and "not found" in out.stderr
