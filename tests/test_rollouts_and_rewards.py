@@ -80,6 +80,34 @@ def test_vllm_server_engine_takes_the_token_ids_the_server_sampled(tiny):
     assert out[0].completion == " good film"
 
 
+def test_vllm_server_engine_asks_again_after_a_5xx_and_quotes_a_refusal(tiny):
+    """A rollout is asked again after a server error (a restart, an overloaded proxy), as the judges' and scorers'
+    calls are; a request the server refuses fails at once with the server's own words (here vLLM's, for a prompt past
+    its context), not only the status."""
+    tok = load_tokenizer(str(tiny / "model"))
+    answers = [503]
+
+    def flaky(method, path, body, headers):
+        if path == "/v1/completions" and answers:
+            return answers.pop(), {"object": "error", "message": "Service Unavailable", "code": 503}
+        return completions_handler(method, path, body, headers)
+
+    with serve(flaky) as url:
+        out = check_engine_contract(VLLMServerEngine(url, tok), tok, ["a"], n=2)
+        assert len(out) == 2 and [r["path"] for r in url.requests].count("/v1/completions") == 2
+
+    def refusing(method, path, body, headers):
+        if path == "/v1/completions":
+            said = "This model's maximum context length is 2048 tokens. However, you requested 4100 tokens."
+            return 400, {"object": "error", "message": said, "type": "BadRequestError", "param": None, "code": 400}
+        return completions_handler(method, path, body, headers)
+
+    with serve(refusing) as url, pytest.raises(RuntimeError) as caught:
+        VLLMServerEngine(url, tok).generate(["a"])
+    assert "the server said: This model's maximum context length is 2048 tokens" in str(caught.value)
+    assert "after 1 attempt(s)" in str(caught.value) and "served-policy" in str(caught.value)
+
+
 def test_reward_set_weights_and_none():
     half = LoadedReward("half", lambda p, c, **_: [0.5 if x else None for x in c], weight=2.0)
     one = LoadedReward("one", lambda p, c, **_: [1.0 if x == "a" else None for x in c])

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.http_endpoints import json_with_retries, server_message
 from alignpipe.special_tokens import stop_token_ids
 
 
@@ -227,10 +228,11 @@ class VLLMServerEngine:
         timeout_s: float = 600.0,
         sync: str = "none",
         adapter_dir: str | Path | None = None,
+        retries: int = 3,
     ):
         self.base = base_url.rstrip("/").removesuffix("/v1")  # `http://host:8000/v1`, as OpenAI's clients take it
         self.tok = tokenizer
-        self.timeout_s = timeout_s
+        self.timeout_s, self.retries = timeout_s, retries  # a rollout asked again after a 5xx, a reset or a timeout
         self.model_name = model_name
         self.adapters = AdapterSync(self.base, adapter_dir, timeout_s) if sync == "adapter" else None
 
@@ -291,9 +293,14 @@ class VLLMServerEngine:
         payload["return_token_ids"] = True  # a vLLM extension; older servers ignore fields they do not know
         with httpx.Client(timeout=self.timeout_s) as client:
             payload["model"] = self._model(client)
-            response = client.post(f"{self.base}/v1/completions", json=payload)
-            response.raise_for_status()
-            choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+            answer = json_with_retries(
+                lambda: client.post(f"{self.base}/v1/completions", json=payload),
+                f"the vLLM rollout server {self.base}/v1/completions (model {payload['model']!r})",
+                self.retries,
+                self.timeout_s,
+                quote=True,
+            )
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
             raise RuntimeError(f"server returned {len(choices)} completions for {len(prompts)} prompts × n={n}")
         gens = []
@@ -377,7 +384,7 @@ class AdapterSync:
 
     def _refusal(self, response, model) -> str:
         """Why the server did not load the adapter, with what to change on the server."""
-        said = response.text.strip()[:500]
+        said = server_message(response)
         start = (
             f"the vLLM server at {self.base} did not load the policy's LoRA adapter (HTTP {response.status_code}: "
             f"{said})"

@@ -28,10 +28,14 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def json_with_retries(send: Callable[[], Any], what: str, retries: int, timeout_s: float, error=RuntimeError) -> Any:
+def json_with_retries(
+    send: Callable[[], Any], what: str, retries: int, timeout_s: float, error=RuntimeError, quote: bool = False
+) -> Any:
     """`send()`'s JSON answer, with up to `retries` attempts on timeouts, connection errors, 5xx and 429 (rate
     limited) answers, backing off 1, 2, 4 s, or as long as a 429's Retry-After asks (up to a minute); then `error`
-    naming `what`, the cause and the attempts. A 4xx other than 429 is not retried: asking again will not help."""
+    naming `what`, the cause and the attempts. A 4xx other than 429 is not retried: asking again will not help.
+    `quote`: the error also gives the server's own message (its error's `message`, FastAPI's `detail`, or the
+    text): only for a server sent no key, since a server may repeat a key it refuses."""
     import httpx
 
     for attempt in range(retries):
@@ -43,8 +47,11 @@ def json_with_retries(send: Callable[[], Any], what: str, retries: int, timeout_
             answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
             status = answered.status_code if answered is not None else None
             if attempt == retries - 1 or (status is not None and status < 500 and status != 429):
+                said = f"; the server said: {server_message(answered)}" if quote and answered is not None else ""
+                first = str(e).splitlines()[0] if str(e) else ""
                 raise error(
-                    f"{what}: {type(e).__name__}: {e} (after {attempt + 1} attempt(s), {timeout_s:g} s timeout each)"
+                    f"{what}: {type(e).__name__}: {first}{said} (after {attempt + 1} attempt(s), {timeout_s:g} s "
+                    "timeout each)"
                 ) from e
             time.sleep(retry_after(answered) if status == 429 else 2**attempt)
     raise AssertionError("unreachable")
@@ -56,3 +63,22 @@ def retry_after(response) -> float:
         return min(60.0, max(0.0, float(response.headers.get("retry-after", 1))))
     except ValueError:  # an HTTP date: rare from these APIs
         return 1.0
+
+
+def server_message(response) -> str:
+    """What an HTTP error answer says, in one line: an OpenAI-style `error.message`, vLLM's `message`, FastAPI's
+    `detail`, else the start of its text."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        inner = body.get("error")
+        for said in (
+            inner.get("message") if isinstance(inner, dict) else inner,
+            body.get("message"),
+            body.get("detail"),
+        ):
+            if isinstance(said, str) and said:
+                return " ".join(said.split())[:500]
+    return " ".join(response.text.split())[:500]
