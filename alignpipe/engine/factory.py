@@ -27,9 +27,11 @@ def make_engine(spec, model, tokenizer, window: int | None = None, scratch: Path
         return hf_engine(spec, model, tokenizer)
     if spec.mode == "server":
         from alignpipe.engine.vllm import VLLMServerEngine
+        from alignpipe.judges.http_endpoints import endpoint_api_key
 
         folder = spec.adapter_dir or (scratch / "rollout-adapter" if scratch is not None else None)
-        return VLLMServerEngine(spec.server_url, tokenizer, sync=spec.sync, adapter_dir=folder)
+        key = endpoint_api_key(spec.api_key_env, "rollout.api_key_env")
+        return VLLMServerEngine(spec.server_url, tokenizer, sync=spec.sync, adapter_dir=folder, api_key=key)
     from alignpipe.engine.vllm import VLLMColocateEngine
 
     return VLLMColocateEngine(

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
-from alignpipe.judges.http_endpoints import json_with_retries, server_message
+from alignpipe.judges.http_endpoints import auth_headers, json_with_retries, server_message
 from alignpipe.special_tokens import stop_token_ids
 
 
@@ -229,20 +229,28 @@ class VLLMServerEngine:
         sync: str = "none",
         adapter_dir: str | Path | None = None,
         retries: int = 3,
+        api_key: str | None = None,
     ):
         self.base = base_url.rstrip("/").removesuffix("/v1")  # `http://host:8000/v1`, as OpenAI's clients take it
         self.tok = tokenizer
         self.timeout_s, self.retries = timeout_s, retries  # a rollout asked again after a 5xx, a reset or a timeout
         self.model_name = model_name
-        self.adapters = AdapterSync(self.base, adapter_dir, timeout_s) if sync == "adapter" else None
+        self._key = api_key  # in the Authorization header only: never an error, a log or a repr
+        self.adapters = AdapterSync(self.base, adapter_dir, timeout_s, api_key) if sync == "adapter" else None
 
     def _model(self, client) -> str:
         if self.adapters is not None and self.adapters.loaded is not None:
             return self.adapters.loaded
         if self.model_name is None:
-            response = client.get(f"{self.base}/v1/models")
-            response.raise_for_status()
-            self.model_name = response.json()["data"][0]["id"]
+            answer = json_with_retries(
+                lambda: client.get(f"{self.base}/v1/models"),
+                f"the vLLM rollout server {self.base}/v1/models",
+                self.retries,
+                self.timeout_s,
+                quote=True,
+                key=self._key,
+            )
+            self.model_name = answer["data"][0]["id"]
         return self.model_name
 
     def update_weights(self, model) -> None:
@@ -291,7 +299,7 @@ class VLLMServerEngine:
         if seed is not None:
             payload["seed"] = seed
         payload["return_token_ids"] = True  # a vLLM extension; older servers ignore fields they do not know
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
             payload["model"] = self._model(client)
             answer = json_with_retries(
                 lambda: client.post(f"{self.base}/v1/completions", json=payload),
@@ -299,6 +307,7 @@ class VLLMServerEngine:
                 self.retries,
                 self.timeout_s,
                 quote=True,
+                key=self._key,
             )
             choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
@@ -321,10 +330,11 @@ class AdapterSync:
     holds (only newer ones take `load_inplace`). Each engine names its adapters with its own random prefix, so the
     processes of a multi-process stage, or two runs on one server, never unload each other's."""
 
-    def __init__(self, base: str, folder: str | Path | None, timeout_s: float):
+    def __init__(self, base: str, folder: str | Path | None, timeout_s: float, api_key: str | None = None):
         import uuid
 
         self.base = base
+        self._key = api_key
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="alignpipe-adapters-"))
         self.timeout_s = timeout_s
         self.prefix = f"alignpipe-policy-{uuid.uuid4().hex[:8]}"
@@ -345,7 +355,7 @@ class AdapterSync:
         name = f"{self.prefix}-{self.pushed}"
         path = (self.folder / name).resolve()
         model.save_pretrained(str(path))
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
             response = client.post(
                 f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
             )
@@ -360,7 +370,7 @@ class AdapterSync:
         import httpx
 
         if self.loaded is not None:
-            with httpx.Client(timeout=self.timeout_s) as client:
+            with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
                 self._unload(client, self.loaded)
             self.loaded = None
         with contextlib.suppress(OSError):  # the folder left empty; one the user keeps other files in stays
@@ -373,7 +383,9 @@ class AdapterSync:
 
         try:
             response = client.post(f"{self.base}/v1/unload_lora_adapter", json={"lora_name": name})
-            failed = f"HTTP {response.status_code}: {response.text[:200]}" if response.is_error else None
+            failed = (
+                f"HTTP {response.status_code}: {server_message(response, self._key)}" if response.is_error else None
+            )
         except Exception as e:  # the server gone at a stage's end: nothing left to free there
             failed = f"{type(e).__name__}: {e}"
         if failed:
@@ -384,7 +396,7 @@ class AdapterSync:
 
     def _refusal(self, response, model) -> str:
         """Why the server did not load the adapter, with what to change on the server."""
-        said = server_message(response)
+        said = server_message(response, self._key)
         start = (
             f"the vLLM server at {self.base} did not load the policy's LoRA adapter (HTTP {response.status_code}: "
             f"{said})"

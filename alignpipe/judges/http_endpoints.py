@@ -6,6 +6,7 @@ variable the recipe names (`api_key_env`), read where the stage runs and sent in
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,18 +25,35 @@ def endpoint_api_key(variable: str | None, field: str) -> str | None:
     return key
 
 
+def variable_name(v: str | None) -> str | None:
+    """An `api_key_env` field's check: an environment variable's name. A value that is not one is not repeated: it
+    may be the key."""
+    if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        raise ValueError(
+            "api_key_env is the name of an environment variable (letters, digits, _; e.g. OPENAI_API_KEY), not "
+            "the key: export the key in that variable where the stage runs"
+        )
+    return v
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def json_with_retries(
-    send: Callable[[], Any], what: str, retries: int, timeout_s: float, error=RuntimeError, quote: bool = False
+    send: Callable[[], Any],
+    what: str,
+    retries: int,
+    timeout_s: float,
+    error=RuntimeError,
+    quote: bool = False,
+    key: str | None = None,
 ) -> Any:
     """`send()`'s JSON answer, with up to `retries` attempts on timeouts, connection errors, 5xx and 429 (rate
     limited) answers, backing off 1, 2, 4 s, or as long as a 429's Retry-After asks (up to a minute); then `error`
     naming `what`, the cause and the attempts. A 4xx other than 429 is not retried: asking again will not help.
     `quote`: the error also gives the server's own message (its error's `message`, FastAPI's `detail`, or the
-    text): only for a server sent no key, since a server may repeat a key it refuses."""
+    text), with the `key` sent masked wherever the server repeats it."""
     import httpx
 
     for attempt in range(retries):
@@ -47,7 +65,7 @@ def json_with_retries(
             answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
             status = answered.status_code if answered is not None else None
             if attempt == retries - 1 or (status is not None and status < 500 and status != 429):
-                said = f"; the server said: {server_message(answered)}" if quote and answered is not None else ""
+                said = f"; the server said: {server_message(answered, key)}" if quote and answered is not None else ""
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise error(
                     f"{what}: {type(e).__name__}: {first}{said} (after {attempt + 1} attempt(s), {timeout_s:g} s "
@@ -65,20 +83,18 @@ def retry_after(response) -> float:
         return 1.0
 
 
-def server_message(response) -> str:
+def server_message(response, key: str | None = None) -> str:
     """What an HTTP error answer says, in one line: an OpenAI-style `error.message`, vLLM's `message`, FastAPI's
-    `detail`, else the start of its text."""
+    `detail`, else the start of its text; `key` masked wherever it is repeated."""
     try:
         body = response.json()
     except ValueError:
         body = None
+    text = response.text
     if isinstance(body, dict):
         inner = body.get("error")
-        for said in (
-            inner.get("message") if isinstance(inner, dict) else inner,
-            body.get("message"),
-            body.get("detail"),
-        ):
-            if isinstance(said, str) and said:
-                return " ".join(said.split())[:500]
-    return " ".join(response.text.split())[:500]
+        said = [inner.get("message") if isinstance(inner, dict) else inner, body.get("message"), body.get("detail")]
+        text = next((x for x in said if isinstance(x, str) and x), text)
+    if key:
+        text = text.replace(key, "***")
+    return " ".join(text.split())[:500]

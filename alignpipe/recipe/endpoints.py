@@ -54,24 +54,40 @@ def endpoint_problems(recipe) -> list[Problem]:
 
 
 def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
-    """A server that `sync: adapter` would load the policy's adapter into and that has no runtime LoRA API; a note
-    where the server's weights will not follow the policy at all."""
+    """A rollout server's key that is not set here or that it refuses, a server that `sync: adapter` would load the
+    policy's adapter into and that has no runtime LoRA API; a note where its weights will not follow the policy."""
     root = server_root(rollout.server_url)
+    unset = _unset_key(stage, where, f"vLLM rollout server {root}", rollout)
+    if unset:
+        return unset
+    variable = rollout.api_key_env
+    key = os.environ.get(variable) if variable else None
     if rollout.sync == "none":
         note_once(
             f"note: stage {stage.id!r} samples its rollouts from the vLLM server at {root} with the weights that server "
             "loaded: they do not follow the policy being trained (rollout `sync: none`). With a LoRA policy, "
             "`sync: adapter` loads each step's adapter into the server; `mode: colocate` takes the full weights."
         )
-        return []
-    answer = _lora_api(root)
+        answer: bool | Refused | Unreachable = True if key is None else _refused_or_not(_served(root, key))
+    else:
+        answer = _lora_api(root, key)
     if isinstance(answer, Unreachable):
         note_once(
-            f"note: the vLLM server at {root} could not be asked whether it takes runtime LoRA adapters "
-            f"({answer.why}), so stage {stage.id!r}'s rollout sync was not checked; the stage will find out at its "
-            "first rollout."
+            f"note: the vLLM server at {root} could not be asked ({answer.why}), so stage {stage.id!r}'s rollouts "
+            "were not checked against it; the stage will find out at its first rollout."
         )
         return []
+    if isinstance(answer, Refused):
+        return [
+            Problem(
+                (*where, "api_key_env" if variable else "server_url"),
+                f"stage {stage.id!r}'s vLLM rollout server {root} refuses "
+                f"{f'the key in {variable}' if variable else 'a request without an API key'} (HTTP {answer.status})",
+                f"put the key the server was started with (`vllm serve --api-key`) in {variable}"
+                if variable
+                else "set rollout `api_key_env:` to the environment variable holding the server's `--api-key`",
+            )
+        ]
     if answer:
         return []
     from alignpipe.engine.vllm import max_lora_rank
@@ -88,8 +104,13 @@ def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
     ]
 
 
+def _refused_or_not(answer) -> bool | Refused | Unreachable:
+    """`_served`'s answer as the rollout check reads it: a refusal, no answer, or fine."""
+    return answer if isinstance(answer, (Refused, Unreachable)) else True
+
+
 @functools.cache
-def _lora_api(root: str) -> bool | Unreachable:
+def _lora_api(root: str, api_key: str | None) -> bool | Refused | Unreachable:
     """Whether the server mounts vLLM's runtime LoRA routes: asked by unloading a name no one loaded (vLLM answers
     that it holds no such adapter; a server without the routes answers FastAPI's plain 404)."""
     import uuid
@@ -102,10 +123,13 @@ def _lora_api(root: str) -> bool | Unreachable:
         response = httpx.post(
             f"{root}/v1/unload_lora_adapter",
             json={"lora_name": f"alignpipe-probe-{uuid.uuid4().hex[:8]}"},
+            headers=auth_headers(api_key),
             timeout=TIMEOUT_S,
         )
     except Exception as e:  # no connection, a timeout, no DNS
         return unreachable(e)
+    if response.status_code in (401, 403):
+        return Refused(response.status_code)
     return not (response.status_code == 404 and route_missing(response))
 
 

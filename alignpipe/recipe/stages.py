@@ -19,6 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.http_endpoints import variable_name
 from alignpipe.judges.pairwise import DEFAULT_TEMPLATE as DEFAULT_JUDGE_TEMPLATE
 from alignpipe.judges.rewards import BUILTIN_OPTIONS, TOKEN_REWARDS, check_builtin_kwargs, check_reward_name
 from alignpipe.recipe.specs import Resources
@@ -237,16 +238,6 @@ class KTOStage(StageBase, KTOConfig):
     refs: ClassVar[dict[str, str]] = {"model": CAUSAL_LM, "data": DATASET}
 
 
-def _variable_name(v: str | None) -> str | None:
-    """`api_key_env`: an environment variable's name. A value that is not one is not repeated: it may be the key."""
-    if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-        raise ValueError(
-            "api_key_env is the name of an environment variable (letters, digits, _; e.g. OPENAI_API_KEY), not "
-            "the key: export the key in that variable where the stage runs"
-        )
-    return v
-
-
 class RewardFunctionSpec(Strict):
     """One reward function of an RL stage; exactly one of `function`, `reward_model`, `url`."""
 
@@ -287,7 +278,7 @@ class RewardFunctionSpec(Strict):
             raise ValueError("kwargs are passed to a `function` only; a reward model or URL takes none")
         return v
 
-    _a_variable_s_name = field_validator("api_key_env")(_variable_name)
+    _a_variable_s_name = field_validator("api_key_env")(variable_name)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -406,7 +397,7 @@ class LLMJudgeSpec(Strict):
     once instead of reasoning past `max_new_tokens`: rendered locally, or sent to the endpoint as its
     `chat_template_kwargs` (vLLM's server reads them)."""
 
-    _a_variable_s_name = field_validator("api_key_env")(_variable_name)
+    _a_variable_s_name = field_validator("api_key_env")(variable_name)
 
     @model_validator(mode="after")
     def _check(self):

@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from alignpipe.engine.sampling import SamplingParams
+from alignpipe.judges.http_endpoints import variable_name
 from alignpipe.strict import Strict
 from alignpipe.tool_calls import ToolCallFormat
 
@@ -423,6 +424,10 @@ class RolloutSpec(Strict):
     optimizer step; server: completions from a running `vllm serve` (OpenAI-compatible) endpoint."""
     server_url: str | None = None
     """vllm server mode: base URL, e.g. http://127.0.0.1:8000 (the model served there is what samples)."""
+    api_key_env: str | None = Field(None, json_schema_extra={"may_hold_a_secret": True})
+    """vllm server mode: the name of the environment variable holding the key the server was started with
+    (`vllm serve --api-key`), sent as `Authorization: Bearer`. Read where the stage runs; the key itself is never in
+    the recipe, a log or MLflow. null: no key."""
     sync: Literal["none", "adapter"] = "none"
     """vllm server mode: how the server's sampler follows the policy. none: the served weights sample as they are
     (the server's own business: a judge, or a run that reloads them itself); adapter: a LoRA policy's adapter is
@@ -468,6 +473,8 @@ class RolloutSpec(Strict):
     shapes, and their static caches stay allocated between rollouts. Same tokens as the eager loop (tested on CPU),
     with the same fallback as `cuda_graphs`. Its GPU speed is not measured yet."""
 
+    _a_variable_s_name = field_validator("api_key_env")(variable_name)
+
     @model_validator(mode="after")
     def _check(self):
         if self.backend == "vllm" and self.mode == "server" and not self.server_url:
@@ -482,6 +489,11 @@ class RolloutSpec(Strict):
                 f"rollout `sync: {self.sync}` keeps a vLLM server's sampler on the policy; the hf engine samples from "
                 "the policy itself and a colocate engine gets its weights pushed after every step: remove `sync`, or "
                 "set `backend: vllm` with `mode: server`"
+            )
+        if self.api_key_env is not None and (self.backend, self.mode) != ("vllm", "server"):
+            raise ValueError(
+                "rollout `api_key_env` is a vLLM server's key (`mode: server`); the hf and colocate engines run in "
+                "the stage's process: remove it"
             )
         if self.adapter_dir is not None and self.sync != "adapter":
             raise ValueError("rollout `adapter_dir` is where `sync: adapter` saves the adapter: set `sync: adapter`")
