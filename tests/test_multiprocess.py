@@ -240,6 +240,14 @@ def test_a_windows_generation_rate_and_share_and_their_sum_over_processes(monkey
         "tokens_per_s": 25.0, "samples_per_s": 0.5, "generation/tokens_per_s": 300.0, "generation/time_share": 0.375,
     }  # fmt: skip
     assert meter.read() == {"tokens_per_s": 0.0, "samples_per_s": 0.0}, "reset: a window with no rollout"
+    clock = iter(
+        [0.0, 10.0, 10.0, 12.0, 12.0]
+    )  # a fresh meter: the engine's copies of the policy's weights, 2.5 s of 10
+    meter = common.Throughput()
+    meter.add_sync(2.0)
+    meter.add_sync(0.5)
+    assert meter.read()["generation/sync_time_share"] == 0.25
+    assert "generation/sync_time_share" not in meter.read(), "reset"
     ranks = [{"generation/tokens_per_s": 300.0, "generation/time_share": 0.4}, {"generation/tokens_per_s": 200.0,
              "generation/time_share": 0.2}]  # fmt: skip
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda _: ranks)

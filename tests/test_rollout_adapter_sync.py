@@ -141,6 +141,9 @@ def test_a_server_that_refuses_the_adapter_says_what_to_start_it_with(tiny, tmp_
     with serve(LoRAServer(tiny / "model", max_rank=16)) as url, refused as caught:
         VLLMServerEngine(url, tok, sync="adapter", adapter_dir=tmp_path / "b").update_weights(policy)
     assert "`--max-lora-rank` ≥ 32" in str(caught.value)
+    with pytest.raises(RuntimeError, match="could not be reached to load the policy's LoRA adapter"):
+        VLLMServerEngine("http://127.0.0.1:9", tok, sync="adapter", adapter_dir=tmp_path / "c").update_weights(policy)
+    assert not list((tmp_path / "c").iterdir())
     with pytest.raises(ValueError, match="this policy has no adapter"):
         VLLMServerEngine(url, tok, sync="adapter").update_weights(load_causal_lm(str(tiny / "model")))
     assert [max_lora_rank(r) for r in (1, 4, 8, 16, 17, 64, 600)] == [1, 8, 8, 16, 32, 64, 600]
@@ -168,6 +171,8 @@ def test_a_grpo_stage_samples_each_rollout_from_the_adapter_it_trained(tiny, tmp
         out = grpo_stage.run(StageContext(recipe, recipe.stage("grpo", GRPOStage), tmp_path / "grpo", inputs, tracker))
         completions = [r for r in url.requests if r["path"] == "/v1/completions"]
     assert len(tracker.series("train/loss")) == 2 and (Path(out.outputs["model"]) / "adapter_config.json").is_file()
+    shares = tracker.series("train/generation/sync_time_share")  # the adapter's save and load, of each step's time
+    assert len(shares) == 2 and all(0 < x < 1 for x in shares)
     assert len(server.loads) == 3, "before each of the two rollouts and the held-out one"
     b = [[v for k, v in load.items() if "lora_B" in k] for load in server.loads]
     assert all(not t.any() for t in b[0]), "the first rollout samples from the fresh adapter"

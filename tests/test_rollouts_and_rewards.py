@@ -242,6 +242,7 @@ def test_grpo_variants_with_kl_lora_reference_and_reused_rollouts(reversal_sft, 
     # each step that sampled (num_iterations 2: every other one) logs its generation's rate and share of the step
     rates, shares = tracker.series("train/generation/tokens_per_s"), tracker.series("train/generation/time_share")
     assert len(rates) == len(shares) == 2 and all(r > 0 for r in rates) and all(0 < s <= 1 for s in shares)
+    assert not tracker.series("train/generation/sync_time_share"), "the hf engine samples from the policy: no copy"
 
 
 def test_grpo_with_static_cache_and_cuda_graph_rollouts_trains_identically(reversal_sft, tmp_path, monkeypatch):

@@ -320,7 +320,11 @@ def test_sampled_rollouts_mask_the_tool_answers(tiny, tok, tool_rows):
     cfg = GRPOConfig(batch_size=4, num_generations=2, max_completion_length=160)
     generated = []
     loop = SimpleNamespace(
-        step=1, unwrapped=None, count=lambda *a: None, count_generation=lambda *a: generated.append(a)
+        step=1,
+        unwrapped=None,
+        count=lambda *a: None,
+        count_generation=lambda *a: generated.append(a),
+        count_sync=lambda *a: None,
     )
     engine = Scripted(tok)
     run: Any = SimpleNamespace(cfg=cfg, loop=loop, tokenizer=tok, engine=engine, seed=0,

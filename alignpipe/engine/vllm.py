@@ -14,7 +14,7 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
 - `VLLMServerEngine`: completions from a running `vllm serve` (OpenAI-compatible `/v1/completions`).
   With `sync="adapter"` a LoRA policy follows training there: before each rollout `update_weights` saves the
   adapter to a folder the server reads and loads it under a new name through vLLM's runtime LoRA API
-  (`/v1/load_lora_adapter`, vLLM ≥ 0.6; the previous one unloaded), and the completions ask for that name. The
+  (`/v1/load_lora_adapter`, in every vLLM the `vllm` extra allows; the previous one unloaded), and the completions ask for that name. The
   adapter is a few MB where full weights would be GBs, and this API is vLLM's documented one; pushing full weights
   into a server needs vLLM's NCCL weight-transfer engine in the trainer, which this project cannot run on a CPU.
   With `sync="none"` the served weights are what samples (a judge, or a run that reloads them itself). Token ids
@@ -38,6 +38,9 @@ from alignpipe.special_tokens import stop_token_ids
 
 
 class VLLMColocateEngine:
+    copies_weights = True
+    """`update_weights` loads every weight into vLLM: its time is the rollout's sync (`trainers.online.sync_weights`)."""
+
     def __init__(
         self,
         model,
@@ -253,6 +256,11 @@ class VLLMServerEngine:
             self.model_name = answer["data"][0]["id"]
         return self.model_name
 
+    @property
+    def copies_weights(self) -> bool:
+        """Whether `update_weights` sends the server anything (its adapter): its time is then the rollout's sync."""
+        return self.adapters is not None
+
     def update_weights(self, model) -> None:
         """With adapter sync, the policy's adapter loaded into the server as the model rollouts ask for; else
         nothing (the server owns its weights)."""
@@ -356,9 +364,16 @@ class AdapterSync:
         path = (self.folder / name).resolve()
         model.save_pretrained(str(path))
         with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
-            response = client.post(
-                f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
-            )
+            try:
+                response = client.post(
+                    f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+                )
+            except httpx.TransportError as e:
+                shutil.rmtree(path, ignore_errors=True)
+                raise RuntimeError(
+                    f"the vLLM server at {self.base} could not be reached to load the policy's LoRA adapter before a "
+                    f"rollout ({type(e).__name__}: {e}); is `vllm serve` running there?"
+                ) from e
             if response.is_error:
                 shutil.rmtree(path, ignore_errors=True)
                 raise RuntimeError(self._refusal(response, model))

@@ -328,13 +328,14 @@ def save_model(accelerator, model, tokenizer, out: Path) -> bool:
 class Throughput:
     """Tokens/s and samples/s between two log points, and for online trainers what their rollouts' generation took:
     `generation/tokens_per_s` (tokens sampled per second of the engine's calls) and `generation/time_share` (those
-    calls' share of the window's wall time). Token counts may be device tensors: they are summed where they are and
-    read once, in `read()`."""
+    calls' share of the window's wall time), and where the engine copies the policy's weights before it samples (a vLLM
+    engine, a vLLM server's adapter) `generation/sync_time_share`, those copies' share. Token counts may be device
+    tensors: they are summed where they are and read once, in `read()`."""
 
     def __init__(self):
         self.t0, self.samples = time.perf_counter(), 0
         self.tokens: int | torch.Tensor = 0
-        self.generation_s, self.generated = 0.0, 0
+        self.generation_s, self.generated, self.sync_s = 0.0, 0, 0.0
 
     def add(self, tokens: int | torch.Tensor, samples: int) -> None:
         self.tokens = self.tokens + tokens
@@ -347,14 +348,20 @@ class Throughput:
         self.generation_s += seconds
         self.generated += tokens
 
+    def add_sync(self, seconds: float) -> None:
+        """The wall time of copying the policy's weights into the rollout engine."""
+        self.sync_s += seconds
+
     def read(self) -> dict[str, float]:
         dt = max(1e-9, time.perf_counter() - self.t0)
         out = {"tokens_per_s": float(self.tokens) / dt, "samples_per_s": self.samples / dt}
         if self.generation_s > 0:
             out["generation/tokens_per_s"] = self.generated / self.generation_s
             out["generation/time_share"] = min(1.0, self.generation_s / dt)
+        if self.sync_s > 0:
+            out["generation/sync_time_share"] = min(1.0, self.sync_s / dt)
         self.t0, self.tokens, self.samples = time.perf_counter(), 0, 0
-        self.generation_s, self.generated = 0.0, 0
+        self.generation_s, self.generated, self.sync_s = 0.0, 0, 0.0
         return out
 
 
@@ -610,6 +617,11 @@ class TrainLoop:
         """Add a rollout's generation (its engine calls' wall time, the tokens they sampled) to this window's
         generation/tokens_per_s and generation/time_share."""
         self.meter.add_generation(seconds, tokens)
+
+    def count_sync(self, seconds: float) -> None:
+        """Add the time a copy of the policy's weights into the rollout engine took to this window's
+        generation/sync_time_share."""
+        self.meter.add_sync(seconds)
 
     @property
     def iteration(self) -> int:

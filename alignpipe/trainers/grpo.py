@@ -68,7 +68,7 @@ from alignpipe.tool_calls import ToolRollout, ToolRunner
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import GRPOConfig, RLOOConfig
 from alignpipe.trainers.entropy_control import EntropyControl, entropy_bonus
-from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids, sync_weights
 from alignpipe.trainers.ref_sync import synced
 
 log = logging.getLogger(__name__)
@@ -437,7 +437,7 @@ def sample(run: GRPORun, batch_rows: list[dict], logprobs: bool = False) -> Samp
     cfg, loop, G = run.cfg, run.loop, run.cfg.num_generations
     pad = run.tokenizer.pad_token_id
     prompt_lists = run.encode_prompts(batch_rows)
-    run.engine.update_weights(loop.unwrapped)
+    sync_weights(run.engine, loop.unwrapped, loop.count_sync)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     extra = {"logprobs": True} if logprobs else {}  # engines that cannot give them need not take the argument
     seed = run.seed + loop.step
@@ -730,7 +730,7 @@ def held_out_rewards(
     """The reward set's (total, per function) for `n` completions of each of the first `limit` held-out prompts
     (grouped by prompt), calling the tools as in training."""
     sample_rows = rows[:limit]
-    engine.update_weights(loop.unwrapped)
+    sync_weights(engine, loop.unwrapped, loop.count_sync)
     prompts = encode(sample_rows)
     gens = engine.generate(prompts, n, sampling, seed=seed)
     turns = tools.turns(engine, [p for p in prompts for _ in range(n)], gens, sampling, seed, False) if tools else None

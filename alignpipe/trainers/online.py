@@ -1,8 +1,10 @@
-"""Helpers the online RL trainers (GRPO, PPO) share: batching rollouts and showing samples."""
+"""Helpers the online RL trainers (GRPO, PPO) share: batching rollouts, syncing the engine and showing samples."""
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 
 TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "text", "messages")
 
@@ -31,3 +33,13 @@ def print_samples(rows: list[dict], title: str) -> None:
     for r in rows:
         table.add_row(r["prompt"][-60:], r["completion"][:80], f"{r['reward']:.3f}")
     Console(file=sys.stdout, width=140).print(table)
+
+
+def sync_weights(engine, model, count_sync: Callable[[float], None]) -> None:
+    """The policy's current weights into the rollout engine before it samples. Where the engine copies them (a vLLM
+    engine's load, a vLLM server's adapter: `copies_weights`) the call's wall time goes to the window's
+    `generation/sync_time_share`; the hf engine samples from the policy itself and counts nothing."""
+    started = time.perf_counter()
+    engine.update_weights(model)
+    if getattr(engine, "copies_weights", False):
+        count_sync(time.perf_counter() - started)

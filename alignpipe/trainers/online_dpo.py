@@ -38,7 +38,7 @@ from alignpipe.trainers import dpo
 from alignpipe.trainers.common import TrainLoop, TrainResult, frozen_reference, pad_rows, resolve_seed
 from alignpipe.trainers.configs import OnlineDPOConfig
 from alignpipe.trainers.grpo import greedy_reward
-from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids, sync_weights
 
 
 @dataclass
@@ -200,7 +200,7 @@ def sample_pairs(run: OnlineDPORun, batch_rows: list[dict]) -> RankedPairs:
     """Sample two completions of each prompt, rank them, and lay out the (chosen, rejected) micro-batches."""
     cfg, loop = run.cfg, run.loop
     prompt_ids = run.encode(batch_rows)
-    run.engine.update_weights(loop.unwrapped)
+    sync_weights(run.engine, loop.unwrapped, loop.count_sync)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     started = time.perf_counter()
     gens = run.engine.generate(prompt_ids, 2, sampling, seed=run.seed + loop.step)

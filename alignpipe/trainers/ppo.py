@@ -81,7 +81,7 @@ from alignpipe.trainers.common import (
     seed_everything,
 )
 from alignpipe.trainers.configs import PPOConfig
-from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids
+from alignpipe.trainers.online import extra_columns, print_samples, prompt_ids, sync_weights
 from alignpipe.trainers.ppo_controls import (
     KLController,
     RunningMoments,
@@ -277,6 +277,8 @@ class PPORun:
     seed: int
     count_generation: Callable[[float, int], None]
     """`TrainLoop.count_generation`: a rollout's generation time and sampled tokens, for the window's metrics."""
+    count_sync: Callable[[float], None]
+    """`TrainLoop.count_sync`: the time the policy's weights took to reach the engine, for the window's metrics."""
 
     @property
     def unwrapped(self) -> PolicyAndValue:
@@ -332,7 +334,7 @@ def rollout(run: PPORun, batch_rows: list[dict], update_index: int) -> tuple[Rol
     cfg, device, tok = run.cfg, run.acc.device, run.tokenizer
     unwrapped = run.unwrapped
     prompts = prompt_ids(tok, batch_rows, cfg.max_prompt_length)
-    run.engine.update_weights(unwrapped.policy)
+    sync_weights(run.engine, unwrapped.policy, run.count_sync)
     sampling = cfg.sampling.model_copy(update={"max_new_tokens": cfg.max_completion_length})
     started = time.perf_counter()
     gens = run.engine.generate(prompts, 1, sampling, seed=run.seed + update_index)
@@ -640,6 +642,7 @@ def train(
         moments,
         seed,
         loop.count_generation,
+        loop.count_sync,
     )
 
     def step(window: list[list[dict]]) -> dict[str, float]:
