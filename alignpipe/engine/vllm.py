@@ -28,6 +28,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -350,8 +351,6 @@ class AdapterSync:
         self.loaded: str | None = None
 
     def push(self, model) -> None:
-        import shutil
-
         import httpx
 
         if not hasattr(model, "peft_config"):
@@ -394,8 +393,6 @@ class AdapterSync:
     def _unload(self, client, name: str) -> None:
         """Unloaded from the server and its folder deleted; a server that fails to unload it is told once in the
         log (the adapter stays registered there, a few MB) and the run goes on."""
-        import shutil
-
         try:
             response = client.post(f"{self.base}/v1/unload_lora_adapter", json={"lora_name": name})
             failed = (

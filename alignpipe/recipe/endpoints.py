@@ -68,7 +68,8 @@ def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
             "loaded: they do not follow the policy being trained (rollout `sync: none`). With a LoRA policy, "
             "`sync: adapter` loads each step's adapter into the server; `mode: colocate` takes the full weights."
         )
-        answer: bool | Refused | Unreachable = True if key is None else _refused_or_not(_served(root, key))
+        served = _served(root, key) if key is not None else ()  # a keyless server is not asked: nothing to refuse
+        answer: bool | Refused | Unreachable = served if isinstance(served, (Refused, Unreachable)) else True
     else:
         answer = _lora_api(root, key)
     if isinstance(answer, Unreachable):
@@ -102,11 +103,6 @@ def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
             f"starting model> --enable-lora --max-lora-rank {rank}`",
         )
     ]
-
-
-def _refused_or_not(answer) -> bool | Refused | Unreachable:
-    """`_served`'s answer as the rollout check reads it: a refusal, no answer, or fine."""
-    return answer if isinstance(answer, (Refused, Unreachable)) else True
 
 
 @functools.cache
