@@ -30,11 +30,12 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
-from alignpipe.judges.http_endpoints import auth_headers, json_with_retries, server_message
+from alignpipe.judges.http_endpoints import auth_headers, json_with_retries, retry_after, server_message
 from alignpipe.special_tokens import stop_token_ids
 
 
@@ -240,7 +241,7 @@ class VLLMServerEngine:
         self.timeout_s, self.retries = timeout_s, retries  # a rollout asked again after a 5xx, a reset or a timeout
         self.model_name = model_name
         self._key = api_key  # in the Authorization header only: never an error, a log or a repr
-        self.adapters = AdapterSync(self.base, adapter_dir, timeout_s, api_key) if sync == "adapter" else None
+        self.adapters = AdapterSync(self.base, adapter_dir, timeout_s, api_key, retries) if sync == "adapter" else None
 
     def _model(self, client) -> str:
         if self.adapters is not None and self.adapters.loaded is not None:
@@ -339,13 +340,15 @@ class AdapterSync:
     holds (only newer ones take `load_inplace`). Each engine names its adapters with its own random prefix, so the
     processes of a multi-process stage, or two runs on one server, never unload each other's."""
 
-    def __init__(self, base: str, folder: str | Path | None, timeout_s: float, api_key: str | None = None):
+    def __init__(
+        self, base: str, folder: str | Path | None, timeout_s: float, api_key: str | None = None, retries: int = 3
+    ):
         import uuid
 
         self.base = base
         self._key = api_key
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="alignpipe-adapters-"))
-        self.timeout_s = timeout_s
+        self.timeout_s, self.retries = timeout_s, retries
         self.prefix = f"alignpipe-policy-{uuid.uuid4().hex[:8]}"
         self.pushed = 0
         self.loaded: str | None = None
@@ -364,21 +367,50 @@ class AdapterSync:
         model.save_pretrained(str(path))
         with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
             try:
+                self._load(client, name, path, model)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            previous, self.loaded = self.loaded, name
+            if previous is not None:
+                self._unload(client, previous)
+
+    def _load(self, client, name: str, path: Path, model) -> None:
+        """`name` loaded from `path`, asked up to `retries` times on a timeout, a reset, a 5xx or a 429 (backing off
+        1, 2, 4 s, or a 429's Retry-After). A retry refused where the server lists the name among its models finds
+        the attempt before it done: the server had loaded it and its answer was lost."""
+        import httpx
+
+        for attempt in range(self.retries):
+            last = attempt == self.retries - 1
+            try:
                 response = client.post(
                     f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
                 )
             except httpx.TransportError as e:
-                shutil.rmtree(path, ignore_errors=True)
-                raise RuntimeError(
-                    f"the vLLM server at {self.base} could not be reached to load the policy's LoRA adapter before a "
-                    f"rollout ({type(e).__name__}: {e}); is `vllm serve` running there?"
-                ) from e
-            if response.is_error:
-                shutil.rmtree(path, ignore_errors=True)
+                if last:
+                    raise RuntimeError(
+                        f"the vLLM server at {self.base} could not be reached to load the policy's LoRA adapter "
+                        f"before a rollout ({type(e).__name__}: {e}; {attempt + 1} attempt(s), {self.timeout_s:g} s "
+                        "timeout each); is `vllm serve` running there?"
+                    ) from e
+                time.sleep(2**attempt)
+                continue
+            if not response.is_error:
+                return
+            if attempt and response.status_code == 400 and self._listed(client, name):
+                return
+            if last or not (response.status_code >= 500 or response.status_code == 429):
                 raise RuntimeError(self._refusal(response, model))
-            previous, self.loaded = self.loaded, name
-            if previous is not None:
-                self._unload(client, previous)
+            time.sleep(retry_after(response) if response.status_code == 429 else 2**attempt)
+
+    def _listed(self, client, name: str) -> bool:
+        """Whether the server's `/v1/models` lists `name` (vLLM lists each LoRA adapter it holds there)."""
+        try:
+            response = client.get(f"{self.base}/v1/models")
+            return not response.is_error and any(m.get("id") == name for m in response.json().get("data", []))
+        except Exception:  # no list to read: the refusal stands
+            return False
 
     def drop_loaded(self) -> None:
         import httpx
