@@ -1075,9 +1075,9 @@ def test_sampling_logprobs_are_those_of_the_distribution_each_token_was_drawn_fr
         assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4), (g.logprobs, expected)
 
 
-def test_the_vllm_server_engine_refuses_to_give_sampling_logprobs():
+def test_the_vllm_server_engine_refuses_to_give_sampling_logprobs_from_a_raw_server():
     """A server's log-probs follow its own `--logprobs-mode` (raw by default), not what was sampled from."""
     from alignpipe.engine.vllm import VLLMServerEngine
 
-    with pytest.raises(ValueError, match="would not line up"):
+    with pytest.raises(ValueError, match="started with `--logprobs-mode processed_logprobs`"):
         VLLMServerEngine("http://127.0.0.1:9", tokenizer=None).generate(["a"], logprobs=True)

@@ -155,14 +155,14 @@ def test_the_off_policy_mask_runs_on_the_engines_logprobs(tiny, prompts, tmp_pat
                 "rollout": {"backend": "vllm", "mode": "server", "server_url": "http://x"},
                 "sampling_correction": "token_truncate",
             },
-            "tokenized again",
+            "started with `--logprobs-mode processed_logprobs`",
         ),
         (
             {
                 "rollout": {"backend": "vllm", "mode": "server", "server_url": "http://x"},
                 "off_policy_mask_threshold": 1,
             },
-            "tokenized again",
+            "started with `--logprobs-mode processed_logprobs`",
         ),
         ({"sampling_correction": "token_truncate", "sampling_correction_max": None}, "both are null"),
         ({"sampling_correction_min": 2.0, "sampling_correction_max": 1.0}, "must be below"),
@@ -178,4 +178,7 @@ def test_settings_no_engine_can_serve_are_refused(kwargs, message):
 def test_auto_is_trls_default_with_vllm_colocate_and_off_elsewhere():
     assert GRPOConfig(rollout={"backend": "vllm"}).correction == "sequence_mask"
     assert GRPOConfig().correction == "none"
-    assert GRPOConfig(rollout={"backend": "vllm", "mode": "server", "server_url": "http://x"}).correction == "none"
+    server = {"backend": "vllm", "mode": "server", "server_url": "http://x"}
+    assert GRPOConfig(rollout=server).correction == "none", "a server's raw log-probs cannot correct"
+    processed = server | {"logprobs_mode": "processed_logprobs"}
+    assert GRPOConfig(rollout=processed).correction == "sequence_mask", "its sampler's can, as TRL's server mode"

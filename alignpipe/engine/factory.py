@@ -31,7 +31,14 @@ def make_engine(spec, model, tokenizer, window: int | None = None, scratch: Path
 
         folder = spec.adapter_dir or (scratch / "rollout-adapter" if scratch is not None else None)
         key = endpoint_api_key(spec.api_key_env, "rollout.api_key_env")
-        return VLLMServerEngine(spec.server_url, tokenizer, sync=spec.sync, adapter_dir=folder, api_key=key)
+        return VLLMServerEngine(
+            spec.server_url,
+            tokenizer,
+            sync=spec.sync,
+            adapter_dir=folder,
+            api_key=key,
+            logprobs_mode=spec.logprobs_mode,
+        )
     from alignpipe.engine.vllm import VLLMColocateEngine
 
     return VLLMColocateEngine(

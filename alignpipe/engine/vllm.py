@@ -235,12 +235,14 @@ class VLLMServerEngine:
         adapter_dir: str | Path | None = None,
         retries: int = 3,
         api_key: str | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         self.base = base_url.rstrip("/").removesuffix("/v1")  # `http://host:8000/v1`, as OpenAI's clients take it
         self.tok = tokenizer
         self.timeout_s, self.retries = timeout_s, retries  # a rollout asked again after a 5xx, a reset or a timeout
         self.model_name = model_name
         self._key = api_key  # in the Authorization header only: never an error, a log or a repr
+        self.logprobs_mode = logprobs_mode  # what the server was started with (`--logprobs-mode`): it cannot say
         self.adapters = AdapterSync(self.base, adapter_dir, timeout_s, api_key, retries) if sync == "adapter" else None
 
     def _model(self, client) -> str:
@@ -284,12 +286,12 @@ class VLLMServerEngine:
     ) -> list[Generation]:
         import httpx
 
-        if logprobs:
+        if logprobs and self.logprobs_mode != "processed_logprobs":
             raise ValueError(
-                "the vLLM server engine cannot give the sampler's log-probs: a server's are those of its own "
-                "`--logprobs-mode` (by default the raw model's, before temperature and filters), and an older "
-                "server's completions come back as text tokenized again, which they would not line up with. Use "
-                "rollout mode 'colocate' or the hf backend for sampling_correction, or set sampling_correction: none"
+                "the vLLM server engine gives the sampler's log-probs only from a server started with "
+                "`--logprobs-mode processed_logprobs` (rollout `logprobs_mode: processed_logprobs`); by default a "
+                "server's are the raw model's, before temperature and filters. Use rollout mode 'colocate' or the hf "
+                "backend for sampling_correction, or set sampling_correction: none"
             )
 
         sampling = sampling or SamplingParams()
@@ -309,6 +311,8 @@ class VLLMServerEngine:
         if seed is not None:
             payload["seed"] = seed
         payload["return_token_ids"] = True  # a vLLM extension; older servers ignore fields they do not know
+        if logprobs:
+            payload["logprobs"] = 1  # each sampled token's own log-prob is in `token_logprobs` beside its 1 best
         with httpx.Client(timeout=self.timeout_s, headers=auth_headers(self._key)) as client:
             payload["model"] = self._model(client)
             answer = json_with_retries(
@@ -326,11 +330,27 @@ class VLLMServerEngine:
         for k, c in enumerate(choices):
             sampled = c.get("token_ids")
             ids = list(sampled) if sampled is not None else self.tok(c["text"], add_special_tokens=False)["input_ids"]
+            logps = self._sampled_logprobs(c, ids) if logprobs else None
             reason: FinishReason = "stop" if c.get("finish_reason") == "stop" else "length"
             if reason == "stop" and (sampled is None or not ids or ids[-1] != self.tok.eos_token_id):
                 ids = ids + [self.tok.eos_token_id]  # the text leaves the stop token out; a stop string is not one
-            gens.append(Generation(k // n, c["text"], ids, reason))
+                if logps is not None:
+                    logps.append(math.nan)  # the server did not sample it
+            gens.append(Generation(k // n, c["text"], ids, reason, logps))
         return gens
+
+    def _sampled_logprobs(self, choice: dict, ids: list[int]) -> list[float]:
+        """Each sampled token's log-prob from a completion asked with `logprobs` (its `token_logprobs`, one per
+        token id); NaN where the server gave none."""
+        if choice.get("token_ids") is None:
+            raise RuntimeError(
+                f"the vLLM server at {self.base} returned no token ids (`return_token_ids`, vLLM ≥ 0.10.2): its "
+                "completions' text tokenized again need not be the tokens it sampled, so their log-probs cannot be "
+                "lined up with them for sampling_correction. Upgrade the server, or set sampling_correction: none"
+            )
+        listed = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        values = [math.nan if v is None else float(v) for v in listed[: len(ids)]]
+        return values + [math.nan] * (len(ids) - len(values))
 
 
 class AdapterSync:

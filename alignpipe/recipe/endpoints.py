@@ -6,7 +6,8 @@ that is not set or that the server refuses, or a `served_model` it does not serv
 after the training. Each key's variable must be set on this machine. A judge server is asked its `/v1/models` once a
 process, with the key, and nothing else; a remote scorer has no standard question to ask, so only its key's variable
 is checked. A rollout server that a stage loads its LoRA adapter into (`sync: adapter`) is asked whether it has
-vLLM's runtime LoRA API, by unloading an adapter no one loaded (which changes nothing there). A server that cannot
+vLLM's runtime LoRA API, by unloading an adapter no one loaded (which changes nothing there); one said to give its
+sampler's log-probs (`logprobs_mode: processed_logprobs`) for one token's log-probs at two temperatures. A server that cannot
 be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool calls from its
 workers, whose network and environment are not this machine's, and is not checked here.
 """
@@ -55,7 +56,28 @@ def endpoint_problems(recipe) -> list[Problem]:
 
 def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
     """A rollout server's key that is not set here or that it refuses, a server that `sync: adapter` would load the
-    policy's adapter into and that has no runtime LoRA API; a note where its weights will not follow the policy."""
+    policy's adapter into and that has no runtime LoRA API, one said to give the sampler's log-probs that gives the
+    raw model's; a note where its weights will not follow the policy."""
+    problems = _rollout_sync_problems(stage, where, rollout)
+    if problems or rollout.logprobs_mode != "processed_logprobs":
+        return problems
+    variable = rollout.api_key_env
+    answer = _follows_temperature(server_root(rollout.server_url), os.environ.get(variable) if variable else None)
+    if isinstance(answer, (Unreachable, Refused)) or answer:  # a refusal or no answer: the sync check told it
+        return []
+    return [
+        Problem(
+            (*where, "logprobs_mode"),
+            f"stage {stage.id!r}'s vLLM rollout server {server_root(rollout.server_url)} gives the raw model's "
+            "log-probs (the same at temperature 1 and 0.25), not the sampler's: it was not started with "
+            "`--logprobs-mode processed_logprobs`",
+            "restart it with `vllm serve … --logprobs-mode processed_logprobs`, or remove rollout `logprobs_mode` "
+            "and set sampling_correction: none",
+        )
+    ]
+
+
+def _rollout_sync_problems(stage, where: tuple, rollout) -> list[Problem]:
     root = server_root(rollout.server_url)
     unset = _unset_key(stage, where, f"vLLM rollout server {root}", rollout)
     if unset:
@@ -127,6 +149,38 @@ def _lora_api(root: str, api_key: str | None) -> bool | Refused | Unreachable:
     if response.status_code in (401, 403):
         return Refused(response.status_code)
     return not (response.status_code == 404 and route_missing(response))
+
+
+PROBE_PROMPT = "The weather today is"
+PROBE_TEMPERATURES = (1.0, 0.25)
+
+
+@functools.cache
+def _follows_temperature(root: str, api_key: str | None) -> bool | Refused | Unreachable:
+    """Whether the server's log-probs are its sampler's (`--logprobs-mode processed_logprobs`): the 5 best
+    log-probs of one token of the model it serves first, asked at temperature 1 and at 0.25. The raw model's are the
+    same at both; the sampler's sharpen at 0.25 (the best rises, the others fall)."""
+    import httpx
+
+    served = _served(root, api_key)
+    if isinstance(served, (Refused, Unreachable)) or not served:
+        return served if not isinstance(served, tuple) else Unreachable("no model listed at /v1/models")
+    best = []
+    for temperature in PROBE_TEMPERATURES:
+        body = {"model": served[0], "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": temperature}
+        try:
+            response = httpx.post(
+                f"{root}/v1/completions",
+                json=body | {"logprobs": 5, "seed": 0},
+                headers=auth_headers(api_key),
+                timeout=TIMEOUT_S,
+            )
+            response.raise_for_status()
+            top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+            best.append(sorted((float(v) for v in top.values()), reverse=True))
+        except Exception as e:  # no connection, a refusal, an answer without log-probs
+            return unreachable(e)
+    return any(abs(a - b) > 1e-3 for a, b in zip(*best))
 
 
 def _judge_server_problems(stage, where: tuple, spec) -> list[Problem]:

@@ -439,6 +439,12 @@ class RolloutSpec(Strict):
     """vllm server mode with `sync: adapter`: the folder the adapter is saved to and the server reads it from (by
     the same path). Null: `rollout-adapter/` in the stage's folder, which a server on the same machine reads; a server
     on another machine needs a folder both mount at the same path. Only the adapter loaded last is kept there."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """vllm server mode: the `--logprobs-mode` the server was started with (vLLM's default is raw_logprobs: the raw
+    model's, before temperature and filters). processed_logprobs: each sampled token's log-prob under the
+    distribution it was drawn from, which `sampling_correction` and `off_policy_mask_threshold` use (and `auto`
+    then corrects, as with the colocate engine); `validate` asks the server whether its log-probs follow the
+    temperature. Needs a server that returns the sampled token ids (vLLM ≥ 0.10.2)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """vllm colocate: fraction of GPU memory vLLM may take."""
     sleep_between_rollouts: bool = True
@@ -494,6 +500,11 @@ class RolloutSpec(Strict):
             raise ValueError(
                 "rollout `api_key_env` is a vLLM server's key (`mode: server`); the hf and colocate engines run in "
                 "the stage's process: remove it"
+            )
+        if self.logprobs_mode != "raw_logprobs" and (self.backend, self.mode) != ("vllm", "server"):
+            raise ValueError(
+                "rollout `logprobs_mode` is what a vLLM server was started with (`vllm serve --logprobs-mode`); the hf "
+                "and colocate engines give the sampler's log-probs themselves: remove it"
             )
         if self.adapter_dir is not None and self.sync != "adapter":
             raise ValueError("rollout `adapter_dir` is where `sync: adapter` saves the adapter: set `sync: adapter`")
@@ -699,9 +710,9 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
     token; sequence_*: one per completion, from its summed log-ratio; *_truncate clamps weights into
     [`sampling_correction_min`, `sampling_correction_max`] (TIS), *_mask zeroes those outside it (MIS). Costs one
     forward of the rollout under the current policy when no other setting takes it. auto: TRL's default,
-    sequence_mask, with the vLLM colocate engine; none with the hf engine (the trainer's own forward samples) and the
-    vLLM server (its log-probs follow the server's own `--logprobs-mode`, raw by default, and an older server's text
-    is tokenized again)."""
+    sequence_mask, with the vLLM colocate engine and a vLLM server of `logprobs_mode: processed_logprobs`; none with
+    the hf engine (the trainer's own forward samples) and a server of raw log-probs (vLLM's default), which the
+    correction cannot use."""
     sampling_correction_min: float | None = Field(None, ge=0)
     """Lower bound of the correction's weights (TRL's `vllm_importance_sampling_clip_min`); null: none."""
     sampling_correction_max: float | None = Field(3.0, gt=0)
@@ -726,15 +737,21 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
     off_policy_mask_threshold: float | None = Field(None, ge=0)
     """Drop completions with a negative advantage whose mean per-token KL from the sampling distribution to the
     current policy exceeds this (DeepSeek-V3.2's off-policy sequence mask; TRL's name); needs the engine's sampling
-    log-probs (not the vLLM server). null: off."""
+    log-probs (a vLLM server only with `logprobs_mode: processed_logprobs`). null: off."""
 
     @property
     def correction(self) -> str:
         """The sampling correction this run applies (`sampling_correction` with auto resolved)."""
         if self.sampling_correction != "auto":
             return self.sampling_correction
-        vllm_colocate = self.rollout.backend == "vllm" and self.rollout.mode == "colocate"
-        return "sequence_mask" if vllm_colocate else "none"
+        return "sequence_mask" if self.rollout.backend == "vllm" and self.engine_gives_sampling_logprobs else "none"
+
+    @property
+    def engine_gives_sampling_logprobs(self) -> bool:
+        """Whether the rollout engine can give each sampled token's log-prob under the distribution it was drawn
+        from: the hf and colocate engines always, a vLLM server started with `--logprobs-mode processed_logprobs`."""
+        r = self.rollout
+        return (r.backend, r.mode) != ("vllm", "server") or r.logprobs_mode == "processed_logprobs"
 
     @property
     def entropy_bonus(self) -> bool:
@@ -747,13 +764,13 @@ class GRPOConfig(GenerationBatchArgs, ReferenceSyncArgs, RouterAuxArgs):
 
     @model_validator(mode="after")
     def _sampling_correction(self):
-        server = self.rollout.backend == "vllm" and self.rollout.mode == "server"
-        if server and self.needs_sampling_logprobs:
+        if self.needs_sampling_logprobs and not self.engine_gives_sampling_logprobs:
             raise ValueError(
-                "sampling_correction and off_policy_mask_threshold need the engine's log-probs of each sampled token, "
-                "which a vLLM server does not give (its log-probs follow its own --logprobs-mode, raw by default, "
-                "and an older server's completions come back as text tokenized again): use rollout mode 'colocate' "
-                "or backend 'hf', or set sampling_correction: none and off_policy_mask_threshold: null"
+                "sampling_correction and off_policy_mask_threshold need the log-prob of each sampled token under the "
+                "distribution it was drawn from, and a vLLM server gives the raw model's unless started with "
+                "`--logprobs-mode processed_logprobs`: start it so and set rollout `logprobs_mode: processed_logprobs`, "
+                "use rollout mode 'colocate' or backend 'hf', or set sampling_correction: none and "
+                "off_policy_mask_threshold: null"
             )
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
