@@ -20,6 +20,8 @@ server mode's HTTP path is tested against a loopback endpoint speaking the OpenA
   With `sync="none"` the served weights are what samples (a judge, or a run that reloads them itself). Token ids
   are the ones the server sampled where it returns them (vLLM's `return_token_ids`, since 0.10.2), else recovered
   by tokenizing the returned text; EOS is appended when `finish_reason == "stop"` and they do not end with it.
+  A server started with `--logprobs-mode processed_logprobs` (`logprobs_mode="processed_logprobs"`) gives each sampled
+  token's log-prob under its sampler's distribution (`token_logprobs`), which GRPO's sampling correction uses.
 """
 
 from __future__ import annotations
