@@ -84,10 +84,12 @@ class LoRAServer:
                 for k, g in enumerate(gens)
             ]
             if asked:  # vLLM's legacy-completions log-probs; the best `logprobs` of the first token only
+                tops = []  # per prompt: its completions share their first token's distribution
+                for prompt in prompts:
+                    values, ids = self.first_token_logprobs(model, prompt, body["temperature"]).topk(body["logprobs"])
+                    tops.append({self.tok.decode([t]): v for t, v in zip(ids.tolist(), values.tolist(), strict=True)})
                 for c, g in zip(choices, gens, strict=True):
-                    first = self.first_token_logprobs(model, prompts[g.prompt_index], body["temperature"])
-                    values, ids = first.topk(body["logprobs"])
-                    top = {self.tok.decode([t]): v for t, v in zip(ids.tolist(), values.tolist(), strict=True)}
+                    top = tops[g.prompt_index]
                     c["logprobs"] = {
                         "tokens": [self.tok.decode([t]) for t in g.completion_ids],
                         "token_logprobs": g.logprobs,

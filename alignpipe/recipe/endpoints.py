@@ -61,14 +61,14 @@ def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
     problems = _rollout_sync_problems(stage, where, rollout)
     if problems or rollout.logprobs_mode != "processed_logprobs":
         return problems
-    variable = rollout.api_key_env
-    answer = _follows_temperature(server_root(rollout.server_url), os.environ.get(variable) if variable else None)
+    root, variable = server_root(rollout.server_url), rollout.api_key_env
+    answer = _follows_temperature(root, os.environ.get(variable) if variable else None)
     if isinstance(answer, (Unreachable, Refused)) or answer:  # a refusal or no answer: the sync check told it
         return []
     return [
         Problem(
             (*where, "logprobs_mode"),
-            f"stage {stage.id!r}'s vLLM rollout server {server_root(rollout.server_url)} gives the raw model's "
+            f"stage {stage.id!r}'s vLLM rollout server {root} gives the raw model's "
             "log-probs (the same at temperature 1 and 0.25), not the sampler's: it was not started with "
             "`--logprobs-mode processed_logprobs`",
             "restart it with `vllm serve … --logprobs-mode processed_logprobs`, or remove rollout `logprobs_mode` "
@@ -163,15 +163,18 @@ def _follows_temperature(root: str, api_key: str | None) -> bool | Refused | Unr
     import httpx
 
     served = _served(root, api_key)
-    if isinstance(served, (Refused, Unreachable)) or not served:
-        return served if not isinstance(served, tuple) else Unreachable("no model listed at /v1/models")
+    if isinstance(served, (Refused, Unreachable)):
+        return served
+    if not served:
+        return Unreachable("no model listed at /v1/models")
     best = []
     for temperature in PROBE_TEMPERATURES:
         body = {"model": served[0], "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": temperature}
+        body |= {"logprobs": 5, "seed": 0}
         try:
             response = httpx.post(
                 f"{root}/v1/completions",
-                json=body | {"logprobs": 5, "seed": 0},
+                json=body,
                 headers=auth_headers(api_key),
                 timeout=TIMEOUT_S,
             )
