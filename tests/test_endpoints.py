@@ -239,6 +239,45 @@ def test_an_endpoint_judge_keeps_requests_in_flight_and_waits_out_a_rate_limit(m
     assert retry_after(type("R", (), {"headers": {"retry-after": "120"}})()) == 60.0
 
 
+def test_a_call_is_asked_again_only_while_asking_again_can_help(monkeypatch):
+    """Timeouts, resets, 5xx and 429 are asked again, backing off 1, 2 s or by Retry-After; a success or any other
+    4xx is the answer at once; after the last attempt its answer (or its transport error) is returned with the count."""
+    import httpx
+
+    from alignpipe.judges import http_endpoints
+
+    slept: list[float] = []
+    monkeypatch.setattr(http_endpoints.time, "sleep", slept.append)
+    request = httpx.Request("POST", "http://server/v1/x")
+
+    def answers(*said):
+        queue = list(said)
+
+        def send():
+            answer = queue.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            status, headers = answer if isinstance(answer, tuple) else (answer, {})
+            return httpx.Response(status, headers=headers, request=request)
+
+        return send
+
+    reset = httpx.ConnectError("reset", request=request)
+    answer, attempts = http_endpoints.answer_with_retries(answers(reset, 503, 200), retries=3)
+    assert (answer.status_code, attempts, slept) == (200, 3, [1, 2])
+    slept.clear()
+    answer, attempts = http_endpoints.answer_with_retries(answers((429, {"Retry-After": "7"}), 400, 200), retries=3)
+    assert (answer.status_code, attempts, slept) == (400, 2, [7.0])
+    slept.clear()
+    answer, attempts = http_endpoints.answer_with_retries(answers(502, reset), retries=2)
+    assert (answer, attempts, slept) == (reset, 2, [1])
+    slept.clear()
+    answer, attempts = http_endpoints.answer_with_retries(answers(500, 503), retries=2)
+    assert (answer.status_code, attempts) == (503, 2)
+    with pytest.raises(RuntimeError, match=r"the judge: HTTPStatusError: Server error '503.*after 2 attempt\(s\)"):
+        http_endpoints.json_with_retries(answers(500, 503), "the judge", retries=2, timeout_s=5)
+
+
 def test_a_reasoning_model_s_refused_sampling_fields_are_rewritten_once(caplog):
     """OpenAI's reasoning models refuse `max_tokens` (they take `max_completion_tokens`) and `temperature: 0`, naming
     the field in the error's `param` and `code`: the judge rewrites its request once and sends the rest that way; any

@@ -32,12 +32,11 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from alignpipe.engine.base import FinishReason, Generation
 from alignpipe.engine.sampling import SamplingParams
-from alignpipe.judges.http_endpoints import auth_headers, json_with_retries, retry_after, server_message
+from alignpipe.judges.http_endpoints import answer_with_retries, auth_headers, json_with_retries, server_message
 from alignpipe.special_tokens import stop_token_ids
 
 
@@ -403,28 +402,18 @@ class AdapterSync:
         the attempt before it done: the server had loaded it and its answer was lost."""
         import httpx
 
-        for attempt in range(self.retries):
-            last = attempt == self.retries - 1
-            try:
-                response = client.post(
-                    f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
-                )
-            except httpx.TransportError as e:
-                if last:
-                    raise RuntimeError(
-                        f"the vLLM server at {self.base} could not be reached to load the policy's LoRA adapter "
-                        f"before a rollout ({type(e).__name__}: {e}; {attempt + 1} attempt(s), {self.timeout_s:g} s "
-                        "timeout each); is `vllm serve` running there?"
-                    ) from e
-                time.sleep(2**attempt)
-                continue
-            if not response.is_error:
-                return
-            if attempt and response.status_code == 400 and self._listed(client, name):
-                return
-            if last or not (response.status_code >= 500 or response.status_code == 429):
-                raise RuntimeError(self._refusal(response, model))
-            time.sleep(retry_after(response) if response.status_code == 429 else 2**attempt)
+        answer, attempts = answer_with_retries(
+            lambda: client.post(f"{self.base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}),
+            self.retries,
+        )
+        if isinstance(answer, httpx.TransportError):
+            raise RuntimeError(
+                f"the vLLM server at {self.base} could not be reached to load the policy's LoRA adapter before a "
+                f"rollout ({type(answer).__name__}: {answer}; {attempts} attempt(s), {self.timeout_s:g} s timeout "
+                "each); is `vllm serve` running there?"
+            ) from answer
+        if answer.is_error and not (attempts > 1 and answer.status_code == 400 and self._listed(client, name)):
+            raise RuntimeError(self._refusal(answer, model))
 
     def _listed(self, client, name: str) -> bool:
         """Whether the server's `/v1/models` lists `name` (vLLM lists each LoRA adapter it holds there)."""

@@ -40,6 +40,29 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def answer_with_retries(send: Callable[[], Any], retries: int) -> tuple[Any, int]:
+    """`send()`'s answer and the attempts it took, asked up to `retries` times while it is a timeout, a connection
+    error, a 5xx or a 429 (rate limited), backing off 1, 2, 4 s, or as long as a 429's Retry-After asks (up to a
+    minute). The answer is the first one of any other kind (a success, or a 4xx that asking again will not help), else
+    the last attempt's: an HTTP response, or the `httpx.TransportError` raised by the last attempt (returned, not
+    raised, so that each caller words its own error)."""
+    import httpx
+
+    for attempt in range(1, retries + 1):
+        try:
+            response = send()
+        except httpx.TransportError as e:
+            if attempt == retries:
+                return e, attempt
+            time.sleep(2 ** (attempt - 1))
+            continue
+        retried = response.status_code >= 500 or response.status_code == 429
+        if not retried or attempt == retries:
+            return response, attempt
+        time.sleep(retry_after(response) if response.status_code == 429 else 2 ** (attempt - 1))
+    raise ValueError(f"retries is at least 1, not {retries}")
+
+
 def json_with_retries(
     send: Callable[[], Any],
     what: str,
@@ -49,30 +72,24 @@ def json_with_retries(
     quote: bool = False,
     key: str | None = None,
 ) -> Any:
-    """`send()`'s JSON answer, with up to `retries` attempts on timeouts, connection errors, 5xx and 429 (rate
-    limited) answers, backing off 1, 2, 4 s, or as long as a 429's Retry-After asks (up to a minute); then `error`
-    naming `what`, the cause and the attempts. A 4xx other than 429 is not retried: asking again will not help.
-    `quote`: the error also gives the server's own message (its error's `message`, FastAPI's `detail`, or the
-    text), with the `key` sent masked wherever the server repeats it."""
+    """`send()`'s JSON answer, asked as `answer_with_retries` does; a failure raises `error` naming `what`, the
+    cause and the attempts. `quote`: the error also gives the server's own message (its error's `message`, FastAPI's
+    `detail`, or the text), with the `key` sent masked wherever the server repeats it."""
     import httpx
 
-    for attempt in range(retries):
-        try:
-            response = send()
-            response.raise_for_status()
-            return response.json()
-        except (httpx.TransportError, httpx.HTTPStatusError) as e:
-            answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
-            status = answered.status_code if answered is not None else None
-            if attempt == retries - 1 or (status is not None and status < 500 and status != 429):
-                said = f"; the server said: {server_message(answered, key)}" if quote and answered is not None else ""
-                first = str(e).splitlines()[0] if str(e) else ""
-                raise error(
-                    f"{what}: {type(e).__name__}: {first}{said} (after {attempt + 1} attempt(s), {timeout_s:g} s "
-                    "timeout each)"
-                ) from e
-            time.sleep(retry_after(answered) if status == 429 else 2**attempt)
-    raise AssertionError("unreachable")
+    answer, attempts = answer_with_retries(send, retries)
+    try:
+        if isinstance(answer, httpx.TransportError):
+            raise answer
+        answer.raise_for_status()
+        return answer.json()
+    except (httpx.TransportError, httpx.HTTPStatusError) as e:
+        answered = e.response if isinstance(e, httpx.HTTPStatusError) else None
+        said = f"; the server said: {server_message(answered, key)}" if quote and answered is not None else ""
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise error(
+            f"{what}: {type(e).__name__}: {first}{said} (after {attempts} attempt(s), {timeout_s:g} s timeout each)"
+        ) from e
 
 
 def retry_after(response) -> float:
