@@ -7,9 +7,9 @@ after the training. Each key's variable must be set on this machine. A judge ser
 process, with the key, and nothing else; a remote scorer has no standard question to ask, so only its key's variable
 is checked. A rollout server that a stage loads its LoRA adapter into (`sync: adapter`) is asked whether it has
 vLLM's runtime LoRA API, by unloading an adapter no one loaded (which changes nothing there); one said to give its
-sampler's log-probs (`logprobs_mode: processed_logprobs`) for one token's log-probs at two temperatures. A server that cannot
-be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool calls from its
-workers, whose network and environment are not this machine's, and is not checked here.
+sampler's log-probs (`logprobs_mode: processed_logprobs`) for one token's log-probs at two temperatures. A server
+that cannot be asked (not started yet, a firewall) is left to the stage with one note; a stage on a work pool calls
+from its workers, whose network and environment are not this machine's, and is not checked here.
 """
 
 from __future__ import annotations
@@ -169,15 +169,16 @@ def _follows_temperature(root: str, api_key: str | None) -> bool | Refused | Unr
         return Unreachable("no model listed at /v1/models")
     best = []
     for temperature in PROBE_TEMPERATURES:
-        body = {"model": served[0], "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": temperature}
-        body |= {"logprobs": 5, "seed": 0}
+        body = {
+            "model": served[0],
+            "prompt": PROBE_PROMPT,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "logprobs": 5,
+            "seed": 0,
+        }
         try:
-            response = httpx.post(
-                f"{root}/v1/completions",
-                json=body,
-                headers=auth_headers(api_key),
-                timeout=TIMEOUT_S,
-            )
+            response = httpx.post(f"{root}/v1/completions", json=body, headers=auth_headers(api_key), timeout=TIMEOUT_S)
             response.raise_for_status()
             top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
             best.append(sorted((float(v) for v in top.values()), reverse=True))
