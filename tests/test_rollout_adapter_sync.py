@@ -335,6 +335,32 @@ def test_validation_asks_a_processed_logprobs_server_whether_its_logprobs_follow
         RolloutSpec(logprobs_mode="processed_logprobs")
 
 
+def test_a_log_probs_check_that_gets_no_answer_or_a_refusal_says_so(tiny, caplog):
+    """With `sync: none` and no key, the log-probs probe is the only question asked: a server it cannot reach gets
+    the rollout server's note, and one that refuses a request without a key is a problem, as for the sync check."""
+    from alignpipe.recipe import RecipeError, endpoints, hub_refs, parse_recipe
+
+    def text(url):
+        return (
+            recipe_with_rollout_server(tiny, url, "none")
+            .replace("    lora: {r: 48}\n", "")
+            .replace("sync: none}", "sync: none, logprobs_mode: processed_logprobs}")
+        )
+
+    for cached in (endpoints._served, endpoints._follows_temperature, hub_refs.note_once):
+        cached.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        parse_recipe(text("http://127.0.0.1:9"), to_run=True)
+    assert "the vLLM server at http://127.0.0.1:9 could not be asked (ConnectError" in caplog.text
+    with serve(LoRAServer(tiny / "model", key="sk-rollout")) as url, pytest.raises(RecipeError) as caught:
+        parse_recipe(text(url), to_run=True)
+    (problem,) = caught.value.problems
+    assert problem.path == ("stages", 1, "rollout", "server_url")
+    assert "refuses a request without an API key (HTTP 401)" in problem.message
+    for cached in (endpoints._served, endpoints._follows_temperature, hub_refs.note_once):
+        cached.cache_clear()
+
+
 def test_rollout_sync_settings_are_checked_where_they_are_written():
     with pytest.raises(ValueError, match="the hf engine samples from the policy itself"):
         RolloutSpec(sync="adapter")

@@ -63,7 +63,10 @@ def _rollout_server_problems(stage, where: tuple, rollout) -> list[Problem]:
         return problems
     root, variable = server_root(rollout.server_url), rollout.api_key_env
     answer = _follows_temperature(root, os.environ.get(variable) if variable else None)
-    if isinstance(answer, (Unreachable, Refused)) or answer:  # a refusal or no answer: the sync check told it
+    said = _unasked_or_refused(stage, where, root, variable, answer)
+    if said is not None:
+        return said
+    if answer:
         return []
     return [
         Problem(
@@ -94,6 +97,30 @@ def _rollout_sync_problems(stage, where: tuple, rollout) -> list[Problem]:
         answer: bool | Refused | Unreachable = served if isinstance(served, (Refused, Unreachable)) else True
     else:
         answer = _lora_api(root, key)
+    said = _unasked_or_refused(stage, where, root, variable, answer)
+    if said is not None:
+        return said
+    if answer:
+        return []
+    from alignpipe.engine.vllm import max_lora_rank
+
+    rank = max_lora_rank(stage.lora.r) if stage.lora else 16
+    return [
+        Problem(
+            (*where, "sync"),
+            f"stage {stage.id!r} loads its LoRA adapter into the vLLM server at {root} before each rollout "
+            "(`sync: adapter`), and that server has no runtime LoRA API (no /v1/load_lora_adapter route)",
+            "restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment and `vllm serve <the stage's "
+            f"starting model> --enable-lora --max-lora-rank {rank}`",
+        )
+    ]
+
+
+def _unasked_or_refused(
+    stage, where: tuple, root: str, variable: str | None, answer: bool | Refused | Unreachable
+) -> list[Problem] | None:
+    """What a rollout server's answer to a check says where it is not the answer asked for: no answer (one note,
+    the run goes on) or a refusal of the key (a problem); None where the server answered."""
     if isinstance(answer, Unreachable):
         note_once(
             f"note: the vLLM server at {root} could not be asked ({answer.why}), so stage {stage.id!r}'s rollouts "
@@ -111,20 +138,7 @@ def _rollout_sync_problems(stage, where: tuple, rollout) -> list[Problem]:
                 else "set rollout `api_key_env:` to the environment variable holding the server's `--api-key`",
             )
         ]
-    if answer:
-        return []
-    from alignpipe.engine.vllm import max_lora_rank
-
-    rank = max_lora_rank(stage.lora.r) if stage.lora else 16
-    return [
-        Problem(
-            (*where, "sync"),
-            f"stage {stage.id!r} loads its LoRA adapter into the vLLM server at {root} before each rollout "
-            "(`sync: adapter`), and that server has no runtime LoRA API (no /v1/load_lora_adapter route)",
-            "restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment and `vllm serve <the stage's "
-            f"starting model> --enable-lora --max-lora-rank {rank}`",
-        )
-    ]
+    return None
 
 
 @functools.cache
