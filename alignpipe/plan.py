@@ -53,12 +53,19 @@ def cache_keys(recipe: Recipe) -> dict[str, str]:
         if isinstance(s, FormatStage) or BASE in s.references().values():
             payload["model"] = recipe.model.model_dump(mode="json")
         if isinstance(s, FormatStage):
-            ds = recipe.datasets[s.dataset]
-            payload["dataset"] = ds.model_dump(mode="json")
-            if source_type(ds.path, ds.type) != "hub":
-                payload["dataset_digest"] = _file_digest(ds.path)
+            read = [_dataset_payload(recipe.datasets[name]) for name in s.dataset_names]
+            # one dataset keeps the keys it always had, so the stages cached before mixtures existed stay cached
+            payload |= read[0] if len(read) == 1 else {"datasets": read}
         keys[s.id] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return keys
+
+
+def _dataset_payload(ds) -> dict:
+    """What a format stage's key holds of a dataset it reads: its spec and, for a local one, its contents' digest."""
+    payload = {"dataset": ds.model_dump(mode="json")}
+    if source_type(ds.path, ds.type) != "hub":
+        payload["dataset_digest"] = _file_digest(ds.path)
+    return payload
 
 
 @dataclass

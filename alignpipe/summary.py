@@ -73,8 +73,8 @@ def dag_text(recipe, plans: dict | None = None) -> str:
     lines = [f"{recipe.name}: {len(order)} stages in {depth} levels, model {recipe.model.path}"]
     for s in order:
         reads = [f"{f}={v}" for f, v in s.references().items()]
-        if getattr(s, "dataset", None):
-            reads.append(f"dataset={s.dataset}")
+        if hasattr(s, "dataset_names"):  # a format stage
+            reads.append(f"dataset={'+'.join(s.dataset_names)}")
         state = ""
         if plans:  # a column of its own, where the eye finds it: reads vary in length
             state = f"{'[cached]' if plans[s.id].cached else '[will run]':<10}  "

@@ -34,15 +34,25 @@ COMPLETION_COLUMNS = {
 }
 
 
-class LabelError(ValueError):
+SOURCE = "_source"
+"""The key a mixture's rows carry through formatting: the dataset each came from (counted and removed at the end)."""
+
+
+class RowError(ValueError):
+    """A row that cannot be formatted; `source` names the dataset of a mixture it came from."""
+
+    source: str | None = None
+
+
+class LabelError(RowError):
     """An `unpaired` row whose `label` is not a boolean."""
 
 
-class MissingColumnError(ValueError):
+class MissingColumnError(RowError):
     """A row without a value its format needs (`datasets` gives null where a row of a JSON-lines file lacks a field)."""
 
-    def __init__(self, row: int, column: str, columns: list[str]):
-        self.row, self.column, self.columns = row, column, columns
+    def __init__(self, row: int, column: str, columns: list[str], source: str | None = None):
+        self.row, self.column, self.columns, self.source = row, column, columns, source
         super().__init__(f"row {row} has no {column!r} (its columns with a value: {', '.join(columns) or 'none'})")
 
 
@@ -77,9 +87,11 @@ def unpair(rows: list[dict]) -> list[dict]:
             out.append({**rest, "completion": row["rejected"], "label": False})
             continue
         if not isinstance(row.get("label"), bool):
-            raise LabelError(
+            error = LabelError(
                 f"row {i} has label {row.get('label')!r} ({type(row.get('label')).__name__}), not true/false"
             )
+            error.source = row.get(SOURCE)
+            raise error
         out.append(row)
     return out
 
@@ -96,7 +108,7 @@ NEEDED = {
 """Columns every row of a format must have a value in (preference and unpaired prompts may be empty)."""
 
 
-class ConversationError(ValueError):
+class ConversationError(RowError):
     """A `messages` row that cannot be split into a prompt and an assistant reply."""
 
 
@@ -117,6 +129,8 @@ class FormatStats:
     rows_eval: int = 0
     dropped_too_long: int = 0
     dropped_identical_pair: int = 0
+    rows_by_source: dict[str, list[int]] = field(default_factory=dict)
+    """A mixture's formatted rows from each of its datasets: [train, eval]."""
     fingerprint: str = ""
     examples: list[dict] = field(default_factory=list)
 
@@ -346,9 +360,12 @@ def format_rows(
         try:
             out.append(to_format(row, fmt, renderer))
         except ConversationError as e:
-            raise ConversationError(f"row {i}: {e}") from None
+            error = ConversationError(f"row {i}: {e}")
+            error.source = row.get(SOURCE)
+            raise error from None
         except KeyError as e:
-            raise MissingColumnError(i, str(e.args[0]), [k for k, v in row.items() if v is not None]) from None
+            valued = [k for k, v in row.items() if v is not None and k != SOURCE]
+            raise MissingColumnError(i, str(e.args[0]), valued, row.get(SOURCE)) from None
     if fmt == "preference":
         keep = [r for r in out if r["chosen"] != r["rejected"]]
         stats.dropped_identical_pair = len(out) - len(keep)
@@ -360,14 +377,29 @@ def format_rows(
         ]
     if max_length:
         out, stats.dropped_too_long = _drop_long(out, fmt, tokenizer, max_length)
+    mixed = any(SOURCE in r for r in out)
+    if mixed:
+        out = _uniform(out)
     n_eval = round(len(out) * eval_fraction)
     if eval_fraction > 0 and len(out) > 1:
         n_eval = max(1, n_eval)
     train, evals = out[: len(out) - n_eval], out[len(out) - n_eval :]
+    if mixed:
+        for split, rows in enumerate((train, evals)):
+            for r in rows:
+                counts = stats.rows_by_source.setdefault(r.pop(SOURCE), [0, 0])
+                counts[split] += 1
     stats.rows_train, stats.rows_eval = len(train), len(evals)
     stats.fingerprint = fingerprint(train + [{"_split": "eval"}] + evals)
     stats.examples = out[:3]
     return train, evals, stats
+
+
+def _uniform(rows: list[dict]) -> list[dict]:
+    """A mixture's rows with the same columns (null where a row lacks one, e.g. `assistant_spans` on a row of plain
+    text beside conversations): `datasets` takes a table's columns from its first row."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k) for k in keys} for r in rows]
 
 
 def first_tokens(texts: list[str], tokenizer, n: int) -> list[str]:

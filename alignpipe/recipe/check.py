@@ -201,14 +201,17 @@ def _check_needs_and_refs(recipe) -> list[Problem]:
                     "fix the path (relative paths are from the directory you run alignpipe in)",
                 )
             )
-        if isinstance(s, FormatStage) and s.dataset not in recipe.datasets:
-            problems.append(
+        if isinstance(s, FormatStage):
+            mixed = not isinstance(s.dataset, str)
+            problems += [
                 Problem(
-                    ("stages", i, "dataset"),
-                    f"no dataset named {s.dataset!r}",
+                    ("stages", i, "dataset", *((j,) if mixed else ())),
+                    f"no dataset named {name!r}",
                     f"add it under `datasets:` or name one of: {', '.join(recipe.datasets) or '(none defined)'}",
                 )
-            )
+                for j, name in enumerate(s.dataset_names)
+                if name not in recipe.datasets
+            ]
     return problems
 
 
@@ -446,7 +449,8 @@ def _check_datasets(recipe) -> list[Problem]:
     users: dict[str, list[tuple[int, FormatStage]]] = {}
     for i, s in enumerate(recipe.stages):
         if isinstance(s, FormatStage):
-            users.setdefault(s.dataset, []).append((i, s))
+            for name in s.dataset_names:
+                users.setdefault(name, []).append((i, s))
     for name, spec in recipe.datasets.items():
         kind = source_type(spec.path, spec.type)
         if kind == "hub":

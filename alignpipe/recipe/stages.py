@@ -120,11 +120,19 @@ class StageBase(Strict):
 
 
 class FormatStage(StageBase):
-    """Turn a raw dataset into a canonical training format with a train/eval split."""
+    """Turn a raw dataset, or a mixture of several, into a canonical training format with a train/eval split."""
 
     kind: Literal["format"] = "format"
-    dataset: str
-    """Name of an entry in the recipe's `datasets`."""
+    dataset: str | list[str]
+    """Name of an entry in the recipe's `datasets`, or a list of names to mix: each dataset's columns are mapped by
+    its own `columns`, and their rows are concatenated (all of each, or `dataset_weights`' shares) before
+    `shuffle`, `max_rows` and the train/eval split. A column other than the format's that only some of them have is
+    dropped, with a warning."""
+    dataset_weights: list[float] | None = None
+    """With a list of datasets, each one's share of the mixture, in their order (normalised to sum to 1): the mixture
+    is the largest one that takes no dataset's row twice, each dataset giving round(share × size) rows, drawn at
+    random with the recipe's seed (its first rows with `shuffle: false`), as TRL's dataset mixtures' `fraction`.
+    null: every row of every dataset."""
     format: Literal["language_modeling", "prompt_completion", "prompt_only", "preference", "unpaired"]
     """Canonical format to produce. language_modeling: `text`; prompt_completion: `prompt`,
     `completion`; prompt_only: `prompt`; preference: `prompt`, `chosen`, `rejected`; unpaired: `prompt`,
@@ -164,6 +172,33 @@ class FormatStage(StageBase):
         if len(set(tools)) != len(tools):
             raise ValueError(f"each tool is listed once, got {tools}")
         return tools
+
+    @property
+    def dataset_names(self) -> list[str]:
+        """The datasets this stage reads, in their order (one, or a mixture's)."""
+        return [self.dataset] if isinstance(self.dataset, str) else list(self.dataset)
+
+    @model_validator(mode="after")
+    def _mixture(self):
+        names = self.dataset_names
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a dataset mixture lists each dataset once, and at least one (got {names})")
+        weights = self.dataset_weights
+        if weights is None:
+            return self
+        if isinstance(self.dataset, str):
+            raise ValueError(
+                f"dataset_weights gives each dataset of a mixture its share, and `dataset` names one ({names[0]!r}): "
+                "list the datasets to mix, or drop dataset_weights"
+            )
+        if len(weights) != len(names):
+            raise ValueError(
+                f"dataset_weights gives each dataset of the mixture its share, one each in the order of `dataset`: "
+                f"got {len(weights)} weight(s) for {names}"
+            )
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"dataset_weights must all be above 0 (got {weights}); leave a dataset out to skip it")
+        return self
 
     @model_validator(mode="after")
     def _tools_in_chat(self):

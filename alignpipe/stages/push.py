@@ -43,10 +43,23 @@ def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     )
     for sid, m in ctx.inputs.items():
         stage = recipe.stage(sid)
-        if isinstance(stage, FormatStage):
+        if isinstance(stage, FormatStage) and len(stage.dataset_names) > 1:
+            # a mixture: a row per dataset, with the formatted rows it gave; the fingerprint is the mixture's
+            info.datasets += [
+                {
+                    "name": f"{source['name']} ({sid}, mixed)",
+                    "path": source["path"],
+                    "fingerprint": m.info.get("fingerprint", ""),
+                    "hub": source["hub"],
+                    "rows_train": source["rows"][0],
+                    "rows_eval": source["rows"][1],
+                }
+                for source in m.info.get("sources", [])
+            ]
+        elif isinstance(stage, FormatStage):
             info.datasets.append(
                 {
-                    "name": f"{stage.dataset} ({sid})",
+                    "name": f"{stage.dataset_names[0]} ({sid})",
                     "path": m.info.get("path", ""),
                     "fingerprint": m.info.get("fingerprint", ""),
                     "hub": m.info.get("hub", False),
