@@ -41,7 +41,9 @@ SOURCE = "_source"
 class RowError(ValueError):
     """A row that cannot be formatted; `source` names the dataset of a mixture it came from."""
 
-    source: str | None = None
+    def __init__(self, message: str, source: str | None = None):
+        super().__init__(message)
+        self.source = source
 
 
 class LabelError(RowError):
@@ -52,8 +54,10 @@ class MissingColumnError(RowError):
     """A row without a value its format needs (`datasets` gives null where a row of a JSON-lines file lacks a field)."""
 
     def __init__(self, row: int, column: str, columns: list[str], source: str | None = None):
-        self.row, self.column, self.columns, self.source = row, column, columns, source
-        super().__init__(f"row {row} has no {column!r} (its columns with a value: {', '.join(columns) or 'none'})")
+        self.row, self.column, self.columns = row, column, columns
+        super().__init__(
+            f"row {row} has no {column!r} (its columns with a value: {', '.join(columns) or 'none'})", source
+        )
 
 
 def implicit_prompt(row: dict) -> dict:
@@ -87,11 +91,10 @@ def unpair(rows: list[dict]) -> list[dict]:
             out.append({**rest, "completion": row["rejected"], "label": False})
             continue
         if not isinstance(row.get("label"), bool):
-            error = LabelError(
-                f"row {i} has label {row.get('label')!r} ({type(row.get('label')).__name__}), not true/false"
+            raise LabelError(
+                f"row {i} has label {row.get('label')!r} ({type(row.get('label')).__name__}), not true/false",
+                row.get(SOURCE),
             )
-            error.source = row.get(SOURCE)
-            raise error
         out.append(row)
     return out
 
@@ -360,9 +363,7 @@ def format_rows(
         try:
             out.append(to_format(row, fmt, renderer))
         except ConversationError as e:
-            error = ConversationError(f"row {i}: {e}")
-            error.source = row.get(SOURCE)
-            raise error from None
+            raise ConversationError(f"row {i}: {e}", row.get(SOURCE)) from None
         except KeyError as e:
             valued = [k for k, v in row.items() if v is not None and k != SOURCE]
             raise MissingColumnError(i, str(e.args[0]), valued, row.get(SOURCE)) from None

@@ -94,19 +94,13 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
         "dropped_identical_pair": stats.dropped_identical_pair,
     }
     mixed = len(names) > 1
-    # each dataset read, with its formatted rows ([train, eval]): a mixture's metrics and the model card's data table
-    sources = [
-        {
-            "name": name,
-            "path": spec.path,
-            "hub": source_type(spec.path, spec.type) == "hub",
-            "rows": stats.rows_by_source.get(name, [0, 0]) if mixed else [stats.rows_train, stats.rows_eval],
-        }
-        for name, spec in specs.items()
-    ]
-    for name in names if mixed else ():
-        train_rows, eval_rows = stats.rows_by_source.get(name, [0, 0])  # none: every row of it was dropped
-        metrics |= {f"rows_train/{_metric_name(name)}": train_rows, f"rows_eval/{_metric_name(name)}": eval_rows}
+    # each dataset's formatted rows, [train, eval] (a mixture's dataset none: every row of it was dropped)
+    rows_of = {
+        name: stats.rows_by_source.get(name, [0, 0]) if mixed else [stats.rows_train, stats.rows_eval] for name in names
+    }
+    if mixed:
+        for name, (train_rows, eval_rows) in rows_of.items():
+            metrics |= {f"rows_train/{_metric_name(name)}": train_rows, f"rows_eval/{_metric_name(name)}": eval_rows}
     dumps = {name: spec.model_dump(mode="json") for name, spec in specs.items()}
     ctx.tracker.log_params(
         {
@@ -125,9 +119,16 @@ def run(ctx: StageContext[FormatStage]) -> StageResult:
             "fingerprint": stats.fingerprint,
             "format": s.format,
             "dataset": names if mixed else names[0],
-            "sources": sources,
-            # one dataset's, as manifests had them before mixtures (the model card of a cached stage reads them)
-            **({} if mixed else {"path": sources[0]["path"], "hub": sources[0]["hub"]}),
+            # each dataset read, for the model card's data table
+            "sources": [
+                {
+                    "name": name,
+                    "path": spec.path,
+                    "hub": source_type(spec.path, spec.type) == "hub",
+                    "rows": rows_of[name],
+                }
+                for name, spec in specs.items()
+            ],
         },
     )
 

@@ -43,30 +43,20 @@ def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
     )
     for sid, m in ctx.inputs.items():
         stage = recipe.stage(sid)
-        if isinstance(stage, FormatStage) and len(stage.dataset_names) > 1:
-            # a mixture: a row per dataset, with the formatted rows it gave; the fingerprint is the mixture's
+        if isinstance(stage, FormatStage):
+            # a row per dataset read, with the formatted rows it gave; a mixture's share its fingerprint
+            mixed = ", mixed" if len(stage.dataset_names) > 1 else ""
             info.datasets += [
                 {
-                    "name": f"{source['name']} ({sid}, mixed)",
+                    "name": f"{source['name']} ({sid}{mixed})",
                     "path": source["path"],
                     "fingerprint": m.info.get("fingerprint", ""),
                     "hub": source["hub"],
                     "rows_train": source["rows"][0],
                     "rows_eval": source["rows"][1],
                 }
-                for source in m.info.get("sources", [])
+                for source in m.info.get("sources") or [_single_source(stage, m)]
             ]
-        elif isinstance(stage, FormatStage):
-            info.datasets.append(
-                {
-                    "name": f"{stage.dataset_names[0]} ({sid})",
-                    "path": m.info.get("path", ""),
-                    "fingerprint": m.info.get("fingerprint", ""),
-                    "hub": m.info.get("hub", False),
-                    "rows_train": int(m.metrics.get("rows_train", 0)),
-                    "rows_eval": int(m.metrics.get("rows_eval", 0)),
-                }
-            )
         elif isinstance(stage, JudgeStage):
             info.win_rates += m.info.get("win_rates", [])
         else:
@@ -74,6 +64,17 @@ def card_info(ctx: StageContext[PushStage], adapter: bool) -> CardInfo:
             info.stages.append({"id": sid, "kind": stage.kind, "hyperparameters": hp, "metrics": m.metrics})
             info.tags.append(stage.kind)
     return info
+
+
+def _single_source(stage: FormatStage, m) -> dict:
+    """The one dataset of a format stage whose manifest predates `sources` (written before mixtures, still cached)."""
+    rows = [int(m.metrics.get("rows_train", 0)), int(m.metrics.get("rows_eval", 0))]
+    return {
+        "name": stage.dataset_names[0],
+        "path": m.info.get("path", ""),
+        "hub": m.info.get("hub", False),
+        "rows": rows,
+    }
 
 
 def register(ctx: StageContext[PushStage], spec, published: str, full_model: Path) -> str:
